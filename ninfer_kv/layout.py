@@ -1,0 +1,258 @@
+"""PagedKVStorageLayout: a profile's plane schema expanded per layer into a typed plane inventory.
+
+The layout is the single builder of a pool's buffers: ``allocate`` creates the device planes, and
+every byte count (``page_bytes``, ``buffer_bytes``, ``memory_summary``, the capacity curve of
+:mod:`ninfer_kv.planning`, Host extents) is read from the same inventory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .geometry import PAGE_SIZE, KVPageGeometry, PlaneOrder
+from .profiles import KVProfile, PlaneSpec
+
+__all__ = ["PlaneInventoryEntry", "PlaneMemory", "PoolMemorySummary", "PagedKVStorageLayout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaneInventoryEntry:
+    """One (layer, plane) of a pool with its plane ordinal.
+
+    Ordinals run layer-major: layer 0's planes in schema order, then layer 1's, and so on.
+    ``bytes_per_token`` covers all KV heads of that layer plane.
+    """
+
+    ordinal: int
+    layer: int
+    plane: PlaneSpec
+    bytes_per_token: int
+
+    @property
+    def name(self) -> str:
+        return self.plane.name
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaneMemory:
+    """Memory of one plane kind across all layers of a pool."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    bytes_per_token: int
+    page_bytes: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"shape": list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolMemorySummary:
+    """Bytes of a pool at ``num_pages`` physical pages, per plane and in total."""
+
+    pool: str
+    profile: str
+    order: str
+    num_pages: int
+    planes: tuple[PlaneMemory, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.bytes for p in self.planes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(p.bytes_per_token for p in self.planes)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(p.page_bytes for p in self.planes)
+
+    def to_json(self) -> dict:
+        return {
+            "pool": self.pool,
+            "profile": self.profile,
+            "order": self.order,
+            "num_pages": self.num_pages,
+            "bytes": self.bytes,
+            "bytes_per_token": self.bytes_per_token,
+            "page_bytes": self.page_bytes,
+            "planes": [p.to_json() for p in self.planes],
+        }
+
+
+def _positive_int(name: str, value) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= 1")
+    return int(value)
+
+
+class PagedKVStorageLayout:
+    """Typed plane layout of one growing pool.
+
+    Args:
+      profile: a :class:`KVProfile` or its CLI name.
+      num_layers: layers whose planes this pool stacks.
+      num_kv_heads: KV heads H.
+      head_dim: head dim D (checked against the profile).
+      order: ``"page-major"`` (Main, MTP) or ``"head-major"`` (Draft Full).
+      page_size: must be 64.
+
+    ``allocate(num_pages)`` returns the device planes keyed ``k``, ``v`` and, where the profile has
+    them, ``k_scale`` and ``v_scale``; each has shape ``(num_layers, N, H, P, X)`` (page-major) or
+    ``(num_layers, H, N, P, X)`` (head-major).
+    """
+
+    def __init__(
+        self,
+        profile: "KVProfile | str",
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        order: "PlaneOrder | str" = "page-major",
+        page_size: int = PAGE_SIZE,
+    ):
+        self.profile = KVProfile.parse(profile)
+        self.num_layers = _positive_int("num_layers", num_layers)
+        self.geometry = KVPageGeometry(
+            num_kv_heads=_positive_int("num_kv_heads", num_kv_heads),
+            head_dim=_positive_int("head_dim", head_dim),
+            order=PlaneOrder.parse(order),
+            page_size=page_size,
+        )
+        self.planes: tuple[PlaneSpec, ...] = self.profile.planes(self.head_dim)
+        inventory = []
+        for layer in range(self.num_layers):
+            for spec in self.planes:
+                inventory.append(
+                    PlaneInventoryEntry(
+                        ordinal=len(inventory),
+                        layer=layer,
+                        plane=spec,
+                        bytes_per_token=spec.token_head_bytes * self.num_kv_heads,
+                    )
+                )
+        self.inventory: tuple[PlaneInventoryEntry, ...] = tuple(inventory)
+
+    # -- geometry ---------------------------------------------------------------------------------
+    @property
+    def order(self) -> PlaneOrder:
+        return self.geometry.order
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.geometry.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.geometry.head_dim
+
+    @property
+    def page_size(self) -> int:
+        return self.geometry.page_size
+
+    @property
+    def plane_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.planes)
+
+    def plane(self, name: str) -> PlaneSpec:
+        for p in self.planes:
+            if p.name == name:
+                return p
+        raise KeyError(f"profile {self.profile.value} has no plane {name!r}; planes: {', '.join(self.plane_names)}")
+
+    # -- bytes --------------------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token across every layer, head and plane of the pool."""
+        return sum(e.bytes_per_token for e in self.inventory)
+
+    @property
+    def page_bytes(self) -> int:
+        """PageBytes = sum over the inventory of plane bytes per token * P."""
+        return sum(e.bytes_per_token * self.page_size for e in self.inventory)
+
+    def plane_page_bytes(self, name: str) -> int:
+        """Bytes of one page group in plane ``name`` across all layers."""
+        return sum(e.bytes_per_token * self.page_size for e in self.inventory if e.name == name)
+
+    # -- buffers ------------------------------------------------------------------------------------
+    def plane_shape(self, name: str, num_pages: int) -> tuple[int, ...]:
+        spec = self.plane(name)
+        return self.order.stacked_shape(self.num_layers, num_pages, self.num_kv_heads, self.page_size, spec.extent)
+
+    def plane_shapes(self, num_pages: int) -> dict[str, tuple[int, ...]]:
+        return {p.name: self.plane_shape(p.name, num_pages) for p in self.planes}
+
+    def plane_dtypes(self) -> dict[str, np.dtype]:
+        return {p.name: p.dtype for p in self.planes}
+
+    def buffer_bytes(self, num_pages: int) -> int:
+        """Bytes of the buffers ``allocate(num_pages)`` creates (from the same shapes)."""
+        _positive_int("num_pages", num_pages)
+        return sum(int(np.prod(self.plane_shape(p.name, num_pages))) * p.dtype.itemsize for p in self.planes)
+
+    def allocate(self, num_pages: int, *, device=None, fill=None) -> dict[str, jax.Array]:
+        """Allocate the stacked device planes for ``num_pages`` physical page groups.
+
+        Args:
+          num_pages: physical page-group count N of the pool.
+          device: optional ``jax.Device`` or sharding to place the planes on.
+          fill: optional fill value (default zeros). A float fill such as ``nan`` is applied to float
+            planes only; integer planes stay zero.
+        """
+        num_pages = _positive_int("num_pages", num_pages)
+        out = {}
+        for p in self.planes:
+            shape = self.plane_shape(p.name, num_pages)
+            value = 0
+            if fill is not None and (jnp.issubdtype(p.dtype, jnp.floating) or not np.isnan(fill)):
+                value = fill
+            arr = jnp.full(shape, value, dtype=p.dtype)
+            if device is not None:
+                arr = jax.device_put(arr, device)
+            out[p.name] = arr
+        return out
+
+    def memory_summary(self, num_pages: int, pool: str = "main") -> PoolMemorySummary:
+        """Per-plane bytes of the pool at ``num_pages`` pages, derived from the inventory."""
+        num_pages = _positive_int("num_pages", num_pages)
+        planes = []
+        for p in self.planes:
+            entries = [e for e in self.inventory if e.name == p.name]
+            per_token = sum(e.bytes_per_token for e in entries)
+            planes.append(
+                PlaneMemory(
+                    name=p.name,
+                    dtype=p.dtype_name,
+                    shape=self.plane_shape(p.name, num_pages),
+                    bytes=per_token * self.page_size * num_pages,
+                    bytes_per_token=per_token,
+                    page_bytes=per_token * self.page_size,
+                )
+            )
+        return PoolMemorySummary(
+            pool=pool, profile=self.profile.value, order=self.order.value, num_pages=num_pages, planes=tuple(planes)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVStorageLayout(profile={self.profile.value!r}, num_layers={self.num_layers}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, order={self.order.value!r}, "
+            f"page_size={self.page_size})"
+        )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PagedKVStorageLayout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self):
+        return (self.profile, self.num_layers, self.num_kv_heads, self.head_dim, self.order, self.page_size)

@@ -1,0 +1,437 @@
+"""Startup planning: pool set, capacity policies and the affine SequenceCapacityCurve.
+
+Notation (DESIGN.md section 4): ``S`` = max_context, ``C`` = max_concurrency, ``P = 64``,
+``L = ceil(S / P)``, ``M`` = Main page groups.
+
+* ``M_min = max(L, C)``, ``M_max = C * L``.
+* Explicit policy (``kv_capacity`` tokens ``K``): ``M = ceil(K / P)``, with ``K >= S`` and
+  ``M_min <= M <= M_max``.
+* Automatic policy (free bytes ``F``, headroom ``R``):
+  ``M = min(M_max, M_min + floor((F - R - B_min) / B_step))``, requiring ``F >= R + B_min``.
+* ``B(M) = B_min + (M - M_min) * B_step``: every pool's page bytes + every pool's block table
+  (``C * L * 4`` bytes) + a caller-supplied fixed part.
+* Backend pages: MTP ``M + C * ceil((K_draft - 1) / P)``; Draft Full ``M``.
+
+:class:`KVPoolSetLayout` is the one builder: it gives each pool's :class:`PagedKVStorageLayout`
+and page count for any ``M``, allocates the real buffers, and is what the curve is computed from
+and verified against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import numpy as np
+
+from .geometry import PAGE_SIZE, PlaneOrder, ceil_div
+from .layout import PagedKVStorageLayout
+from .profiles import KVProfile
+
+__all__ = [
+    "SpeculativeBackend",
+    "SpeculativeConfig",
+    "PoolKind",
+    "ModelKVConfig",
+    "PoolPlan",
+    "ExplicitCapacity",
+    "AutomaticCapacity",
+    "SequenceCapacityCurve",
+    "KVPoolSetLayout",
+    "KVPlan",
+    "plan_kv_cache",
+    "TABLE_ENTRY_BYTES",
+]
+
+TABLE_ENTRY_BYTES = 4  # int32 block-table entries
+
+
+def _int_at_least(name: str, value, minimum: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
+    return int(value)
+
+
+class SpeculativeBackend(enum.Enum):
+    """Speculative backends; mutually exclusive within one engine."""
+
+    OFF = "off"
+    MTP = "mtp"
+    DFLASH = "dflash"
+    DFLASH2 = "dflash2"
+
+    @classmethod
+    def parse(cls, name: "str | SpeculativeBackend") -> "SpeculativeBackend":
+        if isinstance(name, SpeculativeBackend):
+            return name
+        if isinstance(name, str):
+            for member in cls:
+                if name.strip().lower() == member.value:
+                    return member
+        raise ValueError(f"unknown speculative backend {name!r}; allowed: off, mtp, dflash, dflash2")
+
+
+class PoolKind(enum.Enum):
+    """The growing pools of the contract."""
+
+    MAIN = "main"
+    MTP = "mtp"
+    DRAFT_FULL = "draft_full"
+
+    @classmethod
+    def parse(cls, name: "str | PoolKind") -> "PoolKind":
+        if isinstance(name, PoolKind):
+            return name
+        for member in cls:
+            if name == member.value:
+                return member
+        raise ValueError(f"unknown pool {name!r}; allowed: main, mtp, draft_full")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """The selected speculative backend and the KV geometry it implies.
+
+    Attributes:
+      backend: off, MTP, DFlash or DFlash2.
+      draft_window: MTP draft window K (>= 1); the MTP pool may lead Main by up to K - 1 tokens.
+      mtp_layers: MTP layers with persistent KV (>= 1).
+      draft_full_layers: DFlash/DFlash2 draft full-attention layers (0: no Draft Full pool).
+      draft_kv_heads, draft_head_dim: Draft Full geometry (default: the Main model's).
+    """
+
+    backend: SpeculativeBackend = SpeculativeBackend.OFF
+    draft_window: int = 1
+    mtp_layers: int = 1
+    draft_full_layers: int = 0
+    draft_kv_heads: int | None = None
+    draft_head_dim: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "backend", SpeculativeBackend.parse(self.backend))
+        _int_at_least("draft_window", self.draft_window, 1)
+        _int_at_least("mtp_layers", self.mtp_layers, 1)
+        _int_at_least("draft_full_layers", self.draft_full_layers, 0)
+        if self.draft_kv_heads is not None:
+            _int_at_least("draft_kv_heads", self.draft_kv_heads, 1)
+        if self.draft_head_dim is not None:
+            _int_at_least("draft_head_dim", self.draft_head_dim, 1)
+
+    @property
+    def has_draft_full(self) -> bool:
+        return self.backend in (SpeculativeBackend.DFLASH, SpeculativeBackend.DFLASH2) and self.draft_full_layers > 0
+
+    def pool_kinds(self) -> tuple[PoolKind, ...]:
+        kinds = [PoolKind.MAIN]
+        if self.backend is SpeculativeBackend.MTP:
+            kinds.append(PoolKind.MTP)
+        elif self.has_draft_full:
+            kinds.append(PoolKind.DRAFT_FULL)
+        return tuple(kinds)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelKVConfig:
+    """The target model's full-attention KV geometry and the selected closed profile."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    profile: KVProfile = KVProfile.BF16
+
+    def __post_init__(self):
+        object.__setattr__(self, "profile", KVProfile.parse(self.profile))
+        _int_at_least("num_layers", self.num_layers, 1)
+        _int_at_least("num_kv_heads", self.num_kv_heads, 1)
+        _int_at_least("head_dim", self.head_dim, 1)
+        self.profile.check_head_dim(self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """One pool of a plan at a concrete ``M``."""
+
+    kind: PoolKind
+    layout: PagedKVStorageLayout
+    physical_pages: int
+    logical_pages: int
+    max_concurrency: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.page_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self.layout.buffer_bytes(self.physical_pages)
+
+    @property
+    def table_shape(self) -> tuple[int, int]:
+        return (self.max_concurrency, self.logical_pages)
+
+    @property
+    def table_bytes(self) -> int:
+        return self.max_concurrency * self.logical_pages * TABLE_ENTRY_BYTES
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        return {
+            "profile": lay.profile.value,
+            "order": lay.order.value,
+            "layers": lay.num_layers,
+            "kv_heads": lay.num_kv_heads,
+            "head_dim": lay.head_dim,
+            "physical_pages": self.physical_pages,
+            "page_bytes": self.page_bytes,
+            "bytes": self.bytes,
+            "table_bytes": self.table_bytes,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplicitCapacity:
+    """Explicit ``kv_capacity`` policy: Main capacity in tokens."""
+
+    kv_capacity: int
+
+    def __post_init__(self):
+        _int_at_least("kv_capacity", self.kv_capacity, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutomaticCapacity:
+    """Automatic policy: free device bytes ``F`` after weights, minus headroom ``R``."""
+
+    free_bytes: int
+    headroom_bytes: int = 0
+
+    def __post_init__(self):
+        _int_at_least("free_bytes", self.free_bytes, 0)
+        _int_at_least("headroom_bytes", self.headroom_bytes, 0)
+
+    @classmethod
+    def from_device(cls, device=None, headroom_bytes: int = 0) -> "AutomaticCapacity":
+        """Read F from ``device.memory_stats()`` (GPU). On CPU the caller must pass F explicitly."""
+        device = device or jax.devices()[0]
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(
+                f"device {device} reports no memory_stats(); pass AutomaticCapacity(free_bytes=...) explicitly"
+            )
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return cls(free_bytes=max(free, 0), headroom_bytes=headroom_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceCapacityCurve:
+    """Affine ``B(M) = b_min + (M - m_min) * b_step`` on ``[m_min, m_max]``."""
+
+    m_min: int
+    m_max: int
+    b_min: int
+    b_step: int
+
+    def bytes_at(self, m: int) -> int:
+        if not self.m_min <= m <= self.m_max:
+            raise ValueError(f"M={m} is outside the curve's range [{self.m_min}, {self.m_max}]")
+        return self.b_min + (m - self.m_min) * self.b_step
+
+    def to_json(self) -> dict:
+        return {"b_min": self.b_min, "b_step": self.b_step}
+
+
+class KVPoolSetLayout:
+    """The production layout builder for a model, a speculative backend and (S, C).
+
+    It is the single source of every pool's layout and page count as a function of ``M``; the
+    capacity curve is computed from it and verified against it, and ``allocate`` builds the real
+    device buffers from the same layouts.
+    """
+
+    def __init__(
+        self,
+        model: ModelKVConfig,
+        max_context: int,
+        max_concurrency: int,
+        speculative: SpeculativeConfig | None = None,
+        fixed_bytes: int = 0,
+    ):
+        self.model = model
+        self.max_context = _int_at_least("max_context", max_context, 1)
+        self.max_concurrency = _int_at_least("max_concurrency", max_concurrency, 1)
+        self.speculative = speculative or SpeculativeConfig()
+        self.fixed_bytes = _int_at_least("fixed_bytes", fixed_bytes, 0)
+        self.page_size = PAGE_SIZE
+        self.logical_pages = ceil_div(self.max_context, PAGE_SIZE)
+        self.m_min = max(self.logical_pages, self.max_concurrency)
+        self.m_max = self.max_concurrency * self.logical_pages
+        spec = self.speculative
+        self.layouts: dict[PoolKind, PagedKVStorageLayout] = {
+            PoolKind.MAIN: PagedKVStorageLayout(model.profile, model.num_layers, model.num_kv_heads, model.head_dim)
+        }
+        if PoolKind.MTP in spec.pool_kinds():
+            self.layouts[PoolKind.MTP] = PagedKVStorageLayout(
+                model.profile, spec.mtp_layers, model.num_kv_heads, model.head_dim
+            )
+        if PoolKind.DRAFT_FULL in spec.pool_kinds():
+            self.layouts[PoolKind.DRAFT_FULL] = PagedKVStorageLayout(
+                KVProfile.BF16,
+                spec.draft_full_layers,
+                spec.draft_kv_heads or model.num_kv_heads,
+                spec.draft_head_dim or model.head_dim,
+                order=PlaneOrder.HEAD_MAJOR,
+            )
+
+    @property
+    def pool_kinds(self) -> tuple[PoolKind, ...]:
+        return tuple(self.layouts)
+
+    def _check_m(self, m: int) -> int:
+        m = _int_at_least("M", m, 1)
+        if not self.m_min <= m <= self.m_max:
+            raise ValueError(f"M={m} Main page groups is outside [{self.m_min}, {self.m_max}]")
+        return m
+
+    def physical_pages(self, kind: PoolKind, m: int) -> int:
+        """Physical page groups of pool ``kind`` at Main capacity ``M``."""
+        if kind is PoolKind.MAIN or kind is PoolKind.DRAFT_FULL:
+            return m
+        lead = ceil_div(self.speculative.draft_window - 1, PAGE_SIZE)
+        return m + self.max_concurrency * lead
+
+    def pools(self, m: int) -> dict[PoolKind, PoolPlan]:
+        m = self._check_m(m)
+        return {
+            kind: PoolPlan(kind, layout, self.physical_pages(kind, m), self.logical_pages, self.max_concurrency)
+            for kind, layout in self.layouts.items()
+        }
+
+    def device_bytes(self, m: int) -> int:
+        """B(M): every pool's buffers + every pool's block table + the fixed part."""
+        return sum(p.bytes + p.table_bytes for p in self.pools(m).values()) + self.fixed_bytes
+
+    def curve(self) -> SequenceCapacityCurve:
+        """The affine curve, computed from two points of the builder and verified at a third."""
+        b_min = self.device_bytes(self.m_min)
+        if self.m_max == self.m_min:
+            b_step = sum(p.page_bytes for p in self.pools(self.m_min).values())
+        else:
+            b_step = self.device_bytes(self.m_min + 1) - b_min
+        curve = SequenceCapacityCurve(self.m_min, self.m_max, b_min, b_step)
+        self.verify_curve(curve, [self.m_max])
+        return curve
+
+    def verify_curve(self, curve: SequenceCapacityCurve, ms) -> None:
+        """Check ``curve.bytes_at(M) == device_bytes(M)`` at every ``M`` in ``ms``."""
+        for m in ms:
+            expect = self.device_bytes(m)
+            got = curve.bytes_at(m)
+            if got != expect:
+                raise AssertionError(f"capacity curve mismatch at M={m}: curve {got} B, layout builder {expect} B")
+
+    def allocate(self, m: int, *, device=None) -> dict[PoolKind, dict[str, jax.Array]]:
+        """Allocate every pool's device planes at ``M`` (block tables are owned by the store)."""
+        return {kind: p.layout.allocate(p.physical_pages, device=device) for kind, p in self.pools(m).items()}
+
+    def allocated_bytes(self, m: int) -> int:
+        """Bytes of really allocated planes plus tables and fixed part (for curve verification)."""
+        total = 0
+        for kind, planes in self.allocate(m).items():
+            total += sum(int(a.nbytes) for a in planes.values())
+            del planes
+        total += sum(p.table_bytes for p in self.pools(m).values())
+        return total + self.fixed_bytes
+
+    # -- capacity policies ----------------------------------------------------------------------
+    def resolve(self, policy: "ExplicitCapacity | AutomaticCapacity") -> int:
+        """Resolve a capacity policy to ``M`` with the exact formulas of the contract."""
+        P = PAGE_SIZE
+        if isinstance(policy, ExplicitCapacity):
+            k = policy.kv_capacity
+            lo_tokens = max(self.max_context, (self.m_min - 1) * P + 1)
+            hi_tokens = self.m_max * P
+            m = ceil_div(k, P)
+            if k < self.max_context or not self.m_min <= m <= self.m_max:
+                raise ValueError(
+                    f"kv_capacity={k} tokens is outside the allowed range [{lo_tokens}, {hi_tokens}] tokens "
+                    f"(max_context={self.max_context}, M_min={self.m_min}, M_max={self.m_max} pages of {P})"
+                )
+            return m
+        if isinstance(policy, AutomaticCapacity):
+            curve = self.curve()
+            need = policy.headroom_bytes + curve.b_min
+            if policy.free_bytes < need:
+                raise ValueError(
+                    f"free_bytes={policy.free_bytes} is too small: it must be >= headroom_bytes + B_min = "
+                    f"{policy.headroom_bytes} + {curve.b_min} = {need} bytes"
+                )
+            if self.m_min == self.m_max:
+                return self.m_min
+            extra = (policy.free_bytes - policy.headroom_bytes - curve.b_min) // curve.b_step
+            return min(self.m_max, self.m_min + extra)
+        raise TypeError(f"policy must be ExplicitCapacity or AutomaticCapacity, got {type(policy).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    """A resolved plan: ``M``, every pool at ``M``, and the capacity curve."""
+
+    builder: KVPoolSetLayout
+    m: int
+    pools: dict[PoolKind, PoolPlan]
+    curve: SequenceCapacityCurve
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Published Main capacity ``M * P`` (never raises the per-sequence ceiling S)."""
+        return self.m * PAGE_SIZE
+
+    @property
+    def device_bytes(self) -> int:
+        return self.curve.bytes_at(self.m)
+
+    @property
+    def max_context(self) -> int:
+        return self.builder.max_context
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.builder.max_concurrency
+
+    @property
+    def logical_pages(self) -> int:
+        return self.builder.logical_pages
+
+    def to_json(self) -> dict:
+        b = self.builder
+        return {
+            "page_size": PAGE_SIZE,
+            "max_context": b.max_context,
+            "max_concurrency": b.max_concurrency,
+            "backend": b.speculative.backend.value,
+            "logical_pages": b.logical_pages,
+            "m_min": b.m_min,
+            "m_max": b.m_max,
+            "main_pages": self.m,
+            "capacity_tokens": self.capacity_tokens,
+            "pools": {k.value: p.to_json() for k, p in self.pools.items()},
+            "curve": self.curve.to_json(),
+            "fixed_bytes": b.fixed_bytes,
+            "device_bytes": self.device_bytes,
+        }
+
+
+def plan_kv_cache(
+    model: ModelKVConfig,
+    *,
+    max_context: int,
+    max_concurrency: int,
+    policy: "ExplicitCapacity | AutomaticCapacity",
+    speculative: SpeculativeConfig | None = None,
+    fixed_bytes: int = 0,
+) -> KVPlan:
+    """Resolve ``policy`` to a :class:`KVPlan` for ``model`` under (S, C) and the backend."""
+    builder = KVPoolSetLayout(model, max_context, max_concurrency, speculative, fixed_bytes)
+    m = builder.resolve(policy)
+    return KVPlan(builder=builder, m=m, pools=builder.pools(m), curve=builder.curve())

@@ -1,0 +1,233 @@
+"""Closed KV profiles: the persistent codec of each growing pool.
+
+A profile resolves, for a head dim ``D``, into a *plane schema*: the typed K/V data and scale planes
+of one (token, head), each with its dtype, leading extent ``X`` and quantization group.  Every byte
+count in the package (page bytes, capacity curves, Host extents, memory summaries) is derived from
+this schema, never from ``2 * vector_bytes``.
+
+Five profiles are closed; there is no runtime bit-width combination:
+
+============================  =============================  ==============================
+profile (CLI name)            K planes                       V planes
+============================  =============================  ==============================
+BF16 (``bf16``)               k: bf16 X=D                    v: bf16 X=D
+INT8_G64 (``int8-g64``)       k: int8 X=D, k_scale: bf16 D/64  v: int8 X=D, v_scale: bf16 D/64
+FP8_E4M3FN_ROW256             k: e4m3fn X=D, k_scale: bf16 1   v: e4m3fn X=D, v_scale: bf16 1
+NVFP4_G16 (``nvfp4-g16``)     k: u8 X=D/2, k_scale: u8 D/16    v: u8 X=D/2, v_scale: u8 D/16
+K8V4 (``k8v4``)               K as FP8-E4M3FN-row            V as NVFP4-G16
+============================  =============================  ==============================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["KVCodec", "KVProfile", "PlaneSpec", "SUPPORTED_HEAD_DIMS_NOTE"]
+
+SUPPORTED_HEAD_DIMS_NOTE = (
+    "head_dim must be a positive integer; INT8-G64 needs a multiple of 64, NVFP4-G16 a multiple of 16"
+)
+
+
+class KVCodec(enum.Enum):
+    """The codec of one tensor (K or V) of a profile."""
+
+    BF16 = "bf16"
+    INT8_G64 = "int8-g64"
+    FP8_E4M3FN_ROW = "fp8-e4m3fn-row"
+    NVFP4_G16 = "nvfp4-g16"
+
+    @property
+    def code_dtype(self) -> np.dtype:
+        return {
+            KVCodec.BF16: np.dtype(ml_dtypes.bfloat16),
+            KVCodec.INT8_G64: np.dtype(np.int8),
+            KVCodec.FP8_E4M3FN_ROW: np.dtype(ml_dtypes.float8_e4m3fn),
+            KVCodec.NVFP4_G16: np.dtype(np.uint8),
+        }[self]
+
+    @property
+    def scale_dtype(self) -> np.dtype | None:
+        return {
+            KVCodec.BF16: None,
+            KVCodec.INT8_G64: np.dtype(ml_dtypes.bfloat16),
+            KVCodec.FP8_E4M3FN_ROW: np.dtype(ml_dtypes.bfloat16),
+            KVCodec.NVFP4_G16: np.dtype(np.uint8),
+        }[self]
+
+    @property
+    def has_scale(self) -> bool:
+        return self.scale_dtype is not None
+
+    @property
+    def pack(self) -> int:
+        """Logical elements stored per code element (2 for packed e2m1 nibbles)."""
+        return 2 if self is KVCodec.NVFP4_G16 else 1
+
+    def group_size(self, head_dim: int) -> int:
+        """Elements along D that share one scale (1 for BF16: no scale)."""
+        return {
+            KVCodec.BF16: 1,
+            KVCodec.INT8_G64: 64,
+            KVCodec.FP8_E4M3FN_ROW: head_dim,
+            KVCodec.NVFP4_G16: 16,
+        }[self]
+
+    def check_head_dim(self, head_dim: int, profile_name: str | None = None) -> None:
+        name = profile_name or self.value
+        if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool) or head_dim <= 0:
+            raise ValueError(f"profile {name}: head_dim={head_dim!r} is invalid; {SUPPORTED_HEAD_DIMS_NOTE}")
+        if self is KVCodec.INT8_G64 and head_dim % 64:
+            raise ValueError(
+                f"profile {name}: head_dim={head_dim} is not supported; INT8-G64 needs head_dim % 64 == 0 "
+                f"(64, 128, 192, 256, ...)"
+            )
+        if self is KVCodec.NVFP4_G16 and head_dim % 16:
+            raise ValueError(
+                f"profile {name}: head_dim={head_dim} is not supported; NVFP4-G16 needs head_dim % 16 == 0 "
+                f"(16, 32, ..., 128, ..., 256, ...)"
+            )
+
+    def planes(self, tensor: str, head_dim: int) -> tuple["PlaneSpec", ...]:
+        """The data plane and, when the codec has one, the scale plane of ``tensor`` ("k" or "v")."""
+        self.check_head_dim(head_dim)
+        group = self.group_size(head_dim)
+        out = [
+            PlaneSpec(
+                name=tensor,
+                tensor=tensor,
+                role="data",
+                codec=self,
+                dtype=self.code_dtype,
+                extent=head_dim // self.pack,
+                group=group,
+            )
+        ]
+        if self.has_scale:
+            out.append(
+                PlaneSpec(
+                    name=f"{tensor}_scale",
+                    tensor=tensor,
+                    role="scale",
+                    codec=self,
+                    dtype=self.scale_dtype,
+                    extent=head_dim // group,
+                    group=group,
+                )
+            )
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaneSpec:
+    """One typed plane of the schema, for one (token, head).
+
+    Attributes:
+      name: plane key, one of ``k``, ``k_scale``, ``v``, ``v_scale``.
+      tensor: ``k`` or ``v``.
+      role: ``data`` (codes) or ``scale``.
+      codec: the codec of ``tensor``.
+      dtype: storage dtype of one element of the plane.
+      extent: the leading extent ``X`` (elements per token-head).
+      group: elements along D covered by one scale (1 for BF16).
+    """
+
+    name: str
+    tensor: str
+    role: str
+    codec: KVCodec
+    dtype: np.dtype
+    extent: int
+    group: int
+
+    @property
+    def token_head_bytes(self) -> int:
+        return self.extent * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return self.dtype.name
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": self.dtype_name,
+            "extent": self.extent,
+            "group": self.group,
+            "bytes": self.token_head_bytes,
+        }
+
+
+class KVProfile(enum.Enum):
+    """The five closed KV profiles of Main Text and MTP pools (Draft Full is always BF16)."""
+
+    BF16 = "bf16"
+    INT8_G64 = "int8-g64"
+    FP8_E4M3FN_ROW256 = "fp8-e4m3fn-row256"
+    NVFP4_G16 = "nvfp4-g16"
+    K8V4 = "k8v4"
+
+    @classmethod
+    def parse(cls, name: "str | KVProfile") -> "KVProfile":
+        """Parse a CLI name (``bf16``, ``int8-g64``, ...) or an enum member name (``INT8_G64``)."""
+        if isinstance(name, KVProfile):
+            return name
+        if isinstance(name, str):
+            key = name.strip()
+            for member in cls:
+                if key.lower() == member.value or key.upper() == member.name:
+                    return member
+        allowed = ", ".join(m.value for m in cls)
+        raise ValueError(f"unknown KV profile {name!r}; allowed: {allowed}")
+
+    @property
+    def cli_name(self) -> str:
+        return self.value
+
+    @property
+    def k_codec(self) -> KVCodec:
+        return {
+            KVProfile.BF16: KVCodec.BF16,
+            KVProfile.INT8_G64: KVCodec.INT8_G64,
+            KVProfile.FP8_E4M3FN_ROW256: KVCodec.FP8_E4M3FN_ROW,
+            KVProfile.NVFP4_G16: KVCodec.NVFP4_G16,
+            KVProfile.K8V4: KVCodec.FP8_E4M3FN_ROW,
+        }[self]
+
+    @property
+    def v_codec(self) -> KVCodec:
+        return KVCodec.NVFP4_G16 if self is KVProfile.K8V4 else self.k_codec
+
+    def codec(self, tensor: str) -> KVCodec:
+        if tensor == "k":
+            return self.k_codec
+        if tensor == "v":
+            return self.v_codec
+        raise ValueError(f"tensor must be 'k' or 'v', got {tensor!r}")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ``ValueError`` naming the profile and D when this profile cannot store ``head_dim``."""
+        self.k_codec.check_head_dim(head_dim, self.value)
+        self.v_codec.check_head_dim(head_dim, self.value)
+
+    def planes(self, head_dim: int) -> tuple[PlaneSpec, ...]:
+        """The plane schema in ordinal order: ``k``, [``k_scale``], ``v``, [``v_scale``]."""
+        self.check_head_dim(head_dim)
+        return self.k_codec.planes("k", head_dim) + self.v_codec.planes("v", head_dim)
+
+    def plane_names(self) -> tuple[str, ...]:
+        names = ["k"] + (["k_scale"] if self.k_codec.has_scale else [])
+        names += ["v"] + (["v_scale"] if self.v_codec.has_scale else [])
+        return tuple(names)
+
+    def tensor_bytes(self, tensor: str, head_dim: int) -> int:
+        """Bytes of one (token, head) of K or V: code plus scale."""
+        return sum(p.token_head_bytes for p in self.planes(head_dim) if p.tensor == tensor)
+
+    def token_head_bytes(self, head_dim: int) -> int:
+        """Bytes of one (token, head) of K and V together."""
+        return sum(p.token_head_bytes for p in self.planes(head_dim))
