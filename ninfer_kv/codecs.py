@@ -1,0 +1,234 @@
+"""The closed KV codecs as jnp functions (usable inside ``jax.jit`` and inside Pallas kernels).
+
+Every function works on the last axis (``D`` for inputs, the plane extent ``X`` for codes and
+scales) and broadcasts over leading axes.  All arithmetic is float32; the rules are exactly those
+of DESIGN.md section 3:
+
+* BF16: ``code = bf16(x)`` (round to nearest even).
+* INT8-G64: per group of 64, ``s = bf16(amax / 127)``; ``code = int8(clip(rint(x / s), -127, 127))``.
+* FP8-E4M3FN-row: per (token, head) row, ``s = bf16(amax / 448)``; ``code = e4m3fn(clip(x / s, ±448))``.
+* NVFP4-G16: per group of 16, ``sb = e4m3fn(min(amax / 6, 448))`` stored as raw uint8 bits,
+  ``s = float(sb)``; ``code = e2m1(clip(x / s, ±6))`` (ties to the even code), element ``2j`` in the
+  low nibble of byte ``j``.
+* A zero scale stores codes 0.  Dequantize: ``x' = float(code) * s``.
+
+Only operations that the Pallas Triton lowering accepts are used on the element path (no
+``round``/``rint``, no 4-bit dtypes, no slicing of loaded values): rounding to nearest even is the
+float32 magic-number trick and e2m1 encoding is a sum of comparisons, so a kernel can call these
+helpers on its tiles and produce codes bit-identical to the reference on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .profiles import KVCodec, KVProfile
+
+__all__ = [
+    "round_half_even",
+    "e2m1_encode",
+    "e2m1_decode",
+    "quantize_bf16",
+    "quantize_int8_g64",
+    "quantize_fp8_row",
+    "quantize_nvfp4_g16",
+    "dequantize_bf16",
+    "dequantize_int8_g64",
+    "dequantize_fp8_row",
+    "dequantize_nvfp4_g16",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "quantize",
+    "dequantize",
+    "encode_kv",
+    "decode_kv",
+    "codec_roundtrip",
+]
+
+_F32 = jnp.float32
+INT8_QMAX = 127.0
+FP8_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+def round_half_even(y: jax.Array) -> jax.Array:
+    """Round float32 ``y`` (|y| < 2**31) to the nearest integer, ties to even, without ``rint``.
+
+    ``floor`` and the exact fraction ``y - floor(y)`` decide the rounding, so the result is
+    identical to ``numpy.rint`` and cannot be folded away by an algebraic simplifier (the usual
+    ``(y + 1.5 * 2**23) - 1.5 * 2**23`` trick can).
+    """
+    y = y.astype(_F32)
+    t = jnp.floor(y)
+    f = y - t
+    odd = (t.astype(jnp.int32) & 1) == 1
+    up = (f > 0.5) | ((f == 0.5) & odd)
+    return t + up.astype(_F32)
+
+
+def _group_amax(x: jax.Array, group: int) -> jax.Array:
+    """``max |x|`` over groups of ``group`` along the last axis: ``(..., D) -> (..., D // group)``."""
+    d = x.shape[-1]
+    g = jnp.abs(x).reshape(x.shape[:-1] + (d // group, group))
+    return jnp.max(g, axis=-1)
+
+
+def _expand(s: jax.Array, group: int) -> jax.Array:
+    """Repeat each scale ``group`` times along the last axis: ``(..., G) -> (..., G * group)``."""
+    return jnp.repeat(s, group, axis=-1, total_repeat_length=s.shape[-1] * group)
+
+
+def _safe_div(x: jax.Array, s_full: jax.Array) -> jax.Array:
+    """``x / s`` where ``s != 0``; 0 where ``s == 0`` (zero groups store codes 0)."""
+    nz = s_full != 0
+    return jnp.where(nz, x / jnp.where(nz, s_full, 1.0), 0.0)
+
+
+# -- e2m1 ------------------------------------------------------------------------------------------
+
+
+def e2m1_encode(y: jax.Array) -> jax.Array:
+    """float32 (already clipped to [-6, 6]) -> 4-bit e2m1 code in a uint8 (sign bit 8).
+
+    Round to nearest, ties to the even code, exactly as ``ml_dtypes.float4_e2m1fn`` converts:
+    magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are codes 0..7.  Negative zero keeps its sign bit.
+    """
+    y = y.astype(_F32)
+    a = jnp.abs(y)
+    m = (
+        (a > 0.25).astype(jnp.uint8)
+        + (a >= 0.75).astype(jnp.uint8)
+        + (a > 1.25).astype(jnp.uint8)
+        + (a >= 1.75).astype(jnp.uint8)
+        + (a > 2.5).astype(jnp.uint8)
+        + (a >= 3.5).astype(jnp.uint8)
+        + (a > 5.0).astype(jnp.uint8)
+    )
+    sign = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31).astype(jnp.uint8)
+    return m | (sign << 3)
+
+
+def e2m1_decode(code: jax.Array) -> jax.Array:
+    """4-bit e2m1 code (in the low nibble of a uint8/int) -> float32 value."""
+    c = code.astype(jnp.int32)
+    e = (c >> 1) & 3
+    mant = (c & 1).astype(_F32)
+    normal = (1.0 + 0.5 * mant) * jnp.left_shift(1, jnp.maximum(e - 1, 0)).astype(_F32)
+    mag = jnp.where(e == 0, 0.5 * mant, normal)
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """(..., D) uint8 nibbles -> (..., D // 2) bytes: element 2j low nibble, 2j+1 high nibble."""
+    pairs = codes.reshape(codes.shape[:-1] + (codes.shape[-1] // 2, 2))
+    return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """(..., D // 2) bytes -> (..., D) uint8 nibbles."""
+    p = packed.astype(jnp.uint8)
+    both = jnp.stack([p & 0xF, p >> 4], axis=-1)
+    return both.reshape(p.shape[:-1] + (p.shape[-1] * 2,))
+
+
+# -- quantize --------------------------------------------------------------------------------------
+
+
+def quantize_bf16(x: jax.Array) -> tuple[jax.Array, None]:
+    return x.astype(jnp.bfloat16), None
+
+
+def quantize_int8_g64(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(_F32)
+    s = (_group_amax(x, 64) / INT8_QMAX).astype(jnp.bfloat16)
+    y = _safe_div(x, _expand(s.astype(_F32), 64))
+    q = round_half_even(jnp.clip(y, -INT8_QMAX, INT8_QMAX))
+    return q.astype(jnp.int8), s
+
+
+def quantize_fp8_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(_F32)
+    s = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / FP8_MAX).astype(jnp.bfloat16)
+    y = _safe_div(x, s.astype(_F32))
+    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
+
+
+def quantize_nvfp4_g16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x = x.astype(_F32)
+    sb = jnp.minimum(_group_amax(x, 16) / E2M1_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    s_bits = jax.lax.bitcast_convert_type(sb, jnp.uint8)
+    y = _safe_div(x, _expand(sb.astype(_F32), 16))
+    codes = e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX))
+    codes = jnp.where(_expand(sb.astype(_F32), 16) != 0, codes, 0).astype(jnp.uint8)
+    return pack_nibbles(codes), s_bits
+
+
+# -- dequantize ------------------------------------------------------------------------------------
+
+
+def dequantize_bf16(code: jax.Array, scale=None) -> jax.Array:
+    return code.astype(_F32)
+
+
+def dequantize_int8_g64(code: jax.Array, scale: jax.Array) -> jax.Array:
+    return code.astype(_F32) * _expand(scale.astype(_F32), 64)
+
+
+def dequantize_fp8_row(code: jax.Array, scale: jax.Array) -> jax.Array:
+    return code.astype(_F32) * scale.astype(_F32)
+
+
+def dequantize_nvfp4_g16(code: jax.Array, scale: jax.Array) -> jax.Array:
+    s = jax.lax.bitcast_convert_type(scale.astype(jnp.uint8), jnp.float8_e4m3fn).astype(_F32)
+    return e2m1_decode(unpack_nibbles(code)) * _expand(s, 16)
+
+
+_QUANTIZE = {
+    KVCodec.BF16: quantize_bf16,
+    KVCodec.INT8_G64: quantize_int8_g64,
+    KVCodec.FP8_E4M3FN_ROW: quantize_fp8_row,
+    KVCodec.NVFP4_G16: quantize_nvfp4_g16,
+}
+_DEQUANTIZE = {
+    KVCodec.BF16: dequantize_bf16,
+    KVCodec.INT8_G64: dequantize_int8_g64,
+    KVCodec.FP8_E4M3FN_ROW: dequantize_fp8_row,
+    KVCodec.NVFP4_G16: dequantize_nvfp4_g16,
+}
+
+
+def quantize(codec: KVCodec, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Quantize ``x`` (..., D) with ``codec`` -> (code (..., X), scale (..., Xs) or None)."""
+    codec.check_head_dim(x.shape[-1])
+    return _QUANTIZE[codec](x)
+
+
+def dequantize(codec: KVCodec, code: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """Dequantize codes (and scales) of ``codec`` to float32 (..., D)."""
+    return _DEQUANTIZE[codec](code, scale)
+
+
+def encode_kv(profile: KVProfile, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:
+    """Quantize K and V (..., D) with ``profile`` into plane values keyed like the layout's planes."""
+    profile = KVProfile.parse(profile)
+    out = {}
+    for tensor, x in (("k", k), ("v", v)):
+        code, scale = quantize(profile.codec(tensor), x)
+        out[tensor] = code
+        if scale is not None:
+            out[f"{tensor}_scale"] = scale
+    return out
+
+
+def decode_kv(profile: KVProfile, planes: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Dequantize plane values (as produced by :func:`encode_kv`) to float32 K and V."""
+    profile = KVProfile.parse(profile)
+    k = dequantize(profile.k_codec, planes["k"], planes.get("k_scale"))
+    v = dequantize(profile.v_codec, planes["v"], planes.get("v_scale"))
+    return k, v
+
+
+def codec_roundtrip(profile: KVProfile, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 K, V after the profile's quantize + dequantize (what a consumer of the cache sees)."""
+    return decode_kv(profile, encode_kv(profile, k, v))

@@ -1,0 +1,207 @@
+"""float32 jnp reference implementations of the paged and cyclic ops (gather-based; for tests).
+
+Semantics (DESIGN.md section 6):
+
+* ``paged_append``: row ``b`` writes tokens ``t < valid[b]`` at logical positions
+  ``positions[b] + t``, quantized per the profile, into the page ``block_tables[table_rows[b],
+  pos >> 6]`` at column ``pos & 63`` of layer ``layer``.  Nothing else changes.
+* ``paged_attention``: query ``t`` of row ``b`` sits at ``positions[b] + t``; key ``j`` is visible iff
+  ``j <= positions[b] + t and j < kv_lens[b]``.  Scores ``sm_scale * q.k`` in float32 over the
+  dequantized keys, softmax in float32, output ``sum p_j v_j`` cast to ``q.dtype``; a query with no
+  visible key returns zeros.  Query head ``hq`` reads KV head ``hq // (Hq // H)``.
+* Cyclic ops: key ``j`` lives in ring slot ``j mod slots``; visible iff
+  ``positions[b] + t - window < j <= positions[b] + t`` and ``j < kv_lens[b]``.
+
+These functions gather whole table rows into contiguous float32 K/V: that is what makes them a
+reference and what the kernels must never do.  Unread pages and table entries may hold anything
+(NaN pages, out-of-range IDs): page IDs are clamped before the gather and invalid keys are zeroed
+before they meet a probability, so poison never leaks into a result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import codecs
+from ..geometry import PlaneOrder
+from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+
+__all__ = [
+    "paged_append_reference",
+    "paged_attention_reference",
+    "cyclic_append_reference",
+    "cyclic_attention_reference",
+    "attention_over_keys",
+]
+
+_F32 = jnp.float32
+
+
+def _layer_slice(plane: jax.Array, layer) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(plane, jnp.asarray(layer, jnp.int32), axis=0, keepdims=False)
+
+
+def attention_over_keys(
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, sm_scale: float
+) -> jax.Array:
+    """Masked GQA attention in float32.
+
+    Args:
+      q: ``(B, T, Hq, D)``.
+      k, v: float32 ``(B, H, J, D)``.
+      visible: bool ``(B, T, J)``.
+      sm_scale: score scale.
+    Returns: ``(B, T, Hq, D)`` float32; rows with no visible key are zero.
+    """
+    b, t, hq, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    qf = q.astype(_F32).reshape(b, t, h, g, d)
+    vis = visible[:, None, None, :, :]  # (B, 1, 1, T, J)
+    k = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], k, 0.0)
+    v = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], v, 0.0)
+    s = jnp.einsum("bthgd,bhjd->bhgtj", qf, k, precision=jax.lax.Precision.HIGHEST) * _F32(sm_scale)
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l > 0, l, 1.0)
+    o = jnp.einsum("bhgtj,bhjd->bthgd", p, v, precision=jax.lax.Precision.HIGHEST)
+    return o.reshape(b, t, hq, d)
+
+
+def _gather_rows(view: PagedKVBatchLayerView, table_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dequantized float32 K, V of every logical block of each row: ``(B, H, L * P, D)``."""
+    lay = view.layout
+    n = view.num_pages
+    pages = jnp.clip(view.block_tables[jnp.asarray(table_rows, jnp.int32)], 0, n - 1)  # (B, L)
+    gathered = {}
+    for name, plane in view.planes.items():
+        layer_plane = _layer_slice(plane, view.layer)
+        if lay.order is PlaneOrder.PAGE_MAJOR:  # (N, H, P, X)
+            x = layer_plane[pages]  # (B, L, H, P, X)
+        else:  # (H, N, P, X)
+            x = jnp.moveaxis(layer_plane[:, pages], 0, 2)  # (B, L, H, P, X)
+        bsz, nblk, h, p, ext = x.shape
+        gathered[name] = jnp.transpose(x, (0, 2, 1, 3, 4)).reshape(bsz, h, nblk * p, ext)
+    k, v = codecs.decode_kv(lay.profile, gathered)
+    return k, v
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    view: PagedKVBatchLayerView,
+    table_rows: jax.Array,
+    positions: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Reference paged attention; see the module docstring for the visibility rule."""
+    b, t, _, d = q.shape
+    sm_scale = (1.0 / d**0.5) if sm_scale is None else sm_scale
+    k, v = _gather_rows(view, table_rows)
+    j = jnp.arange(k.shape[2], dtype=jnp.int32)
+    qpos = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # (B, T)
+    visible = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < jnp.asarray(kv_lens, jnp.int32)[:, None, None])
+    return attention_over_keys(q, k, v, visible, sm_scale).astype(q.dtype)
+
+
+def _scatter_tokens(plane, layer, order: PlaneOrder, pages, offs, vals):
+    """Write ``vals (n, H, X)`` at (layer, pages[i], :, offs[i], :); out-of-range pages are dropped."""
+    layer = jnp.asarray(layer, jnp.int32)
+    if order is PlaneOrder.PAGE_MAJOR:
+        return plane.at[layer, pages, :, offs, :].set(vals.astype(plane.dtype), mode="drop")
+    return plane.at[layer, :, pages, offs, :].set(vals.astype(plane.dtype), mode="drop")
+
+
+def paged_append_reference(
+    view: PagedKVBatchLayerView,
+    table_rows: jax.Array,
+    positions: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    valid: jax.Array,
+) -> PagedKVBatchLayerView:
+    """Reference paged append; returns the view with the updated planes."""
+    lay = view.layout
+    b, t, h, d = k.shape
+    n = view.num_pages
+    p = lay.page_size
+    nblk = view.logical_pages
+    pos = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # (B, T)
+    write = jnp.arange(t, dtype=jnp.int32)[None, :] < jnp.asarray(valid, jnp.int32)[:, None]
+    block = pos // p
+    write = write & (block < nblk) & (pos >= 0)
+    rows = jnp.asarray(table_rows, jnp.int32)
+    pages = view.block_tables[rows[:, None], jnp.clip(block, 0, nblk - 1)]
+    pages = jnp.where(write, pages, n)  # n is out of range: dropped
+    offs = pos % p
+    enc = codecs.encode_kv(lay.profile, k, v)  # each (B, T, H, X)
+    new = {}
+    for name, plane in view.planes.items():
+        vals = enc[name].reshape((b * t,) + enc[name].shape[2:])
+        new[name] = _scatter_tokens(plane, view.layer, lay.order, pages.reshape(-1), offs.reshape(-1), vals)
+    return view.replace(planes=new)
+
+
+# -- cyclic ----------------------------------------------------------------------------------------
+
+
+def cyclic_append_reference(
+    view: CyclicKVCacheLayerView,
+    rows: jax.Array,
+    positions: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    valid: jax.Array,
+) -> CyclicKVCacheLayerView:
+    """Write tokens ``t < valid[b]`` of row ``rows[b]`` at ring slots ``(positions[b] + t) mod slots``."""
+    lay = view.layout
+    b, t, h, d = k.shape
+    pos = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    write = (jnp.arange(t, dtype=jnp.int32)[None, :] < jnp.asarray(valid, jnp.int32)[:, None]) & (pos >= 0)
+    # Only the last `slots` written tokens of a row survive; drop earlier ones so duplicates never race.
+    last = jnp.asarray(positions, jnp.int32)[:, None] + jnp.asarray(valid, jnp.int32)[:, None] - 1
+    write = write & (pos > last - lay.slots)
+    r = jnp.broadcast_to(jnp.asarray(rows, jnp.int32)[:, None], (b, t))
+    r = jnp.where(write, r, lay.rows)
+    slot = pos % lay.slots
+    enc = codecs.encode_kv(lay.profile, k, v)
+    new = {}
+    layer = jnp.asarray(view.layer, jnp.int32)
+    for name, plane in view.planes.items():
+        vals = enc[name].reshape((b * t,) + enc[name].shape[2:])
+        new[name] = plane.at[layer, r.reshape(-1), :, slot.reshape(-1), :].set(vals.astype(plane.dtype), mode="drop")
+    return view.replace(planes=new)
+
+
+def cyclic_attention_reference(
+    q: jax.Array,
+    view: CyclicKVCacheLayerView,
+    rows: jax.Array,
+    positions: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Reference windowed attention over ring buffers."""
+    lay = view.layout
+    b, t, _, d = q.shape
+    sm_scale = (1.0 / d**0.5) if sm_scale is None else sm_scale
+    rows = jnp.clip(jnp.asarray(rows, jnp.int32), 0, lay.rows - 1)
+    planes = {name: _layer_slice(plane, view.layer)[rows] for name, plane in view.planes.items()}  # (B, H, S, X)
+    k, v = codecs.decode_kv(lay.profile, planes)  # (B, H, slots, D)
+    # Key j of query (b, t) lives in slot j mod slots; enumerate the `slots` most recent positions.
+    qpos = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # (B, T)
+    top = jnp.asarray(positions, jnp.int32) + t - 1  # newest position any query of the row may see
+    jpos = top[:, None] - jnp.arange(lay.slots, dtype=jnp.int32)[None, :]  # (B, slots), newest first
+    slot = jnp.mod(jpos, lay.slots)
+    k = jnp.take_along_axis(k, slot[:, None, :, None], axis=2)
+    v = jnp.take_along_axis(v, slot[:, None, :, None], axis=2)
+    kl = jnp.asarray(kv_lens, jnp.int32)[:, None, None]
+    jp = jpos[:, None, :]
+    visible = (jp <= qpos[:, :, None]) & (jp > qpos[:, :, None] - lay.window) & (jp < kl) & (jp >= 0)
+    return attention_over_keys(q, k, v, visible, sm_scale).astype(q.dtype)

@@ -1,0 +1,272 @@
+"""Consumer views: JAX pytrees over a pool's stacked planes.
+
+Arrays are leaves; the layout (profile, order, page size, head dim, KV heads) is static metadata,
+so a view is a valid argument of a ``jax.jit`` function and its graph key never depends on page
+IDs, table contents or the layer index (a Python int layer becomes a traced scalar under jit).
+
+* :class:`PagedKVBatchLayerView` — the pool's stacked planes, the block-table matrix
+  ``int32 (C, L)`` and a layer index; ``table_rows int32 (B,)`` is a separate op input.
+* :class:`PagedKVLayerView` — one sequence: the stacked planes, one block-table row ``int32 (L,)``
+  and a layer index.
+* :class:`CyclicKVCacheLayerView` — per-row ring buffers (DFlash local window), no page IDs.
+
+A view holds no allocator handle, request identity, reservation, ownership or frontier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .layout import PagedKVStorageLayout
+from .profiles import KVProfile
+
+__all__ = ["PagedKVLayerView", "PagedKVBatchLayerView", "CyclicKVCacheLayerView", "CyclicKVLayout"]
+
+
+def _check_planes(planes: dict, expected_shapes: dict, dtypes: dict, what: str) -> None:
+    if set(planes) != set(expected_shapes):
+        raise ValueError(f"{what}: planes keyed {sorted(planes)}; the layout needs exactly {sorted(expected_shapes)}")
+    for name, arr in planes.items():
+        if not hasattr(arr, "shape"):
+            raise TypeError(f"{what}: plane {name!r} is {type(arr).__name__}, expected an array")
+        want_shape = expected_shapes[name]
+        if tuple(arr.shape) != tuple(want_shape):
+            raise ValueError(f"{what}: plane {name!r} has shape {tuple(arr.shape)}, expected {tuple(want_shape)}")
+        if np.dtype(arr.dtype) != np.dtype(dtypes[name]):
+            raise ValueError(f"{what}: plane {name!r} has dtype {np.dtype(arr.dtype).name}, expected {dtypes[name].name}")
+
+
+def _num_pages(planes: dict, layout: PagedKVStorageLayout) -> int:
+    k = planes.get("k")
+    if k is None or not hasattr(k, "shape"):
+        raise ValueError(f"planes must contain a 'k' array; got keys {sorted(planes)}")
+    if len(k.shape) != 5:
+        raise ValueError(f"plane 'k' must be stacked with a layer axis (5-D), got shape {tuple(k.shape)}")
+    return int(k.shape[layout.order.page_axis])
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_layer(layer, num_layers: int) -> None:
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+        if not 0 <= int(layer) < num_layers:
+            raise ValueError(f"layer={int(layer)} is out of range [0, {num_layers})")
+        return
+    if hasattr(layer, "shape") and hasattr(layer, "dtype"):
+        if tuple(layer.shape) != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+            raise ValueError(f"layer must be an int or an int32 scalar array, got shape {tuple(layer.shape)} {layer.dtype}")
+        if _is_concrete(layer):
+            v = int(np.asarray(layer))
+            if not 0 <= v < num_layers:
+                raise ValueError(f"layer={v} is out of range [0, {num_layers})")
+        return
+    raise TypeError(f"layer must be a Python int or an int32 scalar array, got {type(layer).__name__}")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class PagedKVBatchLayerView:
+    """Batched view of one layer of a pool: stacked planes + block tables ``int32 (C, L)`` + layer.
+
+    Args:
+      planes: the dict returned by ``layout.allocate(num_pages)`` (or the planes a step received).
+      block_tables: ``int32 (C, L)``; entry ``[r, b]`` is the physical page of logical block ``b`` of
+        the address space leased execution row ``r``.
+      layer: a Python int or a (traced) int32 scalar selecting the layer in the stacked planes.
+      layout: the pool's :class:`PagedKVStorageLayout` (static).
+    """
+
+    planes: dict
+    block_tables: jax.Array
+    layer: object
+    layout: PagedKVStorageLayout
+    validate: dataclasses.InitVar[bool] = True
+
+    def __post_init__(self, validate: bool):
+        if not isinstance(self.layout, PagedKVStorageLayout):
+            raise TypeError(f"layout must be a PagedKVStorageLayout, got {type(self.layout).__name__}")
+        if validate:
+            self.check()
+
+    def check(self) -> None:
+        """Host-side validation of plane keys, shapes, dtypes, table shape/dtype and layer."""
+        lay = self.layout
+        n = _num_pages(self.planes, lay)
+        _check_planes(self.planes, lay.plane_shapes(n), lay.plane_dtypes(), "PagedKVBatchLayerView")
+        bt = self.block_tables
+        if not hasattr(bt, "shape") or len(bt.shape) != 2:
+            raise ValueError(f"block_tables must be int32 (C, L), got shape {getattr(bt, 'shape', None)}")
+        if np.dtype(bt.dtype) != np.int32:
+            raise ValueError(f"block_tables must be int32, got {np.dtype(bt.dtype).name}")
+        _check_layer(self.layer, lay.num_layers)
+
+    @property
+    def num_pages(self) -> int:
+        return _num_pages(self.planes, self.layout)
+
+    @property
+    def max_concurrency(self) -> int:
+        return int(self.block_tables.shape[0])
+
+    @property
+    def logical_pages(self) -> int:
+        return int(self.block_tables.shape[1])
+
+    @property
+    def profile(self) -> KVProfile:
+        return self.layout.profile
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layout.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layout.head_dim
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def replace(self, **changes) -> "PagedKVBatchLayerView":
+        """A copy with some fields replaced (e.g. ``planes`` returned by an append)."""
+        fields = {"planes": self.planes, "block_tables": self.block_tables, "layer": self.layer, "layout": self.layout}
+        fields.update(changes)
+        return PagedKVBatchLayerView(**fields)
+
+    def with_layer(self, layer) -> "PagedKVBatchLayerView":
+        return self.replace(layer=layer)
+
+    def tree_flatten(self):
+        return (self.planes, self.block_tables, self.layer), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        planes, block_tables, layer = children
+        return cls(planes, block_tables, layer, layout, validate=False)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class PagedKVLayerView:
+    """Single-sequence view: stacked planes + one block-table row ``int32 (L,)`` + layer index."""
+
+    planes: dict
+    block_table: jax.Array
+    layer: object
+    layout: PagedKVStorageLayout
+    validate: dataclasses.InitVar[bool] = True
+
+    def __post_init__(self, validate: bool):
+        if not isinstance(self.layout, PagedKVStorageLayout):
+            raise TypeError(f"layout must be a PagedKVStorageLayout, got {type(self.layout).__name__}")
+        if validate:
+            lay = self.layout
+            n = _num_pages(self.planes, lay)
+            _check_planes(self.planes, lay.plane_shapes(n), lay.plane_dtypes(), "PagedKVLayerView")
+            bt = self.block_table
+            if not hasattr(bt, "shape") or len(bt.shape) != 1 or np.dtype(bt.dtype) != np.int32:
+                raise ValueError(
+                    f"block_table must be int32 (L,), got shape {getattr(bt, 'shape', None)} "
+                    f"dtype {getattr(bt, 'dtype', None)}"
+                )
+            _check_layer(self.layer, lay.num_layers)
+
+    def as_batch(self) -> PagedKVBatchLayerView:
+        """The equivalent batch view with one table row (use ``table_rows = zeros((B,), int32)``)."""
+        return PagedKVBatchLayerView(self.planes, self.block_table[None, :], self.layer, self.layout, validate=False)
+
+    def tree_flatten(self):
+        return (self.planes, self.block_table, self.layer), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        planes, block_table, layer = children
+        return cls(planes, block_table, layer, layout, validate=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclicKVLayout:
+    """Static layout of per-row cyclic K/V state (DFlash local window).
+
+    Each plane is ``(num_layers, rows, H, slots, X)``.  ``window`` W is the attention window (key j is
+    visible to the query at position p iff ``p - W < j <= p``); ``slots`` (default W) is the ring
+    size, slot ``j mod slots``.  A chunk of T queries needs ``slots >= window + T - 1`` so that
+    appending the chunk does not evict keys its first query still sees.
+    """
+
+    profile: KVProfile
+    num_layers: int
+    rows: int
+    num_kv_heads: int
+    head_dim: int
+    window: int
+    slots: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "profile", KVProfile.parse(self.profile))
+        for name in ("num_layers", "rows", "num_kv_heads", "head_dim", "window"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} is invalid; it must be an integer >= 1")
+        if self.slots is None:
+            object.__setattr__(self, "slots", self.window)
+        if not isinstance(self.slots, int) or self.slots < self.window:
+            raise ValueError(f"slots={self.slots!r} is invalid; it must be an integer >= window={self.window}")
+        self.profile.check_head_dim(self.head_dim)
+
+    @property
+    def planes(self):
+        return self.profile.planes(self.head_dim)
+
+    def plane_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {p.name: (self.num_layers, self.rows, self.num_kv_heads, self.slots, p.extent) for p in self.planes}
+
+    def plane_dtypes(self) -> dict:
+        return {p.name: p.dtype for p in self.planes}
+
+    def allocate(self, *, fill=None) -> dict[str, jax.Array]:
+        out = {}
+        for p in self.planes:
+            value = 0
+            if fill is not None and (jnp.issubdtype(p.dtype, jnp.floating) or not np.isnan(fill)):
+                value = fill
+            out[p.name] = jnp.full(self.plane_shapes()[p.name], value, dtype=p.dtype)
+        return out
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class CyclicKVCacheLayerView:
+    """Per-row ring buffers of one layer: planes ``(num_layers, rows, H, slots, X)`` + layer index."""
+
+    planes: dict
+    layer: object
+    layout: CyclicKVLayout
+    validate: dataclasses.InitVar[bool] = True
+
+    def __post_init__(self, validate: bool):
+        if not isinstance(self.layout, CyclicKVLayout):
+            raise TypeError(f"layout must be a CyclicKVLayout, got {type(self.layout).__name__}")
+        if validate:
+            _check_planes(self.planes, self.layout.plane_shapes(), self.layout.plane_dtypes(), "CyclicKVCacheLayerView")
+            _check_layer(self.layer, self.layout.num_layers)
+
+    def replace(self, **changes) -> "CyclicKVCacheLayerView":
+        fields = {"planes": self.planes, "layer": self.layer, "layout": self.layout}
+        fields.update(changes)
+        return CyclicKVCacheLayerView(**fields)
+
+    def tree_flatten(self):
+        return (self.planes, self.layer), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        planes, layer = children
+        return cls(planes, layer, layout, validate=False)
