@@ -1,0 +1,299 @@
+"""The ``ninfer-kv`` command line: JSON and table output, one-line errors with exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ninfer_kv
+from ninfer_kv import cli
+from ninfer_kv.cli import main, parse_bytes
+
+REALISTIC = (
+    "plan --layers 16 --kv-heads 2 --head-dim 256 --profile k8v4 --max-context 32768 "
+    "--max-concurrency 64 --free-bytes 40GiB --backend mtp --draft-window 4"
+).split()
+SMALL = "plan --layers 2 --kv-heads 2 --head-dim 64 --profile bf16 --max-context 1000 --max-concurrency 8".split()
+
+
+def run(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, argv):
+    code, out, err = run(capsys, argv + ["--json"])
+    assert code == 0 and err == ""
+    assert out.endswith("\n") and out.count("\n") == 1
+    return json.loads(out)
+
+
+def assert_usage_error(capsys, argv, *needles):
+    code, out, err = run(capsys, argv)
+    assert code == 2
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err and err.startswith("ninfer-kv")
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+# -- layout ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "profile, k, v",
+    [("bf16", 512, 512), ("int8-g64", 264, 264), ("fp8-e4m3fn-row256", 258, 258), ("nvfp4-g16", 144, 144), ("k8v4", 258, 144)],
+)
+def test_layout_json_d256(capsys, profile, k, v):
+    js = run_json(capsys, ["layout", "--profile", profile, "--head-dim", "256"])
+    assert set(js) == {"profile", "head_dim", "planes", "k_bytes", "v_bytes", "token_head_bytes"}
+    assert (js["profile"], js["head_dim"], js["k_bytes"], js["v_bytes"], js["token_head_bytes"]) == (profile, 256, k, v, k + v)
+    assert sum(p["bytes"] for p in js["planes"]) == k + v
+    for plane in js["planes"]:
+        assert set(plane) == {"name", "dtype", "extent", "group", "bytes"}
+
+
+def test_layout_k8v4_planes(capsys):
+    js = run_json(capsys, ["layout", "--profile", "k8v4", "--head-dim", "256"])
+    assert [(p["name"], p["dtype"], p["extent"], p["bytes"]) for p in js["planes"]] == [
+        ("k", "float8_e4m3fn", 256, 256),
+        ("k_scale", "bfloat16", 1, 2),
+        ("v", "uint8", 128, 128),
+        ("v_scale", "uint8", 16, 16),
+    ]
+
+
+def test_layout_pool_view(capsys):
+    argv = "layout --profile k8v4 --head-dim 256 --layers 16 --kv-heads 2 --order head-major --pages 3".split()
+    js = run_json(capsys, argv)
+    pool = js["pool"]
+    assert pool["page_bytes"] == 402 * 2 * 16 * 64 == 823296
+    assert pool["order"] == "head-major" and pool["pages"] == 3
+    assert {p["name"]: p["shape"] for p in pool["planes"]}["v"] == [16, 2, 3, 64, 128]
+    assert pool["bytes"] == 3 * 823296
+    code, out, _ = run(capsys, argv)
+    assert code == 0 and "(16, 2, 3, 64, 128)" in out and "823,296" in out
+
+
+def test_layout_table(capsys):
+    code, out, err = run(capsys, ["layout", "--profile", "int8-g64", "--head-dim", "256"])
+    assert code == 0 and err == ""
+    assert "k_scale" in out and "v_scale" in out and "bfloat16" in out
+    assert "K 264 B + V 264 B = 528 B" in out
+
+
+# -- plan -----------------------------------------------------------------------------------------
+def test_plan_json_realistic(capsys):
+    js = run_json(capsys, REALISTIC)
+    for key in ("page_size", "logical_pages", "m_min", "m_max", "main_pages", "capacity_tokens", "pools", "curve", "device_bytes"):
+        assert key in js
+    assert (js["page_size"], js["logical_pages"], js["m_min"], js["m_max"]) == (64, 512, 512, 32768)
+    assert js["main_pages"] == 32768 and js["capacity_tokens"] == 32768 * 64
+    assert set(js["pools"]) == {"main", "mtp"}
+    for pool in js["pools"].values():
+        assert set(pool) >= {"profile", "order", "layers", "kv_heads", "head_dim", "physical_pages", "page_bytes", "bytes", "table_bytes"}
+    assert js["pools"]["main"]["page_bytes"] == 823296
+    assert js["pools"]["mtp"]["physical_pages"] == 32768 + 64
+    assert js["curve"] == {"b_min": 451428352, "b_step": 874752}
+    assert js["device_bytes"] == 28667428864
+
+
+def test_plan_table_realistic(capsys):
+    code, out, err = run(capsys, REALISTIC)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert any(line.startswith("main ") and "k8v4" in line and "page-major" in line for line in lines)
+    assert any(line.startswith("mtp ") and "32,832" in line for line in lines)
+    assert "B_min" in out and "451,428,352" in out and "B_step" in out and "874,752" in out
+    assert "2,097,152 tokens" in out and "32,768 pages" in out
+    assert "25.12 GiB" in out  # Main pool bytes in human units
+
+
+def test_plan_json_matches_library(capsys):
+    from ninfer_kv import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
+
+    argv = SMALL + ["--kv-capacity", "3000", "--fixed-bytes", "1MiB", "--backend", "dflash", "--draft-full-layers", "1",
+                    "--draft-kv-heads", "1", "--draft-head-dim", "96"]
+    js = run_json(capsys, argv)
+    plan = plan_kv_cache(
+        ModelKVConfig(2, 2, 64, "bf16"),
+        max_context=1000,
+        max_concurrency=8,
+        policy=ExplicitCapacity(3000),
+        speculative=SpeculativeConfig("dflash", draft_full_layers=1, draft_kv_heads=1, draft_head_dim=96),
+        fixed_bytes=2**20,
+    )
+    expect = plan.to_json()
+    assert {k: js[k] for k in expect} == expect
+    assert js["main_pages"] == 47
+    assert js["pools"]["draft_full"]["order"] == "head-major" and js["pools"]["draft_full"]["head_dim"] == 96
+    assert js["policy"] == {"kind": "explicit", "kv_capacity": 3000}
+
+
+def test_plan_automatic_with_headroom(capsys):
+    js = run_json(capsys, SMALL + ["--free-bytes", "1e7", "--headroom-bytes", "512KiB"])
+    b_min, b_step = js["curve"]["b_min"], js["curve"]["b_step"]
+    assert js["main_pages"] == min(js["m_max"], js["m_min"] + (10**7 - 2**19 - b_min) // b_step)
+    assert js["policy"] == {"kind": "automatic", "free_bytes": 10**7, "headroom_bytes": 2**19}
+
+
+@pytest.mark.parametrize("backend", ["dflash", "dflash2"])
+def test_plan_dflash_pools(capsys, backend):
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend])
+    assert set(js["pools"]) == {"main"}
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend, "--draft-full-layers", "2"])
+    assert set(js["pools"]) == {"main", "draft_full"}
+    assert js["pools"]["draft_full"]["profile"] == "bf16"
+    code, out, _ = run(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend, "--draft-full-layers", "2"])
+    assert code == 0 and "draft_full" in out and "head-major" in out
+
+
+def test_plan_mtp_layers(capsys):
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-window", "130", "--mtp-layers", "3"])
+    assert js["pools"]["mtp"]["layers"] == 3
+    assert js["pools"]["mtp"]["physical_pages"] == js["main_pages"] + 3 * 8
+
+
+# -- bad values -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        ([a if a != "bf16" else "fp16" for a in SMALL] + ["--kv-capacity", "1000"], ["--profile", "'fp16'", "bf16", "k8v4"]),
+        (["layout", "--profile", "fp16", "--head-dim", "64"], ["--profile", "'fp16'", "nvfp4-g16"]),
+        (["layout", "--profile", "bf16", "--head-dim", "0"], ["--head-dim", "0", ">= 1"]),
+        (["layout", "--profile", "int8-g64", "--head-dim", "96"], ["int8-g64", "head_dim=96", "% 64"]),
+        (["layout", "--profile", "nvfp4-g16", "--head-dim", "40"], ["nvfp4-g16", "head_dim=40", "% 16"]),
+        (["layout", "--profile", "bf16", "--head-dim", "64", "--order", "diagonal"], ["'diagonal'", "page-major, head-major"]),
+        (["layout", "--profile", "bf16", "--head-dim", "64", "--layers", "2"], ["--layers", "--kv-heads"]),
+        (SMALL + ["--kv-capacity", "999"], ["kv_capacity=999", "[1000, 8192]"]),
+        (SMALL + ["--kv-capacity", "9000"], ["kv_capacity=9000", "[1000, 8192]"]),
+        (SMALL + ["--free-bytes", "1000"], ["free_bytes=1000", "too small", "B_min"]),
+        (SMALL + ["--free-bytes", "1MiB", "--headroom-bytes", "1GiB"], ["free_bytes=1048576", "1073741824"]),
+        (SMALL + ["--free-bytes", "1GiB", "--backend", "eagle"], ["'eagle'", "off, mtp, dflash, dflash2"]),
+        (SMALL + ["--free-bytes", "40 parsecs"], ["--free-bytes", "'40 parsecs'", "GiB"]),
+        (SMALL + ["--free-bytes", "0.5"], ["'0.5'", "whole number"]),
+        (SMALL + ["--free-bytes=-1GiB"], ["'-1GiB'"]),
+        (SMALL, ["--kv-capacity", "--free-bytes", "required"]),
+        (SMALL + ["--kv-capacity", "1000", "--free-bytes", "1GiB"], ["not allowed"]),
+        (SMALL + ["--kv-capacity", "1000", "--headroom-bytes", "1"], ["--headroom-bytes", "--free-bytes"]),
+        (SMALL + ["--kv-capacity", "1000", "--draft-window", "4"], ["--draft-window", "mtp"]),
+        (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-full-layers", "1"], ["--draft-full-layers", "dflash"]),
+        (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-window", "0"], ["--draft-window", "0", ">= 1"]),
+        (SMALL + ["--kv-capacity", "1000", "--max-concurrency", "many"], ["'many'", "integer >= 1"]),
+        (SMALL + ["--kv-capacity", "1000", "--unknown"], ["unrecognized", "--unknown"]),
+        (["frobnicate"], ["'frobnicate'", "layout", "plan"]),
+        ([], ["command is required"]),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(capsys, argv, needles):
+    assert_usage_error(capsys, argv, *needles)
+
+
+def test_bad_value_in_json_mode_prints_nothing_on_stdout(capsys):
+    assert_usage_error(capsys, SMALL + ["--kv-capacity", "1", "--json"], "kv_capacity=1")
+
+
+# -- byte sizes -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("0", 0),
+        ("123", 123),
+        ("1e9", 10**9),
+        ("2.5e3", 2500),
+        ("40GiB", 40 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("512 mib", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("1KB", 1000),
+        ("2G", 2 * 10**9),
+        ("1TiB", 2**40),
+        ("7b", 7),
+    ],
+)
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1", "1.2.3", "5 XB", "0.3KiB", "1e-3", "nan", "inf"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError, match="byte size"):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert cli.format_bytes(512) == "512 B"
+    assert cli.format_bytes(823296) == "804.0 KiB"
+    assert cli.format_bytes(40 * 2**30) == "40.00 GiB"
+
+
+# -- registry -------------------------------------------------------------------------------------
+def test_register_subcommand(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_REGISTRY", dict(cli._REGISTRY))
+
+    def configure(p):
+        p.add_argument("--n", type=cli.POSITIVE_INT, required=True)
+
+    @cli.register_subcommand("echo-n", help="echo n", configure=configure)
+    def _run(args):
+        if args.n == 13:
+            raise ValueError("n=13 is unlucky; allowed: any other integer >= 1")
+        return cli.CommandOutput(data={"n": args.n}, text=f"n is {args.n}")
+
+    assert "echo-n" in cli.registered_subcommands()
+    assert run_json(capsys, ["echo-n", "--n", "3"]) == {"n": 3}
+    assert run(capsys, ["echo-n", "--n", "3"])[1] == "n is 3\n"
+    assert_usage_error(capsys, ["echo-n", "--n", "13"], "ninfer-kv echo-n: error: n=13 is unlucky")
+    with pytest.raises(ValueError, match="already registered"):
+        cli.register_subcommand("plan", help="x", configure=configure, run=_run)
+    with pytest.raises(ValueError, match="invalid"):
+        cli.register_subcommand("Bad Name", help="x", configure=configure, run=_run)
+
+
+def test_help_and_version_exit_0(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and ninfer_kv.__version__ in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--free-bytes" in out and "--draft-window" in out
+
+
+# -- entry points ---------------------------------------------------------------------------------
+def _env():
+    env = dict(os.environ)
+    root = str(Path(ninfer_kv.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def test_python_dash_m(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ninfer_kv", *REALISTIC, "--json"],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["main_pages"] == 32768
+    bad = subprocess.run(
+        [sys.executable, "-m", "ninfer_kv", "layout", "--profile", "fp16", "--head-dim", "64"],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and "'fp16'" in bad.stderr
+
+
+def test_console_script(tmp_path):
+    script = Path(sys.executable).parent / ("ninfer-kv.exe" if os.name == "nt" else "ninfer-kv")
+    if not script.exists():
+        pytest.skip(f"the ninfer-kv console script is not installed next to {sys.executable}")
+    proc = subprocess.run(
+        [str(script), *REALISTIC], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "main" in proc.stdout and "mtp" in proc.stdout
