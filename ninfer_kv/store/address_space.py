@@ -1,0 +1,220 @@
+"""KVAddressSpace: one continuation's ordered view of one pool's logical pages.
+
+Each address space holds
+
+* an ordered membership: logical block ``b`` (tokens ``[b*P, (b+1)*P)``) -> logical page;
+* the committed frontier (tokens the consumer may read) and the checkpoint-protected frontier (the
+  prefix whose pages are shared with checkpoints and therefore immutable for this space);
+* active/inactive state, the entitlement (pages the space is guaranteed to obtain) and, while
+  active, an execution row.
+
+Storage is a struct of numpy arrays indexed by a *space slot*.  Slots ``[0, C)`` are the execution
+rows: an active address space lives in the slot of the row it leases, so the decode round indexes
+its frontiers by row with no indirection.  Inactive spaces (retained checkpoints) live in slots
+``>= C`` and hold no row; activating one moves its state into a row slot.
+
+Invariants (checked by ``KVStore.check_invariants``):
+
+* ``membership[s, :n_blocks[s]]`` are live pages; entries beyond are ``-1``;
+* ``mapped[s] == n_blocks[s] * P >= committed[s] >= protected[s]``;
+* an active space's reservation equals ``entitlement_pages - n_blocks`` (mapping within the
+  entitlement can therefore never fail);
+* an inactive space is immutable, holds exactly ``ceil(committed / P)`` pages and no reservation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import StaleHandleError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .logical_page import LogicalKVPage
+    from .runtime import PoolRuntime
+
+__all__ = ["AddressSpaceTable", "KVAddressSpace"]
+
+
+class AddressSpaceTable:
+    """Struct-of-arrays address spaces of one pool: ``rows`` row slots, then inactive slots."""
+
+    def __init__(self, rows: int, logical_pages: int, *, pool: str, inactive: int = 8):
+        self.pool = pool
+        self.rows = int(rows)
+        self.logical_pages = int(logical_pages)
+        self.capacity = 0
+        self.generation = np.zeros(0, np.int64)
+        self.live = np.zeros(0, bool)
+        self.active = np.zeros(0, bool)
+        self.membership = np.zeros((0, self.logical_pages), np.int64)
+        self.n_blocks = np.zeros(0, np.int64)
+        self.mapped = np.zeros(0, np.int64)
+        self.committed = np.zeros(0, np.int64)
+        self.protected = np.zeros(0, np.int64)
+        self.ent_pages = np.zeros(0, np.int64)
+        self.target = np.zeros(0, np.int64)
+        self.growth = np.zeros(0, bool)
+        self.bundle = np.zeros(0, np.int64)
+        self._free_inactive: list[int] = []
+        self.grow(self.rows + max(int(inactive), 1))
+
+    def grow(self, capacity: int) -> None:
+        old = self.capacity
+        if capacity <= old:
+            return
+        n = capacity - old
+
+        def ext(arr, fill):
+            return np.concatenate([arr, np.full((n,) + arr.shape[1:], fill, arr.dtype)])
+
+        self.generation = ext(self.generation, 0)
+        self.live = ext(self.live, False)
+        self.active = ext(self.active, False)
+        self.membership = ext(self.membership, -1)
+        self.n_blocks = ext(self.n_blocks, 0)
+        self.mapped = ext(self.mapped, 0)
+        self.committed = ext(self.committed, 0)
+        self.protected = ext(self.protected, 0)
+        self.ent_pages = ext(self.ent_pages, 0)
+        self.target = ext(self.target, 0)
+        self.growth = ext(self.growth, False)
+        self.bundle = ext(self.bundle, -1)
+        fresh = [s for s in range(capacity - 1, old - 1, -1) if s >= self.rows]
+        self._free_inactive = fresh + self._free_inactive  # pop() keeps returning the lowest first
+        self.capacity = capacity
+
+    # -- slots ------------------------------------------------------------------------------------------
+    def alloc_inactive(self) -> int:
+        if not self._free_inactive:
+            self.grow(2 * self.capacity)
+        return self._free_inactive.pop()
+
+    def clear(self, slot: int, *, bump: bool) -> None:
+        """Reset ``slot`` to the empty state; ``bump`` advances its generation (a real end)."""
+        self.live[slot] = False
+        self.active[slot] = False
+        self.membership[slot] = -1
+        self.n_blocks[slot] = 0
+        self.mapped[slot] = 0
+        self.committed[slot] = 0
+        self.protected[slot] = 0
+        self.ent_pages[slot] = 0
+        self.target[slot] = 0
+        self.growth[slot] = False
+        self.bundle[slot] = -1
+        if bump:
+            self.generation[slot] += 1
+        if slot >= self.rows:
+            self._free_inactive.append(slot)
+
+    def check(self, slot: int, generation: int) -> int:
+        if not 0 <= slot < self.capacity or not self.live[slot] or self.generation[slot] != generation:
+            raise StaleHandleError(f"pool {self.pool}: address space (slot {slot}, generation {generation}) is stale")
+        return slot
+
+    def pages_of(self, slot: int) -> np.ndarray:
+        return self.membership[slot, : self.n_blocks[slot]]
+
+    def snapshot(self) -> dict:
+        return {
+            "generation": self.generation.copy(),
+            "live": self.live.copy(),
+            "active": self.active.copy(),
+            "membership": self.membership.copy(),
+            "n_blocks": self.n_blocks.copy(),
+            "mapped": self.mapped.copy(),
+            "committed": self.committed.copy(),
+            "protected": self.protected.copy(),
+            "ent_pages": self.ent_pages.copy(),
+            "target": self.target.copy(),
+            "growth": self.growth.copy(),
+            "bundle": self.bundle.copy(),
+            "free_inactive": list(self._free_inactive),
+        }
+
+
+class KVAddressSpace:
+    """Read-only view of one address space (checked against its generation on every access)."""
+
+    __slots__ = ("_rt", "slot", "generation")
+
+    def __init__(self, runtime: "PoolRuntime", slot: int, generation: int):
+        self._rt = runtime
+        self.slot = int(slot)
+        self.generation = int(generation)
+
+    def _s(self) -> int:
+        return self._rt.spaces.check(self.slot, self.generation)
+
+    @property
+    def pool(self):
+        return self._rt.kind
+
+    @property
+    def active(self) -> bool:
+        return bool(self._rt.spaces.active[self._s()])
+
+    @property
+    def row(self) -> int | None:
+        """The leased execution row (active spaces only)."""
+        s = self._s()
+        return s if self._rt.spaces.active[s] else None
+
+    @property
+    def committed_frontier(self) -> int:
+        return int(self._rt.spaces.committed[self._s()])
+
+    @property
+    def protected_frontier(self) -> int:
+        return int(self._rt.spaces.protected[self._s()])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self._rt.spaces.n_blocks[self._s()])
+
+    @property
+    def mapped_tokens(self) -> int:
+        return int(self._rt.spaces.mapped[self._s()])
+
+    @property
+    def entitlement_pages(self) -> int:
+        return int(self._rt.spaces.ent_pages[self._s()])
+
+    @property
+    def entitlement_tokens(self) -> int:
+        return self.entitlement_pages * self._rt.page_size
+
+    @property
+    def reserved_pages(self) -> int:
+        """Reserved, not yet materialized pages (0 for inactive spaces)."""
+        s = self._s()
+        return self._rt.pool.reservation(s) if s < self._rt.spaces.rows else 0
+
+    @property
+    def page_slots(self) -> np.ndarray:
+        s = self._s()
+        return self._rt.spaces.pages_of(s).copy()
+
+    @property
+    def physical_pages(self) -> np.ndarray:
+        """Device page-group IDs of the membership, in logical order."""
+        return self._rt.pages.device_page[self.page_slots].astype(np.int32)
+
+    def pages(self) -> "list[LogicalKVPage]":
+        from .logical_page import LogicalKVPage
+
+        slots = self.page_slots
+        gens = self._rt.pages.generation[slots]
+        return [LogicalKVPage(self._rt, int(s), int(g)) for s, g in zip(slots, gens)]
+
+    def __repr__(self) -> str:
+        try:
+            return (
+                f"KVAddressSpace(pool={self.pool.value}, slot={self.slot}, active={self.active}, "
+                f"committed={self.committed_frontier}, blocks={self.num_blocks}, "
+                f"entitlement_pages={self.entitlement_pages})"
+            )
+        except StaleHandleError:
+            return f"KVAddressSpace(slot={self.slot}, gen={self.generation}, stale)"

@@ -1,0 +1,48 @@
+"""Errors raised by the KV store.
+
+Every error is raised *before* any state changes (validation first), or after a full rollback
+(activation), so a caught error always leaves the store exactly as it was.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVStoreError",
+    "StaleHandleError",
+    "PoolCapacityError",
+    "EntitlementError",
+    "LifecycleError",
+    "IncompleteContinuationError",
+    "InvariantError",
+]
+
+
+class KVStoreError(RuntimeError):
+    """Base class of every KV-store error."""
+
+
+class StaleHandleError(KVStoreError, KeyError):
+    """A handle, lease, page or address-space view is unknown, or its generation is outdated."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class PoolCapacityError(KVStoreError):
+    """A pool cannot supply the pages (or the execution rows) a request needs."""
+
+
+class EntitlementError(KVStoreError, ValueError):
+    """A mapping or commit target exceeds an address space's entitlement or mapped extent."""
+
+
+class LifecycleError(KVStoreError):
+    """An operation does not fit the object's state (double finish, commit going backwards, ...)."""
+
+
+class IncompleteContinuationError(LifecycleError):
+    """A retain or reuse would publish KV pages without the rest of their continuation."""
+
+
+class InvariantError(KVStoreError, AssertionError):
+    """An internal consistency check failed (a bug, never a user error)."""

@@ -1,0 +1,303 @@
+"""Logical KV pages: generation-checked descriptors stored as a struct of arrays.
+
+A logical page is the identity of one page of KV content, independent of where its bytes live.
+Its descriptor holds
+
+* ``generation`` — advances when the descriptor is reclaimed, so views and handles to an old page
+  are detected as stale;
+* ``epoch`` — the content epoch: advances whenever committed columns are withdrawn (a truncation
+  inside the page), so bytes written later under the same column count are a different content;
+* committed columns ``[0, P]`` and protected columns (the coverage surviving checkpoints need);
+* address-space references, active references and the single writer (an execution row);
+* an optional Device page-group lease (page ID + lease generation);
+* an optional Host extent membership (``None`` until a Host tier publishes one);
+* transaction pins (held while a copy reads or writes the page).
+
+Canonical content is ``(epoch, committed columns)``.  A replica holding ``(epoch, coverage)`` is
+valid for the first ``n`` columns iff ``replica.epoch == page.epoch and replica.coverage >= n``.
+
+A descriptor is reclaimed (its generation advanced, its slot reused) only when references,
+replicas (Device lease, Host extent) and pins are all zero.
+
+Storage is a struct of numpy arrays indexed by a slot, so vectorized code (the decode round) updates
+many pages with a handful of array operations; :class:`LogicalKVPage` is a thin read-only view.
+
+While a page has a writer, its committed columns are derived from the writer's committed frontier
+(``clip(frontier - block * P, 0, P)``) instead of being stored; the stored column count is written
+when the writer lets go.  This keeps per-token commits off the page descriptors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import InvariantError, StaleHandleError
+from .pool import DeviceKVPageLease
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .runtime import PoolRuntime
+
+__all__ = ["ReplicaRef", "replica_valid", "LogicalPageTable", "LogicalKVPage"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaRef:
+    """What a replica (Device or Host copy of a page) holds: a content epoch and a column coverage."""
+
+    epoch: int
+    coverage: int
+
+
+def replica_valid(page_epoch: int, replica: ReplicaRef, columns: int) -> bool:
+    """True iff ``replica`` is valid for the first ``columns`` columns of a page at ``page_epoch``."""
+    return replica.epoch == page_epoch and replica.coverage >= columns
+
+
+class LogicalPageTable:
+    """Descriptors of one pool's logical pages, indexed by slot (struct of arrays).
+
+    Free slots live on a stack; allocation pops the lowest slots first and :meth:`discard` (the exact
+    inverse of :meth:`create`, used by rollbacks) pushes them back in the same order, without
+    advancing generations.  :meth:`reclaim` is the real end of a descriptor: it advances the
+    generation.
+    """
+
+    def __init__(self, capacity: int, *, pool: str):
+        self.pool = pool
+        self.capacity = 0
+        self.generation = np.zeros(0, np.int64)
+        self.live = np.zeros(0, bool)
+        self.epoch = np.zeros(0, np.int64)
+        self.committed = np.zeros(0, np.int64)  # stored columns; authoritative when writer < 0
+        self.protected = np.zeros(0, np.int64)
+        self.refs = np.zeros(0, np.int64)
+        self.active_refs = np.zeros(0, np.int64)
+        self.writer = np.zeros(0, np.int64)  # execution row of the writing address space, -1: none
+        self.writer_block = np.zeros(0, np.int64)
+        self.device_page = np.zeros(0, np.int64)  # -1: no Device replica
+        self.device_gen = np.zeros(0, np.int64)
+        self.pins = np.zeros(0, np.int64)
+        self.host_extent: list = []
+        self._stack = np.zeros(0, np.int64)
+        self._top = 0
+        self.grow(max(int(capacity), 1))
+
+    # -- slots ------------------------------------------------------------------------------------------
+    def grow(self, capacity: int) -> None:
+        """Enlarge the table to ``capacity`` slots (new slots are free)."""
+        old = self.capacity
+        if capacity <= old:
+            return
+        n = capacity - old
+
+        def ext(arr, fill):
+            return np.concatenate([arr, np.full(n, fill, arr.dtype)])
+
+        self.generation = ext(self.generation, 0)
+        self.live = ext(self.live, False)
+        self.epoch = ext(self.epoch, 0)
+        self.committed = ext(self.committed, 0)
+        self.protected = ext(self.protected, 0)
+        self.refs = ext(self.refs, 0)
+        self.active_refs = ext(self.active_refs, 0)
+        self.writer = ext(self.writer, -1)
+        self.writer_block = ext(self.writer_block, 0)
+        self.device_page = ext(self.device_page, -1)
+        self.device_gen = ext(self.device_gen, 0)
+        self.pins = ext(self.pins, 0)
+        self.host_extent.extend([None] * n)
+        # new slots go to the bottom of the stack so existing free slots keep their order
+        stack = np.empty(capacity, np.int64)
+        stack[:n] = np.arange(capacity - 1, old - 1, -1)
+        stack[n : n + self._top] = self._stack[: self._top]
+        self._stack = stack
+        self._top += n
+        self.capacity = capacity
+
+    @property
+    def num_live(self) -> int:
+        return self.capacity - self._top
+
+    def pop_slots(self, k: int) -> np.ndarray:
+        """Take ``k`` free slots (lowest first); the caller initializes them as live pages."""
+        if k > self._top:
+            self.grow(max(2 * self.capacity, self.capacity + k))
+        top = self._top
+        self._top = top - k
+        return self._stack[top - k : top][::-1].copy()
+
+    def create(self, device_page: np.ndarray, device_gen: np.ndarray, writer, writer_block) -> np.ndarray:
+        """Create ``len(device_page)`` private pages (one reference, active, with a writer)."""
+        slots = self.pop_slots(int(device_page.size))
+        self.live[slots] = True
+        self.refs[slots] = 1
+        self.active_refs[slots] = 1
+        self.writer[slots] = writer
+        self.writer_block[slots] = writer_block
+        self.device_page[slots] = device_page
+        self.device_gen[slots] = device_gen
+        return slots
+
+    def _clear(self, slots: np.ndarray) -> None:
+        self.live[slots] = False
+        self.epoch[slots] = 0
+        self.committed[slots] = 0
+        self.protected[slots] = 0
+        self.refs[slots] = 0
+        self.active_refs[slots] = 0
+        self.writer[slots] = -1
+        self.writer_block[slots] = 0
+        self.device_page[slots] = -1
+        self.device_gen[slots] = 0
+        self.pins[slots] = 0
+        extents = self.host_extent
+        for s in slots.tolist():
+            extents[s] = None
+
+    def discard(self, slots: np.ndarray) -> None:
+        """Exact inverse of :meth:`create` for pages that never escaped (no generation advance)."""
+        slots = np.asarray(slots, np.int64)
+        if slots.size == 0:
+            return
+        self._clear(slots)
+        k = slots.size
+        self._stack[self._top : self._top + k] = slots[::-1]
+        self._top += k
+
+    def reclaim(self, slots: np.ndarray) -> None:
+        """End descriptors whose references, replicas and pins are all zero (generation advances)."""
+        slots = np.asarray(slots, np.int64)
+        if slots.size == 0:
+            return
+        if (self.refs[slots] != 0).any() or (self.pins[slots] != 0).any() or (self.device_page[slots] >= 0).any():
+            raise InvariantError(f"pool {self.pool}: reclaiming a page that still has references, pins or replicas")
+        if any(self.host_extent[s] is not None for s in slots.tolist()):
+            raise InvariantError(f"pool {self.pool}: reclaiming a page that still has a Host extent")
+        self._clear(slots)
+        self.generation[slots] += 1
+        k = slots.size
+        self._stack[self._top : self._top + k] = slots[::-1]
+        self._top += k
+
+    def free_slots(self) -> np.ndarray:
+        return self._stack[: self._top].copy()
+
+    def check(self, slot: int, generation: int) -> int:
+        if not 0 <= slot < self.capacity or not self.live[slot] or self.generation[slot] != generation:
+            raise StaleHandleError(
+                f"pool {self.pool}: logical page (slot {slot}, generation {generation}) is stale or unknown"
+            )
+        return slot
+
+    def snapshot(self) -> dict:
+        return {
+            "generation": self.generation.copy(),
+            "live": self.live.copy(),
+            "epoch": self.epoch.copy(),
+            "committed": self.committed.copy(),
+            "protected": self.protected.copy(),
+            "refs": self.refs.copy(),
+            "active_refs": self.active_refs.copy(),
+            "writer": self.writer.copy(),
+            "writer_block": self.writer_block.copy(),
+            "device_page": self.device_page.copy(),
+            "device_gen": self.device_gen.copy(),
+            "pins": self.pins.copy(),
+            "host_extent": list(self.host_extent),
+            "free_slots": self.free_slots(),
+        }
+
+
+class LogicalKVPage:
+    """Read-only view of one logical page descriptor (checked against its generation on access)."""
+
+    __slots__ = ("_rt", "slot", "generation")
+
+    def __init__(self, runtime: "PoolRuntime", slot: int, generation: int):
+        self._rt = runtime
+        self.slot = int(slot)
+        self.generation = int(generation)
+
+    def _s(self) -> int:
+        return self._rt.pages.check(self.slot, self.generation)
+
+    @property
+    def pool(self):
+        return self._rt.kind
+
+    @property
+    def epoch(self) -> int:
+        return int(self._rt.pages.epoch[self._s()])
+
+    @property
+    def committed_columns(self) -> int:
+        s = self._s()
+        return int(self._rt.page_committed(np.array([s]))[0])
+
+    @property
+    def protected_columns(self) -> int:
+        return int(self._rt.pages.protected[self._s()])
+
+    @property
+    def references(self) -> int:
+        return int(self._rt.pages.refs[self._s()])
+
+    @property
+    def active_references(self) -> int:
+        return int(self._rt.pages.active_refs[self._s()])
+
+    @property
+    def writer_row(self) -> int | None:
+        """The execution row of the single writing address space, or ``None``."""
+        w = int(self._rt.pages.writer[self._s()])
+        return None if w < 0 else w
+
+    @property
+    def pins(self) -> int:
+        return int(self._rt.pages.pins[self._s()])
+
+    @property
+    def device_lease(self) -> DeviceKVPageLease | None:
+        s = self._s()
+        p = int(self._rt.pages.device_page[s])
+        if p < 0:
+            return None
+        return DeviceKVPageLease(self._rt.pool.name, p, int(self._rt.pages.device_gen[s]))
+
+    @property
+    def host_extent(self):
+        return self._rt.pages.host_extent[self._s()]
+
+    @property
+    def shared(self) -> bool:
+        return self.references > 1
+
+    @property
+    def immutable(self) -> bool:
+        """A full page referenced by more than one address space, or a page with no writer."""
+        return self.shared or self.writer_row is None
+
+    @property
+    def canonical(self) -> ReplicaRef:
+        """The canonical content ``(epoch, committed columns)``."""
+        return ReplicaRef(self.epoch, self.committed_columns)
+
+    def device_replica(self) -> ReplicaRef | None:
+        """The Device replica's ``(epoch, coverage)``: the page's device bytes are its canonical copy."""
+        return None if self.device_lease is None else self.canonical
+
+    def replica_valid(self, replica: ReplicaRef, columns: int) -> bool:
+        return replica_valid(self.epoch, replica, columns)
+
+    def __repr__(self) -> str:
+        try:
+            return (
+                f"LogicalKVPage(pool={self.pool.value}, slot={self.slot}, gen={self.generation}, "
+                f"epoch={self.epoch}, committed={self.committed_columns}, refs={self.references}, "
+                f"writer={self.writer_row}, device={self.device_lease})"
+            )
+        except StaleHandleError:
+            return f"LogicalKVPage(slot={self.slot}, gen={self.generation}, stale)"

@@ -1,0 +1,457 @@
+"""PoolRuntime: everything the store keeps for one pool, and the per-pool transitions.
+
+One runtime bundles a :class:`DevicePagePool` (physical IDs, reservations, leases), a
+:class:`LogicalPageTable` (descriptors), an :class:`AddressSpaceTable` (memberships and
+frontiers), a :class:`BlockTableMatrix` and the pool's device planes.  Its methods are the pool-level
+verbs the :class:`~ninfer_kv.store.KVStore` facade composes: vectorized mapping / commit / trim over
+execution rows, activation pieces that return exact undo actions, deactivation and release.
+
+Vectorized methods validate every input before they change anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from ..geometry import PAGE_SIZE
+from ..page_copy import copy_page_columns
+from ..planning import PoolKind, PoolPlan
+from .address_space import AddressSpaceTable
+from .block_tables import BlockTableMatrix
+from .errors import EntitlementError, InvariantError, LifecycleError
+from .logical_page import LogicalPageTable
+from .pool import DevicePagePool
+
+__all__ = ["PoolRuntime", "COPY_PAD"]
+
+_SHIFT = PAGE_SIZE.bit_length() - 1
+assert 1 << _SHIFT == PAGE_SIZE
+COPY_PAD = 8
+"""Padded length of the COW copy buffers (one compilation per pool layout)."""
+
+Undo = Callable[[], None]
+
+
+class PoolRuntime:
+    """The state of one pool of a :class:`KVStore`."""
+
+    def __init__(self, plan: PoolPlan, *, planes: dict[str, jax.Array], lead_tokens: int, device=None):
+        self.kind: PoolKind = plan.kind
+        self.layout = plan.layout
+        self.page_size = PAGE_SIZE
+        self.rows = plan.max_concurrency
+        self.logical_pages = plan.logical_pages
+        self.lead_tokens = int(lead_tokens)
+        name = plan.kind.value
+        self.pool = DevicePagePool(plan.physical_pages, owners=self.rows, name=name)
+        self.pages = LogicalPageTable(plan.physical_pages, pool=name)
+        self.spaces = AddressSpaceTable(self.rows, self.logical_pages, pool=name)
+        self.table = BlockTableMatrix(self.rows, self.logical_pages, device=device)
+        self.planes = planes
+
+    # -- derived page state -----------------------------------------------------------------------------
+    def page_committed(self, slots: np.ndarray) -> np.ndarray:
+        """Committed columns of pages (derived from the writer's frontier while a writer exists)."""
+        pg = self.pages
+        w = pg.writer[slots]
+        stored = pg.committed[slots]
+        has = w >= 0
+        if not has.any():
+            return stored
+        derived = np.clip(self.spaces.committed[np.where(has, w, 0)] - pg.writer_block[slots] * PAGE_SIZE, 0, PAGE_SIZE)
+        return np.where(has, derived, stored)
+
+    def _check_rows(self, rows: np.ndarray) -> None:
+        if rows.size and (rows.min() < 0 or rows.max() >= self.rows):
+            bad = rows[(rows < 0) | (rows >= self.rows)]
+            raise ValueError(f"pool {self.kind.value}: rows {bad.tolist()} are outside [0, {self.rows})")
+
+    def _inactive_error(self, rows: np.ndarray) -> LifecycleError:
+        bad = rows[~self.spaces.active[rows]]
+        return LifecycleError(f"pool {self.kind.value}: rows {bad.tolist()} hold no active address space")
+
+    # -- mapping ----------------------------------------------------------------------------------------
+    def map_rows(self, rows: np.ndarray, targets: np.ndarray) -> int:
+        """Make each row's membership cover ``targets[i]`` tokens (a lower bound); returns new pages.
+
+        No-op for rows already covering their target; fails (changing nothing) when a target needs
+        more pages than the row's entitlement.  New pages convert the row's own reservation into
+        leases.  Never moves a frontier, never trims, never changes an entitlement.
+        """
+        sp = self.spaces
+        cross = targets > sp.mapped[rows]
+        if not cross.any():
+            return 0
+        idx = cross.nonzero()[0]
+        r = rows[idx]
+        t = targets[idx]
+        need = (t + (PAGE_SIZE - 1)) >> _SHIFT
+        # idle row slots have a zero entitlement, so this one test also rejects them
+        if (need > sp.ent_pages[r]).any():
+            self._check_rows(r)
+            if not sp.active[r].all():
+                raise self._inactive_error(r)
+            i = int(np.flatnonzero(need > sp.ent_pages[r])[0])
+            raise EntitlementError(
+                f"pool {self.kind.value}: row {int(r[i])} asks to map {int(t[i])} tokens but its entitlement "
+                f"covers {int(sp.ent_pages[r[i]]) * PAGE_SIZE} tokens ({int(sp.ent_pages[r[i]])} pages)"
+            )
+        n = r.size
+        if n > 1 and (len(set(r.tolist())) if n <= 64 else np.unique(r).size) != n:
+            raise ValueError(f"pool {self.kind.value}: rows passed twice: {r.tolist()}")
+        have = sp.n_blocks[r]
+        counts = need - have
+        k = sum(counts.tolist()) if n <= 64 else int(counts.sum())  # small sets: Python is cheaper
+        # reservation == entitlement - mapped pages for every active row, so it covers ``counts``
+        ids, gens = self.pool.materialize_many(r, counts, checked=False, total=k)
+        if k == n:
+            owner, blocks = r, have
+        else:
+            owner = np.repeat(r, counts)
+            blocks = np.arange(k) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(have, counts)
+        slots = self.pages.create(ids, gens, owner, blocks)
+        sp.membership[owner, blocks] = slots
+        sp.n_blocks[r] = need
+        sp.mapped[r] = need << _SHIFT
+        self.table.write(owner, blocks, ids)
+        return k
+
+    # -- frontiers ----------------------------------------------------------------------------------------
+    def commit_rows(self, rows: np.ndarray, frontiers: np.ndarray) -> None:
+        """Advance committed frontiers after a successful unit (within the mapped extent)."""
+        sp = self.spaces
+        old = sp.committed[rows]
+        bad = (frontiers < old) | (frontiers > sp.mapped[rows])
+        if bad.any() or (rows.size and rows.min() < 0):
+            self._check_rows(rows)
+            i = int(np.flatnonzero(bad)[0])
+            r, f = int(rows[i]), int(frontiers[i])
+            if f < old[i]:
+                raise LifecycleError(
+                    f"pool {self.kind.value}: row {r} commit to {f} would move the committed frontier "
+                    f"{int(old[i])} backwards; use truncate"
+                )
+            if not sp.active[r]:
+                raise self._inactive_error(rows[i : i + 1])
+            raise EntitlementError(
+                f"pool {self.kind.value}: row {r} commit to {f} exceeds its mapped extent "
+                f"{int(sp.mapped[r])} tokens; map first"
+            )
+        sp.committed[rows] = frontiers
+
+    def trim_rows(self, rows: np.ndarray, keep_tokens: np.ndarray) -> int:
+        """Keep ``ceil(max(committed, keep_tokens) / P)`` pages per row; returns pages trimmed.
+
+        Trimmed Device leases go back to the row's own reservation, not to the global pool.
+        """
+        sp = self.spaces
+        keep = np.maximum(sp.committed[rows], keep_tokens)
+        keep_blocks = (keep + (PAGE_SIZE - 1)) >> _SHIFT
+        nb = sp.n_blocks[rows]
+        over = nb > keep_blocks
+        if not over.any():
+            return 0
+        r = rows[over]
+        kb = keep_blocks[over]
+        counts = nb[over] - kb
+        k = int(counts.sum())
+        if k == r.size:
+            owner, blocks = r, kb
+        else:
+            owner = np.repeat(r, counts)
+            blocks = np.arange(k) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(kb, counts)
+        pg = self.pages
+        slots = sp.membership[owner, blocks]
+        if (pg.pins[slots] != 0).any():
+            raise LifecycleError(f"pool {self.kind.value}: cannot trim pages pinned by an in-flight copy")
+        if (pg.refs[slots] != 1).any() or (pg.writer[slots] != owner).any():
+            raise InvariantError(f"pool {self.kind.value}: trimming a page this row does not own privately")
+        self.pool.dematerialize_many(pg.device_page[slots], pg.device_gen[slots], owner)
+        pg.device_page[slots] = -1
+        pg.refs[slots] = 0
+        pg.active_refs[slots] = 0
+        pg.writer[slots] = -1
+        pg.reclaim(slots)
+        sp.membership[owner, blocks] = -1
+        sp.n_blocks[r] = kb
+        sp.mapped[r] = kb << _SHIFT
+        self.table.write(owner, blocks, 0)
+        return k
+
+    def truncate_row(self, row: int, frontier: int, keep_tokens: int) -> None:
+        """Withdraw committed tokens ``[frontier, committed)`` and trim (validated by the caller)."""
+        sp, pg = self.spaces, self.pages
+        old = int(sp.committed[row])
+        if frontier < old:
+            first = frontier >> _SHIFT
+            last = min(int(sp.n_blocks[row]), -(-old // PAGE_SIZE))
+            if last > first:
+                pg.epoch[sp.membership[row, first:last]] += 1
+        sp.committed[row] = frontier
+        self.trim_rows(np.array([row]), np.array([keep_tokens], np.int64))
+
+    # -- references ---------------------------------------------------------------------------------------
+    def drop_references(self, slots: np.ndarray) -> None:
+        """Remove one address-space reference from each page; release and reclaim unreferenced ones."""
+        if slots.size == 0:
+            return
+        pg = self.pages
+        pg.refs[slots] -= 1
+        dead = slots[pg.refs[slots] == 0]
+        dead = dead[pg.pins[dead] == 0]
+        if dead.size:
+            self.pool.release(pg.device_page[dead], pg.device_gen[dead])
+            pg.device_page[dead] = -1
+            pg.writer[dead] = -1
+            pg.reclaim(dead)
+
+    def unpin(self, slots: np.ndarray) -> None:
+        """Drop a transaction pin; pages left with no reference and no pin are released."""
+        pg = self.pages
+        pg.pins[slots] -= 1
+        dead = slots[(pg.pins[slots] == 0) & (pg.refs[slots] == 0) & pg.live[slots]]
+        if dead.size:
+            self.pool.release(pg.device_page[dead], pg.device_gen[dead])
+            pg.device_page[dead] = -1
+            pg.reclaim(dead)
+
+    # -- activation pieces (each returns its exact undo) ----------------------------------------------------
+    def claim(self, row: int, bundle: int, ent_pages: int, target: int, growth: bool) -> Undo:
+        sp = self.spaces
+        if sp.live[row]:
+            raise InvariantError(f"pool {self.kind.value}: row slot {row} is already in use")
+        sp.live[row] = True
+        sp.ent_pages[row] = ent_pages
+        sp.target[row] = target
+        sp.growth[row] = growth
+        sp.bundle[row] = bundle
+        return lambda: sp.clear(row, bump=False)
+
+    def reserve(self, row: int, count: int) -> Undo:
+        self.pool.reserve(row, count)
+        return lambda: self.pool.unreserve(row, count)
+
+    def carry(self, row: int, src: int, blocks: int, committed: int) -> Undo:
+        """Reference the first ``blocks`` pages of inactive space ``src`` from ``row`` (Move or Fork)."""
+        sp, pg = self.spaces, self.pages
+        slots = sp.membership[src, :blocks].copy()
+        sp.membership[row, :blocks] = slots
+        sp.n_blocks[row] = blocks
+        sp.mapped[row] = blocks * PAGE_SIZE
+        sp.committed[row] = committed
+        pg.refs[slots] += 1
+        pg.active_refs[slots] += 1
+
+        def undo():
+            pg.refs[slots] -= 1
+            pg.active_refs[slots] -= 1
+            sp.membership[row, :blocks] = -1
+            sp.n_blocks[row] = 0
+            sp.mapped[row] = 0
+            sp.committed[row] = 0
+
+        return undo
+
+    def private_tail(self, row: int, src_page_slot: int, block: int, columns: int) -> Undo:
+        """COW: a private page for ``block`` holding ``columns`` columns copied from ``src_page_slot``."""
+        sp, pg = self.spaces, self.pages
+        ids, gens = self.pool.materialize(row, 1)
+        slot = self.pages.create(ids, gens, row, block)
+        pg.pins[[src_page_slot, slot[0]]] += 1
+        try:
+            src = np.zeros(COPY_PAD, np.int32)
+            dst = np.zeros(COPY_PAD, np.int32)
+            cols = np.zeros(COPY_PAD, np.int32)
+            src[0] = pg.device_page[src_page_slot]
+            dst[0] = ids[0]
+            cols[0] = columns
+            self.planes = copy_page_columns(self.planes, src, dst, cols, layout=self.layout)
+        finally:
+            pg.pins[[src_page_slot, slot[0]]] -= 1
+        sp.membership[row, block] = slot[0]
+        sp.n_blocks[row] = block + 1
+        sp.mapped[row] = (block + 1) * PAGE_SIZE
+        sp.committed[row] = block * PAGE_SIZE + columns
+
+        def undo():
+            sp.membership[row, block] = -1
+            sp.n_blocks[row] = block
+            sp.mapped[row] = block * PAGE_SIZE
+            sp.committed[row] = block * PAGE_SIZE
+            self.pages.discard(slot)
+            self.pool.undo_materialize(row, ids)
+
+        return undo
+
+    def publish_row(self, row: int) -> Undo:
+        saved = self.table.save_row(row)
+        slots = self.spaces.pages_of(row)
+        self.table.write_row(row, self.pages.device_page[slots].astype(np.int32))
+        return lambda: self.table.restore_row(row, saved)
+
+    def commit_activation(self, row: int, moved_from: int | None) -> None:
+        """Final, infallible part of activation: retire a Move source, set writers, go active."""
+        sp, pg = self.spaces, self.pages
+        if moved_from is not None:
+            src_slots = sp.pages_of(moved_from).copy()
+            pg.refs[src_slots] -= 1
+            sole = src_slots[pg.refs[src_slots] == 1]
+            pg.protected[sole] = 0  # no surviving checkpoint needs these columns any more
+            sp.clear(moved_from, bump=True)
+        slots = sp.pages_of(row)
+        shared = np.flatnonzero(pg.refs[slots] > 1)
+        protected_blocks = int(shared[-1]) + 1 if shared.size else 0
+        sp.protected[row] = min(protected_blocks * PAGE_SIZE, int(sp.committed[row]))
+        own = slots[protected_blocks:]
+        pg.writer[own] = row
+        pg.writer_block[own] = np.arange(protected_blocks, slots.size)
+        sp.active[row] = True
+
+    # -- deactivation -----------------------------------------------------------------------------------------
+    def check_deactivate(self, row: int, retain: bool) -> None:
+        """Raise (changing nothing) if :meth:`deactivate` could not complete.
+
+        Retaining trims provisional pages, which must not be pinned; releasing defers the release of
+        pinned pages to their last unpin.
+        """
+        if not retain:
+            return
+        sp, pg = self.spaces, self.pages
+        slots = sp.pages_of(row)
+        first = -(-int(sp.committed[row]) // PAGE_SIZE)
+        if (pg.pins[slots[first:]] != 0).any():
+            raise LifecycleError(f"pool {self.kind.value}: row {row} has pages pinned by an in-flight copy")
+
+    def deactivate(self, row: int, retain: bool) -> int | None:
+        """Leave execution: release row, writer and unmaterialized entitlement; retain or release.
+
+        Returns the inactive slot of the retained checkpoint, or ``None`` when released.
+        """
+        sp, pg = self.spaces, self.pages
+        if retain:
+            self.trim_rows(np.array([row]), np.zeros(1, np.int64))
+        self.pool.release_reservation(row)
+        slots = sp.pages_of(row).copy()
+        own = slots[pg.writer[slots] == row]
+        pg.committed[own] = np.clip(int(sp.committed[row]) - pg.writer_block[own] * PAGE_SIZE, 0, PAGE_SIZE)
+        pg.writer[own] = -1
+        pg.writer_block[own] = 0
+        pg.active_refs[slots] -= 1
+        self.table.clear_row(row)
+        if not retain:
+            sp.clear(row, bump=True)
+            self.drop_references(slots)
+            return None
+        s = sp.alloc_inactive()
+        sp.live[s] = True
+        sp.membership[s] = sp.membership[row]
+        sp.n_blocks[s] = sp.n_blocks[row]
+        sp.mapped[s] = sp.mapped[row]
+        sp.committed[s] = sp.committed[row]
+        sp.protected[s] = sp.committed[row]
+        sp.bundle[s] = sp.bundle[row]
+        pg.protected[slots] = np.maximum(pg.protected[slots], pg.committed[slots])
+        sp.clear(row, bump=True)
+        return s
+
+    def release_inactive(self, slot: int) -> None:
+        slots = self.spaces.pages_of(slot).copy()
+        self.spaces.clear(slot, bump=True)
+        self.drop_references(slots)
+
+    # -- growth -------------------------------------------------------------------------------------------------
+    def grow(self, rows: np.ndarray, desired_pages: np.ndarray) -> np.ndarray:
+        """Raise entitlements towards ``desired_pages`` from available pages, in row order."""
+        sp = self.spaces
+        want = np.maximum(desired_pages - sp.ent_pages[rows], 0)
+        if not want.any():
+            return want
+        cum = np.cumsum(want)
+        granted = np.clip(self.pool.available - (cum - want), 0, want)
+        g = granted > 0
+        if g.any():
+            self.pool.reserve_many(rows[g], granted[g])
+            sp.ent_pages[rows[g]] += granted[g]
+        return granted
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` on any inconsistency of this pool's state."""
+        name = self.kind.value
+        pool, pg, sp = self.pool, self.pages, self.spaces
+        pool.check_invariants()
+        live_sp = np.flatnonzero(sp.live)
+        counts = np.zeros(pg.capacity, np.int64)
+        active_counts = np.zeros(pg.capacity, np.int64)
+        for s in live_sp.tolist():
+            n = int(sp.n_blocks[s])
+            m = sp.membership[s]
+            if (m[:n] < 0).any() or (m[n:] != -1).any():
+                raise InvariantError(f"pool {name}: space {s} membership has holes or trailing entries")
+            if not pg.live[m[:n]].all():
+                raise InvariantError(f"pool {name}: space {s} references a dead page")
+            if np.unique(m[:n]).size != n:
+                raise InvariantError(f"pool {name}: space {s} maps one page twice")
+            if sp.mapped[s] != n * PAGE_SIZE or not sp.protected[s] <= sp.committed[s] <= sp.mapped[s]:
+                raise InvariantError(f"pool {name}: space {s} frontiers are inconsistent")
+            counts[m[:n]] += 1
+            if sp.active[s]:
+                active_counts[m[:n]] += 1
+                if s >= self.rows:
+                    raise InvariantError(f"pool {name}: active space in inactive slot {s}")
+                if pool.reservation(s) != sp.ent_pages[s] - n or n > sp.ent_pages[s]:
+                    raise InvariantError(
+                        f"pool {name}: row {s} reservation {pool.reservation(s)} != entitlement "
+                        f"{int(sp.ent_pages[s])} - mapped {n}"
+                    )
+                pb = int(sp.protected[s]) // PAGE_SIZE
+                head, tail = m[:pb], m[pb:n]
+                if (pg.writer[head] == s).any():
+                    raise InvariantError(f"pool {name}: row {s} writes a protected page")
+                if (pg.writer[tail] != s).any() or (pg.writer_block[tail] != np.arange(pb, n)).any():
+                    raise InvariantError(f"pool {name}: row {s} does not own its writable pages")
+                expect = np.zeros(self.logical_pages, np.int32)
+                expect[:n] = pg.device_page[m[:n]]
+                if not np.array_equal(self.table.host[s], expect):
+                    raise InvariantError(f"pool {name}: block-table row {s} does not mirror its membership")
+            else:
+                if s < self.rows:
+                    raise InvariantError(f"pool {name}: inactive space holds row slot {s}")
+                if n != -(-int(sp.committed[s]) // PAGE_SIZE):
+                    raise InvariantError(f"pool {name}: checkpoint {s} holds pages beyond its frontier")
+                cols = self.page_committed(m[:n])
+                expect_cols = np.clip(int(sp.committed[s]) - np.arange(n) * PAGE_SIZE, 0, PAGE_SIZE)
+                if not np.array_equal(cols, expect_cols) or (pg.protected[m[:n]] < expect_cols).any():
+                    raise InvariantError(f"pool {name}: checkpoint {s} pages lost committed or protected columns")
+        for r in range(self.rows):
+            if not sp.active[r]:
+                if sp.live[r] or pool.reservation(r) != 0 or (self.table.host[r] != 0).any():
+                    raise InvariantError(f"pool {name}: idle row {r} holds state")
+        live = pg.live
+        if not np.array_equal(counts[live], pg.refs[live]) or not np.array_equal(active_counts[live], pg.active_refs[live]):
+            raise InvariantError(f"pool {name}: page reference counts disagree with memberships")
+        if (counts[~live] != 0).any():
+            raise InvariantError(f"pool {name}: a dead page is referenced")
+        dev = pg.device_page[live]
+        if (dev < 0).any() or np.unique(dev).size != dev.size or dev.size != pool.allocated:
+            raise InvariantError(f"pool {name}: every allocated page ID must back exactly one live page")
+        pool.check_leases(dev, pg.device_gen[live])
+        shared = live & (pg.refs > 1)
+        if (self.page_committed(np.flatnonzero(shared)) != PAGE_SIZE).any() or (pg.writer[shared] >= 0).any():
+            raise InvariantError(f"pool {name}: a shared page is partial or has a writer")
+        writers = np.flatnonzero(live & (pg.writer >= 0))
+        if (pg.refs[writers] != 1).any() or (pg.protected[writers] != 0).any():
+            raise InvariantError(f"pool {name}: a written page is shared or protected")
+        if pg.num_live != int(live.sum()):
+            raise InvariantError(f"pool {name}: descriptor free list disagrees with live flags")
+
+    def snapshot(self) -> dict:
+        return {
+            "pool": self.pool.snapshot(),
+            "pages": self.pages.snapshot(),
+            "spaces": self.spaces.snapshot(),
+            "table": self.table.snapshot(),
+        }

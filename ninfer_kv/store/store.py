@@ -1,0 +1,648 @@
+"""KVStore: the program-level facade over every growing pool.
+
+The store owns, per enabled pool (one per :class:`~ninfer_kv.planning.PoolKind` of the plan), a
+:class:`DevicePagePool`, the logical page descriptors, the address spaces, an ``int32 (C, L)``
+block-table matrix and the device planes.  It decides Move / Fork / COW from the real references
+and keeps every transition atomic across pools.
+
+Life of a sequence::
+
+    h = store.activate(prompt_tokens, max_new_tokens, source=ckpt_or_None, release_source=False)
+    store.ensure_mapped_to_tokens(h, n)          # before a unit that writes up to n tokens
+    tables = store.publish()                     # one batched table publication per round
+    ... run the step on store.planes(kind) / tables, hand back the planes with set_planes ...
+    store.commit(h, frontier)                    # only after the unit succeeded
+    store.settle(h, accepted, provisional=...)   # speculative: commit accepted, trim rejected tails
+    ckpt = store.finish(h, retain=True, state_image=token)   # or retain=False
+    store.release_checkpoint(ckpt)
+
+Decode rounds use the vectorized row verbs (``map_rows``, ``commit_rows``, ``settle_rows``,
+``round_boundary``): numpy arrays of execution rows and frontiers in, no Python loop per lane.
+
+Activation runs these stages over every enabled pool, in order::
+
+    claim_spaces -> reserve -> restore_host -> move_fork -> private_tail
+                 -> lease_rows -> publish_tables -> publish_active
+
+Any failure (including one raised by the test-only ``fault_injector``, called as
+``fault_injector(stage, pool_kind_or_None)`` before each stage of each pool) undoes every completed
+step in reverse, leaving the store — the source checkpoint included — exactly as before.
+``restore_host`` is the hook where a Host tier brings Host-only pages back into the reservation;
+without one it has nothing to do.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+from ..geometry import PAGE_SIZE
+from ..planning import KVPlan, KVPoolSetLayout, PoolKind, SpeculativeBackend
+from .address_space import KVAddressSpace
+from .bundle import (
+    CheckpointHandle,
+    CheckpointInfo,
+    HandleRegistry,
+    SequenceHandle,
+    SequenceKVBundle,
+    _Record,
+    next_store_serial,
+)
+from .entitlement import EntitlementPolicy, RoundGrant, pages_for_tokens
+from .errors import (
+    EntitlementError,
+    IncompleteContinuationError,
+    LifecycleError,
+    PoolCapacityError,
+)
+from .runtime import PoolRuntime
+from .summary import PoolOccupancy, StoreMemorySummary
+
+__all__ = ["KVStore", "ACTIVATION_STAGES", "FaultInjector"]
+
+ACTIVATION_STAGES: tuple[str, ...] = (
+    "claim_spaces",
+    "reserve",
+    "restore_host",
+    "move_fork",
+    "private_tail",
+    "lease_rows",
+    "publish_tables",
+    "publish_active",
+)
+"""Activation stages in order; ``lease_rows`` and ``publish_active`` are store-wide (pool ``None``)."""
+
+FaultInjector = Callable[[str, "PoolKind | None"], None]
+
+
+def _int(name: str, value, low: int = 0) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {low}")
+    return int(value)
+
+
+def _vec(name: str, values) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape}")
+    return arr
+
+
+class KVStore:
+    """Device-tier KV store over the pools of a plan.
+
+    Args:
+      plan: a :class:`KVPlan` (from ``plan_kv_cache``) or a :class:`KVPoolSetLayout` with ``m``.
+      m: Main page groups when ``plan`` is a :class:`KVPoolSetLayout`.
+      entitlement: the :class:`EntitlementPolicy` (default: full prompt + output budget).
+      requires_state_image: the model needs a state image to resume from a frontier (e.g. it has
+        recurrent state).  Then ``finish(retain=True)`` must be given one; KV alone is not a hit.
+      planes: optional pre-allocated planes per pool (default: ``layout.allocate(physical_pages)``).
+      device: optional device for planes and block tables.
+      fault_injector: test hook ``f(stage, pool)`` called before each activation stage.
+    """
+
+    def __init__(
+        self,
+        plan: "KVPlan | KVPoolSetLayout",
+        m: int | None = None,
+        *,
+        entitlement: EntitlementPolicy | None = None,
+        requires_state_image: bool = False,
+        planes: Mapping[PoolKind, Mapping[str, jax.Array]] | None = None,
+        device=None,
+        fault_injector: FaultInjector | None = None,
+    ):
+        if isinstance(plan, KVPlan):
+            if m is not None and m != plan.m:
+                raise ValueError(f"m={m} disagrees with the plan's M={plan.m}")
+            builder, pools = plan.builder, plan.pools
+        elif isinstance(plan, KVPoolSetLayout):
+            if m is None:
+                raise ValueError("a KVPoolSetLayout needs m (Main page groups)")
+            builder, pools = plan, plan.pools(m)
+        else:
+            raise TypeError(f"plan must be a KVPlan or KVPoolSetLayout, got {type(plan).__name__}")
+        self.builder = builder
+        self.max_context = builder.max_context
+        self.max_concurrency = builder.max_concurrency
+        self.logical_pages = builder.logical_pages
+        self.page_size = PAGE_SIZE
+        self.policy = entitlement or EntitlementPolicy()
+        self.requires_state_image = bool(requires_state_image)
+        self.fault_injector = fault_injector
+        spec = builder.speculative
+        self._rt: dict[PoolKind, PoolRuntime] = {}
+        for kind, pool_plan in pools.items():
+            lead = spec.draft_window - 1 if kind is PoolKind.MTP and spec.backend is SpeculativeBackend.MTP else 0
+            if planes is not None and kind in planes:
+                pool_planes = self._checked_planes(pool_plan, planes[kind])
+            else:
+                pool_planes = pool_plan.layout.allocate(pool_plan.physical_pages, device=device)
+            self._rt[kind] = PoolRuntime(pool_plan, planes=pool_planes, lead_tokens=lead, device=device)
+        self._main = self._rt[PoolKind.MAIN]
+        self._free_rows: list[int] = list(range(self.max_concurrency - 1, -1, -1))  # pop() -> lowest row
+        self._row_owner = np.full(self.max_concurrency, -1, np.int64)
+        self._registry = HandleRegistry(next_store_serial())
+
+    @staticmethod
+    def _checked_planes(pool_plan, planes) -> dict[str, jax.Array]:
+        layout = pool_plan.layout
+        expected = layout.plane_shapes(pool_plan.physical_pages)
+        if set(planes) != set(expected):
+            raise ValueError(f"pool {pool_plan.kind.value}: planes {sorted(planes)} != {sorted(expected)}")
+        for name, arr in planes.items():
+            if tuple(arr.shape) != expected[name] or np.dtype(arr.dtype) != layout.plane(name).dtype:
+                raise ValueError(
+                    f"pool {pool_plan.kind.value}: plane {name!r} is {tuple(arr.shape)} {arr.dtype}, needs "
+                    f"{expected[name]} {layout.plane(name).dtype}"
+                )
+        return dict(planes)
+
+    # -- pools -------------------------------------------------------------------------------------------
+    @property
+    def pool_kinds(self) -> tuple[PoolKind, ...]:
+        return tuple(self._rt)
+
+    def _runtime(self, pool) -> PoolRuntime:
+        kind = PoolKind.parse(pool)
+        try:
+            return self._rt[kind]
+        except KeyError:
+            raise ValueError(f"pool {kind.value} is not enabled; enabled pools: {[k.value for k in self._rt]}") from None
+
+    def pool(self, kind="main"):
+        """The :class:`DevicePagePool` of ``kind``."""
+        return self._runtime(kind).pool
+
+    def layout(self, kind="main"):
+        return self._runtime(kind).layout
+
+    def planes(self, kind="main") -> dict[str, jax.Array]:
+        """The current device planes of ``kind`` (replaced by every COW copy: re-read before a step)."""
+        return dict(self._runtime(kind).planes)
+
+    def set_planes(self, kind, planes: Mapping[str, jax.Array]) -> None:
+        """Hand back the planes a step returned (donated planes are replaced by the step's outputs)."""
+        rt = self._runtime(kind)
+        current = rt.planes
+        if set(planes) != set(current):
+            raise ValueError(f"pool {rt.kind.value}: planes {sorted(planes)} != {sorted(current)}")
+        for name, arr in planes.items():
+            old = current[name]
+            if tuple(arr.shape) != tuple(old.shape) or arr.dtype != old.dtype:
+                raise ValueError(
+                    f"pool {rt.kind.value}: plane {name!r} is {tuple(arr.shape)} {arr.dtype}, needs "
+                    f"{tuple(old.shape)} {old.dtype}"
+                )
+        rt.planes = dict(planes)
+
+    # -- handles ---------------------------------------------------------------------------------------------
+    def _sequence(self, handle) -> _Record:
+        if not isinstance(handle, SequenceHandle):
+            raise TypeError(f"expected a SequenceHandle, got {type(handle).__name__}")
+        return self._registry.get(handle)
+
+    def _checkpoint(self, handle) -> _Record:
+        if not isinstance(handle, CheckpointHandle):
+            raise TypeError(f"expected a CheckpointHandle, got {type(handle).__name__}")
+        return self._registry.get(handle)
+
+    def row(self, handle: SequenceHandle) -> int:
+        """The execution row (block-table row in every pool) of an active sequence."""
+        return self._sequence(handle).row
+
+    def bundle(self, handle: SequenceHandle) -> SequenceKVBundle:
+        rec = self._sequence(handle)
+        spaces = {k: KVAddressSpace(rt, rec.row, int(rt.spaces.generation[rec.row])) for k, rt in self._rt.items()}
+        return SequenceKVBundle(handle, rec.row, spaces)
+
+    def address_space(self, handle, pool="main") -> KVAddressSpace:
+        """The address space of a sequence or checkpoint in ``pool``."""
+        rec = self._registry.get(handle)
+        rt = self._runtime(pool)
+        slot = rec.slots[rt.kind]
+        return KVAddressSpace(rt, slot, int(rt.spaces.generation[slot]))
+
+    def checkpoint(self, handle: CheckpointHandle) -> CheckpointInfo:
+        rec = self._checkpoint(handle)
+        frontiers = {k: int(rt.spaces.committed[rec.slots[k]]) for k, rt in self._rt.items()}
+        spaces = {
+            k: KVAddressSpace(rt, rec.slots[k], int(rt.spaces.generation[rec.slots[k]])) for k, rt in self._rt.items()
+        }
+        return CheckpointInfo(handle, frontiers, rec.state_image, self._reusable(rec), spaces)
+
+    def _reusable(self, rec: _Record) -> bool:
+        return set(rec.slots) == set(self._rt) and (rec.state_image is not None or not self.requires_state_image)
+
+    def sequences(self) -> list[SequenceHandle]:
+        return self._registry.handles("sequence")
+
+    def checkpoints(self) -> list[CheckpointHandle]:
+        return self._registry.handles("checkpoint")
+
+    def active_rows(self) -> np.ndarray:
+        return np.flatnonzero(self._row_owner >= 0)
+
+    # -- activation ------------------------------------------------------------------------------------------
+    def _fault(self, stage: str, kind: PoolKind | None) -> None:
+        if self.fault_injector is not None:
+            self.fault_injector(stage, kind)
+
+    def activate(
+        self,
+        prompt_tokens: int,
+        max_new_tokens: int = 0,
+        *,
+        source: CheckpointHandle | None = None,
+        release_source: bool = False,
+    ) -> SequenceHandle:
+        """Activate a sequence from the root or from a retained checkpoint, atomically over every pool.
+
+        Args:
+          prompt_tokens: tokens of the prompt, including the prefix the checkpoint already holds.
+          max_new_tokens: the output budget; the entitlement covers ``prompt + budget`` by default.
+          source: a reusable checkpoint to continue from (its frontier must be <= ``prompt_tokens``).
+          release_source: the caller gives the checkpoint up.  Pools where nothing else references
+            its pages *Move* them (no copy; the partial tail continues in place); otherwise the
+            checkpoint is *Forked* — full pages shared immutably, a partial tail copied into a
+            private page — and released afterwards.  With ``False`` the checkpoint survives (Fork).
+
+        Returns:
+          The new :class:`SequenceHandle`; its row is ``store.row(handle)``.
+        """
+        prompt = _int("prompt_tokens", prompt_tokens)
+        budget = _int("max_new_tokens", max_new_tokens)
+        target = prompt + budget
+        if target > self.max_context:
+            raise EntitlementError(
+                f"prompt_tokens + max_new_tokens = {target} exceeds max_context={self.max_context} "
+                f"(allowed: 0..{self.max_context})"
+            )
+        src_rec = None
+        if source is not None:
+            src_rec = self._checkpoint(source)
+            if not self._reusable(src_rec):
+                raise IncompleteContinuationError(
+                    "the checkpoint holds no state image and the model requires one: KV pages alone are not a "
+                    "reusable continuation"
+                )
+            f_main = int(self._main.spaces.committed[src_rec.slots[PoolKind.MAIN]])
+            if prompt < f_main:
+                raise ValueError(f"prompt_tokens={prompt} is below the checkpoint frontier {f_main}")
+        elif release_source:
+            raise ValueError("release_source=True needs a source checkpoint")
+        if not self._free_rows:
+            raise PoolCapacityError(f"all {self.max_concurrency} execution rows are leased")
+
+        # -- plan every pool (no state changes) --------------------------------------------------------
+        growth = self.policy.kv_lease_growth
+        min_tok, want_tok = self.policy.activation_tokens(prompt, target)
+        cap = self.logical_pages * PAGE_SIZE
+        plans = []
+        for kind, rt in self._rt.items():
+            lo = pages_for_tokens(min(cap, min_tok + rt.lead_tokens))
+            hi = pages_for_tokens(min(cap, want_tok + rt.lead_tokens))
+            src_slot = tail_slot = None
+            carried = full = partial = 0
+            move = False
+            if src_rec is not None:
+                src_slot = src_rec.slots[kind]
+                c = int(rt.spaces.committed[src_slot])
+                full, partial = divmod(c, PAGE_SIZE)
+                if partial:
+                    tail_slot = int(rt.spaces.membership[src_slot, full])
+                move = release_source and (not partial or int(rt.pages.refs[tail_slot]) == 1)
+                carried = int(rt.spaces.n_blocks[src_slot]) if move else full
+                lo = max(lo, pages_for_tokens(c))
+                hi = max(hi, lo)
+            ent = max(lo, min(hi, carried + rt.pool.available)) if growth else hi
+            plans.append(
+                dict(
+                    kind=kind,
+                    rt=rt,
+                    ent=ent,
+                    reserve=ent - carried,
+                    src=src_slot,
+                    move=move,
+                    carried=carried,
+                    carried_committed=(int(rt.spaces.committed[src_slot]) if move else full * PAGE_SIZE)
+                    if src_slot is not None
+                    else 0,
+                    tail=(tail_slot, full, partial) if (partial and not move) else None,
+                )
+            )
+
+        undo: list[Callable[[], None]] = []
+        try:
+            row = self._free_rows.pop()
+            undo.append(lambda: self._free_rows.append(row))
+            handle = self._registry.add(_Record("sequence", {p["kind"]: row for p in plans}, row=row))
+            undo.append(lambda: self._registry.undo_add(handle))
+            for p in plans:
+                self._fault("claim_spaces", p["kind"])
+                undo.append(p["rt"].claim(row, handle.id, p["ent"], target, growth))
+            for p in plans:
+                self._fault("reserve", p["kind"])
+                undo.append(p["rt"].reserve(row, p["reserve"]))
+            for p in plans:
+                self._fault("restore_host", p["kind"])
+                undo.append(self._restore_host_pages(p))
+            for p in plans:
+                self._fault("move_fork", p["kind"])
+                if p["src"] is not None:
+                    undo.append(p["rt"].carry(row, p["src"], p["carried"], p["carried_committed"]))
+            for p in plans:
+                self._fault("private_tail", p["kind"])
+                if p["tail"] is not None:
+                    undo.append(p["rt"].private_tail(row, *p["tail"]))
+            self._fault("lease_rows", None)
+            self._row_owner[row] = handle.id
+            undo.append(lambda: self._row_owner.__setitem__(row, -1))
+            for p in plans:
+                self._fault("publish_tables", p["kind"])
+                undo.append(p["rt"].publish_row(row))
+            self._fault("publish_active", None)
+        except BaseException:
+            for action in reversed(undo):
+                action()
+            raise
+        # -- commit: infallible --------------------------------------------------------------------------
+        for p in plans:
+            p["rt"].commit_activation(row, p["src"] if p["move"] else None)
+        if source is not None and release_source:
+            for p in plans:
+                if not p["move"]:
+                    p["rt"].release_inactive(p["src"])
+            self._registry.remove(source)
+        return handle
+
+    def _restore_host_pages(self, plan: dict) -> Callable[[], None]:
+        """Stage ``restore_host``: bring Host-only pages of the source back to Device replicas.
+
+        With only a Device tier every page of a checkpoint has a Device replica, so there is nothing
+        to restore.  A Host tier materializes destination pages from the reservation here, copies
+        Host extents into them, verifies epoch and coverage, and returns the undo of that work.
+        """
+        return lambda: None
+
+    # -- mapping, commit, trim ---------------------------------------------------------------------------------
+    def ensure_mapped_to_tokens(self, handle: SequenceHandle, tokens: int, *, pool="main") -> int:
+        """Make the sequence's membership in ``pool`` cover ``tokens`` tokens (a lower bound).
+
+        A no-op when the membership already covers ``tokens`` (even if it covers more).  Fails, with
+        nothing changed, only when ``tokens`` exceeds the entitlement.  Never advances a frontier,
+        never trims, never changes the entitlement.  Returns the number of pages materialized.
+        """
+        rec = self._sequence(handle)
+        tokens = _int("tokens", tokens)
+        return self._runtime(pool).map_rows(np.array([rec.row]), np.array([tokens], np.int64))
+
+    def commit(self, handle: SequenceHandle, frontier: int, *, pool="main") -> None:
+        """Advance the committed frontier after a unit succeeded (within the mapped extent)."""
+        rec = self._sequence(handle)
+        frontier = _int("frontier", frontier)
+        self._runtime(pool).commit_rows(np.array([rec.row]), np.array([frontier], np.int64))
+
+    def trim(self, handle: SequenceHandle, *, pool="main", provisional: int = 0) -> int:
+        """Keep ``ceil(max(committed, provisional) / P)`` pages; leases return to the reservation."""
+        rec = self._sequence(handle)
+        provisional = _int("provisional", provisional)
+        return self._runtime(pool).trim_rows(np.array([rec.row]), np.array([provisional], np.int64))
+
+    def truncate(self, handle: SequenceHandle, frontier: int, *, pool="main", provisional: int = 0) -> None:
+        """Lower the committed frontier to ``frontier`` (not below the protected frontier), then trim."""
+        rec = self._sequence(handle)
+        rt = self._runtime(pool)
+        frontier = _int("frontier", frontier)
+        provisional = _int("provisional", provisional)
+        lo, hi = int(rt.spaces.protected[rec.row]), int(rt.spaces.committed[rec.row])
+        if not lo <= frontier <= hi:
+            raise LifecycleError(
+                f"pool {rt.kind.value}: truncate frontier {frontier} is outside [{lo}, {hi}] (protected frontier, "
+                f"committed frontier)"
+            )
+        rt.truncate_row(rec.row, frontier, provisional)
+
+    def settle(self, handle: SequenceHandle, accepted_frontier: int, *, pool="main", provisional: int | None = None):
+        """Speculative settlement: commit the accepted frontier, then trim rejected trailing pages.
+
+        ``provisional`` keeps mappings up to that many tokens (e.g. the next round's draft window).
+        """
+        rec = self._sequence(handle)
+        accepted_frontier = _int("accepted_frontier", accepted_frontier)
+        keep = accepted_frontier if provisional is None else _int("provisional", provisional)
+        rt = self._runtime(pool)
+        rows = np.array([rec.row])
+        rt.commit_rows(rows, np.array([accepted_frontier], np.int64))
+        rt.trim_rows(rows, np.array([keep], np.int64))
+
+    # -- vectorized row verbs (decode rounds) ------------------------------------------------------------------
+    def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
+        """Vectorized ``ensure_mapped_to_tokens`` over execution rows; returns pages materialized."""
+        rows = np.asarray(rows, np.int64)
+        targets = np.asarray(targets, np.int64)
+        if rows.shape != targets.shape or rows.ndim != 1:
+            raise ValueError(f"rows {rows.shape} and targets {targets.shape} must be 1-D of one length")
+        rt = self._rt[pool] if pool in self._rt else self._runtime(pool)
+        return rt.map_rows(rows, targets)
+
+    def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
+        """Vectorized ``commit`` over execution rows."""
+        rows = np.asarray(rows, np.int64)
+        frontiers = np.asarray(frontiers, np.int64)
+        if rows.shape != frontiers.shape or rows.ndim != 1:
+            raise ValueError(f"rows {rows.shape} and frontiers {frontiers.shape} must be 1-D of one length")
+        rt = self._rt[pool] if pool in self._rt else self._runtime(pool)
+        rt.commit_rows(rows, frontiers)
+
+    def trim_rows(self, rows, keep_tokens=None, *, pool="main") -> int:
+        """Vectorized ``trim``: keep ``ceil(max(committed, keep_tokens) / P)`` pages per row."""
+        rows = _vec("rows", rows)
+        keep = np.zeros_like(rows) if keep_tokens is None else _vec("keep_tokens", keep_tokens)
+        if keep.shape != rows.shape:
+            raise ValueError(f"rows {rows.shape} and keep_tokens {keep.shape} must have one length")
+        rt = self._runtime(pool)
+        rt._check_rows(rows)
+        return rt.trim_rows(rows, keep)
+
+    def settle_rows(self, rows, accepted, provisional=None, *, pool="main") -> int:
+        """Vectorized ``settle``: commit accepted frontiers, then trim to ``max(accepted, provisional)``."""
+        rows = _vec("rows", rows)
+        accepted = _vec("accepted", accepted)
+        keep = accepted if provisional is None else _vec("provisional", provisional)
+        if not rows.shape == accepted.shape == keep.shape:
+            raise ValueError("rows, accepted and provisional must have one length")
+        rt = self._runtime(pool)
+        rt.commit_rows(rows, accepted)
+        return rt.trim_rows(rows, keep)
+
+    def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:
+        """Grow ``kv_lease_growth`` entitlements at a decode-round boundary (vectorized).
+
+        Each lane wants ``min(target, committed + window + cushion)`` Main tokens (plus each pool's
+        lead), granted from available pages in row order.  A lane whose entitlement cannot cover its
+        next ``step_tokens`` tokens is ``length_limited``: end it with finish reason ``length``.
+        Lanes with a full entitlement never change.
+        """
+        main = self._main
+        if rows is None:
+            rows = np.flatnonzero(main.spaces.active[: self.max_concurrency])
+        rows = _vec("rows", rows)
+        main._check_rows(rows)
+        if not main.spaces.active[rows].all():
+            raise main._inactive_error(rows)
+        step = _int("step_tokens", step_tokens, 1)
+        committed = main.spaces.committed[rows]
+        target = main.spaces.target[rows]
+        growth = main.spaces.growth[rows]
+        desired = np.where(growth, self.policy.desired_tokens(committed, target), 0)
+        cap = self.logical_pages * PAGE_SIZE
+        granted = {}
+        covered = target.copy()
+        for kind, rt in self._rt.items():
+            want = pages_for_tokens(np.minimum(cap, desired + rt.lead_tokens * (desired > 0)))
+            granted[kind] = rt.grow(rows, want)
+            pool_cover = rt.spaces.ent_pages[rows] * PAGE_SIZE - rt.lead_tokens
+            covered = np.minimum(covered, pool_cover)
+        limited = covered < np.minimum(target, committed + step)
+        return RoundGrant(rows=rows, covered_tokens=covered, length_limited=limited, granted_pages=granted)
+
+    # -- finish and release ----------------------------------------------------------------------------------------
+    def finish(
+        self,
+        handle: SequenceHandle,
+        *,
+        retain: bool = False,
+        state_image: Any = None,
+        frontiers: Mapping | None = None,
+    ) -> CheckpointHandle | None:
+        """End an active sequence: release its row, writer and unmaterialized entitlement.
+
+        With ``retain=False`` every membership is released.  With ``retain=True`` the address spaces
+        become one immutable inactive checkpoint holding ``ceil(committed / P)`` pages per pool (the
+        provisional lead is trimmed: it is never checkpoint coverage) and ``state_image``, the model's
+        opaque state token for the same frontier.  A complete continuation is required: when the
+        store ``requires_state_image`` a state image must be given, and ``frontiers`` (optional,
+        ``{pool: tokens}`` for every enabled pool) must equal each pool's committed frontier.
+
+        Returns the :class:`CheckpointHandle`, or ``None`` when released.
+        """
+        rec = self._sequence(handle)
+        if retain:
+            if self.requires_state_image and state_image is None:
+                raise IncompleteContinuationError(
+                    "retain needs the model's state image for this frontier (requires_state_image=True); "
+                    "KV pages alone are not a reusable continuation"
+                )
+            if frontiers is not None:
+                stated = {PoolKind.parse(k): v for k, v in frontiers.items()}
+                if set(stated) != set(self._rt):
+                    raise IncompleteContinuationError(
+                        f"frontiers name pools {sorted(k.value for k in stated)}; every enabled pool "
+                        f"{sorted(k.value for k in self._rt)} must be stated"
+                    )
+                for kind, f in stated.items():
+                    c = int(self._rt[kind].spaces.committed[rec.row])
+                    if f != c:
+                        raise IncompleteContinuationError(
+                            f"pool {kind.value}: checkpoint frontier {f} != committed frontier {c}; commit the "
+                            f"pool to the checkpoint frontier before retaining"
+                        )
+        elif state_image is not None or frontiers is not None:
+            raise ValueError("state_image and frontiers are only meaningful with retain=True")
+        row = rec.row
+        for rt in self._rt.values():
+            rt.check_deactivate(row, retain)
+        slots = {kind: rt.deactivate(row, retain) for kind, rt in self._rt.items()}
+        self._registry.remove(handle)
+        self._row_owner[row] = -1
+        bisect.insort(self._free_rows, row, key=lambda r: -r)
+        if retain:
+            return self._registry.add(_Record("checkpoint", slots, state_image=state_image))
+        return None
+
+    def release_checkpoint(self, handle: CheckpointHandle) -> None:
+        """Release a retained checkpoint: drop its references; unreferenced pages go back to the pool."""
+        rec = self._checkpoint(handle)
+        for kind, rt in self._rt.items():
+            rt.release_inactive(rec.slots[kind])
+        self._registry.remove(handle)
+
+    # -- block tables ------------------------------------------------------------------------------------------------
+    def publish(self) -> dict[PoolKind, jax.Array]:
+        """Publish every pending block-table update (one donated scatter per pool); returns the tables."""
+        return {kind: rt.table.publish() for kind, rt in self._rt.items()}
+
+    @property
+    def block_tables(self) -> dict[PoolKind, jax.Array]:
+        """The device block tables as of the last :meth:`publish`."""
+        return {kind: rt.table.device for kind, rt in self._rt.items()}
+
+    def host_block_table(self, kind="main") -> np.ndarray:
+        """A copy of the host mirror (includes updates not yet published)."""
+        return self._runtime(kind).table.host.copy()
+
+    # -- summaries and checks ------------------------------------------------------------------------------------------
+    def occupancy(self, kind="main") -> PoolOccupancy:
+        rt = self._runtime(kind)
+        pg, sp = rt.pages, rt.spaces
+        live = pg.live
+        inactive = sp.live & ~sp.active
+        return PoolOccupancy(
+            pool=rt.kind.value,
+            capacity=rt.pool.capacity,
+            allocated=rt.pool.allocated,
+            reserved=rt.pool.reserved,
+            available=rt.pool.available,
+            logical_pages=int(live.sum()),
+            shared_pages=int((live & (pg.refs > 1)).sum()),
+            mapped_blocks=int(sp.n_blocks[sp.live].sum()),
+            active_spaces=int(sp.active.sum()),
+            retained_checkpoints=int(inactive.sum()),
+            page_bytes=rt.layout.page_bytes,
+            plane_bytes=rt.layout.buffer_bytes(rt.pool.capacity),
+            table_bytes=rt.rows * rt.logical_pages * 4,
+        )
+
+    def memory_summary(self) -> StoreMemorySummary:
+        return StoreMemorySummary(
+            pools={k.value: self.occupancy(k) for k in self._rt},
+            active_sequences=int((self._row_owner >= 0).sum()),
+            retained_checkpoints=len(self.checkpoints()),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` on any inconsistency (every pool, rows and handles)."""
+        from .errors import InvariantError
+
+        for rt in self._rt.values():
+            rt.check_invariants()
+        active = np.flatnonzero(self._row_owner >= 0)
+        for kind, rt in self._rt.items():
+            if not np.array_equal(np.flatnonzero(rt.spaces.active[: self.max_concurrency]), active):
+                raise InvariantError(f"pool {kind.value}: active rows disagree with leased rows")
+        if sorted(self._free_rows) != sorted(set(range(self.max_concurrency)) - set(active.tolist())):
+            raise InvariantError("free execution rows disagree with leased rows")
+        for h in self.sequences():
+            if self._row_owner[self._registry.get(h).row] != h.id:
+                raise InvariantError(f"sequence {h.id} does not own its row")
+
+    def snapshot(self) -> dict:
+        """A comparable deep copy of every piece of semantic state (for tests and debugging)."""
+        return {
+            "pools": {k.value: rt.snapshot() for k, rt in self._rt.items()},
+            "free_rows": list(self._free_rows),
+            "row_owner": self._row_owner.copy(),
+            "registry": self._registry.snapshot(),
+        }
+
+    def __repr__(self) -> str:
+        pools = ", ".join(f"{k.value}:{rt.pool.capacity}" for k, rt in self._rt.items())
+        return (
+            f"KVStore(S={self.max_context}, C={self.max_concurrency}, L={self.logical_pages}, pools=[{pools}], "
+            f"active={int((self._row_owner >= 0).sum())}, checkpoints={len(self.checkpoints())})"
+        )

@@ -1,0 +1,137 @@
+"""Shared helpers of the store tests: tiny plans, a device writer that goes through the block
+tables (as a kernel would), content readers and snapshot comparison."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
+from ninfer_kv.store import KVStore
+
+P = 64
+
+CONFIGS = {
+    "ordinary": None,
+    "mtp": SpeculativeConfig(backend="mtp", draft_window=3, mtp_layers=1),
+    "dflash": SpeculativeConfig(backend="dflash", draft_full_layers=1, draft_kv_heads=1, draft_head_dim=8),
+}
+
+
+def tiny_plan(backend: str = "ordinary", *, max_context=256, max_concurrency=3, pages=9, profile="bf16", head_dim=8, layers=2):
+    model = ModelKVConfig(num_layers=layers, num_kv_heads=1, head_dim=head_dim, profile=profile)
+    return plan_kv_cache(
+        model,
+        max_context=max_context,
+        max_concurrency=max_concurrency,
+        policy=ExplicitCapacity(pages * P),
+        speculative=CONFIGS[backend],
+    )
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@functools.partial(jax.jit, static_argnames=("page_axis",), donate_argnums=(0,))
+def _write_cells(planes, pages, cols, values, *, page_axis):
+    out = {}
+    for name, plane in planes.items():
+        # write raw bits so untouched cells (random NaN payloads included) keep their exact bytes
+        bits = _UINT[jnp.dtype(plane.dtype).itemsize]
+        x = jax.lax.bitcast_convert_type(plane, bits)
+        n = x.shape[page_axis]
+        p = jnp.where(pages >= 0, pages, n)
+        v = jax.lax.bitcast_convert_type(values.astype(plane.dtype), bits)
+        if page_axis == 1:  # (Lyr, N, H, P, X): advanced axes not adjacent -> (U, Lyr, H, X)
+            x = x.at[:, p, :, cols, :].set(v[:, None, None, None], mode="drop")
+        else:  # (Lyr, H, N, P, X): adjacent advanced axes -> (Lyr, H, U, X)
+            x = x.at[:, :, p, cols, :].set(v[None, None, :, None], mode="drop")
+        out[name] = jax.lax.bitcast_convert_type(x, plane.dtype)
+    return out
+
+
+WRITE_PAD = 256
+
+
+def write_tokens(store: KVStore, kind, row: int, start: int, values) -> None:
+    """Write ``values`` at positions ``start..`` of ``row`` in every plane/layer, translating positions
+    through the *published device* block table exactly like a paged-append kernel."""
+    values = np.asarray(values, np.float32)
+    if values.size == 0:
+        return
+    table = np.asarray(store.publish()[kind])
+    pos = start + np.arange(values.size)
+    pages = table[row, pos // P].astype(np.int32)
+    cols = (pos % P).astype(np.int32)
+    axis = store.layout(kind).order.page_axis
+    planes = store.planes(kind)
+    for s in range(0, values.size, WRITE_PAD):
+        n = min(WRITE_PAD, values.size - s)
+        pg = np.full(WRITE_PAD, -1, np.int32)
+        cl = np.zeros(WRITE_PAD, np.int32)
+        vl = np.zeros(WRITE_PAD, np.float32)
+        pg[:n], cl[:n], vl[:n] = pages[s : s + n], cols[s : s + n], values[s : s + n]
+        planes = _write_cells(planes, pg, cl, vl, page_axis=axis)
+    store.set_planes(kind, planes)
+
+
+def read_cells(planes_np: dict, axis: int, pages: np.ndarray, cols: np.ndarray) -> list[np.ndarray]:
+    """Per plane, the values at (page, col) for every layer/head/x: arrays of shape (U, ...)."""
+    out = []
+    for x in planes_np.values():
+        if axis == 1:
+            out.append(x[:, pages, :, cols, :].astype(np.float32))  # (U, Lyr, H, X)
+        else:
+            out.append(np.moveaxis(x[:, :, pages, cols, :], 2, 0).astype(np.float32))
+    return out
+
+
+def space_content_ok(store: KVStore, kind, physical_pages: np.ndarray, expected: list, planes_np=None) -> bool:
+    """True iff every plane/layer holds ``expected[i]`` at logical position i of the membership."""
+    n = len(expected)
+    if n == 0:
+        return True
+    planes_np = planes_np if planes_np is not None else {k: np.asarray(v) for k, v in store.planes(kind).items()}
+    pos = np.arange(n)
+    pages = physical_pages[pos // P]
+    cols = pos % P
+    exp = np.asarray(expected, np.float32)
+    axis = store.layout(kind).order.page_axis
+    for got in read_cells(planes_np, axis, pages, cols):
+        if not np.all(got == exp.reshape((n,) + (1,) * (got.ndim - 1))):
+            return False
+    return True
+
+
+def assert_same(a, b, path="state"):
+    """Deep equality of snapshots (dicts, lists, tuples, numpy arrays, scalars)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {set(a) ^ set(b)} differ"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.shape == b.shape and np.array_equal(a, b), f"{path}: arrays differ"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def random_fill(store: KVStore, seed: int = 0) -> None:
+    """Fill every plane of every pool with random bytes (any dtype)."""
+    rng = np.random.default_rng(seed)
+    for kind in store.pool_kinds:
+        planes = {}
+        for name, x in store.planes(kind).items():
+            raw = rng.integers(0, 256, size=x.size * x.dtype.itemsize, dtype=np.uint8)
+            planes[name] = jnp.asarray(raw.view(x.dtype).reshape(x.shape))
+        store.set_planes(kind, planes)
+
+
+def page_bytes(planes_np: dict, axis: int, page: int) -> list[bytes]:
+    return [np.take(x, page, axis=axis).tobytes() for x in planes_np.values()]

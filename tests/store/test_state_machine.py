@@ -1,0 +1,368 @@
+"""Stateful property test of the KV store against an independent model.
+
+Random sequences of activate (root / Fork / Move) / map / unit (write through the device block
+table + speculative settle) / failed unit / truncate / decode round / round boundary / finish-retain /
+finish-release / release-checkpoint run on tiny ordinary, MTP and DFlash pool sets (with real,
+tiny device planes).  After every step the test checks, from outside the store:
+
+* the capacity identity per pool, and that allocated pages are exactly the distinct pages mapped;
+* every active reservation equals entitlement - mapped pages (so mapping never fails inside it);
+* device content of every sequence and checkpoint, every pool, every plane and layer, equals the
+  model's committed tokens (so shared pages and protected columns were never overwritten, COW
+  copies are exact, and a unit that wrote without committing changed nothing visible);
+* each shared full page keeps its bytes while shared; at most one writer per page;
+* rows are held only by active sequences; published device block-table rows mirror memberships and
+  idle rows hold the sentinel;
+* at the end, after finishing and releasing everything, every page is free and every descriptor
+  reclaimed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from ninfer_kv.planning import PoolKind
+from ninfer_kv.store import (
+    EntitlementError,
+    EntitlementPolicy,
+    KVStore,
+    LifecycleError,
+    PoolCapacityError,
+    StaleHandleError,
+)
+
+from .helpers import P, assert_same, page_bytes, space_content_ok, tiny_plan, write_tokens
+
+MAIN = PoolKind.MAIN
+
+
+class _Seq:
+    def __init__(self, target, content):
+        self.target = target
+        self.content = content  # PoolKind -> list of committed token values
+
+
+class StoreMachine(RuleBasedStateMachine):
+    backend = "ordinary"
+    growth = False
+
+    def __init__(self):
+        super().__init__()
+        policy = EntitlementPolicy(kv_lease_growth=True, window_tokens=64, cushion_tokens=16) if self.growth else None
+        self.plan = tiny_plan(self.backend, pages=12)
+        self.store = KVStore(self.plan, entitlement=policy)
+        self.kinds = self.store.pool_kinds
+        self.S = self.store.max_context
+        self.L = self.store.logical_pages
+        self.live_seqs: dict = {}
+        self.live_ckpts: dict = {}
+        self.dead_seqs: list = []
+        self.dead_ckpts: list = []
+        self.shared_bytes: dict = {}  # (kind, physical page) -> bytes while shared
+        self.counter = 1
+        self.steps = 0
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _values(self, n):
+        out = [(self.counter + i) % 200 + 1 for i in range(n)]
+        self.counter += n
+        return out
+
+    def _pick_seq(self, data):
+        return data.draw(st.sampled_from(sorted(self.live_seqs, key=lambda h: h.id)))
+
+    def _pick_ckpt(self, data):
+        return data.draw(st.sampled_from(sorted(self.live_ckpts, key=lambda h: h.id)))
+
+    def _lead(self, kind):
+        return self.store._rt[kind].lead_tokens
+
+    def _unchanged(self, fn, exc):
+        before = self.store.snapshot()
+        with pytest.raises(exc):
+            fn()
+        assert_same(before, self.store.snapshot())
+
+    # -- activation ------------------------------------------------------------------------------------
+    @rule(prompt=st.integers(0, 160), budget=st.integers(0, 110))
+    def activate_root(self, prompt, budget):
+        if prompt + budget > self.S:
+            self._unchanged(lambda: self.store.activate(prompt, budget), EntitlementError)
+            return
+        before = self.store.snapshot()
+        try:
+            h = self.store.activate(prompt, budget)
+        except PoolCapacityError:
+            assert_same(before, self.store.snapshot())
+            return
+        self.live_seqs[h] = _Seq(prompt + budget, {k: [] for k in self.kinds})
+
+    @precondition(lambda self: self.live_ckpts)
+    @rule(data=st.data(), extra=st.integers(0, 40), budget=st.integers(0, 80))
+    def fork_checkpoint(self, data, extra, budget):
+        self.activate_from_checkpoint(data, False, extra, budget)
+
+    @precondition(lambda self: self.live_ckpts)
+    @rule(data=st.data(), release=st.booleans(), extra=st.integers(0, 80), budget=st.integers(0, 120))
+    def activate_from_checkpoint(self, data, release, extra, budget):
+        ck = self._pick_ckpt(data)
+        content = self.live_ckpts[ck]
+        prompt = len(content[MAIN]) + extra
+        if prompt + budget > self.S:
+            self._unchanged(lambda: self.store.activate(prompt, budget, source=ck), EntitlementError)
+            return
+        before = self.store.snapshot()
+        try:
+            h = self.store.activate(prompt, budget, source=ck, release_source=release)
+        except PoolCapacityError:
+            assert_same(before, self.store.snapshot())
+            return
+        self.live_seqs[h] = _Seq(prompt + budget, {k: list(v) for k, v in content.items()})
+        if release:
+            del self.live_ckpts[ck]
+            self.dead_ckpts.append(ck)
+        for k in self.kinds:
+            assert self.store.address_space(h, k).committed_frontier == len(content[k])
+
+    # -- units -----------------------------------------------------------------------------------------
+    @precondition(lambda self: self.live_seqs)
+    @rule(data=st.data(), n=st.integers(1, 150), accept=st.lists(st.integers(0, 150), min_size=3, max_size=3),
+          keep=st.integers(0, 70))
+    def unit(self, data, n, accept, keep):
+        """Map, write through the device table and settle, independently per pool (MTP leads)."""
+        h = self._pick_seq(data)
+        seq = self.live_seqs[h]
+        row = self.store.row(h)
+        for i, kind in enumerate(self.kinds):
+            space = self.store.address_space(h, kind)
+            c = space.committed_frontier
+            reach = c + n + self._lead(kind)
+            if reach > space.entitlement_tokens:
+                self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, reach, pool=kind), EntitlementError)
+                continue
+            blocks_before = space.num_blocks
+            self.store.ensure_mapped_to_tokens(h, reach, pool=kind)
+            assert space.num_blocks == max(blocks_before, -(-reach // P))
+            vals = self._values(reach - c)
+            write_tokens(self.store, kind, row, c, vals)
+            a = min(accept[i], reach - c)
+            provisional = min(c + a + keep, reach)
+            self.store.settle(h, c + a, pool=kind, provisional=provisional)
+            seq.content[kind].extend(vals[:a])
+            assert space.num_blocks == -(-max(c + a, provisional) // P) or space.num_blocks == -(-(c + a) // P)
+
+    @precondition(lambda self: self.live_seqs)
+    @rule(data=st.data(), n=st.integers(1, 100))
+    def failed_unit(self, data, n):
+        """A unit writes beyond the frontier in every pool but never commits: nothing visible changes."""
+        h = self._pick_seq(data)
+        row = self.store.row(h)
+        for kind in self.kinds:
+            space = self.store.address_space(h, kind)
+            c = space.committed_frontier
+            reach = min(c + n, space.entitlement_tokens)
+            self.store.ensure_mapped_to_tokens(h, reach, pool=kind)
+            write_tokens(self.store, kind, row, c, [255.0] * (reach - c))
+            self.store.trim(h, pool=kind)
+
+    @precondition(lambda self: self.live_seqs)
+    @rule(data=st.data(), n=st.integers(0, 300))
+    def map_lower_bound(self, data, n):
+        h = self._pick_seq(data)
+        space = self.store.address_space(h, MAIN)
+        if n > space.entitlement_tokens:
+            self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, n), EntitlementError)
+            return
+        blocks, committed, ent = space.num_blocks, space.committed_frontier, space.entitlement_pages
+        self.store.ensure_mapped_to_tokens(h, n)
+        assert space.num_blocks == max(blocks, -(-n // P))
+        assert space.committed_frontier == committed and space.entitlement_pages == ent
+
+    @precondition(lambda self: self.live_seqs)
+    @rule(data=st.data(), back=st.integers(0, 130))
+    def truncate(self, data, back):
+        h = self._pick_seq(data)
+        space = self.store.address_space(h, MAIN)
+        c, lo = space.committed_frontier, space.protected_frontier
+        to = c - back
+        if to < lo:
+            if lo > 0:
+                self._unchanged(lambda: self.store.truncate(h, lo - 1), LifecycleError)
+            to = lo
+        self.store.truncate(h, to)
+        del self.live_seqs[h].content[MAIN][to:]
+
+    @precondition(lambda self: self.live_seqs)
+    @rule()
+    def decode_round(self):
+        """One vectorized decode round over every active lane of the Main pool."""
+        hs = [h for h in self.live_seqs if self.store.address_space(h, MAIN).entitlement_tokens
+              > self.store.address_space(h, MAIN).committed_frontier]
+        if not hs:
+            return
+        rows = np.array([self.store.row(h) for h in hs])
+        c = np.array([self.store.address_space(h, MAIN).committed_frontier for h in hs])
+        self.store.map_rows(rows, c + 1)
+        vals = self._values(len(hs))
+        for h, r, ci, v in zip(hs, rows, c, vals):
+            write_tokens(self.store, MAIN, int(r), int(ci), [v])
+        self.store.commit_rows(rows, c + 1)
+        for h, v in zip(hs, vals):
+            self.live_seqs[h].content[MAIN].append(v)
+
+    @precondition(lambda self: self.growth)
+    @rule()
+    def round_boundary(self):
+        grant = self.store.round_boundary()
+        for r, cov, lim in zip(grant.rows, grant.covered_tokens, grant.length_limited):
+            h = next(h for h in self.live_seqs if self.store.row(h) == r)
+            c = self.store.address_space(h, MAIN).committed_frontier
+            assert cov <= self.live_seqs[h].target
+            assert bool(lim) == (cov < min(self.live_seqs[h].target, c + 1))
+
+    # -- finish --------------------------------------------------------------------------------------------
+    @precondition(lambda self: self.live_seqs)
+    @rule(data=st.data())
+    def finish_retain(self, data):
+        h = self._pick_seq(data)
+        ck = self.store.finish(h, retain=True)
+        seq = self.live_seqs.pop(h)
+        self.dead_seqs.append(h)
+        self.live_ckpts[ck] = seq.content
+        info = self.store.checkpoint(ck)
+        assert info.reusable and all(info.frontiers[k] == len(seq.content[k]) for k in self.kinds)
+
+    @precondition(lambda self: self.live_seqs)
+    @rule(data=st.data())
+    def finish_release(self, data):
+        h = self._pick_seq(data)
+        self.store.finish(h)
+        self.live_seqs.pop(h)
+        self.dead_seqs.append(h)
+
+    @precondition(lambda self: self.live_ckpts)
+    @rule(data=st.data())
+    def release_checkpoint(self, data):
+        ck = self._pick_ckpt(data)
+        self.store.release_checkpoint(ck)
+        del self.live_ckpts[ck]
+        self.dead_ckpts.append(ck)
+
+    @precondition(lambda self: self.dead_seqs or self.dead_ckpts)
+    @rule(data=st.data())
+    def stale_handles_rejected(self, data):
+        if self.dead_seqs:
+            h = data.draw(st.sampled_from(self.dead_seqs))
+            self._unchanged(lambda: self.store.finish(h), StaleHandleError)
+            self._unchanged(lambda: self.store.commit(h, 0), StaleHandleError)
+        if self.dead_ckpts:
+            ck = data.draw(st.sampled_from(self.dead_ckpts))
+            self._unchanged(lambda: self.store.release_checkpoint(ck), StaleHandleError)
+
+    # -- invariants ------------------------------------------------------------------------------------------
+    @invariant()
+    def consistent(self):
+        self.steps += 1
+        store = self.store
+        store.check_invariants()
+        tables = {k: np.asarray(t) for k, t in store.publish().items()}
+        active_rows = sorted(store.row(h) for h in self.live_seqs)
+        assert active_rows == sorted(store.active_rows().tolist())
+        assert len(set(active_rows)) == len(active_rows)
+        for kind in self.kinds:
+            pool = store.pool(kind)
+            assert pool.allocated + pool.reserved + pool.available == pool.capacity
+            planes_np = {n: np.asarray(v) for n, v in store.planes(kind).items()}
+            axis = store.layout(kind).order.page_axis
+            owners: dict = {}
+            reserved = 0
+            mapped_pages = set()
+            for h, seq in self.live_seqs.items():
+                space = store.address_space(h, kind)
+                phys = space.physical_pages
+                mapped_pages.update(phys.tolist())
+                assert space.committed_frontier == len(seq.content[kind])
+                assert space.mapped_tokens >= space.committed_frontier
+                assert space.reserved_pages == space.entitlement_pages - space.num_blocks
+                reserved += space.reserved_pages
+                row = store.row(h)
+                assert np.array_equal(tables[kind][row, : phys.size], phys)
+                assert not tables[kind][row, phys.size :].any()
+                assert space_content_ok(store, kind, phys, seq.content[kind], planes_np)
+                pb = space.protected_frontier // P
+                for b, p in enumerate(phys.tolist()):
+                    owners.setdefault(p, []).append(("w" if b >= pb else "r", h))
+            for ck, content in self.live_ckpts.items():
+                space = store.address_space(ck, kind)
+                phys = space.physical_pages
+                mapped_pages.update(phys.tolist())
+                assert not space.active and space.row is None
+                assert space.committed_frontier == len(content[kind]) and phys.size == -(-len(content[kind]) // P)
+                assert space_content_ok(store, kind, phys, content[kind], planes_np)
+                for p in phys.tolist():
+                    owners.setdefault(p, []).append(("r", ck))
+            for r in set(range(store.max_concurrency)) - set(active_rows):
+                assert not tables[kind][r].any()
+            assert pool.allocated == len(mapped_pages)
+            assert pool.reserved == reserved
+            for p, holders in owners.items():
+                writers = [x for x in holders if x[0] == "w"]
+                assert len(writers) <= 1 and (not writers or len(holders) == 1), f"page {p}: {holders}"
+                key = (kind, p)
+                if len(holders) > 1:
+                    now = page_bytes(planes_np, axis, p)
+                    assert self.shared_bytes.setdefault(key, now) == now, f"shared page {p} changed"
+                else:
+                    self.shared_bytes.pop(key, None)
+
+    def teardown(self):
+        store = self.store
+        for h in list(self.live_seqs):
+            store.finish(h)
+        for ck in list(self.live_ckpts):
+            store.release_checkpoint(ck)
+        store.check_invariants()
+        for kind in self.kinds:
+            occ = store.occupancy(kind)
+            assert occ.allocated == 0 and occ.reserved == 0 and occ.available == occ.capacity
+            assert occ.logical_pages == 0 and occ.active_spaces == 0 and occ.retained_checkpoints == 0
+        assert not store.host_block_table().any()
+
+
+SETTINGS = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class OrdinaryMachine(StoreMachine):
+    backend = "ordinary"
+
+
+class MTPMachine(StoreMachine):
+    backend = "mtp"
+
+
+class DFlashMachine(StoreMachine):
+    backend = "dflash"
+
+
+class GrowthMachine(StoreMachine):
+    backend = "mtp"
+    growth = True
+
+
+TestOrdinary = OrdinaryMachine.TestCase
+TestOrdinary.settings = SETTINGS
+TestMTP = MTPMachine.TestCase
+TestMTP.settings = SETTINGS
+TestDFlash = DFlashMachine.TestCase
+TestDFlash.settings = SETTINGS
+TestGrowth = GrowthMachine.TestCase
+TestGrowth.settings = settings(SETTINGS, max_examples=60)
