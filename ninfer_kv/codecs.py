@@ -13,9 +13,11 @@ of DESIGN.md section 3:
 * A zero scale stores codes 0.  Dequantize: ``x' = float(code) * s``.
 
 Only operations that the Pallas Triton lowering accepts are used on the element path (no
-``round``/``rint``, no 4-bit dtypes, no slicing of loaded values): rounding to nearest even is the
-float32 magic-number trick and e2m1 encoding is a sum of comparisons, so a kernel can call these
-helpers on its tiles and produce codes bit-identical to the reference on CPU.
+``round``/``rint``, no 4-bit dtypes, no slicing of loaded values): rounding to nearest even is
+exact floor/fraction arithmetic, e2m1 encoding is a sum of comparisons, and every division of the
+rules goes through :func:`div_rn`, which returns the IEEE quotient even where XLA rewrites
+``x / s`` into ``x * (1 / s)``.  A kernel that calls these helpers on its tiles produces codes
+bit-identical to the reference (and to a numpy implementation of the rules) on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from .profiles import KVCodec, KVProfile
 
 __all__ = [
+    "div_rn",
     "round_half_even",
     "e2m1_encode",
     "e2m1_decode",
@@ -55,9 +58,9 @@ E2M1_MAX = 6.0
 def round_half_even(y: jax.Array) -> jax.Array:
     """Round float32 ``y`` (|y| < 2**31) to the nearest integer, ties to even, without ``rint``.
 
-    ``floor`` and the exact fraction ``y - floor(y)`` decide the rounding, so the result is
-    identical to ``numpy.rint`` and cannot be folded away by an algebraic simplifier (the usual
-    ``(y + 1.5 * 2**23) - 1.5 * 2**23`` trick can).
+    ``floor`` and the exact fraction ``y - floor(y)`` decide the rounding, so the result equals
+    ``numpy.rint`` in value (a negative input that rounds to zero gives +0.0) and cannot be folded
+    away by an algebraic simplifier (the usual ``(y + 1.5 * 2**23) - 1.5 * 2**23`` trick can).
     """
     y = y.astype(_F32)
     t = jnp.floor(y)
@@ -79,10 +82,66 @@ def _expand(s: jax.Array, group: int) -> jax.Array:
     return jnp.repeat(s, group, axis=-1, total_repeat_length=s.shape[-1] * group)
 
 
+def _div_rn_normalized(am: jax.Array, bm: jax.Array) -> jax.Array:
+    """Correctly rounded ``am / bm`` for ``am, bm`` in ``[1, 2)``, ``bm`` with <= 12 significant bits."""
+    u32 = jnp.uint32
+    q = am / bm  # the compiler may turn this into am * (1 / bm): within about one ulp
+    qbits = jax.lax.bitcast_convert_type(q, u32)
+
+    def residual(cbits):
+        c = jax.lax.bitcast_convert_type(cbits, _F32)
+        hi = jax.lax.bitcast_convert_type(cbits & u32(0xFFFFF000), _F32)
+        lo = c - hi  # exact: the low 12 significand bits
+        # hi * bm and lo * bm are exact (<= 24 bits); both subtractions are exact (Sterbenz)
+        return jnp.abs((am - hi * bm) - lo * bm)
+
+    best_bits, best_r = qbits, residual(qbits)
+    for cand in (qbits + u32(1), qbits - u32(1)):
+        r = residual(cand)
+        better = (r < best_r) | ((r == best_r) & ((cand & u32(1)) == 0))
+        best_bits = jnp.where(better, cand, best_bits)
+        best_r = jnp.where(better, r, best_r)
+    return best_bits
+
+
+def div_rn(a: jax.Array, b) -> jax.Array:
+    """Correctly rounded float32 ``a / b`` (IEEE round to nearest even), whatever the compiler does.
+
+    XLA's algebraic simplifier rewrites ``a / constant`` and ``a / broadcast(s)`` into
+    ``a * (1 / s)``, which is off by one ulp often enough to change a bf16 scale or an e4m3 /
+    e2m1 / int8 code at a rounding boundary (bf16 inputs hit exact e4m3 ties regularly).  Here the
+    significands of ``a`` and ``b`` are divided (the compiler's quotient is within about one ulp),
+    the IEEE quotient is picked among that value and its two neighbours by the smallest exact
+    residual ``a - c * b`` (ties to the even significand), and the exponents are put back exactly.
+
+    Precondition: ``b`` has at most 12 significant bits (bf16 and e4m3 scales, the constants 127,
+    448 and 6), which makes the residual exact.  Zero, subnormal, infinite or NaN operands and
+    quotients outside the normal range are returned as the compiler's ``a / b``.  Only float
+    arithmetic, bitcasts, integer bit operations and selects are used (Pallas Triton lowers them).
+    """
+    a = jnp.asarray(a, _F32)
+    b = jnp.asarray(b, _F32)
+    u32, i32 = jnp.uint32, jnp.int32
+    plain = a / b
+    abits = jax.lax.bitcast_convert_type(a, u32)
+    bbits = jax.lax.bitcast_convert_type(b, u32)
+    ea = ((abits >> 23) & u32(0xFF)).astype(i32)
+    eb = ((bbits >> 23) & u32(0xFF)).astype(i32)
+    one = u32(0x3F800000)
+    am = jax.lax.bitcast_convert_type((abits & u32(0x007FFFFF)) | one, _F32)
+    bm = jax.lax.bitcast_convert_type((bbits & u32(0x007FFFFF)) | one, _F32)
+    qbits = _div_rn_normalized(am, bm)  # quotient of significands, in (0.5, 2)
+    e = ((qbits >> 23) & u32(0xFF)).astype(i32) + ea - eb
+    sign = (abits ^ bbits) & u32(0x80000000)
+    exact = jax.lax.bitcast_convert_type((qbits & u32(0x007FFFFF)) | (e.astype(u32) << 23) | sign, _F32)
+    regular = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255) & (e >= 1) & (e <= 254)
+    return jnp.where(regular, exact, plain)
+
+
 def _safe_div(x: jax.Array, s_full: jax.Array) -> jax.Array:
-    """``x / s`` where ``s != 0``; 0 where ``s == 0`` (zero groups store codes 0)."""
+    """``x / s`` (correctly rounded) where ``s != 0``; 0 where ``s == 0`` (zero groups store codes 0)."""
     nz = s_full != 0
-    return jnp.where(nz, x / jnp.where(nz, s_full, 1.0), 0.0)
+    return jnp.where(nz, div_rn(x, jnp.where(nz, s_full, 1.0)), 0.0)
 
 
 # -- e2m1 ------------------------------------------------------------------------------------------
@@ -141,7 +200,7 @@ def quantize_bf16(x: jax.Array) -> tuple[jax.Array, None]:
 
 def quantize_int8_g64(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     x = x.astype(_F32)
-    s = (_group_amax(x, 64) / INT8_QMAX).astype(jnp.bfloat16)
+    s = div_rn(_group_amax(x, 64), INT8_QMAX).astype(jnp.bfloat16)
     y = _safe_div(x, _expand(s.astype(_F32), 64))
     q = round_half_even(jnp.clip(y, -INT8_QMAX, INT8_QMAX))
     return q.astype(jnp.int8), s
@@ -149,14 +208,14 @@ def quantize_int8_g64(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def quantize_fp8_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     x = x.astype(_F32)
-    s = (jnp.max(jnp.abs(x), axis=-1, keepdims=True) / FP8_MAX).astype(jnp.bfloat16)
+    s = div_rn(jnp.max(jnp.abs(x), axis=-1, keepdims=True), FP8_MAX).astype(jnp.bfloat16)
     y = _safe_div(x, s.astype(_F32))
     return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
 
 
 def quantize_nvfp4_g16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     x = x.astype(_F32)
-    sb = jnp.minimum(_group_amax(x, 16) / E2M1_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    sb = jnp.minimum(div_rn(_group_amax(x, 16), E2M1_MAX), FP8_MAX).astype(jnp.float8_e4m3fn)
     s_bits = jax.lax.bitcast_convert_type(sb, jnp.uint8)
     y = _safe_div(x, _expand(sb.astype(_F32), 16))
     codes = e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX))

@@ -167,16 +167,20 @@ class PagedKVLayerView:
         if not isinstance(self.layout, PagedKVStorageLayout):
             raise TypeError(f"layout must be a PagedKVStorageLayout, got {type(self.layout).__name__}")
         if validate:
-            lay = self.layout
-            n = _num_pages(self.planes, lay)
-            _check_planes(self.planes, lay.plane_shapes(n), lay.plane_dtypes(), "PagedKVLayerView")
-            bt = self.block_table
-            if not hasattr(bt, "shape") or len(bt.shape) != 1 or np.dtype(bt.dtype) != np.int32:
-                raise ValueError(
-                    f"block_table must be int32 (L,), got shape {getattr(bt, 'shape', None)} "
-                    f"dtype {getattr(bt, 'dtype', None)}"
-                )
-            _check_layer(self.layer, lay.num_layers)
+            self.check()
+
+    def check(self) -> None:
+        """Host-side validation of plane keys, shapes, dtypes, the table row and the layer."""
+        lay = self.layout
+        n = _num_pages(self.planes, lay)
+        _check_planes(self.planes, lay.plane_shapes(n), lay.plane_dtypes(), "PagedKVLayerView")
+        bt = self.block_table
+        if not hasattr(bt, "shape") or len(bt.shape) != 1 or np.dtype(bt.dtype) != np.int32:
+            raise ValueError(
+                f"block_table must be int32 (L,), got shape {getattr(bt, 'shape', None)} "
+                f"dtype {getattr(bt, 'dtype', None)}"
+            )
+        _check_layer(self.layer, lay.num_layers)
 
     def as_batch(self) -> PagedKVBatchLayerView:
         """The equivalent batch view with one table row (use ``table_rows = zeros((B,), int32)``)."""
@@ -255,8 +259,12 @@ class CyclicKVCacheLayerView:
         if not isinstance(self.layout, CyclicKVLayout):
             raise TypeError(f"layout must be a CyclicKVLayout, got {type(self.layout).__name__}")
         if validate:
-            _check_planes(self.planes, self.layout.plane_shapes(), self.layout.plane_dtypes(), "CyclicKVCacheLayerView")
-            _check_layer(self.layer, self.layout.num_layers)
+            self.check()
+
+    def check(self) -> None:
+        """Host-side validation of plane keys, shapes, dtypes and the layer."""
+        _check_planes(self.planes, self.layout.plane_shapes(), self.layout.plane_dtypes(), "CyclicKVCacheLayerView")
+        _check_layer(self.layer, self.layout.num_layers)
 
     def replace(self, **changes) -> "CyclicKVCacheLayerView":
         fields = {"planes": self.planes, "layer": self.layer, "layout": self.layout}

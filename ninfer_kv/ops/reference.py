@@ -109,12 +109,27 @@ def paged_attention_reference(
     return attention_over_keys(q, k, v, visible, sm_scale).astype(q.dtype)
 
 
+def _bitwise_set(plane: jax.Array, index: tuple, vals: jax.Array) -> jax.Array:
+    """``plane.at[index].set(vals, mode="drop")`` on the raw bits of float planes.
+
+    XLA's CPU scatter canonicalizes NaN payloads of untouched bf16/fp8 elements; moving bits as
+    unsigned integers keeps every byte outside ``index`` exactly as it was.
+    """
+    vals = vals.astype(plane.dtype)
+    if not jnp.issubdtype(plane.dtype, jnp.floating):
+        return plane.at[index].set(vals, mode="drop")
+    bits = jnp.dtype(f"uint{8 * jnp.dtype(plane.dtype).itemsize}")
+    raw = jax.lax.bitcast_convert_type(plane, bits)
+    raw = raw.at[index].set(jax.lax.bitcast_convert_type(vals, bits), mode="drop")
+    return jax.lax.bitcast_convert_type(raw, plane.dtype)
+
+
 def _scatter_tokens(plane, layer, order: PlaneOrder, pages, offs, vals):
     """Write ``vals (n, H, X)`` at (layer, pages[i], :, offs[i], :); out-of-range pages are dropped."""
     layer = jnp.asarray(layer, jnp.int32)
     if order is PlaneOrder.PAGE_MAJOR:
-        return plane.at[layer, pages, :, offs, :].set(vals.astype(plane.dtype), mode="drop")
-    return plane.at[layer, :, pages, offs, :].set(vals.astype(plane.dtype), mode="drop")
+        return _bitwise_set(plane, (layer, pages, slice(None), offs, slice(None)), vals)
+    return _bitwise_set(plane, (layer, slice(None), pages, offs, slice(None)), vals)
 
 
 def paged_append_reference(
@@ -174,7 +189,7 @@ def cyclic_append_reference(
     layer = jnp.asarray(view.layer, jnp.int32)
     for name, plane in view.planes.items():
         vals = enc[name].reshape((b * t,) + enc[name].shape[2:])
-        new[name] = plane.at[layer, r.reshape(-1), :, slot.reshape(-1), :].set(vals.astype(plane.dtype), mode="drop")
+        new[name] = _bitwise_set(plane, (layer, r.reshape(-1), slice(None), slot.reshape(-1), slice(None)), vals)
     return view.replace(planes=new)
 
 

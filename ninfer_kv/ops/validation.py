@@ -1,0 +1,245 @@
+"""Host-side validation of op inputs (runs before any implementation is called).
+
+Two tiers of checks:
+
+* **Static** (always, also under ``jax.jit`` where inputs are tracers): view type, plane keys,
+  shapes and dtypes against the view's layout, block-table shape/dtype, k/v/q dtypes and shapes
+  against the layout's ``H`` and ``D``, ``Hq % H == 0``, ``T >= 1``, int32 ``(B,)`` row/position/
+  length vectors, ``sm_scale``.
+* **Values** (only for concrete inputs, i.e. outside a trace): ``table_rows`` in ``[0, C)``,
+  ``positions >= 0``, ``valid`` in ``[0, T]``, ``positions + valid <= L * 64``, ``kv_lens`` in
+  ``[0, L * 64]``; for cyclic views ``rows`` in ``[0, rows)``; the layer index in range.
+
+Every failure raises ``ValueError`` (or ``TypeError`` for a wrong kind of object) whose message
+names the argument, the bad value (with its index for vectors) and the allowed range.  Nothing is
+modified.  Implementations may assume inputs that passed these checks.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import chex
+import jax
+import numpy as np
+
+from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+
+__all__ = [
+    "is_concrete",
+    "check_paged_view",
+    "check_cyclic_view",
+    "check_paged_append",
+    "check_paged_attention",
+    "check_cyclic_append",
+    "check_cyclic_attention",
+    "check_sm_scale",
+    "check_int_vector",
+    "host_values",
+]
+
+KV_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16))
+_KV_DTYPE_NAMES = "float32 or bfloat16"
+
+
+def is_concrete(x) -> bool:
+    """True when ``x`` holds values on the host side of a trace (not a ``jax`` tracer)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _chex(assertion, message: str) -> None:
+    """Run a chex assertion; turn its ``AssertionError`` into a ``ValueError`` with ``message``."""
+    try:
+        assertion()
+    except AssertionError as e:
+        raise ValueError(f"{message} [{e}]") from None
+
+
+def _require_array(name: str, x) -> None:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+# -- views ---------------------------------------------------------------------------------------
+
+
+def check_paged_view(view) -> None:
+    """A :class:`PagedKVBatchLayerView` whose planes, block tables and layer match its layout."""
+    if not isinstance(view, PagedKVBatchLayerView):
+        raise TypeError(
+            f"view must be a PagedKVBatchLayerView (or a PagedKVLayerView for one sequence), got {type(view).__name__}"
+        )
+    view.check()
+
+
+def check_cyclic_view(view) -> None:
+    """A :class:`CyclicKVCacheLayerView` whose planes and layer match its layout."""
+    if not isinstance(view, CyclicKVCacheLayerView):
+        raise TypeError(f"view must be a CyclicKVCacheLayerView, got {type(view).__name__}")
+    view.check()
+
+
+# -- tensors -------------------------------------------------------------------------------------
+
+
+def _check_kv(k, v, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """k, v: (B, T, H, D), float32 or bfloat16, one shape and dtype. Returns (B, T)."""
+    for name, x in (("k", k), ("v", v)):
+        _require_array(name, x)
+        if np.dtype(x.dtype) not in KV_DTYPES:
+            raise ValueError(f"{name} has dtype {np.dtype(x.dtype).name}; allowed: {_KV_DTYPE_NAMES}")
+        _chex(lambda x=x: chex.assert_rank(x, 4), f"{name} must be (B, T, H, D), got shape {tuple(x.shape)}")
+    _chex(lambda: chex.assert_equal_shape((k, v)), f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if np.dtype(k.dtype) != np.dtype(v.dtype):
+        raise ValueError(f"k and v dtypes differ: {np.dtype(k.dtype).name} vs {np.dtype(v.dtype).name}")
+    b, t, h, d = k.shape
+    if b < 1:
+        raise ValueError(f"k has batch B={b}; it must be >= 1")
+    if t < 1:
+        raise ValueError(f"k has T={t} tokens per row; T must be >= 1")
+    if h != num_kv_heads:
+        raise ValueError(f"k has H={h} heads; the view's layout has num_kv_heads={num_kv_heads}")
+    if d != head_dim:
+        raise ValueError(f"k has head dim D={d}; the view's layout has head_dim={head_dim}")
+    return b, t
+
+
+def _check_q(q, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """q: (B, T, Hq, D) float32 or bfloat16 with Hq a multiple of H. Returns (B, T)."""
+    _require_array("q", q)
+    if np.dtype(q.dtype) not in KV_DTYPES:
+        raise ValueError(f"q has dtype {np.dtype(q.dtype).name}; allowed: {_KV_DTYPE_NAMES}")
+    _chex(lambda: chex.assert_rank(q, 4), f"q must be (B, T, Hq, D), got shape {tuple(q.shape)}")
+    b, t, hq, d = q.shape
+    if b < 1:
+        raise ValueError(f"q has batch B={b}; it must be >= 1")
+    if t < 1:
+        raise ValueError(f"q has T={t} queries per row; T must be >= 1")
+    if d != head_dim:
+        raise ValueError(f"q has head dim D={d}; the view's layout has head_dim={head_dim}")
+    if hq < 1 or hq % num_kv_heads:
+        raise ValueError(
+            f"q has Hq={hq} query heads, which is not a positive multiple of the H={num_kv_heads} KV heads (GQA needs Hq % H == 0)"
+        )
+    return b, t
+
+
+def check_int_vector(name: str, x, batch: int) -> None:
+    """int32 (B,)."""
+    _require_array(name, x)
+    if np.dtype(x.dtype) != np.int32:
+        raise ValueError(f"{name} must be int32, got {np.dtype(x.dtype).name}")
+    _chex(lambda: chex.assert_shape(x, (batch,)), f"{name} must have shape (B,) = ({batch},), got {tuple(x.shape)}")
+
+
+def host_values(x) -> np.ndarray | None:
+    """``x`` as a numpy array when it is concrete, else ``None`` (value checks are skipped)."""
+    return np.asarray(x) if is_concrete(x) else None
+
+
+def _first_bad(name: str, values: np.ndarray, bad: np.ndarray, allowed: str) -> None:
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}]={int(values[i])} is out of range; allowed: {allowed}")
+
+
+def check_sm_scale(sm_scale) -> None:
+    """``None`` (meaning ``1/sqrt(D)``) or a finite real number > 0."""
+    if sm_scale is None:
+        return
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, Real):
+        raise TypeError(f"sm_scale must be None or a Python/numpy real number, got {type(sm_scale).__name__}")
+    if not math.isfinite(float(sm_scale)) or float(sm_scale) <= 0:
+        raise ValueError(f"sm_scale={sm_scale!r} is invalid; it must be a finite number > 0 (or None for 1/sqrt(D))")
+
+
+# -- paged ops -----------------------------------------------------------------------------------
+
+
+def _check_table_rows(table_rows, max_concurrency: int) -> None:
+    vals = host_values(table_rows)
+    if vals is not None:
+        _first_bad("table_rows", vals, (vals < 0) | (vals >= max_concurrency), f"[0, C={max_concurrency})")
+
+
+def check_paged_append(view, table_rows, positions, k, v, valid) -> None:
+    check_paged_view(view)
+    b, t = _check_kv(k, v, view.num_kv_heads, view.head_dim)
+    for name, x in (("table_rows", table_rows), ("positions", positions), ("valid", valid)):
+        check_int_vector(name, x, b)
+    cap = view.logical_pages * view.page_size
+    _check_table_rows(table_rows, view.max_concurrency)
+    pos, val = host_values(positions), host_values(valid)
+    if pos is not None:
+        _first_bad("positions", pos, pos < 0, ">= 0")
+    if val is not None:
+        _first_bad("valid", val, (val < 0) | (val > t), f"[0, T={t}]")
+    if pos is not None and val is not None:
+        end = pos.astype(np.int64) + val
+        bad = end > cap
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"positions[{i}] + valid[{i}] = {int(pos[i])} + {int(val[i])} = {int(end[i])} exceeds the "
+                f"logical capacity L*P = {view.logical_pages}*{view.page_size} = {cap} tokens of a table row"
+            )
+
+
+def check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale=None) -> None:
+    check_paged_view(view)
+    b, _ = _check_q(q, view.num_kv_heads, view.head_dim)
+    for name, x in (("table_rows", table_rows), ("positions", positions), ("kv_lens", kv_lens)):
+        check_int_vector(name, x, b)
+    check_sm_scale(sm_scale)
+    cap = view.logical_pages * view.page_size
+    _check_table_rows(table_rows, view.max_concurrency)
+    pos, lens = host_values(positions), host_values(kv_lens)
+    if pos is not None:
+        _first_bad("positions", pos, pos < 0, ">= 0")
+    if lens is not None:
+        _first_bad("kv_lens", lens, (lens < 0) | (lens > cap), f"[0, L*P={cap}]")
+
+
+# -- cyclic ops ----------------------------------------------------------------------------------
+
+
+def _check_cyclic_rows(rows, num_rows: int) -> None:
+    vals = host_values(rows)
+    if vals is not None:
+        _first_bad("rows", vals, (vals < 0) | (vals >= num_rows), f"[0, rows={num_rows})")
+
+
+def check_cyclic_append(view, rows, positions, k, v, valid) -> None:
+    check_cyclic_view(view)
+    lay = view.layout
+    b, t = _check_kv(k, v, lay.num_kv_heads, lay.head_dim)
+    for name, x in (("rows", rows), ("positions", positions), ("valid", valid)):
+        check_int_vector(name, x, b)
+    _check_cyclic_rows(rows, lay.rows)
+    pos, val = host_values(positions), host_values(valid)
+    if pos is not None:
+        _first_bad("positions", pos, pos < 0, ">= 0")
+    if val is not None:
+        _first_bad("valid", val, (val < 0) | (val > t), f"[0, T={t}]")
+
+
+def check_cyclic_attention(q, view, rows, positions, kv_lens, sm_scale=None) -> None:
+    check_cyclic_view(view)
+    lay = view.layout
+    b, t = _check_q(q, lay.num_kv_heads, lay.head_dim)
+    max_t = lay.slots - lay.window + 1
+    if t > max_t:
+        raise ValueError(
+            f"q has T={t} queries per row; a ring of slots={lay.slots} with window={lay.window} holds the keys of "
+            f"at most T = slots - window + 1 = {max_t} queries (allocate slots >= window + T - 1)"
+        )
+    for name, x in (("rows", rows), ("positions", positions), ("kv_lens", kv_lens)):
+        check_int_vector(name, x, b)
+    check_sm_scale(sm_scale)
+    _check_cyclic_rows(rows, lay.rows)
+    pos, lens = host_values(positions), host_values(kv_lens)
+    if pos is not None:
+        _first_bad("positions", pos, pos < 0, ">= 0")
+    if lens is not None:
+        _first_bad("kv_lens", lens, lens < 0, ">= 0")

@@ -1,0 +1,148 @@
+"""An independent numpy / ml_dtypes implementation of the closed KV codecs (the test oracle).
+
+Written from the rules of DESIGN.md section 3 alone, with the obvious numpy tools (``np.rint``,
+``ml_dtypes`` casts, per-group loops over reshaped arrays), so that it shares no code and no trick
+with :mod:`ninfer_kv.codecs`:
+
+* BF16: ``code = bf16(x)``.
+* INT8-G64: ``s = bf16(amax / 127)``; ``code = int8(clip(rint(x / s), -127, 127))``; ``s == 0`` -> 0.
+* FP8-E4M3FN-row: ``s = bf16(amax / 448)``; ``code = e4m3fn(clip(x / s, -448, 448))``; ``s == 0`` -> 0.
+* NVFP4-G16: ``sb = e4m3fn(min(amax / 6, 448))`` (raw bits stored), ``s = float(sb)``;
+  ``code = e2m1(clip(x / s, -6, 6))``, element 2j in the low nibble of byte j; ``s == 0`` -> 0.
+* Dequantize: ``float(code) * s`` in float32.
+
+All arithmetic is float32, as the rules require.  Every function takes ``(..., D)`` and returns
+numpy arrays with the plane dtypes of :class:`ninfer_kv.profiles.KVCodec`.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+F32 = np.float32
+
+# codec value strings of ninfer_kv.profiles.KVCodec
+CODECS = ("bf16", "int8-g64", "fp8-e4m3fn-row", "nvfp4-g16")
+PROFILE_CODECS = {
+    "bf16": ("bf16", "bf16"),
+    "int8-g64": ("int8-g64", "int8-g64"),
+    "fp8-e4m3fn-row256": ("fp8-e4m3fn-row", "fp8-e4m3fn-row"),
+    "nvfp4-g16": ("nvfp4-g16", "nvfp4-g16"),
+    "k8v4": ("fp8-e4m3fn-row", "nvfp4-g16"),
+}
+
+
+def _groups(x: np.ndarray, size: int) -> np.ndarray:
+    """(..., D) -> (..., D // size, size)."""
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // size, size))
+
+
+def _divide_or_zero(x_groups: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """x / s per group (s broadcast over the last axis); groups with s == 0 give 0."""
+    s = s[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = (x_groups / np.where(s == 0, F32(1), s)).astype(F32)
+    return np.where(s == 0, F32(0), y)
+
+
+def encode(codec: str, x) -> tuple[np.ndarray, np.ndarray | None]:
+    """Quantize ``x (..., D)`` -> (codes, scales or None) with the plane dtypes of ``codec``."""
+    x = np.asarray(x).astype(F32)
+    d = x.shape[-1]
+    if codec == "bf16":
+        return x.astype(BF16), None
+    if codec == "int8-g64":
+        g = _groups(x, 64)
+        s = (np.max(np.abs(g), axis=-1) / F32(127)).astype(F32).astype(BF16)
+        y = _divide_or_zero(g, s.astype(F32))
+        q = np.clip(np.rint(y), -127, 127).astype(np.int8)
+        return q.reshape(x.shape), s
+    if codec == "fp8-e4m3fn-row":
+        g = _groups(x, d)
+        s = (np.max(np.abs(g), axis=-1) / F32(448)).astype(F32).astype(BF16)
+        y = _divide_or_zero(g, s.astype(F32))
+        q = np.clip(y, F32(-448), F32(448)).astype(E4M3)
+        q = np.where(s.astype(F32)[..., None] == 0, np.zeros((), E4M3), q)
+        return q.reshape(x.shape), s
+    if codec == "nvfp4-g16":
+        g = _groups(x, 16)
+        sb = np.minimum((np.max(np.abs(g), axis=-1) / F32(6)).astype(F32), F32(448)).astype(E4M3)
+        s = sb.astype(F32)
+        y = _divide_or_zero(g, s)
+        nib = np.clip(y, F32(-6), F32(6)).astype(E2M1).view(np.uint8) & 0xF
+        nib = np.where(s[..., None] == 0, np.uint8(0), nib).reshape(x.shape).astype(np.uint8)
+        packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+        return packed, sb.view(np.uint8)
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def decode(codec: str, code, scale) -> np.ndarray:
+    """Dequantize codes (+ scales) of ``codec`` to float32 ``(..., D)``."""
+    code = np.asarray(code)
+    if codec == "bf16":
+        return code.astype(F32)
+    if codec == "int8-g64":
+        s = np.asarray(scale).astype(F32)
+        g = _groups(code.astype(F32), 64) * s[..., None]
+        return g.reshape(code.shape).astype(F32)
+    if codec == "fp8-e4m3fn-row":
+        s = np.asarray(scale).astype(F32)
+        return (code.astype(F32) * s).astype(F32)
+    if codec == "nvfp4-g16":
+        packed = code.astype(np.uint8)
+        nib = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+        nib[..., 0::2] = packed & 0xF
+        nib[..., 1::2] = packed >> 4
+        vals = nib.view(E2M1).astype(F32)
+        s = np.asarray(scale).astype(np.uint8).view(E4M3).astype(F32)
+        return (_groups(vals, 16) * s[..., None]).reshape(vals.shape).astype(F32)
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def encode_kv(profile: str, k, v) -> dict[str, np.ndarray]:
+    """Plane values keyed ``k``, [``k_scale``], ``v``, [``v_scale``] for a profile's CLI name."""
+    kc, vc = PROFILE_CODECS[profile]
+    out = {}
+    for name, codec, x in (("k", kc, k), ("v", vc, v)):
+        code, scale = encode(codec, x)
+        out[name] = code
+        if scale is not None:
+            out[f"{name}_scale"] = scale
+    return out
+
+
+def decode_kv(profile: str, planes: dict) -> tuple[np.ndarray, np.ndarray]:
+    kc, vc = PROFILE_CODECS[profile]
+    return (
+        decode(kc, planes["k"], planes.get("k_scale")),
+        decode(vc, planes["v"], planes.get("v_scale")),
+    )
+
+
+def attention(q, k, v, visible, sm_scale: float) -> np.ndarray:
+    """float64 masked GQA attention, one (row, query, head) at a time.
+
+    q ``(B, T, Hq, D)``; k, v ``(B, J, H, D)``; visible bool ``(B, T, J)``. Query head ``hq`` reads
+    KV head ``hq // (Hq // H)``; a query with no visible key yields zeros.
+    """
+    q = np.asarray(q).astype(np.float64)
+    k = np.asarray(k).astype(np.float64)
+    v = np.asarray(v).astype(np.float64)
+    b_, t_, hq_, d_ = q.shape
+    group = hq_ // k.shape[2]
+    out = np.zeros((b_, t_, hq_, d_), np.float64)
+    for b in range(b_):
+        for t in range(t_):
+            idx = np.nonzero(visible[b, t])[0]
+            if idx.size == 0:
+                continue
+            for hq in range(hq_):
+                h = hq // group
+                scores = sm_scale * (k[b, idx, h, :] @ q[b, t, hq, :])
+                p = np.exp(scores - scores.max())
+                out[b, t, hq] = (p / p.sum()) @ v[b, idx, h, :]
+    return out
