@@ -1,0 +1,207 @@
+"""HostKVArena: one startup-fixed host buffer for the Host replicas of every pool.
+
+Storage.  A JAX array is immutable, so the arena's canonical storage is a numpy ``uint8`` buffer
+of the fixed capacity, aligned to a 4096-byte host page and touched once at startup (``prefault``)
+so that neither page faults nor a late out-of-memory can happen inside a transfer.  Device -> Host
+copies land in it and Host -> Device copies read from it.  Main and backend pools share the
+buffer; each extent carries the tag of its pool and is sized by that pool's
+:class:`~ninfer_kv.host.host_layout.HostKVPageLayout`, so extents of different strides sit side by
+side.  Extents are managed by :class:`~ninfer_kv.host.extent_allocator.ExtentAllocator` (best fit
+with coalescing, byte-exact accounting, generation-checked handles, whole-recipe plan validation).
+
+Memory kind.  Where the device's platform is a GPU and it exposes JAX's ``pinned_host`` memory,
+transfers stage through page-locked memory (``memory_kind == "pinned_host"``): a Device -> Host
+copy is first placed in ``pinned_host`` memory by the DMA engine and then copied into the arena;
+a Host -> Device copy goes numpy -> ``pinned_host`` -> device.  JAX's CPU client also lists a
+``pinned_host`` memory kind, but there it is ordinary host memory and staging through it would add
+a copy, so on CPU the arena uses the plain numpy buffer directly (``memory_kind == "host"``).
+``staging`` overrides the choice (``"pinned_host"`` forces staging where the memory kind exists,
+``"direct"`` disables it).  Only :meth:`HostKVArena.start_to_host` and
+:meth:`HostKVArena.to_device` know about the staging.
+
+Lifetime.  ``to_device`` never leaves a device array aliasing the arena (``may_alias=False`` is not
+honoured by every client, so aliasing is detected and replaced by a private copy), but the runtime
+may read the host bytes after ``device_put`` returns; the host bytes are free once the returned array is ready
+(``block_until_ready``), which :func:`~ninfer_kv.host.transfer.restore_pages` awaits before it
+returns.  The arena is not thread-safe; one host thread owns it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from .extent_allocator import ExtentAllocator, ExtentOccupancy, ExtentPlan, HostExtent
+
+__all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT"]
+
+HOST_BUFFER_ALIGNMENT = 4096
+"""Alignment of the arena buffer's base address (one host page)."""
+
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_STAGING = ("auto", "pinned_host", "direct")
+
+
+def _aligned_buffer(nbytes: int, alignment: int) -> np.ndarray:
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    shift = (-raw.ctypes.data) % alignment
+    buf = raw[shift : shift + nbytes]
+    assert buf.ctypes.data % alignment == 0
+    return buf
+
+
+def _has_memory_kind(device, kind: str) -> bool:
+    try:
+        return any(m.kind == kind for m in device.addressable_memories())
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
+
+
+def select_memory_kind(device, staging: str = "auto") -> str:
+    """The arena's memory kind for ``device``: ``"pinned_host"`` or ``"host"`` (see module doc)."""
+    if staging not in _STAGING:
+        raise ValueError(f"staging={staging!r} is invalid; allowed: {', '.join(_STAGING)}")
+    if staging == "direct":
+        return "host"
+    pinned = _has_memory_kind(device, "pinned_host")
+    if staging == "pinned_host":
+        if not pinned:
+            raise ValueError(f"staging='pinned_host' requested but device {device} has no pinned_host memory")
+        return "pinned_host"
+    return "pinned_host" if pinned and device.platform in _GPU_PLATFORMS else "host"
+
+
+def _aliases(array: jax.Array, host: np.ndarray) -> bool:
+    """Whether ``array``'s buffer lies inside ``host``'s memory."""
+    try:
+        pointer = array.unsafe_buffer_pointer()
+    except Exception:  # platforms or memory kinds without a host-visible pointer never alias
+        return False
+    base = host.ctypes.data
+    return base <= pointer < base + host.nbytes
+
+
+def _put_private(host: np.ndarray, where) -> jax.Array:
+    """``device_put`` that never leaves the result aliasing ``host``.
+
+    ``may_alias=False`` is not honoured everywhere (the CPU client of jaxlib 0.10 wraps suitably
+    aligned numpy memory in place regardless), and an extent's bytes are reused as soon as the
+    extent is freed, so aliasing is detected and replaced by a private copy.
+    """
+    out = jax.device_put(host, where, may_alias=False)
+    if _aliases(out, host):
+        out = jax.device_put(np.array(host, copy=True), where)
+    return out
+
+
+class HostKVArena:
+    """Fixed host buffer + extent allocator shared by all pools' Host replicas.
+
+    Args:
+      capacity_bytes: bytes of the buffer; rounded up to a multiple of ``alignment``.
+      alignment: extent alignment (power of two, default 256 bytes).
+      device: the accelerator whose transfers the arena serves (default ``jax.devices()[0]``).
+      staging: ``"auto"``, ``"pinned_host"`` or ``"direct"`` (see the module docstring).
+      prefault: touch every byte at construction (default True).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        alignment: int = 256,
+        device=None,
+        staging: str = "auto",
+        prefault: bool = True,
+    ):
+        if not isinstance(capacity_bytes, (int, np.integer)) or isinstance(capacity_bytes, bool) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes={capacity_bytes!r} is invalid; it must be an integer >= 1")
+        if not isinstance(alignment, (int, np.integer)) or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"alignment={alignment!r} is invalid; it must be a power of two >= 1")
+        capacity = -(-int(capacity_bytes) // alignment) * alignment
+        self.device = device if device is not None else jax.devices()[0]
+        self.memory_kind = select_memory_kind(self.device, staging)
+        self.allocator = ExtentAllocator(capacity, alignment)
+        self.buffer = _aligned_buffer(capacity, max(HOST_BUFFER_ALIGNMENT, int(alignment)))
+        if prefault:
+            self.buffer.fill(0)
+        self._pinned = (
+            SingleDeviceSharding(self.device, memory_kind="pinned_host") if self.memory_kind == "pinned_host" else None
+        )
+
+    # -- allocator facade --------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def alignment(self) -> int:
+        return self.allocator.alignment
+
+    def allocate(self, nbytes: int, tag: str = "main") -> HostExtent:
+        """Allocate an extent of exactly ``nbytes`` packed bytes for pool ``tag``.
+
+        Raises :class:`~ninfer_kv.host.extent_allocator.ExtentAllocationError` (arena unchanged)
+        naming the requested bytes, the largest free extent and the free bytes.
+        """
+        return self.allocator.allocate(nbytes, tag)
+
+    def free(self, extent: HostExtent) -> None:
+        """Free an extent; a stale handle raises :class:`StaleExtentError` (arena unchanged)."""
+        self.allocator.free(extent)
+
+    def validate_plan(self, recipe) -> ExtentPlan:
+        """Prove a whole ``[("release", extent) | ("allocate", nbytes[, tag]), ...]`` recipe fits."""
+        return self.allocator.validate_plan(recipe)
+
+    def execute_plan(self, recipe) -> list[HostExtent]:
+        """Validate and apply a recipe atomically; returns the extents of its allocation steps."""
+        return self.allocator.execute_plan(recipe)
+
+    def check(self, extent: HostExtent) -> None:
+        """Raise :class:`StaleExtentError` unless ``extent`` is live in this arena."""
+        self.allocator.check(extent)
+
+    def occupancy(self) -> ExtentOccupancy:
+        """Capacity, packed/padding/free bytes, largest free extent, counts, fragmentation, per tag."""
+        return self.allocator.occupancy()
+
+    def snapshot(self) -> tuple:
+        """Hashable allocator state (the buffer's bytes are not included)."""
+        return self.allocator.snapshot()
+
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+
+    # -- bytes ---------------------------------------------------------------------------------------
+    def view(self, extent: HostExtent) -> np.ndarray:
+        """Writable uint8 view of exactly the ``extent.nbytes`` packed bytes of a live extent."""
+        self.allocator.check(extent)
+        return self.buffer[extent.offset : extent.offset + extent.nbytes]
+
+    # -- staging (the only place that knows the memory kind) -------------------------------------
+    def start_to_host(self, x: jax.Array) -> jax.Array:
+        """Start the Device -> Host copy of ``x``; ``np.asarray`` of the result completes it."""
+        if self._pinned is not None:
+            return jax.device_put(x, self._pinned)
+        x.copy_to_host_async()
+        return x
+
+    def to_device(self, host: np.ndarray, sharding=None) -> jax.Array:
+        """Start copying host bytes to ``sharding`` (``None``: uncommitted, default device).
+
+        The result never aliases the arena; the host bytes must stay unchanged until the returned
+        array is ready.
+        """
+        if self._pinned is not None:
+            staged = _put_private(host, self._pinned)
+            return jax.device_put(staged, sharding if sharding is not None else self.device)
+        return _put_private(host, sharding)
+
+    def __repr__(self) -> str:
+        occ = self.occupancy()
+        return (
+            f"HostKVArena(capacity={occ.capacity}, used={occ.used_bytes}, free={occ.free_bytes}, "
+            f"extents={occ.extent_count}, memory_kind={self.memory_kind!r})"
+        )
