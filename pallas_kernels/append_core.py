@@ -1,0 +1,131 @@
+"""The quantize-and-store body shared by the paged and the cyclic append kernels.
+
+One program quantizes ``block_t`` consecutive tokens of one (row, KV head) and writes their codes
+and scales into the output planes.  Where a token goes is decided by an *addresser*
+(paged: block-table lookup; cyclic: ring slot), which returns, for the tile's tokens,
+
+* ``write``: bool ``(block_t,)``, the tokens that must be stored;
+* ``index(cols)``: the plane indexer of those tokens for the given lanes (an int32 ``(1, n)`` row
+  gives a ``(block_t, n)`` tile, an int32 scalar gives one lane per token, ``(block_t,)``).
+
+Tokens with ``write`` false are never stored (masked stores; their addresses are out of range so
+that the interpreter's scatter drops them too).  Quantization repeats the float32 arithmetic of
+:mod:`ninfer_kv.codecs` on whole tiles (see :mod:`pallas_kernels.codec_tiles`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pl_triton
+
+from ninfer_kv.profiles import KVCodec, KVProfile
+
+from .codec_tiles import (
+    Cols,
+    quantize_bf16_tile,
+    quantize_fp8_row_tile,
+    quantize_int8_tile,
+    quantize_nvfp4_tile,
+)
+
+__all__ = ["quantize_and_store", "storage_planes", "logical_planes"]
+
+
+def storage_planes(planes: list, interpret: bool) -> list:
+    """The planes as the append kernel receives them.
+
+    On a GPU: unchanged.  In the interpreter, float planes travel bitcast to unsigned integers of
+    the same width: the CPU interpreter passes whole float planes through float32 selects, which
+    would canonicalize NaN payloads in bytes the append never writes.  Bitcasts copy nothing.
+    """
+    if not interpret:
+        return list(planes)
+    return [
+        jax.lax.bitcast_convert_type(p, jnp.dtype(f"uint{8 * p.dtype.itemsize}"))
+        if jnp.issubdtype(p.dtype, jnp.floating) else p
+        for p in planes
+    ]
+
+
+def logical_planes(stored: list, dtypes: list) -> list:
+    """Undo :func:`storage_planes`."""
+    return [p if p.dtype == dt else jax.lax.bitcast_convert_type(p, dt) for p, dt in zip(stored, dtypes)]
+
+
+def _as_stored(value: jax.Array, dtype, stored_dtype) -> jax.Array:
+    value = value.astype(dtype)
+    return value if jnp.dtype(stored_dtype) == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(value, stored_dtype)
+
+
+Addresser = Callable[[jax.Array], tuple[jax.Array, Callable]]
+
+
+def quantize_and_store(
+    profile: KVProfile,
+    head_dim: int,
+    num_tokens: int,
+    block_t: int,
+    *,
+    b,
+    h,
+    t0,
+    k_ref,
+    v_ref,
+    out_refs: dict,
+    address: Addresser,
+) -> None:
+    """Quantize tokens ``t0 .. t0 + block_t`` of row ``b``, head ``h`` of K and V and store them.
+
+    Args:
+      profile: the pool's KV profile (static).
+      head_dim: D (static).
+      num_tokens: T of the ``(B, T, H, D)`` inputs (static).
+      block_t: tokens per program (static power of two).
+      b, h, t0: row, KV head and first token of this program (traced int32 scalars).
+      k_ref, v_ref: the ``(B, T, H, D)`` inputs.
+      out_refs: output plane refs keyed by plane name (in the planes' dtypes or, see
+        :func:`storage_planes`, as unsigned integers of the same width).
+      address: the addresser (see the module docstring).
+    """
+    plane_dtypes = {p.name: p.dtype for p in profile.planes(head_dim)}
+    t = t0 + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+    write, index = address(t)
+    write = write & (t < num_tokens)
+    t_safe = jnp.where(write, t, 0)
+    write2 = write[:, None]
+
+    def load(x_ref, cols: Cols) -> jax.Array:
+        tile = pl_triton.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=write2, other=0)
+        return tile.astype(jnp.float32)
+
+    def store_tile(name: str, value: jax.Array, cols: Cols) -> None:
+        ref = out_refs[name]
+        pl_triton.store(ref.at[index(cols.index())], _as_stored(value, plane_dtypes[name], ref.dtype), mask=write2)
+
+    def store_lane(name: str, value: jax.Array, lane: int) -> None:
+        ref = out_refs[name]
+        pl_triton.store(ref.at[index(jnp.int32(lane))], _as_stored(value, plane_dtypes[name], ref.dtype), mask=write)
+
+    d = head_dim
+    for tensor, x_ref in (("k", k_ref), ("v", v_ref)):
+        codec = profile.codec(tensor)
+        all_lanes = Cols(0, 1, d)
+        if codec is KVCodec.BF16:
+            store_tile(tensor, quantize_bf16_tile(load(x_ref, all_lanes)), all_lanes)
+        elif codec is KVCodec.FP8_E4M3FN_ROW:
+            codes, scale = quantize_fp8_row_tile(load(x_ref, all_lanes))
+            store_tile(tensor, codes, all_lanes)
+            store_lane(f"{tensor}_scale", scale, 0)
+        elif codec is KVCodec.INT8_G64:
+            codes, scales = quantize_int8_tile(load(x_ref, all_lanes))
+            store_tile(tensor, codes, all_lanes)
+            store_tile(f"{tensor}_scale", scales, Cols(0, 1, d // 64))
+        elif codec is KVCodec.NVFP4_G16:
+            packed, scales = quantize_nvfp4_tile(load(x_ref, Cols(0, 2, d // 2)), load(x_ref, Cols(1, 2, d // 2)))
+            store_tile(tensor, packed, Cols(0, 1, d // 2))
+            store_tile(f"{tensor}_scale", scales, Cols(0, 1, d // 16))
+        else:  # pragma: no cover - KVCodec is closed
+            raise ValueError(f"unsupported codec {codec}")

@@ -1,0 +1,250 @@
+"""The attention program shared by the paged and the cyclic attention kernels.
+
+One program handles one (row ``b``, KV head ``h``, query tile ``qt``, context split ``sp``).  Its
+query rows are ``block_q`` query tokens times the ``G = Hq / H`` query heads of KV head ``h``
+(row ``r`` is token ``qt * block_q + r // G``, query head ``h * G + r % G``), padded to a power of
+two >= 16, so every K/V tile is loaded once per KV head and reused by the whole group.
+
+Keys are visited in steps of ``block_k`` logical positions.  A *key source* turns a step into
+tile loads (paged: block-table lookups inside the kernel; cyclic: ring slots).  Loads of keys
+outside ``[lo, hi)`` are masked (value 0), so whatever lies in unwritten page columns, NaN poison
+included, never reaches a product.  Visibility per (query, key) is ``key <= query position``
+(and ``key > query position - window`` for the cyclic view); scores use an online softmax in
+float32 (running max ``m``, sum ``l``, unnormalised accumulators).
+
+K dequantization happens in the products: BF16 and FP8 codes convert exactly to the compute
+dtype and the FP8 row scale multiplies the scores; INT8-G64 takes one product per group of 64
+lanes, each scaled by its group scale; NVFP4 codes are dequantized (code * scale is exact in
+bfloat16) and the even and odd lanes go through two products (``q_even . lo + q_odd . hi``), so
+no interleaved tile is ever built.  V is handled the same way with the scale folded into the
+probabilities.  The compute dtype of the products is bfloat16 for bfloat16 queries and float32
+(full-precision products) otherwise; accumulation is always float32.
+
+The context of a (row, query tile) is ``[lo, hi)`` with ``hi = min(kv_len, last query position +
+1)``; its steps are divided among ``k_splits`` programs.  With one split the program normalises
+and writes the output; otherwise it writes ``(acc, m, l)`` and :func:`combine_splits` merges them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pl_triton
+
+from ninfer_kv.profiles import KVCodec, KVProfile
+
+from .codec_tiles import Cols, fp8_bits_to_f32, nvfp4_dequantize_halves, value_columns
+from .config import ResolvedAttention
+
+__all__ = ["AttentionSpec", "attention_program", "combine_splits", "compute_dtype_for", "masked_tile_load", "M_INIT"]
+
+M_INIT = -1e30  # initial running max: finite, so exp(m_old - m_new) never sees inf - inf
+_F32 = jnp.float32
+
+TileLoader = Callable[[str, "Cols | int"], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention kernel instance."""
+
+    profile: KVProfile
+    head_dim: int
+    num_queries: int  # T
+    group: int  # Hq / H
+    cfg: ResolvedAttention
+    sm_scale: float
+    compute_dtype: object  # jnp.bfloat16 or jnp.float32
+    window: int | None = None  # cyclic window W; None for paged attention
+
+
+def _dot(a: jax.Array, b: jax.Array, transpose_b: bool) -> jax.Array:
+    dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=_F32)
+
+
+def _nvfp4_tiles(load: TileLoader, name: str, d: int, cdt) -> tuple[jax.Array, jax.Array]:
+    packed = load(name, Cols(0, 1, d // 2))
+    scale = fp8_bits_to_f32(load(f"{name}_scale", Cols(0, 1, d // 2, div=8)))
+    lo, hi = nvfp4_dequantize_halves(packed, scale)
+    return lo.astype(cdt), hi.astype(cdt)
+
+
+def _scores(codec: KVCodec, d: int, qs: list, load: TileLoader, cdt) -> jax.Array:
+    """``q . k`` of the tile, float32 ``(rows, block_k)``, unscaled by ``sm_scale``."""
+    if codec is KVCodec.BF16:
+        return _dot(qs[0], load("k", Cols(0, 1, d)).astype(cdt), True)
+    if codec is KVCodec.FP8_E4M3FN_ROW:
+        s = _dot(qs[0], load("k", Cols(0, 1, d)).astype(cdt), True)
+        return s * load("k_scale", 0).astype(_F32)[None, :]
+    if codec is KVCodec.INT8_G64:
+        total = None
+        for g, cols in enumerate(value_columns(codec, d)):
+            part = _dot(qs[g], load("k", cols).astype(cdt), True) * load("k_scale", g).astype(_F32)[None, :]
+            total = part if total is None else total + part
+        return total
+    if codec is KVCodec.NVFP4_G16:
+        lo, hi = _nvfp4_tiles(load, "k", d, cdt)
+        return _dot(qs[0], lo, True) + _dot(qs[1], hi, True)
+    raise ValueError(f"unsupported codec {codec}")  # pragma: no cover - KVCodec is closed
+
+
+def _accumulate(codec: KVCodec, d: int, accs: list, p: jax.Array, load: TileLoader, cdt) -> list:
+    """``accs + p @ v`` per value-column part."""
+    if codec is KVCodec.BF16:
+        return [accs[0] + _dot(p.astype(cdt), load("v", Cols(0, 1, d)).astype(cdt), False)]
+    if codec is KVCodec.FP8_E4M3FN_ROW:
+        ps = (p * load("v_scale", 0).astype(_F32)[None, :]).astype(cdt)
+        return [accs[0] + _dot(ps, load("v", Cols(0, 1, d)).astype(cdt), False)]
+    if codec is KVCodec.INT8_G64:
+        out = []
+        for g, cols in enumerate(value_columns(codec, d)):
+            ps = (p * load("v_scale", g).astype(_F32)[None, :]).astype(cdt)
+            out.append(accs[g] + _dot(ps, load("v", cols).astype(cdt), False))
+        return out
+    if codec is KVCodec.NVFP4_G16:
+        lo, hi = _nvfp4_tiles(load, "v", d, cdt)
+        pc = p.astype(cdt)
+        return [accs[0] + _dot(pc, lo, False), accs[1] + _dot(pc, hi, False)]
+    raise ValueError(f"unsupported codec {codec}")  # pragma: no cover - KVCodec is closed
+
+
+KeySource = Callable[[jax.Array, jax.Array, jax.Array], TileLoader]
+
+
+def attention_program(
+    spec: AttentionSpec,
+    *,
+    b,
+    h,
+    qt,
+    sp,
+    pos,
+    kv_len,
+    q_ref,
+    key_source: KeySource,
+    out_refs: tuple,
+    key_floor=None,
+) -> None:
+    """Run one attention program (see the module docstring).
+
+    Args:
+      spec: static kernel description.
+      b, h, qt, sp: program ids (row, KV head, query tile, context split).
+      pos, kv_len: the row's first query position and key count (int32 scalars).
+      q_ref: queries ``(B, T, Hq, D)``.
+      key_source: ``key_source(step, j, key_ok) -> load`` where ``j`` are the step's logical key
+        positions ``(block_k,)``, ``key_ok`` the keys to load, and ``load(plane, cols_or_lane)``
+        returns the masked tile ``(block_k, n)`` (or ``(block_k,)`` for one lane) of that plane.
+      key_floor: optional int32 scalar: keys below it are never visited (the cyclic view holds
+        only the most recent ``slots`` positions).
+      out_refs: ``(out,)`` with out ``(B, T, Hq, D)`` when there is one split, else
+        ``(acc, m, l)`` with acc ``(S, B, T, Hq, D)`` float32 and m, l ``(S, B, T, Hq)`` float32.
+    """
+    cfg = spec.cfg
+    d, g_size, bq, bk, rows = spec.head_dim, spec.group, cfg.block_q, cfg.block_k, cfg.rows
+    cdt = spec.compute_dtype
+    profile = spec.profile
+
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    tq = qt * bq + jax.lax.div(r, jnp.int32(g_size))
+    row_ok = (r < bq * g_size) & (tq < spec.num_queries)
+    # Padding rows load token 0 (masked) and store to token T: out of range, so a masked store can
+    # never alias a real row (the interpreter's scatter drops it; the GPU store is masked).
+    tq_store = jnp.where(row_ok, tq, spec.num_queries)
+    tq = jnp.where(row_ok, tq, 0)
+    hq = h * g_size + jax.lax.rem(r, jnp.int32(g_size))
+    qpos = jnp.where(row_ok, pos + tq, -1)
+
+    t_lo = qt * bq
+    t_hi = jnp.minimum(spec.num_queries, t_lo + bq) - 1
+    hi = jnp.minimum(kv_len, pos + t_hi + 1)
+    lo = jnp.int32(0)
+    if spec.window is not None:
+        lo = jnp.maximum(lo, pos + t_lo - spec.window + 1)
+    if key_floor is not None:
+        lo = jnp.maximum(lo, key_floor)
+    step_lo = jax.lax.div(lo, jnp.int32(bk))
+    step_hi = jnp.where(hi > lo, jax.lax.div(hi + (bk - 1), jnp.int32(bk)), step_lo)
+    per_split = jax.lax.div(step_hi - step_lo + (cfg.k_splits - 1), jnp.int32(cfg.k_splits))
+    first = step_lo + sp * per_split
+    last = jnp.maximum(jnp.minimum(step_hi, first + per_split), first)
+
+    row_ok2 = row_ok[:, None]
+    qs = [
+        pl_triton.load(q_ref.at[b, tq[:, None], hq[:, None], cols.index()], mask=row_ok2, other=0).astype(cdt)
+        for cols in value_columns(profile.k_codec, d)
+    ]
+    vcols = value_columns(profile.v_codec, d)
+    sm_scale = _F32(spec.sm_scale)
+
+    def body(step, carry):
+        m, l, *accs = carry
+        j = step * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        key_ok = (j >= lo) & (j < hi)
+        load = key_source(step, j, key_ok)
+        s = _scores(profile.k_codec, d, qs, load, cdt) * sm_scale
+        visible = key_ok[None, :] & (j[None, :] <= qpos[:, None])
+        if spec.window is not None:
+            visible = visible & (j[None, :] > qpos[:, None] - spec.window)
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = l * alpha + jnp.sum(p, axis=1)
+        accs = [a * alpha[:, None] for a in accs]
+        accs = _accumulate(profile.v_codec, d, accs, p, load, cdt)
+        return (m_new, l_new, *accs)
+
+    init = (
+        jnp.full((rows,), M_INIT, _F32),
+        jnp.zeros((rows,), _F32),
+        *[jnp.zeros((rows, c.n), _F32) for c in vcols],
+    )
+    m, l, *accs = jax.lax.fori_loop(first, last, body, init)
+
+    if len(out_refs) == 1:
+        (o_ref,) = out_refs
+        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[:, None]
+        for acc, cols in zip(accs, vcols):
+            pl_triton.store(
+                o_ref.at[b, tq_store[:, None], hq[:, None], cols.index()], (acc * inv).astype(o_ref.dtype), mask=row_ok2
+            )
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        for acc, cols in zip(accs, vcols):
+            pl_triton.store(acc_ref.at[sp, b, tq_store[:, None], hq[:, None], cols.index()], acc, mask=row_ok2)
+        pl_triton.store(m_ref.at[sp, b, tq_store, hq], m, mask=row_ok)
+        pl_triton.store(l_ref.at[sp, b, tq_store, hq], l, mask=row_ok)
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
+    """Merge per-split partials: acc ``(S, ..., D)``, m and l ``(S, ...)`` -> normalised ``(..., D)``."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_all[None])
+    l_all = jnp.sum(w * l, axis=0)
+    o = jnp.sum(w[..., None] * acc, axis=0)
+    inv = jnp.where(l_all > 0, 1.0 / jnp.where(l_all > 0, l_all, 1.0), 0.0)
+    return (o * inv[..., None]).astype(dtype)
+
+
+def compute_dtype_for(q_dtype) -> object:
+    """bfloat16 products for bfloat16 queries, full-precision float32 products otherwise."""
+    return jnp.bfloat16 if jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
+
+
+def masked_tile_load(ref_view, key_ok: jax.Array, cols) -> jax.Array:
+    """Load a key tile (``(block_k, n)`` for lane rows, ``(block_k,)`` for one lane), 0 where not ``key_ok``.
+
+    float8 planes are loaded without a fill value (the Triton lowering cannot build an f8
+    constant) and zeroed after an exact conversion to bfloat16.
+    """
+    mask = key_ok if isinstance(cols, int) else key_ok[:, None]
+    if jnp.dtype(ref_view.dtype).itemsize == 1 and jnp.issubdtype(ref_view.dtype, jnp.floating):
+        tile = pl_triton.load(ref_view, mask=mask).astype(jnp.bfloat16)
+        return jnp.where(mask, tile, jnp.zeros((), jnp.bfloat16))
+    return pl_triton.load(ref_view, mask=mask, other=0)

@@ -1,0 +1,106 @@
+"""Kernel configs, backend registry and static limits: clear errors, sensible resolution."""
+
+import dataclasses
+
+import pytest
+
+import pallas_kernels as pk
+from ninfer_kv.profiles import KVProfile
+
+
+@pytest.mark.parametrize(
+    "cls,field,value",
+    [
+        (pk.PagedAppendConfig, "block_t", 3),
+        (pk.PagedAppendConfig, "block_t", 0),
+        (pk.PagedAppendConfig, "num_warps", 6),
+        (pk.PagedAppendConfig, "num_stages", 0),
+        (pk.PagedAttentionConfig, "block_k", 32),  # below one page
+        (pk.PagedAttentionConfig, "block_k", 96),
+        (pk.PagedAttentionConfig, "block_q", 5),
+        (pk.PagedAttentionConfig, "k_splits", 0),
+        (pk.CyclicAttentionConfig, "block_k", 8),
+    ],
+)
+def test_invalid_config_names_field_and_range(cls, field, value):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field}={value}.*\["):
+        cls(**{field: value})
+
+
+def test_configs_are_frozen_and_hashable():
+    cfg = pk.PagedAttentionConfig(block_q=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_q = 8
+    assert hash(cfg) == hash(pk.PagedAttentionConfig(block_q=4))
+    assert pk.CyclicAttentionConfig(block_k=16).block_k == 16
+
+
+def test_resolve_decode_and_chunk():
+    # Decode: one query token, GQA 4 padded to 16 rows; a small batch gets context splits.
+    r = pk.PagedAttentionConfig().resolve(num_queries=1, group=4, head_dim=128, batch=2, kv_heads=2, max_keys=64 * 512)
+    assert (r.block_q, r.rows, r.num_warps) == (1, 16, 4)
+    assert r.k_splits > 1
+    # A big batch needs no split.
+    r = pk.PagedAttentionConfig().resolve(num_queries=1, group=4, head_dim=256, batch=64, kv_heads=8, max_keys=64 * 128)
+    assert (r.k_splits, r.num_warps) == (1, 8)
+    # Chunk: 64 rows per program; explicit splits are capped by the number of key steps.
+    r = pk.PagedAttentionConfig(k_splits=100).resolve(
+        num_queries=128, group=4, head_dim=128, batch=1, kv_heads=1, max_keys=256
+    )
+    assert (r.block_q, r.rows, r.k_splits) == (16, 64, 4)
+
+
+def test_resolve_rejects_too_many_rows():
+    with pytest.raises(ValueError, match="query rows"):
+        pk.PagedAttentionConfig(block_q=64).resolve(
+            num_queries=64, group=8, head_dim=128, batch=1, kv_heads=1, max_keys=64
+        )
+
+
+@pytest.mark.parametrize("profile,head_dim", [("bf16", 96), ("bf16", 1024), ("nvfp4-g16", 16), ("int8-g64", 192)])
+def test_unsupported_head_dims_are_clear(profile, head_dim):
+    with pytest.raises(ValueError, match=rf"head_dim={head_dim}"):
+        pk.check_head_dim(KVProfile.parse(profile), head_dim)
+
+
+def test_unknown_backend_is_clear():
+    from pallas_kernels.backends import implementation
+
+    with pytest.raises(ValueError, match="no 'mosaic_gpu' implementation of paged_attention; available backends: trit"):
+        implementation("paged_attention", "mosaic_gpu")
+
+
+def test_every_op_has_a_triton_implementation():
+    ops = {op for op, backend in pk.IMPLEMENTATIONS if backend == "triton"}
+    assert ops == {"paged_append", "paged_attention", "cyclic_append", "cyclic_attention"}
+
+
+def test_empty_batches_and_chunks_run_no_kernel():
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_cases as pc
+
+    case = pc.make_paged_case("k8v4", "page-major", head_dim=64, kv_heads=1, kv_lens=[10])
+    q = jnp.zeros((1, 0, 2, 64), jnp.bfloat16)
+    i32 = jnp.zeros((1,), jnp.int32)
+    out = pk.paged_attention(q, case.view, case.table_rows, i32, i32)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    k = jnp.zeros((1, 0, 1, 64), jnp.float32)
+    view = pk.paged_append(case.view, case.table_rows, i32, k, k, i32)
+    for name in case.view.planes:
+        np.testing.assert_array_equal(pc.as_bytes(view.planes[name]), pc.as_bytes(case.view.planes[name]))
+
+
+def test_ops_reject_the_other_ops_config():
+    import jax.numpy as jnp
+
+    import pallas_cases as pc
+
+    case = pc.make_paged_case("bf16", "page-major", head_dim=64, kv_heads=1, kv_lens=[10])
+    q = jnp.zeros((1, 1, 1, 64), jnp.float32)
+    i32 = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(TypeError, match="PagedAttentionConfig"):
+        pk.paged_attention(q, case.view, case.table_rows, i32, i32, config=pk.CyclicAttentionConfig(block_k=16))
+    with pytest.raises(TypeError, match="PagedAppendConfig"):
+        pk.paged_append(case.view, case.table_rows, i32, q, q, i32, config=pk.CyclicAppendConfig())
