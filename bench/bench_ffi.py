@@ -1,0 +1,264 @@
+"""CPU FFI kernels: decode attention bandwidth and append throughput, side by side with XLA.
+
+Decode attention (one layer, B rows of one context length, pages in random physical order):
+
+* achieved bandwidth = bytes of K/V data and scales the visible keys occupy (plus q and out) /
+  median time per call, reported as a fraction of this machine's memory bandwidth measured in the
+  same run;
+* memory bandwidth = a large numpy copy (src -> dst, 2 x the size of L3-busting buffers), counted
+  as bytes read + bytes written = 2 x the buffer size per copy (write-allocate traffic not
+  counted), run on every hardware thread at once (each thread copies its own slice) and on one
+  thread; the larger figure is the denominator;
+* speed-up over the jnp reference (``ninfer_kv.ops.reference``, jitted, XLA CPU) on the same data;
+* "cores used": CPU seconds the process consumed per wall second during the FFI calls (2.0 = both
+  cores of a 2-core machine); below the thread count means other work on the machine took CPU.
+  "GB per CPU-second" = achieved GB/s / cores used: the kernel's throughput per core it actually got.
+
+Append throughput: tokens per second of a jitted, donated (in place) ``paged_append`` of
+``B x T`` tokens per call, per profile, next to the jitted reference append.
+
+Usage::
+
+    PYTHONPATH=. python bench/bench_ffi.py                 # the full table (needs ~4 GiB free)
+    PYTHONPATH=. python bench/bench_ffi.py --contexts 4096 --profiles bf16 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ninfer_kv import ffi_ops  # noqa: E402
+from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
+from ninfer_kv.ops import reference  # noqa: E402
+from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
+
+PAGE = 64
+
+
+# -- memory bandwidth ------------------------------------------------------------------------------
+
+
+def memory_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
+    """Best bytes/s of copying nbytes (read + write counted) split over `threads` threads."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.zeros_like(src)
+    chunks = np.array_split(np.arange(src.size), threads)
+    bounds = [(int(c[0]), int(c[-1]) + 1) for c in chunks if c.size]
+
+    def copy(lo, hi):
+        np.copyto(dst[lo:hi], src[lo:hi])
+
+    best = float("inf")
+    for _ in range(repeats):
+        ts = [threading.Thread(target=copy, args=b) for b in bounds]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+# -- pool contents ---------------------------------------------------------------------------------
+
+
+def random_planes(layout: PagedKVStorageLayout, num_pages: int, rng) -> dict:
+    """Planes filled with valid random codes and scales (a random block tiled over the pool)."""
+    planes = {}
+    for spec in layout.planes:
+        shape = layout.plane_shape(spec.name, num_pages)
+        total = int(np.prod(shape))
+        block = min(total, 1 << 22)
+        if spec.dtype == np.dtype(ml_dtypes.bfloat16):
+            base = rng.uniform(0.5, 1.0, block) if spec.role == "scale" else rng.standard_normal(block)
+            vals = base.astype(ml_dtypes.bfloat16)
+        elif spec.dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+            vals = rng.uniform(-400, 400, block).astype(ml_dtypes.float8_e4m3fn)
+        elif spec.dtype == np.dtype(np.int8):
+            vals = rng.integers(-127, 128, block).astype(np.int8)
+        elif spec.role == "scale":  # nvfp4 scale: e4m3 bits of values in [2^-3, 2]
+            vals = rng.integers(0x20, 0x40, block).astype(np.uint8)
+        else:  # packed e2m1 nibbles: every byte is valid
+            vals = rng.integers(0, 256, block).astype(np.uint8)
+        planes[spec.name] = jnp.asarray(np.resize(vals, total).reshape(shape))
+    return planes
+
+
+def bytes_read(layout: PagedKVStorageLayout, batch: int, context: int, q_heads: int) -> int:
+    kv = batch * context * layout.num_kv_heads * layout.profile.token_head_bytes(layout.head_dim)
+    q_and_out = 2 * batch * q_heads * layout.head_dim * 4
+    return kv + q_and_out
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return r.ru_utime + r.ru_stime
+
+
+def timed(fn, args, repeats: int) -> tuple[float, float]:
+    """(median seconds per call, CPU seconds this process used per wall second over the calls)."""
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    times = []
+    c0, w0 = _cpu_seconds(), time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), (_cpu_seconds() - c0) / (time.perf_counter() - w0)
+
+
+# -- decode attention ------------------------------------------------------------------------------
+
+
+def bench_attention(profile: str, context: int, args, rng, bandwidth: float) -> dict:
+    b, h, g, d = args.batch, args.kv_heads, args.gqa, args.head_dim
+    lay = PagedKVStorageLayout(profile, 1, h, d, "page-major")
+    pages_per_row = context // PAGE
+    n = b * pages_per_row
+    planes = random_planes(lay, n, rng)
+    table = jnp.asarray(rng.permutation(n).astype(np.int32).reshape(b, pages_per_row))
+    q = jnp.asarray(rng.standard_normal((b, 1, h * g, d)).astype(np.float32))
+    rows = jnp.asarray(rng.permutation(b).astype(np.int32))
+    pos = jnp.full((b,), context - 1, jnp.int32)
+    lens = jnp.full((b,), context, jnp.int32)
+
+    def make(fn):
+        def step(q, planes, table, rows, pos, lens):
+            view = PagedKVBatchLayerView(planes, table, 0, lay, validate=False)
+            return fn(q, view, rows, pos, lens)
+
+        return jax.jit(step)
+
+    call_args = (q, planes, table, rows, pos, lens)
+    t_ffi, cores = timed(make(ffi_ops.paged_attention), call_args, args.repeats)
+    t_ref = None
+    if not args.skip_reference:
+        t_ref, _ = timed(make(reference.paged_attention_reference), call_args, max(1, args.repeats // 4))
+    moved = bytes_read(lay, b, context, h * g)
+    return {
+        "profile": profile,
+        "context": context,
+        "ms": t_ffi * 1e3,
+        "gbps": moved / t_ffi / 1e9,
+        "frac": moved / t_ffi / bandwidth,
+        "cores": cores,
+        "ref_ms": None if t_ref is None else t_ref * 1e3,
+        "speedup": None if t_ref is None else t_ref / t_ffi,
+    }
+
+
+# -- append ----------------------------------------------------------------------------------------
+
+
+def bench_append(profile: str, args, rng) -> dict:
+    b, t, h, d = args.batch, args.append_tokens, args.kv_heads, args.head_dim
+    lay = PagedKVStorageLayout(profile, 1, h, d, "page-major")
+    pages_per_row = -(-t // PAGE)
+    n = b * pages_per_row
+    table = jnp.asarray(rng.permutation(n).astype(np.int32).reshape(b, pages_per_row))
+    k = jnp.asarray(rng.standard_normal((b, t, h, d)).astype(np.float32))
+    v = jnp.asarray(rng.standard_normal((b, t, h, d)).astype(np.float32))
+    rows = jnp.arange(b, dtype=jnp.int32)
+    pos = jnp.zeros((b,), jnp.int32)
+    valid = jnp.full((b,), t, jnp.int32)
+
+    def make(fn):
+        def step(planes, table, rows, pos, k, v, valid):
+            view = PagedKVBatchLayerView(planes, table, 0, lay, validate=False)
+            return fn(view, rows, pos, k, v, valid).planes
+
+        return jax.jit(step, donate_argnums=0)
+
+    out = {"profile": profile, "tokens": b * t}
+    for name, fn in (("ffi", ffi_ops.paged_append), ("ref", reference.paged_append_reference)):
+        if name == "ref" and args.skip_reference:
+            out["ref_tps"] = None
+            continue
+        step = make(fn)
+        planes = lay.allocate(n)
+        planes = jax.block_until_ready(step(planes, table, rows, pos, k, v, valid))
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            planes = jax.block_until_ready(step(planes, table, rows, pos, k, v, valid))
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_tps"] = b * t / statistics.median(times)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    p.add_argument("--profiles", nargs="+", default=["bf16", "k8v4"])
+    p.add_argument("--append-profiles", nargs="+", default=["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--gqa", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--append-tokens", type=int, default=512, help="tokens per row per append call")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--copy-mib", type=int, default=2048, help="size of the bandwidth copy buffer")
+    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and a smaller copy buffer")
+    args = p.parse_args()
+    if args.quick:
+        args.repeats, args.copy_mib = 3, 512
+    if not ffi_ops.is_available():
+        raise SystemExit(f"FFI library unavailable: {ffi_ops.load_error()}")
+    rng = np.random.default_rng(0)
+    threads = ffi_ops.num_threads()
+    bw_all = memory_bandwidth(args.copy_mib << 20, 5, threads)
+    bw_one = memory_bandwidth(args.copy_mib << 20, 5, 1)
+    bandwidth = max(bw_all, bw_one)
+    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, FFI threads {threads}, library {ffi_ops.library_path()}")
+    print(f"load average before the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(
+        f"memory bandwidth (numpy copy of {args.copy_mib} MiB, read + write): {bw_all / 1e9:.1f} GB/s on "
+        f"{threads} threads, {bw_one / 1e9:.1f} GB/s on 1 thread; denominator {bandwidth / 1e9:.1f} GB/s"
+    )
+    print()
+    print(
+        f"decode attention: B={args.batch}, H={args.kv_heads}, GQA {args.gqa}, D={args.head_dim}, T=1, "
+        f"one layer, pages in random physical order"
+    )
+    print("| profile | context | FFI ms | FFI GB/s | of memory BW | cores used | GB per CPU-second | jnp ref ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ctx in args.contexts:
+        for prof in args.profiles:
+            r = bench_attention(prof, ctx, args, rng, bandwidth)
+            ref = "-" if r["ref_ms"] is None else f"{r['ref_ms']:.2f}"
+            spd = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+            print(
+                f"| {prof} | {ctx} | {r['ms']:.2f} | {r['gbps']:.1f} | {100 * r['frac']:.0f}% | {r['cores']:.2f} "
+                f"| {r['gbps'] / max(r['cores'], 1e-9):.1f} | {ref} | {spd} |",
+                flush=True,
+            )
+    print()
+    print(
+        f"append (jitted, planes donated): B={args.batch} rows x T={args.append_tokens} tokens per call, "
+        f"H={args.kv_heads}, D={args.head_dim}, float32 input"
+    )
+    print("| profile | FFI tokens/s | jnp ref tokens/s | speed-up |")
+    print("|---|---|---|---|")
+    for prof in args.append_profiles:
+        r = bench_append(prof, args, rng)
+        ref = "-" if r["ref_tps"] is None else f"{r['ref_tps']:.3g}"
+        spd = "-" if r["ref_tps"] is None else f"{r['ffi_tps'] / r['ref_tps']:.1f}x"
+        print(f"| {prof} | {r['ffi_tps']:.3g} | {ref} | {spd} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

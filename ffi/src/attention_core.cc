@@ -1,0 +1,399 @@
+#include "attention_core.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "row_decoders.h"
+#include "simd.h"
+
+namespace ninfer_kv_ffi {
+
+// Software prefetch of the next run, spread over the work of the current one so that the fill
+// buffers are never flooded.
+class Prefetcher {
+ public:
+  void Add(const uint8_t* p, int64_t bytes) {
+    if (p != nullptr && bytes > 0 && n_ < 4) {
+      ptr_[n_] = p;
+      bytes_[n_] = bytes;
+      total_lines_ += (bytes + 63) / 64;
+      ++n_;
+    }
+  }
+  int64_t total_lines() const { return total_lines_; }
+  // Issues up to `lines` more cache-line prefetches (into L2).
+  void Issue(int64_t lines) {
+    while (lines > 0 && idx_ < n_) {
+      if (off_ >= bytes_[idx_]) {
+        ++idx_;
+        off_ = 0;
+        continue;
+      }
+      __builtin_prefetch(ptr_[idx_] + off_, 0, 2);
+      off_ += 64;
+      --lines;
+    }
+  }
+  void IssueAll() { Issue(total_lines_); }
+
+ private:
+  const uint8_t* ptr_[4] = {nullptr, nullptr, nullptr, nullptr};
+  int64_t bytes_[4] = {0, 0, 0, 0};
+  int n_ = 0, idx_ = 0;
+  int64_t off_ = 0, total_lines_ = 0;
+};
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#if defined(__AVX512F__)
+constexpr int kAccRegs = 16;  // vector accumulators a kernel keeps in registers (of 32)
+#else
+constexpr int kAccRegs = 8;  // (of 16)
+#endif
+
+// s[mm * lds + jj] = q_mm . k_jj for MB query rows and JB keys (MB * JB == kVL accumulators),
+// reduced with one transposed reduction tree.
+template <class KDec, int MB, int JB>
+inline void ScoreTile(const float* q, int ld, const typename KDec::Row* krows, int nchunks, float* s, int lds) {
+  static_assert(MB * JB == kVL, "a score tile has exactly kVL accumulators");
+  VFloat acc[MB * JB];
+  for (int i = 0; i < MB * JB; ++i) acc[i] = Splat(0.0f);
+  for (int c = 0; c < nchunks; ++c) {
+    VFloat kv[JB];
+    for (int jj = 0; jj < JB; ++jj) kv[jj] = krows[jj].Chunk(c);
+    for (int mm = 0; mm < MB; ++mm) {
+      const VFloat qv = Load(q + mm * ld + c * kVL);
+      for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] += qv * kv[jj];
+    }
+  }
+  float tmp[kVL];
+  Store(tmp, ReduceTranspose(acc));
+  for (int mm = 0; mm < MB; ++mm) std::memcpy(s + mm * lds, tmp + mm * JB, JB * sizeof(float));
+}
+
+// Scores of `rows` query rows (q padded to a multiple of MB with zero rows) against keys
+// [0, cnt) of `k`; a tile's key slots past cnt repeat the last key (never read past the run).
+template <class KDec, int MB, int JB>
+void ScoreRun(const float* q, int rows, int ld, const PreparedRows& k, int cnt, float* s, int lds, Prefetcher* pf) {
+  const int nchunks = ld / kVL;
+  const int64_t tiles = (cnt + JB - 1) / JB;
+  const int64_t per_tile = (pf->total_lines() + tiles - 1) / std::max<int64_t>(tiles, 1);
+  for (int j0 = 0; j0 < cnt; j0 += JB) {
+    pf->Issue(per_tile);
+    typename KDec::Row krows[JB];
+    for (int jj = 0; jj < JB; ++jj) krows[jj] = k.template At<KDec>(std::min(j0 + jj, cnt - 1));
+    for (int m0 = 0; m0 < rows; m0 += MB) {
+      ScoreTile<KDec, MB, JB>(q + static_cast<int64_t>(m0) * ld, ld, krows, nchunks, s + static_cast<int64_t>(m0) * lds + j0,
+                              lds);
+    }
+  }
+}
+
+template <class KDec>
+void Scores(const float* q, int rows, int ld, const PreparedRows& k, int cnt, float* s, int lds, Prefetcher* pf) {
+  if (rows >= 8) {
+    ScoreRun<KDec, 8, kVL / 8>(q, rows, ld, k, cnt, s, lds, pf);
+  } else if (rows >= 3) {
+    ScoreRun<KDec, 4, kVL / 4>(q, rows, ld, k, cnt, s, lds, pf);
+  } else if (rows == 2) {
+    ScoreRun<KDec, 2, kVL / 2>(q, rows, ld, k, cnt, s, lds, pf);
+  } else {
+    ScoreRun<KDec, 1, kVL>(q, rows, ld, k, cnt, s, lds, pf);
+  }
+}
+
+// o_r[chunks c0 .. c0 + W) += sum_{j in [a, b)} p_r[j] * v_j for R rows sharing each decoded V row.
+// kSkipZero: skip keys whose probability is zero in every row (needed when the rows' visible
+// ranges differ, so that a key one row sees never meets another row's zero probability
+// arithmetically; rows with one common range have no such keys).
+template <class VDec, int W, int R, bool kSkipZero>
+inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRows& v, int c0, float* const* o) {
+  VFloat acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) acc[r][w] = Load(o[r] + (c0 + w) * kVL);
+  for (int j = a; j < b; ++j) {
+    if (kSkipZero) {
+      bool any = false;
+      for (int r = 0; r < R; ++r) any |= p[r][j] != 0.0f;
+      if (!any) continue;
+    }
+    const typename VDec::Row row = v.template At<VDec>(j);
+    VFloat vv[W];
+    for (int w = 0; w < W; ++w) vv[w] = row.Chunk(c0 + w);
+    for (int r = 0; r < R; ++r) {
+      const VFloat pr = Splat(p[r][j]);
+      for (int w = 0; w < W; ++w) acc[r][w] += pr * vv[w];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int w = 0; w < W; ++w) Store(o[r] + (c0 + w) * kVL, acc[r][w]);
+}
+
+template <class VDec, int R, bool kSkipZero>
+void AccumulateRowsW(const float* const* p, int a, int b, const PreparedRows& v, int nchunks, float* const* o) {
+  constexpr int kW = std::min(8, std::max(1, kAccRegs / R));
+  for (int c0 = 0; c0 < nchunks; c0 += kW) {
+    switch (std::min(kW, nchunks - c0)) {
+      case 1: AccumulateTile<VDec, 1, R, kSkipZero>(p, a, b, v, c0, o); break;
+      case 2: AccumulateTile<VDec, (kW >= 2 ? 2 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
+      case 3: AccumulateTile<VDec, (kW >= 3 ? 3 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
+      case 4: AccumulateTile<VDec, (kW >= 4 ? 4 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
+      case 5: AccumulateTile<VDec, (kW >= 5 ? 5 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
+      case 6: AccumulateTile<VDec, (kW >= 6 ? 6 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
+      case 7: AccumulateTile<VDec, (kW >= 7 ? 7 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
+      default: AccumulateTile<VDec, kW, R, kSkipZero>(p, a, b, v, c0, o); break;
+    }
+  }
+}
+
+template <class VDec, int R>
+void AccumulateRows(const float* const* p, int a, int b, bool same_range, const PreparedRows& v, int nchunks,
+                    float* const* o) {
+  if (same_range) {
+    AccumulateRowsW<VDec, R, false>(p, a, b, v, nchunks, o);
+  } else {
+    AccumulateRowsW<VDec, R, true>(p, a, b, v, nchunks, o);
+  }
+}
+
+}  // namespace
+
+void AttentionAccumulator::Begin(int rows, int d, int run_capacity, float sm_scale) {
+  rows_ = rows;
+  rows_padded_ = static_cast<int>(RoundUp(rows, 8));
+  d_ = d;
+  ld_ = static_cast<int>(RoundUp(d, kVL));
+  cap_ = run_capacity;
+  sld_ = static_cast<int>(RoundUp(run_capacity, kVL) + kVL);
+  sm_scale_ = sm_scale;
+  min_lo_ = std::numeric_limits<int64_t>::max();
+  max_hi_ = std::numeric_limits<int64_t>::min();
+  q_ = qbuf_.Get(static_cast<size_t>(rows_padded_) * ld_);
+  std::memset(q_, 0, sizeof(float) * rows_padded_ * ld_);
+  s_ = sbuf_.Get(static_cast<size_t>(rows_padded_) * sld_);
+  o_ = obuf_.Get(static_cast<size_t>(rows_) * ld_);
+  std::memset(o_, 0, sizeof(float) * rows_ * ld_);
+  if (d_ % kVL != 0) {
+    kf_ = kbuf_.Get(static_cast<size_t>(cap_) * ld_);
+    vf_ = vbuf_.Get(static_cast<size_t>(cap_) * ld_);
+  }
+  max_.assign(rows_, kNegInf);
+  den_.assign(rows_, 0.0f);
+  lo_.assign(rows_, 0);
+  hi_.assign(rows_, -1);
+  seg_a_.assign(rows_, 0);
+  seg_b_.assign(rows_, 0);
+}
+
+void AttentionAccumulator::SetVisible(int m, int64_t lo, int64_t hi) {
+  lo_[m] = lo;
+  hi_[m] = hi;
+  if (lo <= hi) {
+    min_lo_ = std::min(min_lo_, lo);
+    max_hi_ = std::max(max_hi_, hi);
+  }
+}
+
+// Turns the raw scores of keys [ja, ja + cnt) into probabilities under each row's running
+// maximum, rescaling the row's denominator and output when the maximum grows.  Returns whether
+// any row sees any of these keys.
+bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
+  bool any = false;
+  const VFloat scale = Splat(sm_scale_);
+  const VInt lane = Iota();
+  for (int m = 0; m < rows_; ++m) {
+    const int a = static_cast<int>(std::max<int64_t>(lo_[m] - ja, 0));
+    const int b = static_cast<int>(std::min<int64_t>(hi_[m] - ja + 1, cnt));
+    seg_a_[m] = a;
+    seg_b_[m] = b;
+    if (a >= b) continue;
+    any = true;
+    float* s = s_ + static_cast<int64_t>(m) * sld_;
+    const int va = a / kVL * kVL;  // vector-aligned span covering [a, b)
+    const int vb = static_cast<int>(RoundUp(b, kVL));
+    VFloat vmax = Splat(kNegInf);
+    VInt vnan = VInt{} + 0;
+    for (int j = va; j < vb; j += kVL) {
+      const VInt idx = lane + j;
+      const VFloat x = Load(s + j) * scale;
+      Store(s + j, x);
+      const VInt in = (idx >= a) & (idx < b);
+      vmax = in & (x > vmax) ? x : vmax;
+      vnan |= in & (x != x);
+    }
+    float row_max = HorizontalMax(vmax);
+    for (int i = 0; i < kVL; ++i) {
+      if (vnan[i]) row_max = std::numeric_limits<float>::quiet_NaN();  // NaN propagates, as in the reference
+    }
+    const float new_max = row_max != row_max ? row_max : std::max(max_[m], row_max);
+    const float alpha = (max_[m] == kNegInf) ? 0.0f : std::exp(max_[m] - new_max);
+    VFloat vsum = Splat(0.0f);
+    const VFloat shift = Splat(new_max);
+    for (int j = va; j < vb; j += kVL) {
+      const VInt idx = lane + j;
+      const VFloat e = Exp(Load(s + j) - shift);
+      const VFloat pv = (idx >= a) & (idx < b) ? e : Splat(0.0f);
+      Store(s + j, pv);
+      vsum += pv;
+    }
+    // Probabilities outside [a, b) that a grouped V pass may read are zero.
+    for (int j = 0; j < va; ++j) s[j] = 0.0f;
+    for (int j = vb; j < cnt; ++j) s[j] = 0.0f;
+    den_[m] = den_[m] * alpha + HorizontalSum(vsum);
+    if (alpha != 1.0f) {
+      float* o = o_ + static_cast<int64_t>(m) * ld_;
+      const VFloat av = Splat(alpha);
+      for (int c = 0; c < ld_; c += kVL) Store(o + c, Load(o + c) * av);
+    }
+    max_[m] = new_max;
+  }
+  return any;
+}
+
+template <class KDec, class VDec>
+void AttentionAccumulator::FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf) {
+  Scores<KDec>(q_, rows_, ld_, k, cnt, s_, sld_, pf);
+  pf->IssueAll();
+  if (!UpdateSoftmax(ja, cnt)) return;
+  const int nchunks = ld_ / kVL;
+  int group[4];
+  int ng = 0;
+  auto flush = [&]() {
+    if (ng == 0) return;
+    const float* p[4];
+    float* o[4];
+    int a = cnt, b = 0;
+    bool same = true;
+    for (int i = 0; i < ng; ++i) {
+      p[i] = s_ + static_cast<int64_t>(group[i]) * sld_;
+      o[i] = o_ + static_cast<int64_t>(group[i]) * ld_;
+      a = std::min(a, seg_a_[group[i]]);
+      b = std::max(b, seg_b_[group[i]]);
+      same &= seg_a_[group[i]] == seg_a_[group[0]] && seg_b_[group[i]] == seg_b_[group[0]];
+    }
+    switch (ng) {
+      case 1: AccumulateRows<VDec, 1>(p, a, b, same, v, nchunks, o); break;
+      case 2: AccumulateRows<VDec, 2>(p, a, b, same, v, nchunks, o); break;
+      case 3: AccumulateRows<VDec, 3>(p, a, b, same, v, nchunks, o); break;
+      default: AccumulateRows<VDec, 4>(p, a, b, same, v, nchunks, o); break;
+    }
+    ng = 0;
+  };
+  for (int m = 0; m < rows_; ++m) {
+    if (seg_a_[m] >= seg_b_[m]) continue;
+    group[ng++] = m;
+    if (ng == 4) flush();
+  }
+  flush();
+}
+
+void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const KVRunSource* prefetch) {
+  const int64_t ja = std::max(j0, min_lo_);
+  const int64_t jb = std::min(j0 + n, max_hi_ + 1);
+  if (ja >= jb) return;
+  const int cnt = static_cast<int>(jb - ja);
+  const int64_t off = ja - j0;
+  RowSource k = src.k, v = src.v;
+  k.data += off * k.data_stride;
+  v.data += off * v.data_stride;
+  if (k.scale) k.scale += off * k.scale_stride;
+  if (v.scale) v.scale += off * v.scale_stride;
+
+  Prefetcher pf;
+  if (prefetch != nullptr) {
+    const RowSource* next[2] = {&prefetch->k, &prefetch->v};
+    for (const RowSource* r : next) {
+      pf.Add(r->data, r->data_stride * cap_);
+      pf.Add(r->scale, r->scale_stride * cap_);
+    }
+  }
+
+  if (d_ % kVL != 0) {  // dequantize into float32 tiles padded to ld_
+    DequantizeRows(k, cnt, d_, ld_, kf_, nullptr);
+    DequantizeRows(v, cnt, d_, ld_, vf_, nullptr);
+    PreparedRows kt, vt;
+    kt.data = reinterpret_cast<const uint8_t*>(kf_);
+    vt.data = reinterpret_cast<const uint8_t*>(vf_);
+    kt.stride = vt.stride = static_cast<int64_t>(ld_) * sizeof(float);
+    FoldRun<F32Decoder, F32Decoder>(kt, vt, ja, cnt, &pf);
+    return;
+  }
+  const PreparedRows kp = PrepareRows(k, cnt, d_, &kscale_, &knan_);
+  const PreparedRows vp = PrepareRows(v, cnt, d_, &vscale_, &vnan_);
+
+#define NINFER_KV_FOLD_V(KC)                                                                                   \
+  switch (v.codec) {                                                                                           \
+    case Codec::kBF16: FoldRun<Decoder<KC>, Decoder<Codec::kBF16>>(kp, vp, ja, cnt, &pf); break;        \
+    case Codec::kInt8G64: FoldRun<Decoder<KC>, Decoder<Codec::kInt8G64>>(kp, vp, ja, cnt, &pf); break;  \
+    case Codec::kFp8Row: FoldRun<Decoder<KC>, Decoder<Codec::kFp8Row>>(kp, vp, ja, cnt, &pf); break;    \
+    case Codec::kNvfp4G16: FoldRun<Decoder<KC>, Decoder<Codec::kNvfp4G16>>(kp, vp, ja, cnt, &pf); break; \
+  }
+  switch (k.codec) {
+    case Codec::kBF16: NINFER_KV_FOLD_V(Codec::kBF16) break;
+    case Codec::kInt8G64: NINFER_KV_FOLD_V(Codec::kInt8G64) break;
+    case Codec::kFp8Row: NINFER_KV_FOLD_V(Codec::kFp8Row) break;
+    case Codec::kNvfp4G16: NINFER_KV_FOLD_V(Codec::kNvfp4G16) break;
+  }
+#undef NINFER_KV_FOLD_V
+}
+
+void AttentionAccumulator::Output(int m, float* dst) const {
+  const float l = den_[m];
+  const float* o = o_ + static_cast<int64_t>(m) * ld_;
+  if (!(l > 0.0f)) {
+    if (l != l) {
+      for (int i = 0; i < d_; ++i) dst[i] = l;
+    } else {
+      std::memset(dst, 0, sizeof(float) * d_);
+    }
+    return;
+  }
+  for (int i = 0; i < d_; ++i) dst[i] = o[i] / l;
+}
+
+void AttentionAccumulator::ExportPartial(int m, float* dst) const {
+  dst[0] = max_[m];
+  dst[1] = den_[m];
+  std::memcpy(dst + 2, o_ + static_cast<int64_t>(m) * ld_, sizeof(float) * d_);
+}
+
+void CombinePartials(const float* const* parts, int nparts, int d, float* dst) {
+  float gmax = kNegInf;
+  bool nan = false;
+  for (int i = 0; i < nparts; ++i) {
+    nan |= parts[i][0] != parts[i][0];
+    if (parts[i][1] > 0.0f) gmax = std::max(gmax, parts[i][0]);
+  }
+  std::memset(dst, 0, sizeof(float) * d);
+  if (nan) {
+    for (int c = 0; c < d; ++c) dst[c] = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  if (gmax == kNegInf) return;  // no visible key in any part
+  float den = 0.0f;
+  for (int i = 0; i < nparts; ++i) {
+    if (!(parts[i][1] > 0.0f)) continue;
+    const float w = std::exp(parts[i][0] - gmax);
+    den += parts[i][1] * w;
+    const float* o = parts[i] + 2;
+    for (int c = 0; c < d; ++c) dst[c] += o[c] * w;
+  }
+  for (int c = 0; c < d; ++c) dst[c] /= den;
+}
+
+AttentionAccumulator& ThreadAccumulator() {
+  static thread_local AttentionAccumulator acc;
+  return acc;
+}
+
+std::vector<float>& ThreadRowBuffer(size_t n) {
+  static thread_local std::vector<float> row;
+  if (row.size() < n) row.resize(n);
+  return row;
+}
+
+}  // namespace ninfer_kv_ffi

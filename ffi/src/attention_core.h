@@ -1,0 +1,92 @@
+// Single-pass online-softmax attention over runs of quantized keys and values.
+//
+// One AttentionAccumulator serves one task: a set of `rows` query rows that share one KV head
+// (the query heads of a GQA group, for one or more query positions).  Keys are folded in runs of
+// at most `run_capacity` consecutive key indices (a page, or a contiguous stretch of a ring).
+// K and V codes are dequantized in registers right where the dot products consume them, for
+// blocks of up to 8 query rows at a time, so a run's bytes are read from memory once per task
+// (head dims that are not a multiple of the SIMD width go through a float32 tile instead).
+// Row m sees exactly the keys j with lo[m] <= j <= hi[m]; keys outside every row's interval are
+// never read (poisoned or unwritten memory is never touched), and a probability outside a row's
+// interval is exactly zero.
+//
+// Arithmetic: float32 throughout.  Scores sm_scale * (q . k); per row the running maximum, the
+// running denominator and the unnormalized output are rescaled when the maximum grows.  A row
+// with no visible key produces zeros.
+#ifndef NINFER_KV_FFI_ATTENTION_CORE_H_
+#define NINFER_KV_FFI_ATTENTION_CORE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "dequantize.h"
+#include "row_decoders.h"
+
+namespace ninfer_kv_ffi {
+
+class Prefetcher;
+
+class AttentionAccumulator {
+ public:
+  // Starts a task of `rows` query rows of head dim d; runs hold at most run_capacity keys.
+  // Every query row is zero and every row sees no key until set.
+  void Begin(int rows, int d, int run_capacity, float sm_scale);
+
+  // Row m's query (float32, d values; the padding after d is kept zero).
+  float* QueryRow(int m) { return q_ + static_cast<int64_t>(m) * ld_; }
+
+  // Row m sees keys lo..hi (inclusive); lo > hi means none.
+  void SetVisible(int m, int64_t lo, int64_t hi);
+
+  // Smallest lo and largest hi over the rows that see at least one key (lo > hi when none).
+  int64_t MinVisible() const { return min_lo_; }
+  int64_t MaxVisible() const { return max_hi_; }
+
+  // Folds keys [j0, j0 + n) (n <= run_capacity); `src` points at key j0.  Only the keys some row
+  // sees are read.  `prefetch` (nullable) names the next run, which is prefetched meanwhile.
+  void Fold(const KVRunSource& src, int64_t j0, int n, const KVRunSource* prefetch);
+
+  // The normalized output of row m (d floats; zeros when the row saw no key).
+  void Output(int m, float* dst) const;
+
+  // The unnormalized state of row m: dst[0] = running max, dst[1] = denominator,
+  // dst[2 .. 2 + d) = sum of p_j v_j.  Combine partial states with CombinePartials.
+  void ExportPartial(int m, float* dst) const;
+
+  int rows() const { return rows_; }
+  int head_dim() const { return d_; }
+
+ private:
+  template <class KDec, class VDec>
+  void FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
+  bool UpdateSoftmax(int64_t ja, int cnt);
+
+  int rows_ = 0, rows_padded_ = 0, d_ = 0, ld_ = 0, cap_ = 0, sld_ = 0;
+  float sm_scale_ = 1.0f;
+  int64_t min_lo_ = 0, max_hi_ = -1;
+  float* q_ = nullptr;   // rows_padded_ x ld_
+  float* s_ = nullptr;   // rows_padded_ x sld_ (scores, then probabilities)
+  float* o_ = nullptr;   // rows_ x ld_
+  float* kf_ = nullptr;  // cap_ x ld_ (dequantized K, only when d_ % kVL != 0)
+  float* vf_ = nullptr;  // cap_ x ld_
+  std::vector<float> max_, den_;
+  std::vector<int64_t> lo_, hi_;
+  std::vector<int> seg_a_, seg_b_;
+  std::vector<uint8_t> knan_, vnan_;
+  AlignedFloats qbuf_, sbuf_, obuf_, kbuf_, vbuf_, kscale_, vscale_;
+};
+
+// Combines `parts` partial states (each d + 2 floats, as ExportPartial writes them) into the
+// normalized output dst[0, d).
+void CombinePartials(const float* const* parts, int nparts, int d, float* dst);
+
+// The accumulator of the calling thread (reused across tasks and calls).
+AttentionAccumulator& ThreadAccumulator();
+
+// A float buffer of at least n elements owned by the calling thread.
+std::vector<float>& ThreadRowBuffer(size_t n);
+
+}  // namespace ninfer_kv_ffi
+
+#endif  // NINFER_KV_FFI_ATTENTION_CORE_H_

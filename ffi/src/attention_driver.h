@@ -1,0 +1,175 @@
+// Work split of a batched GQA attention over the thread pool.
+//
+// A task is (batch row b, KV head h, block of query positions, context split).  All query heads
+// of the GQA group of h (and every query position of the block) share one AttentionAccumulator,
+// so each K/V run is dequantized once per task.  Context splits (flash-decoding style) are used
+// only when (rows x heads x query blocks) is too small to occupy the pool; their partial states
+// are combined afterwards.  Output rows are written by exactly one task (or one combine step).
+//
+// A key source describes where keys live and who sees them:
+//   int run_capacity() const;                      // longest run of contiguous keys
+//   int64_t split_align() const;                   // context splits start at multiples of this
+//   int64_t RunEnd(int b, int64_t j) const;        // first key after the run holding key j
+//   KVRunSource Run(int b, int h, int64_t j) const;  // sources positioned at key j
+//   void Visible(int b, int t, int64_t* lo, int64_t* hi) const;  // keys of query (b, t), inclusive
+#ifndef NINFER_KV_FFI_ATTENTION_DRIVER_H_
+#define NINFER_KV_FFI_ATTENTION_DRIVER_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attention_core.h"
+#include "common.h"
+#include "scalar_codec.h"
+#include "thread_pool.h"
+
+namespace ninfer_kv_ffi {
+
+struct AttentionShape {
+  int64_t batch, queries, q_heads, kv_heads, head_dim;  // B, T, Hq, H, D
+  float sm_scale;
+  const void* q;  // (B, T, Hq, D)
+  bool q_bf16;    // q and out dtype: bfloat16 (else float32)
+  void* out;      // (B, T, Hq, D)
+};
+
+namespace internal {
+
+inline void LoadQueryRow(const AttentionShape& s, int64_t index, float* dst) {
+  const int64_t d = s.head_dim;
+  if (s.q_bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(s.q) + index * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = Bf16ToFloat(src[i]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(s.q) + index * d, sizeof(float) * d);
+  }
+}
+
+inline void StoreOutputRow(const AttentionShape& s, int64_t index, const float* src) {
+  const int64_t d = s.head_dim;
+  if (s.q_bf16) {
+    uint16_t* dst = static_cast<uint16_t*>(s.out) + index * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = FloatToBf16(src[i]);
+  } else {
+    std::memcpy(static_cast<float*>(s.out) + index * d, src, sizeof(float) * d);
+  }
+}
+
+}  // namespace internal
+
+template <class Source>
+void RunAttention(const AttentionShape& s, const Source& src) {
+  const int64_t B = s.batch, T = s.queries, H = s.kv_heads, D = s.head_dim;
+  const int64_t G = s.q_heads / H;
+  if (B == 0 || T == 0 || s.q_heads == 0) return;
+  // Query blocks: at most 64 query rows (positions x group heads) per task.
+  const int64_t tb = std::max<int64_t>(1, std::min<int64_t>(T, 64 / std::max<int64_t>(G, 1)));
+  const int64_t nqb = (T + tb - 1) / tb;
+  const int64_t base = B * H * nqb;
+  const int threads = PoolThreads();
+
+  // Context splits when the base tasks cannot occupy the pool (long decode rows, few heads).
+  const int64_t align = src.split_align();
+  constexpr int64_t kMinRunsPerSplit = 4;
+  int64_t splits = 1;
+  if (threads > 1 && base < 4 * threads) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t lo0, hi0, lo1, hi1;
+      src.Visible(static_cast<int>(b), 0, &lo0, &hi0);
+      src.Visible(static_cast<int>(b), static_cast<int>(T - 1), &lo1, &hi1);
+      const int64_t lo = std::min(lo0, lo1), hi = std::max(hi0, hi1);
+      if (hi >= lo) longest = std::max(longest, hi - lo + 1);
+    }
+    const int64_t by_pool = (4 * threads + base - 1) / base;
+    const int64_t by_length = longest / (align * kMinRunsPerSplit);
+    splits = std::max<int64_t>(1, std::min(by_pool, by_length));
+  }
+  const int64_t rows_max = tb * G;
+  std::vector<float> partial;
+  if (splits > 1) partial.resize(static_cast<size_t>(base * splits * rows_max * (D + 2)));
+
+  auto task = [&](int64_t i) {
+    ScopedFlushDenormal flush;
+    const int64_t split = i % splits;
+    const int64_t bi = i / splits;
+    const int64_t qb = bi % nqb;
+    const int64_t h = (bi / nqb) % H;
+    const int64_t b = bi / (nqb * H);
+    const int64_t t0 = qb * tb, t1 = std::min(T, t0 + tb);
+    const int rows = static_cast<int>((t1 - t0) * G);
+    AttentionAccumulator& acc = ThreadAccumulator();
+    acc.Begin(rows, static_cast<int>(D), src.run_capacity(), s.sm_scale);
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t lo, hi;
+      src.Visible(static_cast<int>(b), static_cast<int>(t), &lo, &hi);
+      for (int64_t g = 0; g < G; ++g) {
+        const int m = static_cast<int>((t - t0) * G + g);
+        internal::LoadQueryRow(s, (b * T + t) * s.q_heads + h * G + g, acc.QueryRow(m));
+        acc.SetVisible(m, lo, hi);
+      }
+    }
+    const int64_t klo = acc.MinVisible(), khi = acc.MaxVisible();
+    if (klo <= khi) {
+      int64_t lo = klo, hi = khi + 1;
+      if (splits > 1) {
+        const int64_t a0 = klo / align * align;
+        const int64_t nruns = (khi + 1 - a0 + align - 1) / align;
+        const int64_t per = (nruns + splits - 1) / splits;
+        lo = std::max(klo, a0 + split * per * align);
+        hi = std::min(khi + 1, a0 + (split + 1) * per * align);
+      }
+      int64_t j = lo;
+      if (j < hi) {
+        KVRunSource run = src.Run(static_cast<int>(b), static_cast<int>(h), j);
+        while (j < hi) {
+          const int64_t e = std::min(src.RunEnd(static_cast<int>(b), j), hi);
+          KVRunSource next;
+          const bool has_next = e < hi;
+          if (has_next) next = src.Run(static_cast<int>(b), static_cast<int>(h), e);
+          acc.Fold(run, j, static_cast<int>(e - j), has_next ? &next : nullptr);
+          j = e;
+          if (has_next) run = next;
+        }
+      }
+    }
+    std::vector<float>& row = ThreadRowBuffer(D + 2);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int m = static_cast<int>((t - t0) * G + g);
+        if (splits > 1) {
+          acc.ExportPartial(m, partial.data() + ((bi * splits + split) * rows_max + m) * (D + 2));
+        } else {
+          acc.Output(m, row.data());
+          internal::StoreOutputRow(s, (b * T + t) * s.q_heads + h * G + g, row.data());
+        }
+      }
+    }
+  };
+  ParallelFor(base * splits, task);
+  if (splits == 1) return;
+
+  ParallelFor(base, [&](int64_t bi) {
+    ScopedFlushDenormal flush;
+    const int64_t qb = bi % nqb;
+    const int64_t h = (bi / nqb) % H;
+    const int64_t b = bi / (nqb * H);
+    const int64_t t0 = qb * tb, t1 = std::min(T, t0 + tb);
+    std::vector<float>& row = ThreadRowBuffer(D + 2);
+    std::vector<const float*> parts(static_cast<size_t>(splits));
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t m = (t - t0) * G + g;
+        for (int64_t sp = 0; sp < splits; ++sp) parts[sp] = partial.data() + ((bi * splits + sp) * rows_max + m) * (D + 2);
+        CombinePartials(parts.data(), static_cast<int>(splits), static_cast<int>(D), row.data());
+        internal::StoreOutputRow(s, (b * T + t) * s.q_heads + h * G + g, row.data());
+      }
+    }
+  });
+}
+
+}  // namespace ninfer_kv_ffi
+
+#endif  // NINFER_KV_FFI_ATTENTION_DRIVER_H_

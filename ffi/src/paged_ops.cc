@@ -1,0 +1,223 @@
+// XLA FFI handlers of the paged ops: append (in place) and attention.
+//
+// Operands (in order) and attributes are fixed by ninfer_kv/ffi_ops.py:
+//   NinferKvPagedAppend(block_tables s32 (C, L), layer s32 (), table_rows s32 (B,),
+//                       positions s32 (B,), valid s32 (B,), k (B, T, H, D), v (B, T, H, D),
+//                       planes...) -> planes... (each result aliases its plane operand)
+//   NinferKvPagedAttention(q (B, T, Hq, D), block_tables, layer, table_rows, positions,
+//                          kv_lens s32 (B,), planes...) -> out (B, T, Hq, D), q's dtype
+//   attributes: k_codec, v_codec (s32 codec ids), head_major (s32 0/1), sm_scale (f32, attention).
+//
+// Poison safety: a table row index is clamped to [0, C); attention reads only keys
+// j <= min(position + t, kv_len - 1, L * P - 1) and clamps page IDs to [0, N); append drops a
+// token whose position is negative, whose block is >= L, whose page ID is outside [0, N), or whose
+// layer is outside [0, num_layers) (exactly the writes the reference's scatter drops).
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "append_common.h"
+#include "attention_driver.h"
+#include "common.h"
+#include "planes.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace ninfer_kv_ffi {
+namespace {
+
+// Geometry of a stacked paged plane: (layers, N, H, P, X) or (layers, H, N, P, X).
+struct PagedGeometry {
+  int64_t layers, pages, heads, page_size;
+  bool head_major;
+
+  static PagedGeometry Of(const PlaneSet& p, bool head_major) {
+    PagedGeometry g;
+    g.layers = p.dims[0];
+    g.pages = head_major ? p.dims[2] : p.dims[1];
+    g.heads = head_major ? p.dims[1] : p.dims[2];
+    g.page_size = p.dims[3];
+    g.head_major = head_major;
+    return g;
+  }
+
+  // Flat token index of (layer, page, head, column) over the leading four dims.
+  int64_t Token(int64_t layer, int64_t page, int64_t head, int64_t column) const {
+    const int64_t tile = head_major ? (layer * heads + head) * pages + page : (layer * pages + page) * heads + head;
+    return tile * page_size + column;
+  }
+};
+
+struct BlockTables {
+  const int32_t* data;
+  int64_t rows, blocks;  // C, L
+};
+
+ffi::Error CheckBatchVector(const ffi::Buffer<ffi::S32, 1>& buf, const char* name, int64_t batch) {
+  if (buf.dimensions()[0] != batch) {
+    return ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,) with B=" + std::to_string(batch) +
+                                       ", got " + DimsString(buf.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+class PagedSource {
+ public:
+  PagedSource(const PlaneSet& planes, const PagedGeometry& geo, const BlockTables& bt, int64_t layer,
+              const int32_t* table_rows, const int32_t* positions, const int32_t* kv_lens)
+      : planes_(planes), geo_(geo), bt_(bt), layer_(layer), rows_(table_rows), pos_(positions), lens_(kv_lens) {}
+
+  int run_capacity() const { return static_cast<int>(geo_.page_size); }
+  int64_t split_align() const { return geo_.page_size; }
+  int64_t RunEnd(int, int64_t j) const { return (j / geo_.page_size + 1) * geo_.page_size; }
+
+  void Visible(int b, int t, int64_t* lo, int64_t* hi) const {
+    *lo = 0;
+    if (bt_.rows == 0 || bt_.blocks == 0) {
+      *hi = -1;
+      return;
+    }
+    const int64_t qpos = static_cast<int64_t>(pos_[b]) + t;
+    *hi = std::min({qpos, static_cast<int64_t>(lens_[b]) - 1, bt_.blocks * geo_.page_size - 1});
+  }
+
+  KVRunSource Run(int b, int h, int64_t j) const {
+    const int64_t row = Clamp64(rows_[b], 0, bt_.rows - 1);
+    const int64_t page = Clamp64(bt_.data[row * bt_.blocks + j / geo_.page_size], 0, geo_.pages - 1);
+    return planes_.Run(geo_.Token(layer_, page, h, j % geo_.page_size));
+  }
+
+ private:
+  const PlaneSet& planes_;
+  PagedGeometry geo_;
+  BlockTables bt_;
+  int64_t layer_;
+  const int32_t* rows_;
+  const int32_t* pos_;
+  const int32_t* lens_;
+};
+
+ffi::Error PagedAppendImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
+                           ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
+                           ffi::Buffer<ffi::S32, 1> valid, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::RemainingArgs planes_in, ffi::RemainingRets planes_out, int32_t k_codec,
+                           int32_t v_codec, int32_t head_major) {
+  AppendInputs in;
+  if (auto err = ParseAppendInputs(k, v, &in); err.failure()) return err;
+  std::vector<ffi::AnyBuffer> outs, ins;
+  if (auto err = CollectRets(planes_out, &outs); err.failure()) return err;
+  if (auto err = CollectArgs(planes_in, &ins); err.failure()) return err;
+  if (ins.size() != outs.size()) return ffi::Error::InvalidArgument("paged append: plane operands and results differ in count");
+  PlaneSet planes;
+  if (auto err = ParsePlanes(outs, k_codec, v_codec, static_cast<int>(in.head_dim), &planes); err.failure()) return err;
+  const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
+  if (geo.heads != in.heads) {
+    return ffi::Error::InvalidArgument("paged append: k has " + std::to_string(in.heads) + " heads, the planes have " +
+                                       std::to_string(geo.heads));
+  }
+  for (auto* check : {&table_rows, &positions, &valid}) {
+    if (auto err = CheckBatchVector(*check, "table_rows/positions/valid", in.batch); err.failure()) return err;
+  }
+  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
+  const int64_t lay = layer.typed_data()[0];
+  if (lay < 0 || lay >= geo.layers || bt.rows == 0 || bt.blocks == 0) return ffi::Error::Success();
+
+  const int32_t* rows = table_rows.typed_data();
+  const int32_t* pos = positions.typed_data();
+  const int32_t* val = valid.typed_data();
+  const int64_t T = in.queries;
+  ForEachItem(in.batch * T, in.heads * in.head_dim, [&](int64_t item) {
+    const int64_t b = item / T, t = item % T;
+    if (t >= val[b]) return;
+    const int64_t p = static_cast<int64_t>(pos[b]) + t;
+    if (p < 0) return;
+    const int64_t blk = p / geo.page_size;
+    if (blk >= bt.blocks) return;
+    const int64_t row = Clamp64(rows[b], 0, bt.rows - 1);
+    const int64_t page = bt.data[row * bt.blocks + blk];
+    if (page < 0 || page >= geo.pages) return;
+    for (int64_t h = 0; h < in.heads; ++h) WriteToken(in, planes, b, t, h, geo.Token(lay, page, h, p % geo.page_size));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
+                              ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
+                              ffi::Buffer<ffi::S32, 1> kv_lens, ffi::RemainingArgs planes_in,
+                              ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec, int32_t head_major,
+                              float sm_scale) {
+  auto qd = q.dimensions();
+  if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be (B, T, Hq, D), got " + DimsString(qd));
+  const auto dt = q.element_type();
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("q must be float32 or bfloat16");
+  }
+  if (out->element_type() != dt || out->dimensions().size() != 4 ||
+      !std::equal(qd.begin(), qd.end(), out->dimensions().begin())) {
+    return ffi::Error::InvalidArgument("paged attention: the output must have q's shape and dtype");
+  }
+  std::vector<ffi::AnyBuffer> ins;
+  if (auto err = CollectArgs(planes_in, &ins); err.failure()) return err;
+  PlaneSet planes;
+  if (auto err = ParsePlanes(ins, k_codec, v_codec, static_cast<int>(qd[3]), &planes); err.failure()) return err;
+  const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
+  if (qd[2] % geo.heads != 0) {
+    return ffi::Error::InvalidArgument("paged attention: q heads (" + std::to_string(qd[2]) +
+                                       ") must be a multiple of the KV heads (" + std::to_string(geo.heads) + ")");
+  }
+  for (auto* check : {&table_rows, &positions, &kv_lens}) {
+    if (auto err = CheckBatchVector(*check, "table_rows/positions/kv_lens", qd[0]); err.failure()) return err;
+  }
+  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
+  const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
+  PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
+  AttentionShape shape{qd[0], qd[1], qd[2], geo.heads, qd[3], sm_scale, q.untyped_data(), dt == ffi::DataType::BF16,
+                       out->untyped_data()};
+  RunAttention(shape, src);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace ninfer_kv_ffi
+
+// Aliases without commas: the handler-definition macro counts its arguments by commas.
+using S32Scalar = ffi::Buffer<ffi::S32, 0>;
+using S32Vector = ffi::Buffer<ffi::S32, 1>;
+using S32Matrix = ffi::Buffer<ffi::S32, 2>;
+
+extern "C" {
+__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvPagedAppend(XLA_FFI_CallFrame* call_frame);
+__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvPagedAttention(XLA_FFI_CallFrame* call_frame);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvPagedAppend, ninfer_kv_ffi::PagedAppendImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<S32Matrix>()  // block_tables
+                                  .Arg<S32Scalar>()  // layer
+                                  .Arg<S32Vector>()  // table_rows
+                                  .Arg<S32Vector>()  // positions
+                                  .Arg<S32Vector>()  // valid
+                                  .Arg<ffi::AnyBuffer>()            // k
+                                  .Arg<ffi::AnyBuffer>()            // v
+                                  .RemainingArgs()                  // planes
+                                  .RemainingRets()                  // planes (aliased)
+                                  .Attr<int32_t>("k_codec")
+                                  .Attr<int32_t>("v_codec")
+                                  .Attr<int32_t>("head_major"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvPagedAttention, ninfer_kv_ffi::PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()            // q
+                                  .Arg<S32Matrix>()  // block_tables
+                                  .Arg<S32Scalar>()  // layer
+                                  .Arg<S32Vector>()  // table_rows
+                                  .Arg<S32Vector>()  // positions
+                                  .Arg<S32Vector>()  // kv_lens
+                                  .RemainingArgs()                  // planes
+                                  .Ret<ffi::AnyBuffer>()            // out
+                                  .Attr<int32_t>("k_codec")
+                                  .Attr<int32_t>("v_codec")
+                                  .Attr<int32_t>("head_major")
+                                  .Attr<float>("sm_scale"));

@@ -1,0 +1,150 @@
+#include "planes.h"
+
+#include <sstream>
+
+namespace ninfer_kv_ffi {
+namespace ffi = xla::ffi;
+
+namespace {
+
+const char* CodecName(Codec c) {
+  switch (c) {
+    case Codec::kBF16: return "bf16";
+    case Codec::kInt8G64: return "int8-g64";
+    case Codec::kFp8Row: return "fp8-e4m3fn-row";
+    case Codec::kNvfp4G16: return "nvfp4-g16";
+  }
+  return "?";
+}
+
+ffi::DataType DataDtype(Codec c) {
+  switch (c) {
+    case Codec::kBF16: return ffi::DataType::BF16;
+    case Codec::kInt8G64: return ffi::DataType::S8;
+    case Codec::kFp8Row: return ffi::DataType::F8E4M3FN;
+    case Codec::kNvfp4G16: return ffi::DataType::U8;
+  }
+  return ffi::DataType::INVALID;
+}
+
+ffi::DataType ScaleDtype(Codec c) { return c == Codec::kNvfp4G16 ? ffi::DataType::U8 : ffi::DataType::BF16; }
+
+ffi::Error CheckPlane(const ffi::AnyBuffer& buf, const char* name, ffi::DataType dtype, int64_t extent,
+                      const int64_t* lead, Codec codec) {
+  auto dims = buf.dimensions();
+  if (dims.size() != 5) {
+    return ffi::Error::InvalidArgument(std::string("plane ") + name + " must be rank 5 (layer axis first), got shape " +
+                                       DimsString(dims));
+  }
+  if (buf.element_type() != dtype) {
+    return ffi::Error::InvalidArgument(std::string("plane ") + name + " has the wrong dtype for codec " +
+                                       CodecName(codec));
+  }
+  if (dims[4] != extent) {
+    std::ostringstream os;
+    os << "plane " << name << " has extent " << dims[4] << " in its last axis; codec " << CodecName(codec)
+       << " needs " << extent;
+    return ffi::Error::InvalidArgument(os.str());
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (dims[i] != lead[i]) {
+      return ffi::Error::InvalidArgument(std::string("plane ") + name + " has shape " + DimsString(dims) +
+                                         "; its leading four dims must match plane k's");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+std::string DimsString(ffi::AnyBuffer::Dimensions dims) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
+  os << (dims.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+ffi::Error ParsePlanes(const std::vector<ffi::AnyBuffer>& planes, int32_t k_codec, int32_t v_codec, int d,
+                       PlaneSet* out) {
+  if (!ValidCodec(k_codec) || !ValidCodec(v_codec)) {
+    return ffi::Error::InvalidArgument("k_codec and v_codec must be in [0, 3] (bf16, int8-g64, fp8-e4m3fn-row, nvfp4-g16)");
+  }
+  const Codec kc = static_cast<Codec>(k_codec), vc = static_cast<Codec>(v_codec);
+  if (!HeadDimSupported(kc, d) || !HeadDimSupported(vc, d)) {
+    std::ostringstream os;
+    os << "head_dim=" << d << " is not supported by codecs " << CodecName(kc) << " / " << CodecName(vc)
+       << " (INT8-G64 needs a multiple of 64, NVFP4-G16 a multiple of 16)";
+    return ffi::Error::InvalidArgument(os.str());
+  }
+  const size_t want = static_cast<size_t>(NumPlanes(kc) + NumPlanes(vc));
+  if (planes.size() != want) {
+    std::ostringstream os;
+    os << "expected " << want << " planes (k, [k_scale], v, [v_scale]) for codecs " << CodecName(kc) << " / "
+       << CodecName(vc) << ", got " << planes.size();
+    return ffi::Error::InvalidArgument(os.str());
+  }
+  auto kd = planes[0].dimensions();
+  if (kd.size() != 5) {
+    return ffi::Error::InvalidArgument("plane k must be rank 5 (layer axis first), got shape " + DimsString(kd));
+  }
+  for (int i = 0; i < 4; ++i) out->dims[i] = kd[i];
+  for (int i = 0; i < 4; ++i) {
+    if (out->dims[i] <= 0) return ffi::Error::InvalidArgument("plane k has an empty axis: " + DimsString(kd));
+  }
+  out->k_codec = kc;
+  out->v_codec = vc;
+  out->head_dim = d;
+  size_t idx = 0;
+  for (int tensor = 0; tensor < 2; ++tensor) {
+    const Codec c = tensor == 0 ? kc : vc;
+    const CodecPlanes cp = PlanesOf(c, d);
+    const char* dname = tensor == 0 ? "k" : "v";
+    const char* sname = tensor == 0 ? "k_scale" : "v_scale";
+    const ffi::AnyBuffer& data = planes[idx++];
+    if (auto err = CheckPlane(data, dname, DataDtype(c), cp.data_extent, out->dims, c); !err.success()) return err;
+    uint8_t* data_ptr = static_cast<uint8_t*>(data.untyped_data());
+    uint8_t* scale_ptr = nullptr;
+    if (cp.scale_extent > 0) {
+      const ffi::AnyBuffer& scale = planes[idx++];
+      if (auto err = CheckPlane(scale, sname, ScaleDtype(c), cp.scale_extent, out->dims, c); !err.success()) return err;
+      scale_ptr = static_cast<uint8_t*>(scale.untyped_data());
+    }
+    const int64_t data_bytes = static_cast<int64_t>(cp.data_extent) * cp.data_itemsize;
+    const int64_t scale_bytes = static_cast<int64_t>(cp.scale_extent) * cp.scale_itemsize;
+    if (tensor == 0) {
+      out->k_data = data_ptr;
+      out->k_scale = scale_ptr;
+      out->token_bytes.k_data = data_bytes;
+      out->token_bytes.k_scale = scale_bytes;
+    } else {
+      out->v_data = data_ptr;
+      out->v_scale = scale_ptr;
+      out->token_bytes.v_data = data_bytes;
+      out->token_bytes.v_scale = scale_bytes;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CollectArgs(const ffi::RemainingArgs& args, std::vector<ffi::AnyBuffer>* out) {
+  out->clear();
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return ffi::Error::InvalidArgument("plane operand " + std::to_string(i) + " is not a buffer");
+    out->push_back(*buf);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CollectRets(const ffi::RemainingRets& rets, std::vector<ffi::AnyBuffer>* out) {
+  out->clear();
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buf = rets.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) return ffi::Error::InvalidArgument("plane result " + std::to_string(i) + " is not a buffer");
+    out->push_back(**buf);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace ninfer_kv_ffi

@@ -1,0 +1,199 @@
+// Vector decoders of one token row of a plane: chunk c is the kVL dequantized float32 values of
+// elements [c * kVL, (c + 1) * kVL), equal to float(code) * scale exactly as
+// ninfer_kv.codecs.decode_kv computes them.  Used directly on page memory (fused decode) when
+// the head dim is a multiple of kVL; a row never reads outside its own codes and scales.
+#ifndef NINFER_KV_FFI_ROW_DECODERS_H_
+#define NINFER_KV_FFI_ROW_DECODERS_H_
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "dequantize.h"
+#include "scalar_codec.h"
+#include "simd.h"
+
+namespace ninfer_kv_ffi {
+
+// e4m3fn codes (zero-extended to 32-bit lanes) -> float32, exact, without denormal arithmetic.
+inline VFloat E4m3fnLanes(VUInt w) {
+  const VUInt em = w & 0x7Fu;
+  const VUInt sign = (w & 0x80u) << 24;
+  const VUInt normal = sign | ((em << 20) + (120u << 23));
+  const VFloat sub_mag = ToFloat(__builtin_convertvector(em, VInt)) * Splat(0.001953125f);  // m * 2^-9
+  VUInt bits = (em >> 3) == 0u ? (AsUInt(sub_mag) | sign) : normal;
+  bits = em == 0x7Fu ? (sign | 0x7FC00000u) : bits;
+  return AsFloat(bits);
+}
+
+// e2m1 codes (one per 32-bit lane, sign in bit 3) -> float32.
+inline VFloat E2m1Lanes(VUInt c) {
+  const VUInt e = (c >> 1) & 3u;
+  const VUInt m = c & 1u;
+  const VUInt normal = ((e + 126u) << 23) | (m << 22);
+  const VUInt sub = m * 0x3F000000u;
+  const VUInt bits = e == 0u ? sub : normal;
+  return AsFloat(bits | ((c & 8u) << 28));
+}
+
+// kVL / 2 packed bytes -> kVL e2m1 values (element 2i: low nibble of byte i).
+inline VFloat E2m1Packed(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 kLut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
+                                     -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+  w = _mm512_srlv_epi32(w, _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+  w = _mm512_and_si512(w, _mm512_set1_epi32(15));
+  const __m512 v = _mm512_permutexvar_ps(w, kLut);
+  VFloat r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+#elif defined(__AVX2__)
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(four);
+  __m256i w = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+  w = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  w = _mm256_and_si256(w, _mm256_set1_epi32(15));
+  VUInt c;
+  std::memcpy(&c, &w, sizeof c);
+  return E2m1Lanes(c);
+#else
+  VUInt c;
+  for (int i = 0; i < kVL; ++i) c[i] = (p[i / 2] >> ((i & 1) * 4)) & 15u;
+  return E2m1Lanes(c);
+#endif
+}
+
+// Whether any of the n e4m3fn codes at p is a NaN (S.1111.111).
+inline bool HasE4m3Nan(const uint8_t* p, int n) {
+  int i = 0;
+#if defined(__AVX512BW__)
+  const __m512i mask = _mm512_set1_epi8(0x7F);
+  for (; i + 64 <= n; i += 64) {
+    const __m512i b = _mm512_and_si512(_mm512_loadu_si512(p + i), mask);
+    if (_mm512_cmpeq_epi8_mask(b, mask) != 0) return true;
+  }
+#endif
+  for (; i < n; ++i) {
+    if ((p[i] & 0x7Fu) == 0x7Fu) return true;
+  }
+  return false;
+}
+
+// kVL e4m3fn codes -> float32 values times 2^-8, exactly: the sign-extended byte shifted left by
+// 7 (with bit 14 cleared) is the float16 with the same sign, exponent field and mantissa, whose
+// value is the e4m3fn value times 2^-8 (subnormals included); the hardware float16 conversion is
+// exact.  NaN codes come out as +-1.875 * 2^-8 (callers check rows for NaN codes).
+inline VFloat E4m3fnScaledLanes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const __m512 f = _mm512_cvtph_ps(w);
+  VFloat r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+#elif defined(__AVX2__) && defined(__F16C__)
+  __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  w = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const __m256 f = _mm256_cvtph_ps(w);
+  VFloat r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+#else
+  return E4m3fnLanes(LoadU8AsU32(p)) * Splat(0.00390625f);
+#endif
+}
+
+// Decoder<C>::Row(data, scales, nan) wraps one token row: `data` its codes, `scales` its scales
+// already decoded to float32 (PrepareScales), `nan` whether the row holds a NaN code (FP8 only).
+// Chunk(c) returns dequantized chunk c.
+template <Codec C>
+struct Decoder;
+
+template <>
+struct Decoder<Codec::kBF16> {
+  struct Row {
+    const uint8_t* d = nullptr;
+    Row() = default;
+    Row(const uint8_t* data, const float*, bool) : d(data) {}
+    VFloat Chunk(int c) const { return AsFloat(LoadU16AsU32(d + 2 * kVL * c) << 16); }
+  };
+};
+
+template <>
+struct Decoder<Codec::kInt8G64> {
+  struct Row {
+    const uint8_t* d = nullptr;
+    const float* s = nullptr;
+    Row() = default;
+    Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
+    VFloat Chunk(int c) const { return ToFloat(LoadI8AsI32(d + kVL * c)) * Splat(s[(c * kVL) / 64]); }
+  };
+};
+
+template <>
+struct Decoder<Codec::kFp8Row> {
+  // A row's values are code * s, computed as (code * 2^-8) * (s * 2^8): the same product (both
+  // factors are exact, and s * 2^8 is finite for every scale amax / 448 can produce).  A row
+  // holding a NaN code takes the exact integer path, so the NaN lands where the reference has it.
+  struct Row {
+    const uint8_t* d = nullptr;
+    VFloat s = {};
+    VFloat s256 = {};
+    bool nan = false;
+    Row() = default;
+    Row(const uint8_t* data, const float* scales, bool has_nan)
+        : d(data), s(Splat(scales[0])), s256(Splat(scales[0] * 256.0f)), nan(has_nan) {}
+    VFloat Chunk(int c) const {
+      if (nan) return E4m3fnLanes(LoadU8AsU32(d + kVL * c)) * s;
+      return E4m3fnScaledLanes(d + kVL * c) * s256;
+    }
+  };
+};
+
+template <>
+struct Decoder<Codec::kNvfp4G16> {
+  struct Row {
+    const uint8_t* d = nullptr;
+    const float* s = nullptr;
+    Row() = default;
+    Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
+    VFloat Chunk(int c) const { return E2m1Packed(d + (kVL / 2) * c) * Splat(s[(c * kVL) / 16]); }
+  };
+};
+
+// Rows of an already dequantized float32 tile (the path for head dims that are not a multiple
+// of kVL): `data` points at a row of ld floats.
+struct F32Decoder {
+  struct Row {
+    const float* p = nullptr;
+    Row() = default;
+    Row(const uint8_t* data, const float*, bool) : p(reinterpret_cast<const float*>(data)) {}
+    VFloat Chunk(int c) const { return Load(p + kVL * c); }
+  };
+};
+
+// A run of token rows of one tensor, ready for a Decoder: codes in place, scales as float32.
+struct PreparedRows {
+  const uint8_t* data = nullptr;
+  int64_t stride = 0;             // bytes per token of the codes
+  const float* scales = nullptr;  // `groups` floats per token (null for BF16)
+  int groups = 0;
+  const uint8_t* nan = nullptr;   // per-token NaN-code flags (FP8), else null
+
+  template <class Dec>
+  typename Dec::Row At(int64_t j) const {
+    return typename Dec::Row(data + j * stride, scales ? scales + j * groups : nullptr, nan ? nan[j] != 0 : false);
+  }
+};
+
+// Decodes the scales of tokens [0, cnt) of `src` into `scales` (and NaN-code flags into `nan`)
+// and returns the prepared run.  Reads exactly the cnt tokens' scale bytes.
+PreparedRows PrepareRows(const RowSource& src, int cnt, int head_dim, AlignedFloats* scales, std::vector<uint8_t>* nan);
+
+}  // namespace ninfer_kv_ffi
+
+#endif  // NINFER_KV_FFI_ROW_DECODERS_H_

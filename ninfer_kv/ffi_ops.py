@@ -1,0 +1,351 @@
+"""C++ XLA FFI CPU kernels of the paged and cyclic ops.
+
+The four ops have the signatures and semantics of :mod:`ninfer_kv.ops.reference`; inputs are
+validated by :mod:`ninfer_kv.ops` before they get here.  They run as typed XLA FFI custom calls on
+the CPU platform:
+
+* ``paged_append`` / ``cyclic_append`` quantize with codes bit-identical to :mod:`ninfer_kv.codecs`
+  and write in place: every plane operand is aliased to its result (``input_output_aliases``), so
+  a ``jax.jit`` caller that donates the planes gets no copy of them.
+* ``paged_attention`` / ``cyclic_attention`` run a single-pass online softmax in float32 over the
+  pages (or ring slots) each query sees, dequantizing page by page, with the work split over
+  (batch row, KV head[, query block][, context split]) on a persistent thread pool.  They never
+  read a page outside a row's visible range.
+
+The library ``libninfer_kv_ffi`` is built by ``pip install .`` / ``pip install -e .`` (CMake, see
+``ffi/CMakeLists.txt``) and loaded once, with ctypes, when this module is imported.  It is looked
+for, in order, at:
+
+1. ``$NINFER_KV_FFI_LIBRARY`` (an explicit path);
+2. ``ninfer_kv/_lib/`` beside this file (a regular install, or a copy placed in the source tree);
+3. the ``ninfer_kv/_lib/`` of the installed ``ninfer_kv`` distribution — this is what an editable
+   install provides when the source tree shadows it (``PYTHONPATH=<repo>``);
+4. the scikit-build build trees ``<repo>/build/*/ffi/`` (newest first).
+
+A candidate built for another version of the handler contract is skipped.  When no library loads,
+:func:`is_available` is ``False``, :func:`load_error` says why and how to rebuild, and every op
+raises :class:`FFIUnavailableError` with that text.
+
+Threads: ``NINFER_KV_FFI_THREADS`` (read when the library first runs) sets the total thread count
+(the calling thread included); the default is the number of hardware threads.
+
+``jax.vmap`` over an op uses ``vmap_method="sequential"``: one custom call per mapped element.
+The kernels are already batched over B, so vmap is a convenience, and "sequential" keeps two
+properties the other methods lose: operands that are not mapped (the planes, above all) are
+passed as they are instead of being broadcast to the mapped size, and an append mapped over
+planes updates each element's planes separately.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+from importlib import metadata
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .geometry import PlaneOrder
+from .profiles import KVCodec, KVProfile
+from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+
+__all__ = [
+    "paged_append",
+    "paged_attention",
+    "cyclic_append",
+    "cyclic_attention",
+    "is_available",
+    "load_error",
+    "library_path",
+    "num_threads",
+    "FFIUnavailableError",
+    "ABI_VERSION",
+    "TARGETS",
+]
+
+ABI_VERSION = 1
+"""Version of the handler contract (operands, attributes, semantics) this module speaks."""
+
+TARGETS = {
+    "ninfer_kv_paged_append": "NinferKvPagedAppend",
+    "ninfer_kv_paged_attention": "NinferKvPagedAttention",
+    "ninfer_kv_cyclic_append": "NinferKvCyclicAppend",
+    "ninfer_kv_cyclic_attention": "NinferKvCyclicAttention",
+}
+"""XLA custom-call target name -> exported handler symbol."""
+
+_LIB_NAMES = {"darwin": "libninfer_kv_ffi.dylib", "win32": "ninfer_kv_ffi.dll"}
+LIBRARY_NAME = _LIB_NAMES.get(sys.platform, "libninfer_kv_ffi.so")
+
+REBUILD_HINT = (
+    "build it with `pip install -e .` (development) or `pip install .` from the repository root "
+    "(needs CMake >= 3.18, a C++17 compiler and jaxlib); set NINFER_KV_FFI_LIBRARY to use a library "
+    "built elsewhere"
+)
+
+_CODEC_ID = {KVCodec.BF16: 0, KVCodec.INT8_G64: 1, KVCodec.FP8_E4M3FN_ROW: 2, KVCodec.NVFP4_G16: 3}
+
+
+class FFIUnavailableError(RuntimeError):
+    """The ninfer_kv XLA FFI library is not built or could not be loaded."""
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def _candidates() -> list[Path]:
+    """Library paths to try, in order (see the module docstring)."""
+    out: list[Path] = []
+    env = os.environ.get("NINFER_KV_FFI_LIBRARY")
+    if env:
+        out.append(Path(env))
+    here = Path(__file__).resolve().parent
+    out.append(here / "_lib" / LIBRARY_NAME)
+    try:
+        dist = metadata.distribution("ninfer_kv")
+        for f in dist.files or ():
+            if f.name == LIBRARY_NAME:
+                out.append(Path(dist.locate_file(f)).resolve())
+    except metadata.PackageNotFoundError:
+        pass
+    repo = here.parent
+    builds = glob.glob(str(repo / "build" / "*" / "ffi" / LIBRARY_NAME))
+    out.extend(sorted((Path(p) for p in builds), key=lambda p: p.stat().st_mtime, reverse=True))
+    seen, unique = set(), []
+    for p in out:
+        key = str(p)
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique
+
+
+class _Library:
+    """The loaded library, or why none loaded (state of the process, set once on import)."""
+
+    def __init__(self):
+        self.lib: ctypes.CDLL | None = None
+        self.path: Path | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self._registered = False
+
+    def load(self) -> None:
+        reasons = []
+        for path in _candidates():
+            if not path.is_file():
+                reasons.append(f"{path}: not found")
+                continue
+            try:
+                lib = ctypes.CDLL(str(path))
+                lib.NinferKvFfiAbiVersion.restype = ctypes.c_int
+                version = int(lib.NinferKvFfiAbiVersion())
+            except (OSError, AttributeError) as e:
+                reasons.append(f"{path}: {e}")
+                continue
+            if version != ABI_VERSION:
+                reasons.append(f"{path}: built for handler version {version}, this module needs {ABI_VERSION} (stale build)")
+                continue
+            self.lib, self.path = lib, path
+            break
+        if self.lib is None:
+            tried = "; ".join(reasons) if reasons else "no candidate paths"
+            self.error = f"the ninfer_kv FFI library ({LIBRARY_NAME}) did not load [{tried}]; {REBUILD_HINT}"
+            return
+        try:
+            self._register()
+        except Exception as e:  # registration failure makes the library unusable
+            self.lib = None
+            self.error = f"registering the ninfer_kv FFI targets from {self.path} failed: {e}; {REBUILD_HINT}"
+
+    def _register(self) -> None:
+        with self._lock:
+            if self._registered:
+                return
+            for target, symbol in TARGETS.items():
+                fn = getattr(self.lib, symbol)
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
+            self._registered = True
+
+
+_LIBRARY = _Library()
+_LIBRARY.load()
+
+
+def is_available() -> bool:
+    """Whether the FFI library loaded and its targets are registered for the CPU platform."""
+    return _LIBRARY.lib is not None
+
+
+def load_error() -> str | None:
+    """Why the library is unavailable (with rebuild instructions); ``None`` when it loaded."""
+    return _LIBRARY.error
+
+
+def library_path() -> str | None:
+    """Path of the loaded library, or ``None``."""
+    return None if _LIBRARY.path is None else str(_LIBRARY.path)
+
+
+def num_threads() -> int:
+    """Threads the kernels use (the calling thread included)."""
+    lib = _require()
+    lib.NinferKvFfiNumThreads.restype = ctypes.c_int
+    return int(lib.NinferKvFfiNumThreads())
+
+
+def _require() -> ctypes.CDLL:
+    if _LIBRARY.lib is None:
+        raise FFIUnavailableError(_LIBRARY.error or "the ninfer_kv FFI library is unavailable")
+    return _LIBRARY.lib
+
+
+# -- operand preparation ---------------------------------------------------------------------------
+
+
+def _codec_attrs(profile: KVProfile) -> dict:
+    return {"k_codec": np.int32(_CODEC_ID[profile.k_codec]), "v_codec": np.int32(_CODEC_ID[profile.v_codec])}
+
+
+def _plane_list(planes: dict, profile: KVProfile) -> list:
+    """Planes in schema order (k, [k_scale], v, [v_scale]): the handlers' operand order."""
+    return [planes[name] for name in profile.plane_names()]
+
+
+def _i32(x) -> jax.Array:
+    return jnp.asarray(x, jnp.int32)
+
+
+def _layer(layer) -> jax.Array:
+    return jnp.asarray(layer, jnp.int32).reshape(())
+
+
+def _kv_inputs(k, v) -> tuple[jax.Array, jax.Array]:
+    """k and v as one dtype the kernels read: both bfloat16, or both float32 (exact widening)."""
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    if k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16:
+        return k, v
+    return k.astype(jnp.float32), v.astype(jnp.float32)
+
+
+def _query(q) -> jax.Array:
+    q = jnp.asarray(q)
+    return q if q.dtype in (jnp.float32, jnp.bfloat16) else q.astype(jnp.float32)
+
+
+def _sm_scale(sm_scale, head_dim: int) -> np.float32:
+    return np.float32((1.0 / head_dim**0.5) if sm_scale is None else sm_scale)
+
+
+def _append_call(target: str, planes: list, n_fixed: int):
+    return jax.ffi.ffi_call(
+        target,
+        tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in planes),
+        input_output_aliases={n_fixed + i: i for i in range(len(planes))},
+        vmap_method="sequential",
+    )
+
+
+# -- ops -------------------------------------------------------------------------------------------
+
+
+def paged_append(
+    view: PagedKVBatchLayerView, table_rows, positions, k, v, valid
+) -> PagedKVBatchLayerView:
+    """Quantize ``k, v (B, T, H, D)`` and write tokens ``t < valid[b]`` at ``positions[b] + t``.
+
+    Returns the view with the updated planes; the planes are written in place when the caller's
+    ``jax.jit`` donates them (otherwise XLA copies them first).
+    """
+    _require()
+    lay = view.layout
+    planes = _plane_list(view.planes, lay.profile)
+    kk, vv = _kv_inputs(k, v)
+    call = _append_call("ninfer_kv_paged_append", planes, n_fixed=7)
+    out = call(
+        _i32(view.block_tables),
+        _layer(view.layer),
+        _i32(table_rows),
+        _i32(positions),
+        _i32(valid),
+        kk,
+        vv,
+        *planes,
+        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
+        **_codec_attrs(lay.profile),
+    )
+    return view.replace(planes=dict(zip(lay.profile.plane_names(), out)))
+
+
+def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, *, sm_scale=None) -> jax.Array:
+    """Causal GQA attention of ``q (B, T, Hq, D)`` over the paged view; ``(B, T, Hq, D)`` in q's dtype.
+
+    ``sm_scale`` (default ``1 / sqrt(D)``) is a static Python number: it becomes an attribute of the
+    custom call.
+    """
+    _require()
+    lay = view.layout
+    q_in = _query(q)
+    call = jax.ffi.ffi_call(
+        "ninfer_kv_paged_attention", jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential"
+    )
+    out = call(
+        q_in,
+        _i32(view.block_tables),
+        _layer(view.layer),
+        _i32(table_rows),
+        _i32(positions),
+        _i32(kv_lens),
+        *_plane_list(view.planes, lay.profile),
+        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
+        sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
+        **_codec_attrs(lay.profile),
+    )
+    return out.astype(jnp.asarray(q).dtype)
+
+
+def cyclic_append(view: CyclicKVCacheLayerView, rows, positions, k, v, valid) -> CyclicKVCacheLayerView:
+    """Write tokens ``t < valid[b]`` of row ``rows[b]`` at ring slots ``(positions[b] + t) mod slots``."""
+    _require()
+    lay = view.layout
+    planes = _plane_list(view.planes, lay.profile)
+    kk, vv = _kv_inputs(k, v)
+    call = _append_call("ninfer_kv_cyclic_append", planes, n_fixed=6)
+    out = call(
+        _i32(rows),
+        _i32(positions),
+        _i32(valid),
+        _layer(view.layer),
+        kk,
+        vv,
+        *planes,
+        **_codec_attrs(lay.profile),
+    )
+    return view.replace(planes=dict(zip(lay.profile.plane_names(), out)))
+
+
+def cyclic_attention(q, view: CyclicKVCacheLayerView, rows, positions, kv_lens, *, sm_scale=None) -> jax.Array:
+    """Windowed GQA attention over ring buffers; ``(B, T, Hq, D)`` in q's dtype (static ``sm_scale``)."""
+    _require()
+    lay = view.layout
+    q_in = _query(q)
+    call = jax.ffi.ffi_call(
+        "ninfer_kv_cyclic_attention", jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential"
+    )
+    out = call(
+        q_in,
+        _i32(rows),
+        _i32(positions),
+        _i32(kv_lens),
+        _layer(view.layer),
+        *_plane_list(view.planes, lay.profile),
+        window=np.int32(lay.window),
+        sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
+        **_codec_attrs(lay.profile),
+    )
+    return out.astype(jnp.asarray(q).dtype)
