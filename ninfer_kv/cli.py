@@ -59,7 +59,7 @@ __all__ = [
 PROG = "ninfer-kv"
 EXIT_USAGE = 2
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = ("ninfer_kv.demo.cli",)
 """Dotted names of modules that register further subcommands when imported (besides the built-ins)."""
 
 

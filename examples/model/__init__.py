@@ -1,63 +1,10 @@
-"""A small Qwen-style decoder in plain JAX whose attention reads and writes the paged KV cache
-only through ``ninfer_kv.ops``, with jitted step functions (chunked prefill, decode, speculative
-verify, MTP drafting) and dense references.
+"""The example decoder, re-exported from :mod:`ninfer_kv.models.qwen_tiny`.
 
-Modules: ``config`` (ModelConfig, StepConfig), ``weights`` (init_params), ``layers`` (RMSNorm,
-RoPE, SwiGLU), ``model`` (paged forward), ``mtp`` (MTP head), ``steps`` (jitted steps with compile
-counters), ``dense`` (no-cache and contiguous-cache references), ``buckets`` (batch buckets and
-padding rows).
+The model lives in the installed package (so ``ninfer-kv demo`` runs from any directory after
+``pip install .``); ``examples.model`` and its submodules (``examples.model.steps``,
+``examples.model.dense``, ...) are aliases of the package's modules: the same module objects, the
+same classes, the same jitted functions.
 """
 
-from .buckets import PaddedRows, bucket_for, pad_rows, prompt_chunks
-from .config import DEFAULT_BATCH_BUCKETS, IMPLS, PREFILL_CHUNK, ModelConfig, StepConfig
-from .dense import (
-    DenseCacheSteps,
-    DenseKVCache,
-    dense_greedy_generate,
-    dense_logits,
-    dense_mtp_forward,
-    init_dense_cache,
-    make_dense_cache_steps,
-)
-from .steps import (
-    CompileCounter,
-    CountedStep,
-    DecodeOutput,
-    ModelSteps,
-    MTPDraftOutput,
-    MTPExtendOutput,
-    PrefillOutput,
-    VerifyOutput,
-    make_steps,
-)
-from .weights import init_params, param_count
-
-__all__ = [
-    "PaddedRows",
-    "bucket_for",
-    "pad_rows",
-    "prompt_chunks",
-    "DEFAULT_BATCH_BUCKETS",
-    "IMPLS",
-    "PREFILL_CHUNK",
-    "ModelConfig",
-    "StepConfig",
-    "DenseCacheSteps",
-    "DenseKVCache",
-    "dense_greedy_generate",
-    "dense_logits",
-    "dense_mtp_forward",
-    "init_dense_cache",
-    "make_dense_cache_steps",
-    "CompileCounter",
-    "CountedStep",
-    "DecodeOutput",
-    "ModelSteps",
-    "MTPDraftOutput",
-    "MTPExtendOutput",
-    "PrefillOutput",
-    "VerifyOutput",
-    "make_steps",
-    "init_params",
-    "param_count",
-]
+from ninfer_kv.models.qwen_tiny import *  # noqa: F401,F403
+from ninfer_kv.models.qwen_tiny import __all__  # noqa: F401

@@ -1,0 +1,59 @@
+"""An end-to-end serving demo over the KV store: ``ninfer-kv demo``.
+
+A small Qwen-style model (:mod:`ninfer_kv.models.qwen_tiny`) serves a workload of requests that
+share system prompts, with continuous batching through a :class:`~ninfer_kv.store.KVStore`:
+admission under capacity, chunked prefill, batch buckets, prefix checkpoints forked with COW tails,
+memory pressure handled by offloading cold checkpoints to the Host tier, optional MTP speculative
+decoding and ``kv_lease_growth``; afterwards every request is checked against a dense no-cache
+recomputation.
+
+Modules: ``requests`` (workload), ``engine`` (model units through the store), ``prefix_cache``
+(retained checkpoints and the pressure policy), ``scheduler`` (continuous batching), ``drafter``
+(MTP head calibration), ``dense_check``, ``summary`` (table and JSON), ``progress``, ``run``
+(:func:`run_demo`), ``cli`` (the subcommand).
+
+The names below are imported on first use, so ``import ninfer_kv.demo.cli`` (done by every
+``ninfer-kv`` invocation) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    "DemoConfig",
+    "DemoResult",
+    "run_demo",
+    "validate",
+    "demo_buckets",
+    "MODELS",
+    "BACKENDS",
+    "WorkloadSpec",
+    "Request",
+    "make_workload",
+]
+
+_HOME = {
+    "DemoConfig": "run",
+    "run_demo": "run",
+    "validate": "run",
+    "demo_buckets": "run",
+    "MODELS": "run",
+    "BACKENDS": "run",
+    "DemoResult": "summary",
+    "WorkloadSpec": "requests",
+    "Request": "requests",
+    "make_workload": "requests",
+}
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

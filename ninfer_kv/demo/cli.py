@@ -1,0 +1,153 @@
+"""The ``ninfer-kv demo`` subcommand: serve a workload end to end through the KV store.
+
+Examples::
+
+    ninfer-kv demo                                  # 32 requests, small model, BF16, memory pressure
+    ninfer-kv demo --backend mtp --draft-window 3   # MTP speculative decoding
+    ninfer-kv demo --profile k8v4 --kv-lease-growth --json
+
+This module only declares arguments; everything heavy is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cli import BYTES, NON_NEGATIVE_INT, POSITIVE_INT, PROFILE, CommandOutput, register_subcommand
+
+__all__ = ["configure", "run"]
+
+_BACKENDS = ("off", "mtp")
+_MODELS = ("tiny", "small")
+_IMPLS = ("auto", "pallas", "ffi", "reference")
+
+DEFAULT_REQUESTS = 32
+DEFAULT_MAX_NEW_TOKENS = 24
+DEFAULT_MAX_CONTEXT = 512
+DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_KV_CAPACITY = 24 * 64  # tokens: 24 Main pages, fewer than 8 lanes plus 3 prefixes want
+DEFAULT_HOST_BYTES = "16MiB"
+DEFAULT_DRAFT_WINDOW = 3
+DEFAULT_LEASE_WINDOW = 4096
+
+
+def _choice(name: str, allowed: tuple[str, ...]):
+    """An argparse ``type=`` accepting one of ``allowed`` (case-insensitive) with a one-line error."""
+
+    def parse(text: str) -> str:
+        value = str(text).strip().lower()
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not supported; allowed: {', '.join(allowed)}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    """Declare the demo's arguments (the capacity flags are those of ``ninfer-kv plan``)."""
+    work = p.add_argument_group("workload")
+    work.add_argument("--requests", type=POSITIVE_INT, default=DEFAULT_REQUESTS, metavar="N",
+                      help=f"requests to serve (default {DEFAULT_REQUESTS})")
+    work.add_argument("--max-new-tokens", type=POSITIVE_INT, default=DEFAULT_MAX_NEW_TOKENS, metavar="T",
+                      help=f"largest output budget; each request draws from [T/2, T] (default {DEFAULT_MAX_NEW_TOKENS})")
+    work.add_argument("--system-prompt-tokens", type=POSITIVE_INT, default=150, metavar="T",
+                      help="length of each shared system prompt (default 150)")
+    work.add_argument("--system-prompts", type=NON_NEGATIVE_INT, default=3, metavar="N",
+                      help="distinct system prompts shared by 3/4 of the requests (default 3; 0: all unique)")
+    work.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seed of the weights and the workload (default 0)")
+    model = p.add_argument_group("model and kernels")
+    model.add_argument("--model", type=_choice("model", _MODELS), default="small",
+                       help="tiny (2 layers, head dim 64) or small (4 layers, head dim 128; default)")
+    model.add_argument("--profile", type=PROFILE, default="bf16",
+                       help="KV profile: bf16 (default), int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4")
+    model.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
+                       help="op implementation: auto (Pallas on GPU, FFI on CPU; default), pallas, ffi, reference")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--backend", type=_choice("backend", _BACKENDS), default="off", help="off (default) or mtp")
+    spec.add_argument("--draft-window", type=POSITIVE_INT, metavar="K",
+                      help=f"MTP draft window K (default {DEFAULT_DRAFT_WINDOW}; --backend mtp only)")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--max-context", type=POSITIVE_INT, default=DEFAULT_MAX_CONTEXT, metavar="S",
+                     help=f"per-sequence ceiling S (default {DEFAULT_MAX_CONTEXT})")
+    eng.add_argument("--max-concurrency", type=POSITIVE_INT, default=DEFAULT_MAX_CONCURRENCY, metavar="C",
+                     help=f"active rows C (default {DEFAULT_MAX_CONCURRENCY})")
+    eng.add_argument("--kv-lease-growth", action="store_true",
+                     help="lease a bounded window per request, grown at decode-round boundaries")
+    eng.add_argument("--kv-lease-window", type=POSITIVE_INT, metavar="TOKENS",
+                     help=f"growth window with --kv-lease-growth (default {DEFAULT_LEASE_WINDOW})")
+    eng.add_argument("--host-bytes", type=BYTES, default=None, metavar="B",
+                     help=f"Host arena for offloaded checkpoints (default {DEFAULT_HOST_BYTES}; 0 disables offload)")
+    cap = p.add_argument_group(
+        "capacity policy (at most one of --kv-capacity and --free-bytes; "
+        f"default --kv-capacity {DEFAULT_KV_CAPACITY}, small enough to force offloads)"
+    )
+    policy = cap.add_mutually_exclusive_group()
+    policy.add_argument("--kv-capacity", type=POSITIVE_INT, metavar="TOKENS", help="explicit Main capacity in tokens")
+    policy.add_argument("--free-bytes", type=BYTES, metavar="F", help="automatic policy: free device bytes F")
+    cap.add_argument("--headroom-bytes", type=BYTES, metavar="R", help="automatic policy: headroom R (default 0)")
+    cap.add_argument("--fixed-bytes", type=BYTES, default=0, metavar="X", help="fixed device bytes inside B(M) (default 0)")
+    out = p.add_argument_group("output")
+    out.add_argument("--no-dense-check", action="store_true", help="skip the dense recomputation after the run")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`~ninfer_kv.demo.run.DemoConfig` of parsed arguments (``ValueError`` on bad combinations)."""
+    from ..cli import parse_bytes
+    from ..planning import AutomaticCapacity, ExplicitCapacity
+    from .requests import WorkloadSpec
+    from .run import DemoConfig
+
+    if args.draft_window is not None and args.backend != "mtp":
+        raise ValueError(f"--draft-window applies only to --backend mtp; got --backend {args.backend}")
+    if args.kv_lease_window is not None and not args.kv_lease_growth:
+        raise ValueError("--kv-lease-window applies only with --kv-lease-growth")
+    if args.free_bytes is not None:
+        capacity = AutomaticCapacity(free_bytes=args.free_bytes, headroom_bytes=args.headroom_bytes or 0)
+    else:
+        if args.headroom_bytes is not None:
+            raise ValueError("--headroom-bytes applies only to the automatic policy (--free-bytes)")
+        capacity = ExplicitCapacity(args.kv_capacity if args.kv_capacity is not None else DEFAULT_KV_CAPACITY)
+    workload = WorkloadSpec(
+        requests=args.requests,
+        max_new_tokens=args.max_new_tokens,
+        system_prompt_tokens=args.system_prompt_tokens,
+        system_prompts=args.system_prompts,
+        seed=args.seed,
+    )
+    return DemoConfig(
+        workload=workload,
+        model=args.model,
+        profile=args.profile,
+        backend=args.backend,
+        draft_window=args.draft_window if args.draft_window is not None else DEFAULT_DRAFT_WINDOW,
+        impl=args.impl,
+        kv_lease_growth=args.kv_lease_growth,
+        lease_window_tokens=args.kv_lease_window if args.kv_lease_window is not None else DEFAULT_LEASE_WINDOW,
+        host_bytes=args.host_bytes if args.host_bytes is not None else parse_bytes(DEFAULT_HOST_BYTES),
+        max_context=args.max_context,
+        max_concurrency=args.max_concurrency,
+        capacity=capacity,
+        fixed_bytes=args.fixed_bytes,
+        seed=args.seed,
+        dense_check=not args.no_dense_check,
+    )
+
+
+def run(args: argparse.Namespace) -> CommandOutput:
+    """Run the demo; the table is the text view, the result object the ``--json`` view."""
+    from .run import run_demo, validate
+
+    config = config_from_args(args)
+    validate(config)  # plan and workload errors surface as one-line usage errors, before any compile
+    result = run_demo(config, progress=not args.no_progress)
+    return CommandOutput(data=result.to_json(), text=result.table())
+
+
+register_subcommand(
+    "demo",
+    help="serve a workload end to end through the KV store (continuous batching, prefix forks, offload, MTP)",
+    configure=configure,
+    run=run,
+)

@@ -1,0 +1,136 @@
+"""Dense no-cache recomputation of every served request (the demo's ``dense_match``).
+
+For a request with prompt ``p`` and generated tokens ``g_1 .. g_m`` the dense reference runs the
+same model over ``p + g_1 .. g_{m-1}`` from position 0 with plain causal attention and the same
+codec round trip applied to K/V (:func:`ninfer_kv.models.qwen_tiny.dense_logits`), and compares,
+at every generated position ``j``:
+
+* the logits: ``max |served - dense| <= tol(profile)``;
+* the greedy token: ``g_j == argmax(dense)``, or — a tie within the tolerance — the dense logit of
+  ``g_j`` is within ``tol(profile)`` of the dense maximum.  Each dense position sees the served
+  tokens before it, so one such tie cannot cascade.
+
+Why a tolerance, and why per profile: the paged path computes K and V in prefill chunks and decode
+steps, the reference over the whole sequence; the float32 results differ in the last bits
+(different matmul shapes), and the codec then occasionally rounds the two to neighbouring codes.
+Codes are bit-identical for identical inputs (the ops' contract), so the difference is at most one
+code step of a few elements, and its effect on the logits scales with the codec's step: about
+``2e-4`` for BF16, ``7e-4`` for INT8-G64 and a few ``1e-3`` for the FP8 and NVFP4 codecs on the
+demo models.  :data:`DENSE_TOLERANCES` allows several times that.  ``tokens_match`` reports exact
+greedy equality separately (always true for BF16 in practice).
+
+Requests are recomputed in batches of :data:`DENSE_BATCH` rows padded to one length (causal
+attention makes the padding invisible), so the reference compiles once per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from ..geometry import PAGE_SIZE, ceil_div
+from ..models.qwen_tiny import ModelConfig, dense_logits
+from ..profiles import KVProfile
+from .scheduler import RequestRecord
+
+__all__ = ["DenseCheck", "DENSE_TOLERANCES", "DENSE_BATCH", "check_dense", "tolerance_for"]
+
+DENSE_TOLERANCES: dict[KVProfile, float] = {
+    KVProfile.BF16: 1e-3,
+    KVProfile.INT8_G64: 3e-3,
+    KVProfile.FP8_E4M3FN_ROW256: 3e-2,
+    KVProfile.NVFP4_G16: 3e-2,
+    KVProfile.K8V4: 3e-2,
+}
+"""Max absolute logit difference between served and dense logits, per KV profile (float32 model)."""
+
+DENSE_BATCH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseCheck:
+    """Outcome of :func:`check_dense`.
+
+    Attributes:
+      match: every logit within ``tolerance`` and every greedy token equal or tied within it.
+      tokens_match: every greedy token exactly equal.
+      tie_flips: positions where the served token differs from the dense argmax by a tie within
+        the tolerance.
+      max_abs_logit_diff: over every generated position of every request.
+      tolerance: the logit tolerance.
+      checked_tokens: generated positions compared.
+      mismatched_requests: ids of requests with a differing token or a logit out of tolerance.
+    """
+
+    match: bool
+    tokens_match: bool
+    tie_flips: int
+    max_abs_logit_diff: float
+    tolerance: float
+    checked_tokens: int
+    mismatched_requests: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"mismatched_requests": list(self.mismatched_requests)}
+
+
+def tolerance_for(profile) -> float:
+    """The logit tolerance of ``profile`` (:data:`DENSE_TOLERANCES`)."""
+    return DENSE_TOLERANCES[KVProfile.parse(profile)]
+
+
+def check_dense(
+    params: dict,
+    model: ModelConfig,
+    profile,
+    records: Sequence[RequestRecord],
+    *,
+    tolerance: float | None = None,
+) -> DenseCheck:
+    """Recompute every record densely and compare (see the module docstring).
+
+    ``tolerance`` defaults to :func:`tolerance_for` ``(profile)``.
+    """
+    tol = tolerance_for(profile) if tolerance is None else float(tolerance)
+    work = [r for r in records if r.generated.size]
+    max_diff = 0.0
+    checked = ties = 0
+    tokens_ok = True
+    bad: list[int] = []
+    if work:
+        longest = max(r.request.prompt_tokens + r.generated.size - 1 for r in work)
+        length = ceil_div(longest, PAGE_SIZE) * PAGE_SIZE
+        for start in range(0, len(work), DENSE_BATCH):
+            group = work[start : start + DENSE_BATCH]
+            seqs = np.zeros((DENSE_BATCH, length), np.int32)
+            for i, r in enumerate(group):
+                full = np.concatenate([r.request.prompt, r.generated[:-1]])
+                seqs[i, : full.size] = full
+            logits = np.asarray(dense_logits(params, model, seqs, profile))
+            for i, r in enumerate(group):
+                n0, m = r.request.prompt_tokens, r.generated.size
+                dense = logits[i, n0 - 1 : n0 - 1 + m]
+                differ = np.argmax(dense, axis=-1).astype(np.int32) != r.generated
+                # a differing token is a tie when its dense logit is within tol of the dense maximum
+                gap = dense.max(axis=-1) - np.take_along_axis(dense, r.generated[:, None].astype(np.int64), 1)[:, 0]
+                untied = differ & ~(gap <= tol)
+                diff = float(np.max(np.abs(dense - r.logits)))
+                if not np.isfinite(diff):
+                    diff = float("inf")
+                checked += m
+                ties += int(np.sum(differ & (gap <= tol)))
+                max_diff = max(max_diff, diff)
+                tokens_ok &= not differ.any()
+                if untied.any() or not diff <= tol:
+                    bad.append(r.request.id)
+    return DenseCheck(
+        match=not bad,
+        tokens_match=tokens_ok,
+        tie_flips=ties,
+        max_abs_logit_diff=max_diff,
+        tolerance=tol,
+        checked_tokens=checked,
+        mismatched_requests=tuple(sorted(bad)),
+    )

@@ -1,0 +1,336 @@
+"""Build and run one serving demo: model, plan, store, engine, scheduler, dense check, summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import warnings
+
+import jax
+
+from .. import ops
+from ..geometry import PAGE_SIZE, ceil_div
+from ..planning import (
+    AutomaticCapacity,
+    ExplicitCapacity,
+    ModelKVConfig,
+    SpeculativeConfig,
+    plan_kv_cache,
+)
+from ..profiles import KVProfile
+from ..store import EntitlementPolicy, KVStore
+from ..models.qwen_tiny import IMPLS, ModelConfig, ModelSteps, StepConfig, init_params, make_steps
+from .dense_check import check_dense
+from .drafter import fit_mtp_head
+from .engine import ModelEngine, model_fingerprint
+from .prefix_cache import PrefixCache, host_page_counters
+from .progress import make_progress
+from .requests import WorkloadSpec, make_workload
+from .scheduler import Scheduler, check_workload_fits
+from .summary import DemoResult
+
+__all__ = ["DemoConfig", "MODELS", "BACKENDS", "run_demo", "validate", "demo_buckets", "build_store"]
+
+MODELS = {
+    "tiny": dict(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=256),
+    "small": dict(vocab_size=512, d_model=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128, mlp_dim=512),
+}
+"""Demo model sizes (float32 Qwen-style decoders with random weights)."""
+
+BACKENDS = ("off", "mtp")
+
+DEFAULT_KV_CAPACITY = 24 * 64
+DEFAULT_HOST_BYTES = 16 * 2**20
+
+
+def _int_at_least(name: str, value, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
+    return value
+
+
+def demo_buckets(max_concurrency: int) -> tuple[int, ...]:
+    """Batch buckets: powers of 4 below ``max_concurrency``, then ``max_concurrency`` itself."""
+    out, b = [], 1
+    while b < max_concurrency:
+        out.append(b)
+        b *= 4
+    return tuple(out + [max_concurrency])
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run depends on.
+
+    Attributes:
+      workload: the requests to serve.
+      model: a key of :data:`MODELS`.
+      profile: the KV profile of the Main (and MTP) pool.
+      backend: ``"off"`` or ``"mtp"`` (speculative decoding with the model's MTP head).
+      draft_window: MTP draft window K (``backend="mtp"`` only).
+      impl: op implementation (``auto``: Pallas on GPU, FFI on CPU).
+      kv_lease_growth: lease a bounded window instead of the whole output budget.
+      lease_window_tokens: the growth window (with ``kv_lease_growth``).
+      lease_cushion_tokens: the per-lane cushion beyond the window: the tokens one decode round
+        writes (1, or ``draft_window + 1`` with MTP), so the step about to launch is always covered.
+      host_bytes: Host arena bytes for offloaded checkpoints (0: no Host tier).
+      max_context, max_concurrency: S and C of the plan.
+      capacity: the plan's capacity policy (explicit tokens or free bytes).
+      fixed_bytes: the fixed part of ``B(M)``.
+      seed: weights seed (the workload has its own seed).
+      dense_check: recompute every request densely after the run.
+    """
+
+    workload: WorkloadSpec = WorkloadSpec()
+    model: str = "small"
+    profile: KVProfile = KVProfile.BF16
+    backend: str = "off"
+    draft_window: int = 3
+    impl: str = "auto"
+    kv_lease_growth: bool = False
+    lease_window_tokens: int = 4096
+    host_bytes: int = DEFAULT_HOST_BYTES
+    max_context: int = 512
+    max_concurrency: int = 8
+    capacity: ExplicitCapacity | AutomaticCapacity = ExplicitCapacity(DEFAULT_KV_CAPACITY)
+    fixed_bytes: int = 0
+    seed: int = 0
+    dense_check: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.workload, WorkloadSpec):
+            raise TypeError(f"workload must be a WorkloadSpec, got {type(self.workload).__name__}")
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r} is not a demo model; allowed: {', '.join(MODELS)}")
+        object.__setattr__(self, "profile", KVProfile.parse(self.profile))
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not supported by the demo; allowed: {', '.join(BACKENDS)}")
+        _int_at_least("draft_window", self.draft_window, 1)
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(IMPLS)}")
+        _int_at_least("lease_window_tokens", self.lease_window_tokens, 1)
+        _int_at_least("host_bytes", self.host_bytes, 0)
+        _int_at_least("max_context", self.max_context, 1)
+        _int_at_least("max_concurrency", self.max_concurrency, 1)
+        _int_at_least("fixed_bytes", self.fixed_bytes, 0)
+        _int_at_least("seed", self.seed, 0)
+        if not isinstance(self.capacity, (ExplicitCapacity, AutomaticCapacity)):
+            raise TypeError(f"capacity must be ExplicitCapacity or AutomaticCapacity, got {type(self.capacity).__name__}")
+        self.model_config.kv_config(self.profile)  # head dim vs profile: a clear ValueError early
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**MODELS[self.model], mtp=self.backend == "mtp")
+
+    @property
+    def lease_cushion_tokens(self) -> int:
+        return self.draft_window + 1 if self.backend == "mtp" else 1
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig("mtp", draft_window=self.draft_window) if self.backend == "mtp" else None
+
+    @property
+    def step_config(self) -> StepConfig:
+        return StepConfig(
+            model=self.model_config,
+            profile=self.profile,
+            impl=self.impl,
+            draft_window=self.draft_window,
+            batch_buckets=demo_buckets(self.max_concurrency),
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(step_config: StepConfig) -> ModelSteps:
+    """Jitted steps shared by runs of one configuration in a process (compiled once per bucket)."""
+    return make_steps(step_config)
+
+
+@functools.lru_cache(maxsize=4)
+def _params(model: ModelConfig, seed: int) -> tuple[dict, float | None]:
+    """Model parameters from ``seed``; with an MTP head, the head fitted as a drafter (and its agreement)."""
+    params = init_params(model, seed)
+    if not model.mtp:
+        return params, None
+    head = fit_mtp_head(params, model, seed)
+    return head.params, head.agreement
+
+
+def build_store(config: DemoConfig, plan) -> KVStore:
+    """The store of a run: the plan's pools, the entitlement policy, and a Host arena of
+    ``config.host_bytes`` (none when 0).  A checkpoint needs the model's state image to be reused."""
+    policy = EntitlementPolicy(
+        kv_lease_growth=config.kv_lease_growth,
+        window_tokens=config.lease_window_tokens,
+        cushion_tokens=config.lease_cushion_tokens,
+    )
+    return KVStore(plan, entitlement=policy, requires_state_image=True, host_bytes=config.host_bytes or None)
+
+
+class _CompileClock:
+    """Seconds of XLA backend compilation, summed from ``jax.monitoring`` events (process-wide)."""
+
+    seconds = 0.0
+    _registered = False
+
+    @classmethod
+    def read(cls) -> float:
+        if not cls._registered:
+            from jax import monitoring
+
+            monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._registered = True
+        return cls.seconds
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            cls.seconds += float(duration)
+
+
+def _resolved_impl(impl: str) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ops.resolve_impl(impl).name
+
+
+def _leaks(store: KVStore, cache: PrefixCache) -> tuple[int, int]:
+    """Release every checkpoint, then count pages still leased or reserved, and live Host extents."""
+    cache.release_all()
+    store.check_invariants()
+    pages = 0
+    for kind in store.pool_kinds:
+        pool = store.pool(kind)
+        pages += pool.allocated + pool.reserved
+    extents = store.host_occupancy().extent_count if cache.host_tier else 0
+    return pages, int(extents)
+
+
+def validate(config: DemoConfig):
+    """Resolve the plan and the workload of ``config``; ``ValueError`` if they cannot be served.
+
+    Returns ``(plan, requests)``.  Cheap: no parameters, no compilation.
+    """
+    model = config.model_config
+    requests = make_workload(config.workload, model.vocab_size)
+    lead = config.draft_window - 1 if config.backend == "mtp" else 0
+    check_workload_fits(requests, config.max_context, ceil_div(config.max_context, PAGE_SIZE), lead)
+    plan = plan_kv_cache(
+        ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile),
+        max_context=config.max_context,
+        max_concurrency=config.max_concurrency,
+        policy=config.capacity,
+        speculative=config.speculative,
+        fixed_bytes=config.fixed_bytes,
+    )
+    _resolved_impl(config.impl)
+    return plan, requests
+
+
+def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> DemoResult:
+    """Serve ``config.workload`` with continuous batching through a KV store; see :class:`DemoResult`."""
+    plan, requests = validate(config)
+    model = config.model_config
+    params, calibration = _params(model, config.seed)
+    impl = _resolved_impl(config.impl)
+    store = build_store(config, plan)
+    steps = _steps(config.step_config)
+    compiles_before = steps.compiles()
+    engine = ModelEngine(steps, params, store, model_fingerprint(model, config.seed, config.profile.value))
+    cache = PrefixCache(store)
+    bar = make_progress(len(requests), enabled=progress)
+    generated = 0
+    compile_start = _CompileClock.read()
+    start = time.perf_counter()
+
+    def on_finish(record):
+        nonlocal generated
+        generated += int(record.generated.size)
+        elapsed = time.perf_counter() - start
+        bar.update(1, tokens=generated, tok_s=f"{generated / max(elapsed, 1e-9):.0f}")
+
+    scheduler = Scheduler(engine, cache, requests, on_finish=on_finish)
+    try:
+        records = scheduler.run()
+        jax.block_until_ready(store.planes("main"))
+    finally:
+        bar.close()
+    serve_seconds = time.perf_counter() - start
+    compile_seconds = _CompileClock.read() - compile_start
+    offloaded, restored = host_page_counters(store)
+    leaked_pages, leaked_extents = _leaks(store, cache)
+
+    dense = None
+    if config.dense_check:
+        dense = check_dense(params, model, config.profile, records)
+    compiles = {name: n - compiles_before.get(name, 0) for name, n in steps.compiles().items()}
+    st = scheduler.stats
+    es = engine.stats
+    finish_reasons: dict[str, int] = {}
+    for r in records:
+        finish_reasons[r.finish_reason] = finish_reasons.get(r.finish_reason, 0) + 1
+    data = {
+        "requests": len(records),
+        "generated_tokens": generated,
+        "tokens_per_s": generated / serve_seconds if serve_seconds > 0 else 0.0,
+        "serve_seconds": serve_seconds,
+        "compile_seconds": compile_seconds,
+        "tokens_per_s_excl_compile": generated / (serve_seconds - compile_seconds)
+        if serve_seconds > compile_seconds
+        else 0.0,
+        "dense_match": bool(dense.match) if dense is not None else None,
+        "dense_tolerance": dense.tolerance if dense is not None else None,
+        "dense": dense.to_json() if dense is not None else None,
+        "prefix_hits": st.prefix_hits,
+        "prefix_tokens_reused": st.prefix_tokens_reused,
+        "prefix_jobs": st.prefix_jobs,
+        "offloaded_pages": offloaded,
+        "restored_pages": restored,
+        "evictions": dataclasses.asdict(cache.stats),
+        "host_tier": cache.host_tier,
+        "peak_host_bytes": st.peak_host_bytes,
+        "compiles": compiles,
+        "buckets": {name: sorted(b) for name, b in es.buckets.items()},
+        "units": dict(es.units),
+        "peak_pages": dict(st.peak_pages),
+        "pool_pages": {k.value: store.pool(k).capacity for k in store.pool_kinds},
+        "leaked_pages": leaked_pages,
+        "leaked_host_extents": leaked_extents,
+        "finish_reasons": finish_reasons,
+        "bounded_completions": st.bounded_completions,
+        "lease_pages_granted": st.lease_pages_granted,
+        "peak_active": st.peak_active,
+        "admission_waits": st.admission_waits,
+        "rounds": st.rounds,
+        "prefill_tokens": es.prefill_tokens,
+        "mtp": None,
+        "profile": config.profile.value,
+        "impl": impl,
+        "backend": config.backend,
+        "kv_lease_growth": config.kv_lease_growth,
+        "device": jax.devices()[0].platform,
+        "model": {
+            "name": config.model,
+            "layers": model.num_layers,
+            "kv_heads": model.num_kv_heads,
+            "head_dim": model.head_dim,
+            "d_model": model.d_model,
+            "vocab_size": model.vocab_size,
+        },
+        "plan": plan.to_json(),
+        "seed": config.seed,
+        "workload_seed": config.workload.seed,
+    }
+    if config.backend == "mtp":
+        data["mtp"] = {
+            "draft_window": config.draft_window,
+            "head_calibration_agreement": calibration,
+            "rounds": es.spec_rounds,
+            "drafts_verified": es.drafts_verified,
+            "drafts_accepted": es.drafts_accepted,
+            "acceptance_rate": es.drafts_accepted / es.drafts_verified if es.drafts_verified else 0.0,
+            "tokens_per_round": es.decode_tokens / es.spec_rounds if es.spec_rounds else 0.0,
+        }
+    return DemoResult(data, tuple(sorted(records, key=lambda r: r.request.id)))
