@@ -1,6 +1,6 @@
-"""Device-tier KV store: typed page pools, logical pages, address spaces and block tables.
+"""KV store: typed page pools, logical pages, address spaces, block tables and Host replicas.
 
-Public entry point: :class:`KVStore`.  See ``docs/API.md`` ("## Store") for the verbs.
+Public entry point: :class:`KVStore`.  See ``docs/API.md`` ("## Store", "## Host tier") for the verbs.
 """
 
 from .address_space import AddressSpaceTable, KVAddressSpace
@@ -9,6 +9,8 @@ from .bundle import CheckpointHandle, CheckpointInfo, SequenceHandle, SequenceKV
 from .entitlement import EntitlementPolicy, RoundGrant
 from .errors import (
     EntitlementError,
+    HostCapacityError,
+    StaleReplicaError,
     IncompleteContinuationError,
     InvariantError,
     KVStoreError,
@@ -16,10 +18,11 @@ from .errors import (
     PoolCapacityError,
     StaleHandleError,
 )
-from .logical_page import LogicalKVPage, LogicalPageTable, ReplicaRef, replica_valid
+from .host_replicas import OFFLOAD_STAGES, RESTORE_STAGES, HostTransferReport
+from .logical_page import HostReplica, LogicalKVPage, LogicalPageTable, ReplicaRef, replica_valid
 from .pool import DeviceKVPageLease, DevicePagePool
 from .store import ACTIVATION_STAGES, FaultInjector, KVStore
-from .summary import PoolOccupancy, StoreMemorySummary
+from .summary import HostOccupancy, HostPoolOccupancy, HostTransferStats, PoolOccupancy, StoreMemorySummary
 
 __all__ = [
     "KVStore",
@@ -30,7 +33,14 @@ __all__ = [
     "LogicalKVPage",
     "LogicalPageTable",
     "ReplicaRef",
+    "HostReplica",
     "replica_valid",
+    "OFFLOAD_STAGES",
+    "RESTORE_STAGES",
+    "HostOccupancy",
+    "HostPoolOccupancy",
+    "HostTransferReport",
+    "HostTransferStats",
     "KVAddressSpace",
     "AddressSpaceTable",
     "SequenceKVBundle",
@@ -51,4 +61,6 @@ __all__ = [
     "LifecycleError",
     "IncompleteContinuationError",
     "InvariantError",
+    "HostCapacityError",
+    "StaleReplicaError",
 ]

@@ -77,6 +77,13 @@ class CheckpointInfo:
       reusable: whether activation may resume from it: every enabled pool is present and, when the
         store requires one, a state image is held.  KV pages alone are never a reusable hit.
       spaces: the inactive address spaces per pool.
+      placement: where the pages have replicas, over every pool: ``"device"`` (some page has no
+        valid Host replica), ``"host"`` (every page has a valid Host replica and some page has no
+        Device replica: an activation restores it) or ``"both"`` (every page has both).  A
+        checkpoint mixing Device-only and Host-only pages reads ``"device"``; ``page_placement``
+        has the exact counts.
+      page_placement: pages per placement over every pool: ``{"device": n, "host": n, "both": n}``
+        (Device-only, Host-only, Both).
     """
 
     handle: CheckpointHandle
@@ -84,6 +91,8 @@ class CheckpointInfo:
     state_image: Any
     reusable: bool
     spaces: Mapping[PoolKind, KVAddressSpace]
+    placement: str = "device"
+    page_placement: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -14,6 +14,8 @@ __all__ = [
     "LifecycleError",
     "IncompleteContinuationError",
     "InvariantError",
+    "HostCapacityError",
+    "StaleReplicaError",
 ]
 
 
@@ -32,6 +34,15 @@ class PoolCapacityError(KVStoreError):
     """A pool cannot supply the pages (or the execution rows) a request needs."""
 
 
+class HostCapacityError(PoolCapacityError):
+    """The Host arena cannot place the extents an offload needs (exhaustion or fragmentation).
+
+    Raised after :meth:`HostKVArena.validate_plan` rejected the whole allocation recipe, before
+    anything changed.  The allocator's own error (with the requested bytes, largest free extent
+    and free bytes) is the ``__cause__``.
+    """
+
+
 class EntitlementError(KVStoreError, ValueError):
     """A mapping or commit target exceeds an address space's entitlement or mapped extent."""
 
@@ -42,6 +53,14 @@ class LifecycleError(KVStoreError):
 
 class IncompleteContinuationError(LifecycleError):
     """A retain or reuse would publish KV pages without the rest of their continuation."""
+
+
+class StaleReplicaError(LifecycleError):
+    """A replica no longer matches its page's canonical content (epoch or committed coverage moved).
+
+    Raised by the verify step of a Host transfer; nothing is published and the transfer's
+    reservations are undone.
+    """
 
 
 class InvariantError(KVStoreError, AssertionError):

@@ -10,14 +10,16 @@ Its descriptor holds
 * committed columns ``[0, P]`` and protected columns (the coverage surviving checkpoints need);
 * address-space references, active references and the single writer (an execution row);
 * an optional Device page-group lease (page ID + lease generation);
-* an optional Host extent membership (``None`` until a Host tier publishes one);
+* an optional Host extent membership: the extent, the page's index in it and the replica's
+  ``(epoch, coverage)`` as of its publication (see :class:`HostReplica`);
 * transaction pins (held while a copy reads or writes the page).
 
 Canonical content is ``(epoch, committed columns)``.  A replica holding ``(epoch, coverage)`` is
 valid for the first ``n`` columns iff ``replica.epoch == page.epoch and replica.coverage >= n``.
 
 A descriptor is reclaimed (its generation advanced, its slot reused) only when references,
-replicas (Device lease, Host extent) and pins are all zero.
+replicas (Device lease, Host extent) and pins are all zero.  A page may live with a Device replica
+only, a Host replica only, or both (its *placement*); the descriptor itself holds no payload.
 
 Storage is a struct of numpy arrays indexed by a slot, so vectorized code (the decode round) updates
 many pages with a handful of array operations; :class:`LogicalKVPage` is a thin read-only view.
@@ -40,7 +42,7 @@ from .pool import DeviceKVPageLease
 if TYPE_CHECKING:  # pragma: no cover
     from .runtime import PoolRuntime
 
-__all__ = ["ReplicaRef", "replica_valid", "LogicalPageTable", "LogicalKVPage"]
+__all__ = ["ReplicaRef", "HostReplica", "replica_valid", "LogicalPageTable", "LogicalKVPage"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,25 @@ class ReplicaRef:
 
     epoch: int
     coverage: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReplica:
+    """A page's Host extent membership: page ``page`` of ``extent`` holds ``(epoch, coverage)``.
+
+    ``extent`` is the :class:`~ninfer_kv.host.HostExtent` handle (several pages share one extent,
+    each at its own ``page`` index in logical order); ``epoch`` and ``coverage`` are the page's
+    content epoch and committed columns verified when the replica was published.
+    """
+
+    extent: object
+    page: int
+    epoch: int
+    coverage: int
+
+    @property
+    def ref(self) -> ReplicaRef:
+        return ReplicaRef(self.epoch, self.coverage)
 
 
 def replica_valid(page_epoch: int, replica: ReplicaRef, columns: int) -> bool:
@@ -80,7 +101,10 @@ class LogicalPageTable:
         self.device_page = np.zeros(0, np.int64)  # -1: no Device replica
         self.device_gen = np.zeros(0, np.int64)
         self.pins = np.zeros(0, np.int64)
-        self.host_extent: list = []
+        self.host_extent: list = []  # HostExtent handle or None
+        self.host_page = np.zeros(0, np.int64)  # page index in host_extent, -1: no Host replica
+        self.host_epoch = np.zeros(0, np.int64)  # replica epoch / coverage as published
+        self.host_coverage = np.zeros(0, np.int64)
         self._stack = np.zeros(0, np.int64)
         self._top = 0
         self.grow(max(int(capacity), 1))
@@ -109,6 +133,9 @@ class LogicalPageTable:
         self.device_gen = ext(self.device_gen, 0)
         self.pins = ext(self.pins, 0)
         self.host_extent.extend([None] * n)
+        self.host_page = ext(self.host_page, -1)
+        self.host_epoch = ext(self.host_epoch, 0)
+        self.host_coverage = ext(self.host_coverage, 0)
         # new slots go to the bottom of the stack so existing free slots keep their order
         stack = np.empty(capacity, np.int64)
         stack[:n] = np.arange(capacity - 1, old - 1, -1)
@@ -154,8 +181,11 @@ class LogicalPageTable:
         self.device_gen[slots] = 0
         self.pins[slots] = 0
         extents = self.host_extent
-        for s in slots.tolist():
+        for s in slots[self.host_page[slots] >= 0].tolist():
             extents[s] = None
+        self.host_page[slots] = -1
+        self.host_epoch[slots] = 0
+        self.host_coverage[slots] = 0
 
     def discard(self, slots: np.ndarray) -> None:
         """Exact inverse of :meth:`create` for pages that never escaped (no generation advance)."""
@@ -174,13 +204,26 @@ class LogicalPageTable:
             return
         if (self.refs[slots] != 0).any() or (self.pins[slots] != 0).any() or (self.device_page[slots] >= 0).any():
             raise InvariantError(f"pool {self.pool}: reclaiming a page that still has references, pins or replicas")
-        if any(self.host_extent[s] is not None for s in slots.tolist()):
+        if (self.host_page[slots] >= 0).any():
             raise InvariantError(f"pool {self.pool}: reclaiming a page that still has a Host extent")
         self._clear(slots)
         self.generation[slots] += 1
         k = slots.size
         self._stack[self._top : self._top + k] = slots[::-1]
         self._top += k
+
+    def host_valid(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """Per page: whether its Host replica exists and is valid for the first ``columns`` columns."""
+        return (self.host_page[slots] >= 0) & (self.host_epoch[slots] == self.epoch[slots]) & (
+            self.host_coverage[slots] >= columns
+        )
+
+    def host_replica(self, slot: int) -> HostReplica | None:
+        if self.host_page[slot] < 0:
+            return None
+        return HostReplica(
+            self.host_extent[slot], int(self.host_page[slot]), int(self.host_epoch[slot]), int(self.host_coverage[slot])
+        )
 
     def free_slots(self) -> np.ndarray:
         return self._stack[: self._top].copy()
@@ -207,6 +250,9 @@ class LogicalPageTable:
             "device_gen": self.device_gen.copy(),
             "pins": self.pins.copy(),
             "host_extent": list(self.host_extent),
+            "host_page": self.host_page.copy(),
+            "host_epoch": self.host_epoch.copy(),
+            "host_coverage": self.host_coverage.copy(),
             "free_slots": self.free_slots(),
         }
 
@@ -269,7 +315,25 @@ class LogicalKVPage:
 
     @property
     def host_extent(self):
+        """The :class:`~ninfer_kv.host.HostExtent` holding this page's Host replica, or ``None``."""
         return self._rt.pages.host_extent[self._s()]
+
+    @property
+    def host_replica(self) -> HostReplica | None:
+        """The Host extent membership (extent, page index, epoch, coverage), or ``None``."""
+        return self._rt.pages.host_replica(self._s())
+
+    @property
+    def placement(self) -> str:
+        """``"device"``, ``"host"`` or ``"both"``: where the page has replicas valid for its content.
+
+        A Host replica counts only while valid for the committed columns (a stale one is ignored).
+        """
+        s = self._s()
+        pg = self._rt.pages
+        host = bool(pg.host_valid(np.array([s]), self._rt.page_committed(np.array([s])))[0])
+        device = pg.device_page[s] >= 0
+        return "both" if host and device else ("host" if host else "device")
 
     @property
     def shared(self) -> bool:
@@ -289,6 +353,11 @@ class LogicalKVPage:
         """The Device replica's ``(epoch, coverage)``: the page's device bytes are its canonical copy."""
         return None if self.device_lease is None else self.canonical
 
+    def host_replica_ref(self) -> ReplicaRef | None:
+        """The Host replica's ``(epoch, coverage)`` as published (valid or not), or ``None``."""
+        r = self.host_replica
+        return None if r is None else r.ref
+
     def replica_valid(self, replica: ReplicaRef, columns: int) -> bool:
         return replica_valid(self.epoch, replica, columns)
 
@@ -297,7 +366,7 @@ class LogicalKVPage:
             return (
                 f"LogicalKVPage(pool={self.pool.value}, slot={self.slot}, gen={self.generation}, "
                 f"epoch={self.epoch}, committed={self.committed_columns}, refs={self.references}, "
-                f"writer={self.writer_row}, device={self.device_lease})"
+                f"writer={self.writer_row}, device={self.device_lease}, placement={self.placement})"
             )
         except StaleHandleError:
             return f"LogicalKVPage(slot={self.slot}, gen={self.generation}, stale)"

@@ -262,6 +262,32 @@ class DevicePagePool:
         self._reserved -= k
         return ids, self._gen[ids]
 
+    def acquire(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Lease ``count`` available pages directly (no owner's reservation); returns (IDs, generations).
+
+        Used for replicas that belong to no active address space (a checkpoint's pages restored
+        from the Host tier).  Raises :class:`PoolCapacityError` (nothing changed) when fewer than
+        ``count`` pages are available.
+        """
+        count = int(count)
+        if count < 0:
+            raise ValueError(f"pool {self.name}: acquire count={count} must be >= 0")
+        if count > self.available:
+            raise PoolCapacityError(
+                f"pool {self.name}: cannot lease {count} pages; only {self.available} of {self.capacity} are "
+                f"available ({self.allocated} allocated, {self.reserved} reserved)"
+            )
+        if count == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        ids = self._take(count)
+        return ids, self._gen[ids]
+
+    def undo_acquire(self, pages: np.ndarray) -> None:
+        """Exact inverse of an :meth:`acquire` whose leases never escaped (no generation bump)."""
+        ids = _as_ids(pages)
+        if ids.size:
+            self._give_back(ids, bump=False)
+
     def dematerialize(self, pages, generations, owner: int) -> None:
         """Return leases to ``owner``'s reservation (the global available count is unchanged)."""
         o = self._owner(owner)

@@ -7,6 +7,11 @@ verbs the :class:`~ninfer_kv.store.KVStore` facade composes: vectorized mapping 
 execution rows, activation pieces that return exact undo actions, deactivation and release.
 
 Vectorized methods validate every input before they change anything.
+
+With a Host tier, ``host`` is the pool's :class:`~ninfer_kv.store.host_replicas.PoolHostReplicas`:
+a page of an inactive checkpoint may then have no Device replica (placement Host-only).  Pages
+referenced by an active address space always have one.  When a descriptor's last reference and pin
+go, its Device lease and its Host extent membership are both released before it is reclaimed.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class PoolRuntime:
         self.spaces = AddressSpaceTable(self.rows, self.logical_pages, pool=name)
         self.table = BlockTableMatrix(self.rows, self.logical_pages, device=device)
         self.planes = planes
+        self.host = None  # PoolHostReplicas when the store has a Host tier
 
     # -- derived page state -----------------------------------------------------------------------------
     def page_committed(self, slots: np.ndarray) -> np.ndarray:
@@ -203,10 +209,7 @@ class PoolRuntime:
         dead = slots[pg.refs[slots] == 0]
         dead = dead[pg.pins[dead] == 0]
         if dead.size:
-            self.pool.release(pg.device_page[dead], pg.device_gen[dead])
-            pg.device_page[dead] = -1
-            pg.writer[dead] = -1
-            pg.reclaim(dead)
+            self._release_dead(dead)
 
     def unpin(self, slots: np.ndarray) -> None:
         """Drop a transaction pin; pages left with no reference and no pin are released."""
@@ -214,9 +217,24 @@ class PoolRuntime:
         pg.pins[slots] -= 1
         dead = slots[(pg.pins[slots] == 0) & (pg.refs[slots] == 0) & pg.live[slots]]
         if dead.size:
-            self.pool.release(pg.device_page[dead], pg.device_gen[dead])
-            pg.device_page[dead] = -1
-            pg.reclaim(dead)
+            self._release_dead(dead)
+
+    def _release_dead(self, dead: np.ndarray) -> None:
+        """Release every replica of pages with no reference and no pin, then reclaim them."""
+        pg = self.pages
+        dev = pg.device_page[dead]
+        on = dev >= 0
+        if on.all():
+            self.pool.release(dev, pg.device_gen[dead])
+        elif on.any():
+            self.pool.release(dev[on], pg.device_gen[dead][on])
+        pg.device_page[dead] = -1
+        pg.device_gen[dead] = 0
+        pg.writer[dead] = -1
+        hosted = dead[pg.host_page[dead] >= 0]
+        if hosted.size:
+            self.host.detach(hosted)
+        pg.reclaim(dead)
 
     # -- activation pieces (each returns its exact undo) ----------------------------------------------------
     def claim(self, row: int, bundle: int, ent_pages: int, target: int, growth: bool) -> Undo:
@@ -306,6 +324,9 @@ class PoolRuntime:
         protected_blocks = int(shared[-1]) + 1 if shared.size else 0
         sp.protected[row] = min(protected_blocks * PAGE_SIZE, int(sp.committed[row]))
         own = slots[protected_blocks:]
+        hosted = own[pg.host_page[own] >= 0]
+        if hosted.size:  # a writable page keeps no Host replica: its content is about to move on
+            self.host.detach(hosted)
         pg.writer[own] = row
         pg.writer_block[own] = np.arange(protected_blocks, slots.size)
         sp.active[row] = True
@@ -435,10 +456,25 @@ class PoolRuntime:
             raise InvariantError(f"pool {name}: page reference counts disagree with memberships")
         if (counts[~live] != 0).any():
             raise InvariantError(f"pool {name}: a dead page is referenced")
-        dev = pg.device_page[live]
-        if (dev < 0).any() or np.unique(dev).size != dev.size or dev.size != pool.allocated:
+        on_device = live & (pg.device_page >= 0)
+        dev = pg.device_page[on_device]
+        if np.unique(dev).size != dev.size or dev.size != pool.allocated:
             raise InvariantError(f"pool {name}: every allocated page ID must back exactly one live page")
-        pool.check_leases(dev, pg.device_gen[live])
+        pool.check_leases(dev, pg.device_gen[on_device])
+        host_only = np.flatnonzero(live & (pg.device_page < 0))
+        if host_only.size:
+            if self.host is None:
+                raise InvariantError(f"pool {name}: live pages {host_only.tolist()} have no Device replica")
+            if (pg.active_refs[host_only] != 0).any() or (pg.writer[host_only] >= 0).any():
+                raise InvariantError(f"pool {name}: a Host-only page is referenced by an active address space")
+            if not pg.host_valid(host_only, self.page_committed(host_only)).all():
+                raise InvariantError(f"pool {name}: a Host-only page has no valid Host replica (content lost)")
+        if (pg.host_page[live & (pg.writer >= 0)] >= 0).any():
+            raise InvariantError(f"pool {name}: a page with a writer has a Host replica")
+        if (pg.host_page[~live] >= 0).any() or (pg.device_page[~live] >= 0).any():
+            raise InvariantError(f"pool {name}: a free descriptor holds a replica")
+        if self.host is not None:
+            self.host.check_invariants()
         shared = live & (pg.refs > 1)
         if (self.page_committed(np.flatnonzero(shared)) != PAGE_SIZE).any() or (pg.writer[shared] >= 0).any():
             raise InvariantError(f"pool {name}: a shared page is partial or has a writer")

@@ -27,8 +27,14 @@ Activation runs these stages over every enabled pool, in order::
 Any failure (including one raised by the test-only ``fault_injector``, called as
 ``fault_injector(stage, pool_kind_or_None)`` before each stage of each pool) undoes every completed
 step in reverse, leaving the store — the source checkpoint included — exactly as before.
-``restore_host`` is the hook where a Host tier brings Host-only pages back into the reservation;
-without one it has nothing to do.
+``restore_host`` brings the source's Host-only pages back to Device (the ``reserve`` stage reserved
+pages for them); a later failure undoes it like every other stage.
+
+Host tier (``KVStore(..., host_arena=arena)`` or ``host_bytes=n``): one arena shared by every pool.
+``offload_checkpoint`` (Device -> Host, placement ``device`` -> ``both``), ``drop_device_replica``
+(``both`` -> ``host``), ``restore_checkpoint`` (``host`` -> ``both``), ``release_host_replica``
+(``both`` -> ``device``); activation from a checkpoint with Host-only pages restores them.  See
+:mod:`ninfer_kv.store.host_replicas` for the publication protocol and the rules.
 """
 
 from __future__ import annotations
@@ -58,8 +64,9 @@ from .errors import (
     LifecycleError,
     PoolCapacityError,
 )
+from .host_replicas import HostTier, HostTransferReport, placement_of
 from .runtime import PoolRuntime
-from .summary import PoolOccupancy, StoreMemorySummary
+from .summary import HostOccupancy, HostTransferStats, PoolOccupancy, StoreMemorySummary
 
 __all__ = ["KVStore", "ACTIVATION_STAGES", "FaultInjector"]
 
@@ -102,7 +109,11 @@ class KVStore:
         recurrent state).  Then ``finish(retain=True)`` must be given one; KV alone is not a hit.
       planes: optional pre-allocated planes per pool (default: ``layout.allocate(physical_pages)``).
       device: optional device for planes and block tables.
-      fault_injector: test hook ``f(stage, pool)`` called before each activation stage.
+      fault_injector: test hook ``f(stage, pool)`` called before each activation stage and each
+        Host transfer stage (``OFFLOAD_STAGES``, ``RESTORE_STAGES``).
+      host_arena: a :class:`~ninfer_kv.host.HostKVArena` for the Host replica tier (shared by every
+        pool; it must be empty: the store allocates and frees every extent in it).
+      host_bytes: alternatively, the capacity of a new arena for ``device``.  Neither: no Host tier.
     """
 
     def __init__(
@@ -115,6 +126,8 @@ class KVStore:
         planes: Mapping[PoolKind, Mapping[str, jax.Array]] | None = None,
         device=None,
         fault_injector: FaultInjector | None = None,
+        host_arena=None,
+        host_bytes: int | None = None,
     ):
         if isinstance(plan, KVPlan):
             if m is not None and m != plan.m:
@@ -147,6 +160,24 @@ class KVStore:
         self._free_rows: list[int] = list(range(self.max_concurrency - 1, -1, -1))  # pop() -> lowest row
         self._row_owner = np.full(self.max_concurrency, -1, np.int64)
         self._registry = HandleRegistry(next_store_serial())
+        self._host: HostTier | None = None
+        arena = self._make_arena(host_arena, host_bytes, device)
+        if arena is not None:
+            self._host = HostTier(arena, self._rt, self._fault)
+        # Host transfer counters (offloaded_pages, restored_pages, ...; zeros without a Host tier)
+        self.stats: HostTransferStats = self._host.stats if self._host is not None else HostTransferStats()
+
+    @staticmethod
+    def _make_arena(host_arena, host_bytes, device):
+        if host_arena is not None and host_bytes is not None:
+            raise ValueError("pass either host_arena or host_bytes, not both")
+        if host_bytes is not None:
+            if not isinstance(host_bytes, (int, np.integer)) or isinstance(host_bytes, bool) or host_bytes < 1:
+                raise ValueError(f"host_bytes={host_bytes!r} is invalid; it must be an integer >= 1")
+            from ..host import HostKVArena
+
+            return HostKVArena(int(host_bytes), device=device)
+        return host_arena
 
     @staticmethod
     def _checked_planes(pool_plan, planes) -> dict[str, jax.Array]:
@@ -233,7 +264,14 @@ class KVStore:
         spaces = {
             k: KVAddressSpace(rt, rec.slots[k], int(rt.spaces.generation[rec.slots[k]])) for k, rt in self._rt.items()
         }
-        return CheckpointInfo(handle, frontiers, rec.state_image, self._reusable(rec), spaces)
+        placement, counts = self._placement(rec)
+        return CheckpointInfo(handle, frontiers, rec.state_image, self._reusable(rec), spaces, placement, counts)
+
+    def _placement(self, rec: _Record) -> tuple[str, dict]:
+        if self._host is not None:
+            return self._host.placement(rec.slots)
+        n = sum(int(self._rt[k].spaces.n_blocks[s]) for k, s in rec.slots.items())
+        return placement_of(np.ones(n, bool), np.zeros(n, bool))
 
     def _reusable(self, rec: _Record) -> bool:
         return set(rec.slots) == set(self._rt) and (rec.state_image is not None or not self.requires_state_image)
@@ -307,7 +345,7 @@ class KVStore:
             lo = pages_for_tokens(min(cap, min_tok + rt.lead_tokens))
             hi = pages_for_tokens(min(cap, want_tok + rt.lead_tokens))
             src_slot = tail_slot = None
-            carried = full = partial = 0
+            carried = full = partial = restore = 0
             move = False
             if src_rec is not None:
                 src_slot = src_rec.slots[kind]
@@ -317,15 +355,23 @@ class KVStore:
                     tail_slot = int(rt.spaces.membership[src_slot, full])
                 move = release_source and (not partial or int(rt.pages.refs[tail_slot]) == 1)
                 carried = int(rt.spaces.n_blocks[src_slot]) if move else full
+                src_pages = rt.spaces.pages_of(src_slot)
+                restore = int((rt.pages.device_page[src_pages] < 0).sum())  # Host-only pages
+                if move and (rt.pages.pins[src_pages] != 0).any():
+                    raise LifecycleError(
+                        f"pool {kind.value}: the checkpoint's pages are pinned by an in-flight copy; it cannot be "
+                        f"moved now"
+                    )
                 lo = max(lo, pages_for_tokens(c))
                 hi = max(hi, lo)
-            ent = max(lo, min(hi, carried + rt.pool.available)) if growth else hi
+            ent = max(lo, min(hi, carried + rt.pool.available - restore)) if growth else hi
             plans.append(
                 dict(
                     kind=kind,
                     rt=rt,
                     ent=ent,
-                    reserve=ent - carried,
+                    reserve=ent - carried + restore,
+                    restore=restore,
                     src=src_slot,
                     move=move,
                     carried=carried,
@@ -350,7 +396,7 @@ class KVStore:
                 undo.append(p["rt"].reserve(row, p["reserve"]))
             for p in plans:
                 self._fault("restore_host", p["kind"])
-                undo.append(self._restore_host_pages(p))
+                undo.append(self._restore_host_pages(p, row))
             for p in plans:
                 self._fault("move_fork", p["kind"])
                 if p["src"] is not None:
@@ -380,14 +426,18 @@ class KVStore:
             self._registry.remove(source)
         return handle
 
-    def _restore_host_pages(self, plan: dict) -> Callable[[], None]:
+    def _restore_host_pages(self, plan: dict, row: int) -> Callable[[], None]:
         """Stage ``restore_host``: bring Host-only pages of the source back to Device replicas.
 
-        With only a Device tier every page of a checkpoint has a Device replica, so there is nothing
-        to restore.  A Host tier materializes destination pages from the reservation here, copies
-        Host extents into them, verifies epoch and coverage, and returns the undo of that work.
+        Every page of the source is needed on Device (carried pages are read by the new sequence, a
+        partial tail is the COW source), so each Host-only page gets a Device page materialized from
+        the row's reservation (the ``reserve`` stage included them), its Host extent is copied in,
+        epoch and coverage are verified, and the Device lease is published on the logical page (the
+        Host replica stays: placement Both).  Returns the exact undo of that work.
         """
-        return lambda: None
+        if not plan["restore"]:
+            return lambda: None
+        return self._host.restore_for_activation(plan["kind"], plan["src"], row)
 
     # -- mapping, commit, trim ---------------------------------------------------------------------------------
     def ensure_mapped_to_tokens(self, handle: SequenceHandle, tokens: int, *, pool="main") -> int:
@@ -566,11 +616,87 @@ class KVStore:
         return None
 
     def release_checkpoint(self, handle: CheckpointHandle) -> None:
-        """Release a retained checkpoint: drop its references; unreferenced pages go back to the pool."""
+        """Release a retained checkpoint: drop its references; pages losing their last reference
+        release their Device lease and their Host extent membership (an extent is freed with its last
+        page).  Refused while a copy pins one of its pages."""
         rec = self._checkpoint(handle)
+        for kind, rt in self._rt.items():
+            pinned = np.flatnonzero(rt.pages.pins[rt.spaces.pages_of(rec.slots[kind])] != 0)
+            if pinned.size:
+                raise LifecycleError(
+                    f"pool {kind.value}: cannot release the checkpoint: logical blocks {pinned.tolist()} are pinned "
+                    f"by an in-flight copy"
+                )
         for kind, rt in self._rt.items():
             rt.release_inactive(rec.slots[kind])
         self._registry.remove(handle)
+
+    # -- Host tier -------------------------------------------------------------------------------------------------
+    def _tier(self, verb: str) -> HostTier:
+        if self._host is None:
+            raise LifecycleError(f"{verb} needs a Host tier; build the store with host_arena= or host_bytes=")
+        return self._host
+
+    @property
+    def host_arena(self):
+        """The :class:`~ninfer_kv.host.HostKVArena` of the Host tier, or ``None``."""
+        return None if self._host is None else self._host.arena
+
+    def offload_checkpoint(self, handle: CheckpointHandle) -> HostTransferReport:
+        """Device -> Host copy of every page of a retained checkpoint, in every pool, that has no valid
+        Host replica yet (placement ``device`` -> ``both``).
+
+        Per pool: reserve one destination extent (the whole recipe of every pool is proven by
+        ``arena.validate_plan`` first) -> copy (pages pinned) -> verify epoch and committed coverage
+        -> publish the Host replicas.  The Device replicas stay (see :meth:`drop_device_replica`).
+        Adjacent physical IDs are copied as one run.
+
+        Raises :class:`HostCapacityError` (a :class:`PoolCapacityError`) when the arena cannot place
+        the extents, :class:`StaleReplicaError` when a page changed during the copy, and
+        :class:`LifecycleError` when a page is pinned by another copy; the store is then unchanged.
+        Returns a :class:`HostTransferReport` (pages, bytes, runs, chunks, per pool).
+        """
+        rec = self._checkpoint(handle)
+        return self._tier("offload_checkpoint").offload(rec.slots)
+
+    def drop_device_replica(self, handle: CheckpointHandle) -> int:
+        """Release the Device leases of a checkpoint whose pages all have a valid Host replica
+        (placement ``both`` -> ``host``); returns the leases released.
+
+        Rule: a page read by an active address space stays on Device; a page shared only among
+        inactive checkpoints may become Host-only (a later activation of any of them restores it).
+        Refused (:class:`LifecycleError`, nothing changed) when a page with a Device replica has no
+        valid Host replica, is pinned, or is referenced by an active address space.
+        """
+        rec = self._checkpoint(handle)
+        return self._tier("drop_device_replica").drop_device(rec.slots)
+
+    def restore_checkpoint(self, handle: CheckpointHandle, *, drop_host: bool = False) -> HostTransferReport:
+        """Host -> Device copy of the checkpoint's Host-only pages (placement ``host`` -> ``both``).
+
+        Per pool: reserve Device pages from the available pages -> copy -> verify -> publish the Device
+        leases.  The Host replicas stay unless ``drop_host=True`` (then every Host replica of the
+        checkpoint is released afterwards: placement ``device``).  Raises
+        :class:`PoolCapacityError` (nothing changed) when a pool lacks available pages.
+        """
+        rec = self._checkpoint(handle)
+        return self._tier("restore_checkpoint").restore(rec.slots, drop_host=bool(drop_host))
+
+    def release_host_replica(self, handle: CheckpointHandle) -> int:
+        """Release the Host replicas of a checkpoint's pages (placement ``both`` -> ``device``); an
+        extent is freed with its last page.  Refused (nothing changed) when a page is Host-only (its
+        Host replica is its only copy) or pinned.  Returns the replicas released."""
+        rec = self._checkpoint(handle)
+        return self._tier("release_host_replica").release_host(rec.slots)
+
+    def host_occupancy(self) -> HostOccupancy | None:
+        """The Host arena's occupancy, per-pool Host pages and the transfer counters (``None`` without
+        a Host tier)."""
+        return None if self._host is None else self._host.occupancy()
+
+    def host_counters(self) -> dict:
+        """The Host transfer counters as a dict (``offloaded_pages``, ``restored_pages``, ...)."""
+        return self.stats.to_json()
 
     # -- block tables ------------------------------------------------------------------------------------------------
     def publish(self) -> dict[PoolKind, jax.Array]:
@@ -606,6 +732,8 @@ class KVStore:
             page_bytes=rt.layout.page_bytes,
             plane_bytes=rt.layout.buffer_bytes(rt.pool.capacity),
             table_bytes=rt.rows * rt.logical_pages * 4,
+            host_pages=int((live & (pg.host_page >= 0)).sum()),
+            host_only_pages=int((live & (pg.device_page < 0)).sum()),
         )
 
     def memory_summary(self) -> StoreMemorySummary:
@@ -613,6 +741,9 @@ class KVStore:
             pools={k.value: self.occupancy(k) for k in self._rt},
             active_sequences=int((self._row_owner >= 0).sum()),
             retained_checkpoints=len(self.checkpoints()),
+            host=self.host_occupancy(),
+            offloaded_pages=self.stats.offloaded_pages,
+            restored_pages=self.stats.restored_pages,
         )
 
     def check_invariants(self) -> None:
@@ -630,6 +761,8 @@ class KVStore:
         for h in self.sequences():
             if self._row_owner[self._registry.get(h).row] != h.id:
                 raise InvariantError(f"sequence {h.id} does not own its row")
+        if self._host is not None:
+            self._host.check_invariants()
 
     def snapshot(self) -> dict:
         """A comparable deep copy of every piece of semantic state (for tests and debugging)."""
@@ -638,11 +771,14 @@ class KVStore:
             "free_rows": list(self._free_rows),
             "row_owner": self._row_owner.copy(),
             "registry": self._registry.snapshot(),
+            "host": None if self._host is None else self._host.snapshot(),
+            "stats": self.stats.to_json(),
         }
 
     def __repr__(self) -> str:
         pools = ", ".join(f"{k.value}:{rt.pool.capacity}" for k, rt in self._rt.items())
+        host = "" if self._host is None else f", host_arena={self._host.arena.capacity}"
         return (
             f"KVStore(S={self.max_context}, C={self.max_concurrency}, L={self.logical_pages}, pools=[{pools}], "
-            f"active={int((self._row_owner >= 0).sum())}, checkpoints={len(self.checkpoints())})"
+            f"active={int((self._row_owner >= 0).sum())}, checkpoints={len(self.checkpoints())}{host})"
         )

@@ -2,14 +2,17 @@
 
 Device occupancy counts each physical page group once: leases (``allocated``) plus reservations.
 Logical aliases — one page referenced by several address spaces — are reported separately
-(``aliased_blocks``) and never billed twice.
+(``aliased_blocks``) and never billed twice.  With a Host tier, Host pages are billed in the Host
+arena by packed bytes and extent geometry (:class:`~ninfer_kv.store.host_replicas.HostOccupancy`);
+they never count as Device occupancy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
-__all__ = ["PoolOccupancy", "StoreMemorySummary"]
+__all__ = ["PoolOccupancy", "StoreMemorySummary", "HostTransferStats", "HostPoolOccupancy", "HostOccupancy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,8 @@ class PoolOccupancy:
       page_bytes: bytes of one page group across every plane and layer.
       plane_bytes: bytes of the pool's device planes.
       table_bytes: bytes of the pool's block-table matrix.
+      host_pages: live logical pages holding a Host replica (0 without a Host tier).
+      host_only_pages: live logical pages whose only replica is on Host (no Device lease).
     """
 
     pool: str
@@ -45,6 +50,8 @@ class PoolOccupancy:
     page_bytes: int
     plane_bytes: int
     table_bytes: int
+    host_pages: int = 0
+    host_only_pages: int = 0
 
     @property
     def aliased_blocks(self) -> int:
@@ -76,11 +83,18 @@ class PoolOccupancy:
 
 @dataclasses.dataclass(frozen=True)
 class StoreMemorySummary:
-    """Every pool of a store, plus sequence and checkpoint counts."""
+    """Every pool of a store, plus sequence and checkpoint counts and the Host tier.
+
+    ``host`` is the :class:`~ninfer_kv.store.host_replicas.HostOccupancy` (``None`` without a Host
+    tier); ``offloaded_pages`` / ``restored_pages`` are the Host transfer counters.
+    """
 
     pools: dict
     active_sequences: int
     retained_checkpoints: int
+    host: object = None
+    offloaded_pages: int = 0
+    restored_pages: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -93,15 +107,114 @@ class StoreMemorySummary:
             "active_sequences": self.active_sequences,
             "retained_checkpoints": self.retained_checkpoints,
             "device_bytes": self.device_bytes,
+            "host": None if self.host is None else self.host.to_json(),
+            "offloaded_pages": self.offloaded_pages,
+            "restored_pages": self.restored_pages,
         }
 
     def table(self) -> str:
         """A small fixed-width text table."""
-        head = f"{'pool':<11}{'capacity':>9}{'alloc':>8}{'resv':>8}{'avail':>8}{'pages':>8}{'shared':>8}{'ckpts':>7}"
+        head = (
+            f"{'pool':<11}{'capacity':>9}{'alloc':>8}{'resv':>8}{'avail':>8}{'pages':>8}{'shared':>8}{'ckpts':>7}"
+            f"{'host':>7}{'h-only':>8}"
+        )
         lines = [head]
         for p in self.pools.values():
             lines.append(
                 f"{p.pool:<11}{p.capacity:>9}{p.allocated:>8}{p.reserved:>8}{p.available:>8}"
-                f"{p.logical_pages:>8}{p.shared_pages:>8}{p.retained_checkpoints:>7}"
+                f"{p.logical_pages:>8}{p.shared_pages:>8}{p.retained_checkpoints:>7}{p.host_pages:>7}"
+                f"{p.host_only_pages:>8}"
+            )
+        if self.host is not None:
+            h = self.host
+            lines.append(
+                f"host arena {h.capacity} B: used {h.used_bytes} B in {h.extent_count} extents, free {h.free_bytes} B "
+                f"(largest {h.largest_free_extent} B); offloaded {self.offloaded_pages} pages, restored "
+                f"{self.restored_pages} pages"
             )
         return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class HostTransferStats:
+    """Counters of the Host tier (published transfers only; a rolled-back restore is not counted).
+
+    Attributes:
+      offloaded_pages / offloaded_bytes: Host replicas published (Device -> Host).
+      restored_pages / restored_bytes: Device replicas published from Host (verb or activation).
+      dropped_device_pages: Device leases released by ``drop_device_replica``.
+      released_host_pages: Host replicas released by ``release_host_replica`` / ``drop_host=True``.
+    """
+
+    offloaded_pages: int = 0
+    offloaded_bytes: int = 0
+    restored_pages: int = 0
+    restored_bytes: int = 0
+    dropped_device_pages: int = 0
+    released_host_pages: int = 0
+
+    def copy(self) -> "HostTransferStats":
+        return dataclasses.replace(self)
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPoolOccupancy:
+    """One pool's share of the Host arena.
+
+    Attributes:
+      pool: pool name (the tag of its extents).
+      stride: bytes of one Host page of this pool (its ``HostKVPageLayout.stride`` == PageBytes).
+      host_pages: live logical pages holding a Host replica.
+      host_only_pages: live logical pages whose only replica is on Host.
+      extents: live extents of this pool.
+      extent_pages: page slots of those extents (``>= host_pages``: an extent is freed only with its
+        last page, so slots of pages released earlier stay billed until then).
+      used_bytes: packed bytes of those extents (``extent_pages * stride``).
+    """
+
+    pool: str
+    stride: int
+    host_pages: int
+    host_only_pages: int
+    extents: int
+    extent_pages: int
+    used_bytes: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostOccupancy:
+    """The Host arena (byte-exact extent occupancy), per-pool Host pages and the transfer counters."""
+
+    arena: object  # ninfer_kv.host.ExtentOccupancy
+    memory_kind: str
+    pools: Mapping[str, HostPoolOccupancy]
+    stats: HostTransferStats
+
+    capacity = property(lambda self: self.arena.capacity)
+    used_bytes = property(lambda self: self.arena.used_bytes, doc="packed bytes of live extents")
+    padding_bytes = property(lambda self: self.arena.padding_bytes)
+    free_bytes = property(lambda self: self.arena.free_bytes)
+    largest_free_extent = property(lambda self: self.arena.largest_free_extent)
+    extent_count = property(lambda self: self.arena.extent_count)
+    free_extent_count = property(lambda self: self.arena.free_extent_count)
+    fragmentation = property(lambda self: self.arena.fragmentation)
+    offloaded_pages = property(lambda self: self.stats.offloaded_pages)
+    restored_pages = property(lambda self: self.stats.restored_pages)
+
+    @property
+    def host_pages(self) -> int:
+        return sum(p.host_pages for p in self.pools.values())
+
+    def to_json(self) -> dict:
+        return {
+            "arena": self.arena.to_json(),
+            "memory_kind": self.memory_kind,
+            "pools": {k: p.to_json() for k, p in self.pools.items()},
+            "stats": self.stats.to_json(),
+        }

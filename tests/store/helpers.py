@@ -135,3 +135,39 @@ def random_fill(store: KVStore, seed: int = 0) -> None:
 
 def page_bytes(planes_np: dict, axis: int, page: int) -> list[bytes]:
     return [np.take(x, page, axis=axis).tobytes() for x in planes_np.values()]
+
+
+def logical_page_planes(store: KVStore, kind, page, planes_np: dict | None = None) -> dict:
+    """Per plane, one logical page's payload ``(layers, H, P, X)`` read from its Device replica, or
+    from its Host replica (the arena's packed bytes) when it has no Device replica."""
+    lease = page.device_lease
+    if lease is not None:
+        planes_np = planes_np if planes_np is not None else {k: np.asarray(v) for k, v in store.planes(kind).items()}
+        axis = store.layout(kind).order.page_axis
+        return {name: np.take(x, lease.page, axis=axis) for name, x in planes_np.items()}
+    replica = page.host_replica
+    assert replica is not None, f"page {page} has no replica at all"
+    from ninfer_kv.host import host_layout_of
+
+    views = host_layout_of(store.layout(kind)).page_planes(store.host_arena.view(replica.extent))
+    return {name: v[replica.page] for name, v in views.items()}
+
+
+def logical_page_bytes(store: KVStore, kind, page, planes_np: dict | None = None) -> list[bytes]:
+    return [x.tobytes() for x in logical_page_planes(store, kind, page, planes_np).values()]
+
+
+def content_ok(store: KVStore, kind, handle, expected: list, planes_np=None) -> bool:
+    """Like :func:`space_content_ok` for a sequence or checkpoint whose pages may be Host-only."""
+    space = store.address_space(handle, kind)
+    phys = space.physical_pages
+    if (phys >= 0).all():
+        return space_content_ok(store, kind, phys, expected, planes_np)
+    exp = np.asarray(expected, np.float32)
+    for b, page in enumerate(space.pages()):
+        vals = exp[b * P : (b + 1) * P]
+        for x in logical_page_planes(store, kind, page, planes_np).values():
+            got = x[:, :, : vals.size, :].astype(np.float32)  # (layers, H, cols, X)
+            if not np.all(got == vals.reshape(1, 1, -1, 1)):
+                return False
+    return True

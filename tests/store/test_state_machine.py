@@ -2,19 +2,23 @@
 
 Random sequences of activate (root / Fork / Move) / map / unit (write through the device block
 table + speculative settle) / failed unit / truncate / decode round / round boundary / finish-retain /
-finish-release / release-checkpoint run on tiny ordinary, MTP and DFlash pool sets (with real,
-tiny device planes).  After every step the test checks, from outside the store:
+finish-release / release-checkpoint / offload / drop Device replica / restore / release Host replica
+run on tiny ordinary, MTP and DFlash pool sets (with real, tiny device planes and a small Host arena
+that runs out now and then).  After every step the test checks, from outside the store:
 
 * the capacity identity per pool, and that allocated pages are exactly the distinct pages mapped;
 * every active reservation equals entitlement - mapped pages (so mapping never fails inside it);
-* device content of every sequence and checkpoint, every pool, every plane and layer, equals the
-  model's committed tokens (so shared pages and protected columns were never overwritten, COW
-  copies are exact, and a unit that wrote without committing changed nothing visible);
+* content of every sequence and checkpoint, every pool, every plane and layer, equals the model's
+  committed tokens — read from the Device replica, or from the Host arena for Host-only pages (so
+  shared pages and protected columns were never overwritten, COW copies, offloads and restores are
+  exact, and a unit that wrote without committing changed nothing visible);
+* a checkpoint's placement follows the verbs (offload -> every page has a valid Host replica, drop
+  -> none on Device, restore -> all on Device); refused verbs change nothing;
 * each shared full page keeps its bytes while shared; at most one writer per page;
 * rows are held only by active sequences; published device block-table rows mirror memberships and
   idle rows hold the sentinel;
-* at the end, after finishing and releasing everything, every page is free and every descriptor
-  reclaimed.
+* at the end, after finishing and releasing everything, every page is free, every descriptor
+  reclaimed and the Host arena is one free extent.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from ninfer_kv.planning import PoolKind
 from ninfer_kv.store import (
     EntitlementError,
     EntitlementPolicy,
+    HostCapacityError,
     KVStore,
     LifecycleError,
     PoolCapacityError,
     StaleHandleError,
 )
 
-from .helpers import P, assert_same, page_bytes, space_content_ok, tiny_plan, write_tokens
+from .helpers import P, assert_same, content_ok, page_bytes, space_content_ok, tiny_plan, write_tokens
 
 MAIN = PoolKind.MAIN
 
@@ -54,7 +59,9 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         policy = EntitlementPolicy(kv_lease_growth=True, window_tokens=64, cushion_tokens=16) if self.growth else None
         self.plan = tiny_plan(self.backend, pages=12)
-        self.store = KVStore(self.plan, entitlement=policy)
+        # a few pages of Host arena: offloads succeed often and run out now and then
+        host_bytes = 3 * self.plan.pools[MAIN].layout.page_bytes
+        self.store = KVStore(self.plan, entitlement=policy, host_bytes=host_bytes)
         self.kinds = self.store.pool_kinds
         self.S = self.store.max_context
         self.L = self.store.logical_pages
@@ -77,6 +84,18 @@ class StoreMachine(RuleBasedStateMachine):
 
     def _pick_ckpt(self, data):
         return data.draw(st.sampled_from(sorted(self.live_ckpts, key=lambda h: h.id)))
+
+    def _has_pages(self):
+        return any(any(content.values()) for content in self.live_ckpts.values())
+
+    def _pick_ckpt_with_pages(self, data, placement=None):
+        """A checkpoint holding at least one page (most Host-tier verbs are no-ops on empty ones),
+        preferably one with a page of the given placement (``"device"``, ``"host"`` or ``"both"``)."""
+        full = [ck for ck, content in self.live_ckpts.items() if any(content.values())]
+        if placement is not None:
+            fit = [ck for ck in full if self.store.checkpoint(ck).page_placement[placement]]
+            full = fit if fit and data.draw(st.integers(0, 3)) else full
+        return data.draw(st.sampled_from(sorted(full, key=lambda h: h.id))) if full else self._pick_ckpt(data)
 
     def _lead(self, kind):
         return self.store._rt[kind].lead_tokens
@@ -104,12 +123,40 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live_ckpts)
     @rule(data=st.data(), extra=st.integers(0, 40), budget=st.integers(0, 80))
     def fork_checkpoint(self, data, extra, budget):
-        self.activate_from_checkpoint(data, False, extra, budget)
+        self._activate_from(self._pick_ckpt(data), False, extra, budget)
 
     @precondition(lambda self: self.live_ckpts)
     @rule(data=st.data(), release=st.booleans(), extra=st.integers(0, 80), budget=st.integers(0, 120))
     def activate_from_checkpoint(self, data, release, extra, budget):
-        ck = self._pick_ckpt(data)
+        self._activate_from(self._pick_ckpt(data), release, extra, budget)
+
+    @precondition(lambda self: self._has_pages())
+    @rule(data=st.data(), release=st.booleans(), extra=st.integers(0, 40), budget=st.integers(0, 60))
+    def activate_from_host(self, data, release, extra, budget):
+        """Activation from a checkpoint with Host-only pages: the restore_host stage restores them.
+
+        The checkpoint is evicted first (offload + drop) when it has no Host-only page, and since the
+        pools are usually full, an active sequence is released first when there is one.
+        """
+        if self.live_seqs:
+            h = self._pick_seq(data)
+            self.store.finish(h)
+            self.live_seqs.pop(h)
+            self.dead_seqs.append(h)
+        ck = self._pick_ckpt_with_pages(data, "host")
+        self._evict(ck)
+        self._activate_from(ck, release, extra, budget)
+
+    def _evict(self, ck):
+        """Offload + drop when the checkpoint has no Host-only page yet (best effort)."""
+        if not self.store.checkpoint(ck).page_placement["host"]:
+            try:
+                self.store.offload_checkpoint(ck)
+                self.store.drop_device_replica(ck)
+            except (HostCapacityError, LifecycleError):
+                pass
+
+    def _activate_from(self, ck, release, extra, budget):
         content = self.live_ckpts[ck]
         prompt = len(content[MAIN]) + extra
         if prompt + budget > self.S:
@@ -125,6 +172,8 @@ class StoreMachine(RuleBasedStateMachine):
         if release:
             del self.live_ckpts[ck]
             self.dead_ckpts.append(ck)
+        else:
+            assert self.store.checkpoint(ck).page_placement["host"] == 0  # restored for the fork
         for k in self.kinds:
             assert self.store.address_space(h, k).committed_frontier == len(content[k])
 
@@ -252,6 +301,72 @@ class StoreMachine(RuleBasedStateMachine):
         del self.live_ckpts[ck]
         self.dead_ckpts.append(ck)
 
+    # -- Host tier -----------------------------------------------------------------------------------------
+    def _ck_pages(self, ck):
+        return [p for k in self.kinds for p in self.store.address_space(ck, k).pages()]
+
+    @precondition(lambda self: self._has_pages())
+    @rule(data=st.data(), then_drop=st.booleans())
+    def offload(self, data, then_drop):
+        """Offload a checkpoint; with ``then_drop`` also give up its Device replica (an eviction)."""
+        ck = self._pick_ckpt_with_pages(data, "device")
+        before = self.store.snapshot()
+        try:
+            report = self.store.offload_checkpoint(ck)
+        except HostCapacityError:
+            assert_same(before, self.store.snapshot())
+            return
+        pages = self._ck_pages(ck)
+        assert report.pages <= len(pages)
+        assert all(p.placement in ("both", "host") for p in pages)
+        assert self.store.checkpoint(ck).placement in (("both", "host") if pages else ("device",))
+        if then_drop:
+            self._drop(ck)
+
+    @precondition(lambda self: self._has_pages())
+    @rule(data=st.data())
+    def drop_device(self, data):
+        self._drop(self._pick_ckpt_with_pages(data, "both"))
+
+    def _drop(self, ck):
+        pages = self._ck_pages(ck)
+        on_device = [p for p in pages if p.device_lease is not None]
+        if any(p.placement != "both" or p.active_references for p in on_device):
+            self._unchanged(lambda: self.store.drop_device_replica(ck), LifecycleError)
+            return
+        allocated = sum(self.store.pool(k).allocated for k in self.kinds)
+        assert self.store.drop_device_replica(ck) == len(on_device)
+        assert sum(self.store.pool(k).allocated for k in self.kinds) == allocated - len(on_device)
+        assert all(p.placement == "host" for p in pages)
+
+    @precondition(lambda self: self._has_pages())
+    @rule(data=st.data(), drop_host=st.booleans())
+    def restore(self, data, drop_host):
+        ck = self._pick_ckpt_with_pages(data, "host")
+        self._evict(ck)
+        before = self.store.snapshot()
+        try:
+            self.store.restore_checkpoint(ck, drop_host=drop_host)
+        except PoolCapacityError:
+            assert_same(before, self.store.snapshot())
+            return
+        pages = self._ck_pages(ck)
+        assert all(p.device_lease is not None for p in pages)
+        if drop_host:
+            assert all(p.host_replica is None for p in pages)
+
+    @precondition(lambda self: self._has_pages())
+    @rule(data=st.data())
+    def release_host(self, data):
+        ck = self._pick_ckpt_with_pages(data, "both")
+        pages = self._ck_pages(ck)
+        if any(p.device_lease is None for p in pages):
+            self._unchanged(lambda: self.store.release_host_replica(ck), LifecycleError)
+            return
+        hosted = sum(p.host_replica is not None for p in pages)
+        assert self.store.release_host_replica(ck) == hosted
+        assert self.store.checkpoint(ck).placement == "device"
+
     @precondition(lambda self: self.dead_seqs or self.dead_ckpts)
     @rule(data=st.data())
     def stale_handles_rejected(self, data):
@@ -299,11 +414,12 @@ class StoreMachine(RuleBasedStateMachine):
             for ck, content in self.live_ckpts.items():
                 space = store.address_space(ck, kind)
                 phys = space.physical_pages
-                mapped_pages.update(phys.tolist())
+                on_device = phys[phys >= 0].tolist()  # -1: Host-only page
+                mapped_pages.update(on_device)
                 assert not space.active and space.row is None
                 assert space.committed_frontier == len(content[kind]) and phys.size == -(-len(content[kind]) // P)
-                assert space_content_ok(store, kind, phys, content[kind], planes_np)
-                for p in phys.tolist():
+                assert content_ok(store, kind, ck, content[kind], planes_np)
+                for p in on_device:
                     owners.setdefault(p, []).append(("r", ck))
             for r in set(range(store.max_concurrency)) - set(active_rows):
                 assert not tables[kind][r].any()
@@ -331,6 +447,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert occ.allocated == 0 and occ.reserved == 0 and occ.available == occ.capacity
             assert occ.logical_pages == 0 and occ.active_spaces == 0 and occ.retained_checkpoints == 0
         assert not store.host_block_table().any()
+        occ = store.host_occupancy()
+        assert occ.extent_count == 0 and occ.free_extent_count == 1 and occ.free_bytes == occ.capacity
 
 
 SETTINGS = settings(
