@@ -22,6 +22,30 @@ from .planning import (
     plan_kv_cache,
 )
 from .profiles import KVCodec, KVProfile, PlaneSpec
+from .views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
+from . import codecs, ops  # noqa: E402  (ops needs the views above)
+from .host import HostKVArena, HostKVPageLayout
+from .store import (
+    CheckpointHandle,
+    CheckpointInfo,
+    DeviceKVPageLease,
+    DevicePagePool,
+    EntitlementError,
+    EntitlementPolicy,
+    HostCapacityError,
+    IncompleteContinuationError,
+    KVAddressSpace,
+    KVStore,
+    KVStoreError,
+    LifecycleError,
+    LogicalKVPage,
+    PoolCapacityError,
+    RoundGrant,
+    SequenceHandle,
+    SequenceKVBundle,
+    StaleHandleError,
+    StaleReplicaError,
+)
 
 __version__ = "0.1.0"
 
@@ -46,4 +70,31 @@ __all__ = [
     "KVCodec",
     "KVProfile",
     "PlaneSpec",
+    "PagedKVLayerView",
+    "PagedKVBatchLayerView",
+    "CyclicKVCacheLayerView",
+    "CyclicKVLayout",
+    "codecs",
+    "ops",
+    "HostKVArena",
+    "HostKVPageLayout",
+    "KVStore",
+    "EntitlementPolicy",
+    "RoundGrant",
+    "SequenceHandle",
+    "CheckpointHandle",
+    "CheckpointInfo",
+    "SequenceKVBundle",
+    "KVAddressSpace",
+    "LogicalKVPage",
+    "DevicePagePool",
+    "DeviceKVPageLease",
+    "KVStoreError",
+    "StaleHandleError",
+    "PoolCapacityError",
+    "HostCapacityError",
+    "EntitlementError",
+    "LifecycleError",
+    "IncompleteContinuationError",
+    "StaleReplicaError",
 ]

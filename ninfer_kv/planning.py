@@ -72,7 +72,7 @@ class SpeculativeBackend(enum.Enum):
         raise ValueError(f"unknown speculative backend {name!r}; allowed: off, mtp, dflash, dflash2")
 
 
-class PoolKind(enum.Enum):
+class PoolKind(str, enum.Enum):
     """The growing pools of the contract."""
 
     MAIN = "main"

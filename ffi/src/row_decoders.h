@@ -42,6 +42,18 @@ inline VFloat E2m1Packed(const uint8_t* p) {
 #if defined(__AVX512F__)
   const __m512 kLut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f,
                                      -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+#if defined(__AVX512VBMI__) && defined(__AVX512VL__)
+  // Element e is the nibble at bit 4e of the 8 bytes: one multishift puts it in the low bits of
+  // byte e (the permute reads only bits 0..3 of each index, so the high bits need no mask).
+  uint64_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  const __m128i ctrl = _mm_setr_epi8(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+  const __m128i nib = _mm_multishift_epi64_epi8(ctrl, _mm_set1_epi64x(static_cast<long long>(bits)));
+  const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), kLut);
+  VFloat r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+#else
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
   w = _mm512_srlv_epi32(w, _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
@@ -50,6 +62,7 @@ inline VFloat E2m1Packed(const uint8_t* p) {
   VFloat r;
   std::memcpy(&r, &v, sizeof r);
   return r;
+#endif
 #elif defined(__AVX2__)
   int32_t four;
   std::memcpy(&four, p, 4);
