@@ -16,11 +16,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "append_common.h"
 #include "attention_driver.h"
 #include "common.h"
+#include "handler_args.h"
 #include "planes.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,14 +38,6 @@ struct RingGeometry {
     return ((layer * rows + row) * heads + head) * slots + slot;
   }
 };
-
-ffi::Error CheckBatchVector(const ffi::Buffer<ffi::S32, 1>& buf, const char* name, int64_t batch) {
-  if (buf.dimensions()[0] != batch) {
-    return ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,) with B=" + std::to_string(batch) +
-                                       ", got " + DimsString(buf.dimensions()));
-  }
-  return ffi::Error::Success();
-}
 
 class RingSource {
  public:
@@ -85,21 +77,16 @@ ffi::Error CyclicAppendImpl(ffi::Buffer<ffi::S32, 1> rows, ffi::Buffer<ffi::S32,
                             ffi::Buffer<ffi::S32, 1> valid, ffi::Buffer<ffi::S32, 0> layer, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::RemainingArgs planes_in, ffi::RemainingRets planes_out,
                             int32_t k_codec, int32_t v_codec) {
+  constexpr const char* kOp = "cyclic append";
   AppendInputs in;
-  if (auto err = ParseAppendInputs(k, v, &in); err.failure()) return err;
-  std::vector<ffi::AnyBuffer> outs, ins;
-  if (auto err = CollectRets(planes_out, &outs); err.failure()) return err;
-  if (auto err = CollectArgs(planes_in, &ins); err.failure()) return err;
-  if (ins.size() != outs.size()) return ffi::Error::InvalidArgument("cyclic append: plane operands and results differ in count");
   PlaneSet planes;
-  if (auto err = ParsePlanes(outs, k_codec, v_codec, static_cast<int>(in.head_dim), &planes); err.failure()) return err;
-  const RingGeometry geo = RingGeometry::Of(planes);
-  if (geo.heads != in.heads) {
-    return ffi::Error::InvalidArgument("cyclic append: k has " + std::to_string(in.heads) + " heads, the planes have " +
-                                       std::to_string(geo.heads));
+  if (auto err = ParseAppendOperands(kOp, k, v, planes_in, planes_out, k_codec, v_codec, &in, &planes); err.failure()) {
+    return err;
   }
-  for (auto* check : {&rows, &positions, &valid}) {
-    if (auto err = CheckBatchVector(*check, "rows/positions/valid", in.batch); err.failure()) return err;
+  const RingGeometry geo = RingGeometry::Of(planes);
+  if (auto err = CheckAppendBatch(kOp, in, geo.heads, {&rows, &positions, &valid}, "rows/positions/valid");
+      err.failure()) {
+    return err;
   }
   const int64_t lay = layer.typed_data()[0];
   if (lay < 0 || lay >= geo.layers) return ffi::Error::Success();
@@ -124,73 +111,41 @@ ffi::Error CyclicAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 1> rows, 
                                ffi::Buffer<ffi::S32, 1> kv_lens, ffi::Buffer<ffi::S32, 0> layer,
                                ffi::RemainingArgs planes_in, ffi::Result<ffi::AnyBuffer> out, int32_t k_codec,
                                int32_t v_codec, int32_t window, float sm_scale) {
-  auto qd = q.dimensions();
-  if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be (B, T, Hq, D), got " + DimsString(qd));
-  const auto dt = q.element_type();
-  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("q must be float32 or bfloat16");
-  }
-  if (out->element_type() != dt || out->dimensions().size() != 4 ||
-      !std::equal(qd.begin(), qd.end(), out->dimensions().begin())) {
-    return ffi::Error::InvalidArgument("cyclic attention: the output must have q's shape and dtype");
-  }
+  constexpr const char* kOp = "cyclic attention";
+  if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
   if (window < 1) return ffi::Error::InvalidArgument("cyclic attention: window must be >= 1, got " + std::to_string(window));
-  std::vector<ffi::AnyBuffer> ins;
-  if (auto err = CollectArgs(planes_in, &ins); err.failure()) return err;
   PlaneSet planes;
-  if (auto err = ParsePlanes(ins, k_codec, v_codec, static_cast<int>(qd[3]), &planes); err.failure()) return err;
+  if (auto err = ParseAttentionPlanes(q, planes_in, k_codec, v_codec, &planes); err.failure()) return err;
   const RingGeometry geo = RingGeometry::Of(planes);
-  if (qd[2] % geo.heads != 0) {
-    return ffi::Error::InvalidArgument("cyclic attention: q heads (" + std::to_string(qd[2]) +
-                                       ") must be a multiple of the KV heads (" + std::to_string(geo.heads) + ")");
-  }
-  for (auto* check : {&rows, &positions, &kv_lens}) {
-    if (auto err = CheckBatchVector(*check, "rows/positions/kv_lens", qd[0]); err.failure()) return err;
+  if (auto err = CheckAttentionBatch(kOp, q, geo.heads, {&rows, &positions, &kv_lens}, "rows/positions/kv_lens");
+      err.failure()) {
+    return err;
   }
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
-  RingSource src(planes, geo, lay, window, qd[1], rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
-  AttentionShape shape{qd[0], qd[1], qd[2], geo.heads, qd[3], sm_scale, q.untyped_data(), dt == ffi::DataType::BF16,
-                       out->untyped_data()};
-  RunAttention(shape, src);
+  RingSource src(planes, geo, lay, window, q.dimensions()[1], rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
+  RunAttention(QueryShape(q, *out, geo.heads, sm_scale), src);
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace ninfer_kv_ffi
 
-// Aliases without commas: the handler-definition macro counts its arguments by commas.
-using S32Scalar = ffi::Buffer<ffi::S32, 0>;
-using S32Vector = ffi::Buffer<ffi::S32, 1>;
-using S32Matrix = ffi::Buffer<ffi::S32, 2>;
-
-extern "C" {
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvCyclicAppend(XLA_FFI_CallFrame* call_frame);
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvCyclicAttention(XLA_FFI_CallFrame* call_frame);
-}
+using ninfer_kv_ffi::S32Scalar;
+using ninfer_kv_ffi::S32Vector;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvCyclicAppend, ninfer_kv_ffi::CyclicAppendImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<S32Vector>()  // rows
-                                  .Arg<S32Vector>()  // positions
-                                  .Arg<S32Vector>()  // valid
-                                  .Arg<S32Scalar>()  // layer
-                                  .Arg<ffi::AnyBuffer>()            // k
-                                  .Arg<ffi::AnyBuffer>()            // v
-                                  .RemainingArgs()                  // planes
-                                  .RemainingRets()                  // planes (aliased)
-                                  .Attr<int32_t>("k_codec")
-                                  .Attr<int32_t>("v_codec"));
+                              ninfer_kv_ffi::BindAppendTail(ffi::Ffi::Bind()
+                                                                .Arg<S32Vector>()    // rows
+                                                                .Arg<S32Vector>()    // positions
+                                                                .Arg<S32Vector>()    // valid
+                                                                .Arg<S32Scalar>()));  // layer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvCyclicAttention, ninfer_kv_ffi::CyclicAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()            // q
-                                  .Arg<S32Vector>()  // rows
-                                  .Arg<S32Vector>()  // positions
-                                  .Arg<S32Vector>()  // kv_lens
-                                  .Arg<S32Scalar>()  // layer
-                                  .RemainingArgs()                  // planes
-                                  .Ret<ffi::AnyBuffer>()            // out
-                                  .Attr<int32_t>("k_codec")
-                                  .Attr<int32_t>("v_codec")
+                              ninfer_kv_ffi::BindAttentionTail(ffi::Ffi::Bind()
+                                                                   .Arg<ffi::AnyBuffer>()  // q
+                                                                   .Arg<S32Vector>()       // rows
+                                                                   .Arg<S32Vector>()       // positions
+                                                                   .Arg<S32Vector>()       // kv_lens
+                                                                   .Arg<S32Scalar>())      // layer
                                   .Attr<int32_t>("window")
                                   .Attr<float>("sm_scale"));

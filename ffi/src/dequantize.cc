@@ -13,6 +13,13 @@ inline void PrefetchBytes(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// Prefetches row r of a scaled source (its data bytes and its scale), if there is one.
+inline void PrefetchScaledRow(const RowSource* pf, int r) {
+  if (pf == nullptr) return;
+  PrefetchBytes(pf->data + r * pf->data_stride, pf->data_stride);
+  __builtin_prefetch(pf->scale + r * pf->scale_stride, 0, 3);
+}
+
 inline void ZeroPad(float* row, int d, int ld) {
   for (int i = d; i < ld; ++i) row[i] = 0.0f;
 }
@@ -39,10 +46,7 @@ void Int8Rows(const RowSource& s, int n, int d, int ld, float* out, const RowSou
   for (int r = 0; r < n; ++r) {
     const uint8_t* src = s.data + r * s.data_stride;
     const uint8_t* sc = s.scale + r * s.scale_stride;
-    if (pf) {
-      PrefetchBytes(pf->data + r * pf->data_stride, pf->data_stride);
-      __builtin_prefetch(pf->scale + r * pf->scale_stride, 0, 3);
-    }
+    PrefetchScaledRow(pf, r);
     float* row = out + static_cast<int64_t>(r) * ld;
     for (int g = 0; g < d / 64; ++g) {
       uint16_t sb;
@@ -59,10 +63,7 @@ void Int8Rows(const RowSource& s, int n, int d, int ld, float* out, const RowSou
 void Fp8Rows(const RowSource& s, int n, int d, int ld, float* out, const RowSource* pf) {
   for (int r = 0; r < n; ++r) {
     const uint8_t* src = s.data + r * s.data_stride;
-    if (pf) {
-      PrefetchBytes(pf->data + r * pf->data_stride, pf->data_stride);
-      __builtin_prefetch(pf->scale + r * pf->scale_stride, 0, 3);
-    }
+    PrefetchScaledRow(pf, r);
     uint16_t sb;
     std::memcpy(&sb, s.scale + r * s.scale_stride, 2);
     const float sf = Bf16ToFloat(sb);
@@ -82,10 +83,7 @@ void Nvfp4Rows(const RowSource& s, int n, int d, int ld, float* out, const RowSo
   for (int r = 0; r < n; ++r) {
     const uint8_t* src = s.data + r * s.data_stride;
     const uint8_t* sc = s.scale + r * s.scale_stride;
-    if (pf) {
-      PrefetchBytes(pf->data + r * pf->data_stride, pf->data_stride);
-      __builtin_prefetch(pf->scale + r * pf->scale_stride, 0, 3);
-    }
+    PrefetchScaledRow(pf, r);
     float* row = out + static_cast<int64_t>(r) * ld;
     int byte = 0;
     // kVL bytes -> 2 * kVL elements; each scale group is 16 elements (8 bytes).

@@ -14,12 +14,11 @@
 // layer is outside [0, num_layers) (exactly the writes the reference's scatter drops).
 #include <algorithm>
 #include <cstdint>
-#include <string>
-#include <vector>
 
 #include "append_common.h"
 #include "attention_driver.h"
 #include "common.h"
+#include "handler_args.h"
 #include "planes.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -54,14 +53,6 @@ struct BlockTables {
   const int32_t* data;
   int64_t rows, blocks;  // C, L
 };
-
-ffi::Error CheckBatchVector(const ffi::Buffer<ffi::S32, 1>& buf, const char* name, int64_t batch) {
-  if (buf.dimensions()[0] != batch) {
-    return ffi::Error::InvalidArgument(std::string(name) + " must have shape (B,) with B=" + std::to_string(batch) +
-                                       ", got " + DimsString(buf.dimensions()));
-  }
-  return ffi::Error::Success();
-}
 
 class PagedSource {
  public:
@@ -104,21 +95,16 @@ ffi::Error PagedAppendImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ff
                            ffi::Buffer<ffi::S32, 1> valid, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs planes_in, ffi::RemainingRets planes_out, int32_t k_codec,
                            int32_t v_codec, int32_t head_major) {
+  constexpr const char* kOp = "paged append";
   AppendInputs in;
-  if (auto err = ParseAppendInputs(k, v, &in); err.failure()) return err;
-  std::vector<ffi::AnyBuffer> outs, ins;
-  if (auto err = CollectRets(planes_out, &outs); err.failure()) return err;
-  if (auto err = CollectArgs(planes_in, &ins); err.failure()) return err;
-  if (ins.size() != outs.size()) return ffi::Error::InvalidArgument("paged append: plane operands and results differ in count");
   PlaneSet planes;
-  if (auto err = ParsePlanes(outs, k_codec, v_codec, static_cast<int>(in.head_dim), &planes); err.failure()) return err;
-  const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
-  if (geo.heads != in.heads) {
-    return ffi::Error::InvalidArgument("paged append: k has " + std::to_string(in.heads) + " heads, the planes have " +
-                                       std::to_string(geo.heads));
+  if (auto err = ParseAppendOperands(kOp, k, v, planes_in, planes_out, k_codec, v_codec, &in, &planes); err.failure()) {
+    return err;
   }
-  for (auto* check : {&table_rows, &positions, &valid}) {
-    if (auto err = CheckBatchVector(*check, "table_rows/positions/valid", in.batch); err.failure()) return err;
+  const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
+  if (auto err = CheckAppendBatch(kOp, in, geo.heads, {&table_rows, &positions, &valid}, "table_rows/positions/valid");
+      err.failure()) {
+    return err;
   }
   const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
   const int64_t lay = layer.typed_data()[0];
@@ -148,76 +134,46 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
                               ffi::Buffer<ffi::S32, 1> kv_lens, ffi::RemainingArgs planes_in,
                               ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec, int32_t head_major,
                               float sm_scale) {
-  auto qd = q.dimensions();
-  if (qd.size() != 4) return ffi::Error::InvalidArgument("q must be (B, T, Hq, D), got " + DimsString(qd));
-  const auto dt = q.element_type();
-  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("q must be float32 or bfloat16");
-  }
-  if (out->element_type() != dt || out->dimensions().size() != 4 ||
-      !std::equal(qd.begin(), qd.end(), out->dimensions().begin())) {
-    return ffi::Error::InvalidArgument("paged attention: the output must have q's shape and dtype");
-  }
-  std::vector<ffi::AnyBuffer> ins;
-  if (auto err = CollectArgs(planes_in, &ins); err.failure()) return err;
+  constexpr const char* kOp = "paged attention";
+  if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
   PlaneSet planes;
-  if (auto err = ParsePlanes(ins, k_codec, v_codec, static_cast<int>(qd[3]), &planes); err.failure()) return err;
+  if (auto err = ParseAttentionPlanes(q, planes_in, k_codec, v_codec, &planes); err.failure()) return err;
   const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
-  if (qd[2] % geo.heads != 0) {
-    return ffi::Error::InvalidArgument("paged attention: q heads (" + std::to_string(qd[2]) +
-                                       ") must be a multiple of the KV heads (" + std::to_string(geo.heads) + ")");
-  }
-  for (auto* check : {&table_rows, &positions, &kv_lens}) {
-    if (auto err = CheckBatchVector(*check, "table_rows/positions/kv_lens", qd[0]); err.failure()) return err;
+  if (auto err = CheckAttentionBatch(kOp, q, geo.heads, {&table_rows, &positions, &kv_lens},
+                                     "table_rows/positions/kv_lens");
+      err.failure()) {
+    return err;
   }
   const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
   PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
-  AttentionShape shape{qd[0], qd[1], qd[2], geo.heads, qd[3], sm_scale, q.untyped_data(), dt == ffi::DataType::BF16,
-                       out->untyped_data()};
-  RunAttention(shape, src);
+  RunAttention(QueryShape(q, *out, geo.heads, sm_scale), src);
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace ninfer_kv_ffi
 
-// Aliases without commas: the handler-definition macro counts its arguments by commas.
-using S32Scalar = ffi::Buffer<ffi::S32, 0>;
-using S32Vector = ffi::Buffer<ffi::S32, 1>;
-using S32Matrix = ffi::Buffer<ffi::S32, 2>;
-
-extern "C" {
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvPagedAppend(XLA_FFI_CallFrame* call_frame);
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvPagedAttention(XLA_FFI_CallFrame* call_frame);
-}
+using ninfer_kv_ffi::S32Matrix;
+using ninfer_kv_ffi::S32Scalar;
+using ninfer_kv_ffi::S32Vector;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvPagedAppend, ninfer_kv_ffi::PagedAppendImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<S32Matrix>()  // block_tables
-                                  .Arg<S32Scalar>()  // layer
-                                  .Arg<S32Vector>()  // table_rows
-                                  .Arg<S32Vector>()  // positions
-                                  .Arg<S32Vector>()  // valid
-                                  .Arg<ffi::AnyBuffer>()            // k
-                                  .Arg<ffi::AnyBuffer>()            // v
-                                  .RemainingArgs()                  // planes
-                                  .RemainingRets()                  // planes (aliased)
-                                  .Attr<int32_t>("k_codec")
-                                  .Attr<int32_t>("v_codec")
+                              ninfer_kv_ffi::BindAppendTail(ffi::Ffi::Bind()
+                                                                .Arg<S32Matrix>()   // block_tables
+                                                                .Arg<S32Scalar>()   // layer
+                                                                .Arg<S32Vector>()   // table_rows
+                                                                .Arg<S32Vector>()   // positions
+                                                                .Arg<S32Vector>())  // valid
                                   .Attr<int32_t>("head_major"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvPagedAttention, ninfer_kv_ffi::PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()            // q
-                                  .Arg<S32Matrix>()  // block_tables
-                                  .Arg<S32Scalar>()  // layer
-                                  .Arg<S32Vector>()  // table_rows
-                                  .Arg<S32Vector>()  // positions
-                                  .Arg<S32Vector>()  // kv_lens
-                                  .RemainingArgs()                  // planes
-                                  .Ret<ffi::AnyBuffer>()            // out
-                                  .Attr<int32_t>("k_codec")
-                                  .Attr<int32_t>("v_codec")
+                              ninfer_kv_ffi::BindAttentionTail(ffi::Ffi::Bind()
+                                                                   .Arg<ffi::AnyBuffer>()  // q
+                                                                   .Arg<S32Matrix>()       // block_tables
+                                                                   .Arg<S32Scalar>()       // layer
+                                                                   .Arg<S32Vector>()       // table_rows
+                                                                   .Arg<S32Vector>()       // positions
+                                                                   .Arg<S32Vector>())      // kv_lens
                                   .Attr<int32_t>("head_major")
                                   .Attr<float>("sm_scale"));
