@@ -69,9 +69,62 @@ def _check_layer(layer, num_layers: int) -> None:
     raise TypeError(f"layer must be a Python int or an int32 scalar array, got {type(layer).__name__}")
 
 
+class _LayerViewBase:
+    """Behaviour shared by the view pytrees.
+
+    A subclass is a frozen dataclass whose fields are its array leaves (``_LEAVES``, in order),
+    then ``layout`` (static, an instance of ``_LAYOUT_TYPE``), then the ``validate`` init flag.
+    Flattening yields the leaves as children and the layout as aux data; unflattening skips
+    validation (leaves may be tracers or placeholders there).
+    """
+
+    _LEAVES: tuple[str, ...] = ()
+    _LAYOUT_TYPE: type = object
+
+    def __post_init__(self, validate: bool):
+        if not isinstance(self.layout, self._LAYOUT_TYPE):
+            raise TypeError(f"layout must be a {self._LAYOUT_TYPE.__name__}, got {type(self.layout).__name__}")
+        if validate:
+            self.check()
+
+    def _expected_plane_shapes(self) -> dict:
+        return self.layout.plane_shapes()
+
+    def _check_tables(self) -> None:
+        """Validate the block-table leaf, if the view has one."""
+
+    def check(self) -> None:
+        """Host-side validation of plane keys, shapes, dtypes, the block table (paged views) and the layer."""
+        lay = self.layout
+        _check_planes(self.planes, self._expected_plane_shapes(), lay.plane_dtypes(), type(self).__name__)
+        self._check_tables()
+        _check_layer(self.layer, lay.num_layers)
+
+    def _replaced(self, **changes):
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.update(changes)
+        return type(self)(**fields)
+
+    def tree_flatten(self):
+        return tuple(getattr(self, name) for name in self._LEAVES), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(*children, layout, validate=False)
+
+
+class _PagedViewBase(_LayerViewBase):
+    """Validation shared by the paged views: the page count is read off the stacked ``k`` plane."""
+
+    _LAYOUT_TYPE = PagedKVStorageLayout
+
+    def _expected_plane_shapes(self) -> dict:
+        return self.layout.plane_shapes(_num_pages(self.planes, self.layout))
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
-class PagedKVBatchLayerView:
+class PagedKVBatchLayerView(_PagedViewBase):
     """Batched view of one layer of a pool: stacked planes + block tables ``int32 (C, L)`` + layer.
 
     Args:
@@ -88,23 +141,14 @@ class PagedKVBatchLayerView:
     layout: PagedKVStorageLayout
     validate: dataclasses.InitVar[bool] = True
 
-    def __post_init__(self, validate: bool):
-        if not isinstance(self.layout, PagedKVStorageLayout):
-            raise TypeError(f"layout must be a PagedKVStorageLayout, got {type(self.layout).__name__}")
-        if validate:
-            self.check()
+    _LEAVES = ("planes", "block_tables", "layer")
 
-    def check(self) -> None:
-        """Host-side validation of plane keys, shapes, dtypes, table shape/dtype and layer."""
-        lay = self.layout
-        n = _num_pages(self.planes, lay)
-        _check_planes(self.planes, lay.plane_shapes(n), lay.plane_dtypes(), "PagedKVBatchLayerView")
+    def _check_tables(self) -> None:
         bt = self.block_tables
         if not hasattr(bt, "shape") or len(bt.shape) != 2:
             raise ValueError(f"block_tables must be int32 (C, L), got shape {getattr(bt, 'shape', None)}")
         if np.dtype(bt.dtype) != np.int32:
             raise ValueError(f"block_tables must be int32, got {np.dtype(bt.dtype).name}")
-        _check_layer(self.layer, lay.num_layers)
 
     @property
     def num_pages(self) -> int:
@@ -136,25 +180,15 @@ class PagedKVBatchLayerView:
 
     def replace(self, **changes) -> "PagedKVBatchLayerView":
         """A copy with some fields replaced (e.g. ``planes`` returned by an append)."""
-        fields = {"planes": self.planes, "block_tables": self.block_tables, "layer": self.layer, "layout": self.layout}
-        fields.update(changes)
-        return PagedKVBatchLayerView(**fields)
+        return self._replaced(**changes)
 
     def with_layer(self, layer) -> "PagedKVBatchLayerView":
         return self.replace(layer=layer)
 
-    def tree_flatten(self):
-        return (self.planes, self.block_tables, self.layer), self.layout
-
-    @classmethod
-    def tree_unflatten(cls, layout, children):
-        planes, block_tables, layer = children
-        return cls(planes, block_tables, layer, layout, validate=False)
-
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
-class PagedKVLayerView:
+class PagedKVLayerView(_PagedViewBase):
     """Single-sequence view: stacked planes + one block-table row ``int32 (L,)`` + layer index."""
 
     planes: dict
@@ -163,36 +197,19 @@ class PagedKVLayerView:
     layout: PagedKVStorageLayout
     validate: dataclasses.InitVar[bool] = True
 
-    def __post_init__(self, validate: bool):
-        if not isinstance(self.layout, PagedKVStorageLayout):
-            raise TypeError(f"layout must be a PagedKVStorageLayout, got {type(self.layout).__name__}")
-        if validate:
-            self.check()
+    _LEAVES = ("planes", "block_table", "layer")
 
-    def check(self) -> None:
-        """Host-side validation of plane keys, shapes, dtypes, the table row and the layer."""
-        lay = self.layout
-        n = _num_pages(self.planes, lay)
-        _check_planes(self.planes, lay.plane_shapes(n), lay.plane_dtypes(), "PagedKVLayerView")
+    def _check_tables(self) -> None:
         bt = self.block_table
         if not hasattr(bt, "shape") or len(bt.shape) != 1 or np.dtype(bt.dtype) != np.int32:
             raise ValueError(
                 f"block_table must be int32 (L,), got shape {getattr(bt, 'shape', None)} "
                 f"dtype {getattr(bt, 'dtype', None)}"
             )
-        _check_layer(self.layer, lay.num_layers)
 
     def as_batch(self) -> PagedKVBatchLayerView:
         """The equivalent batch view with one table row (use ``table_rows = zeros((B,), int32)``)."""
         return PagedKVBatchLayerView(self.planes, self.block_table[None, :], self.layer, self.layout, validate=False)
-
-    def tree_flatten(self):
-        return (self.planes, self.block_table, self.layer), self.layout
-
-    @classmethod
-    def tree_unflatten(cls, layout, children):
-        planes, block_table, layer = children
-        return cls(planes, block_table, layer, layout, validate=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +264,7 @@ class CyclicKVLayout:
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
-class CyclicKVCacheLayerView:
+class CyclicKVCacheLayerView(_LayerViewBase):
     """Per-row ring buffers of one layer: planes ``(num_layers, rows, H, slots, X)`` + layer index."""
 
     planes: dict
@@ -255,26 +272,9 @@ class CyclicKVCacheLayerView:
     layout: CyclicKVLayout
     validate: dataclasses.InitVar[bool] = True
 
-    def __post_init__(self, validate: bool):
-        if not isinstance(self.layout, CyclicKVLayout):
-            raise TypeError(f"layout must be a CyclicKVLayout, got {type(self.layout).__name__}")
-        if validate:
-            self.check()
-
-    def check(self) -> None:
-        """Host-side validation of plane keys, shapes, dtypes and the layer."""
-        _check_planes(self.planes, self.layout.plane_shapes(), self.layout.plane_dtypes(), "CyclicKVCacheLayerView")
-        _check_layer(self.layer, self.layout.num_layers)
+    _LEAVES = ("planes", "layer")
+    _LAYOUT_TYPE = CyclicKVLayout
 
     def replace(self, **changes) -> "CyclicKVCacheLayerView":
-        fields = {"planes": self.planes, "layer": self.layer, "layout": self.layout}
-        fields.update(changes)
-        return CyclicKVCacheLayerView(**fields)
-
-    def tree_flatten(self):
-        return (self.planes, self.layer), self.layout
-
-    @classmethod
-    def tree_unflatten(cls, layout, children):
-        planes, layer = children
-        return cls(planes, layer, layout, validate=False)
+        """A copy with some fields replaced (e.g. ``planes`` returned by an append)."""
+        return self._replaced(**changes)

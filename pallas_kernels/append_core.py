@@ -11,6 +11,9 @@ and scales into the output planes.  Where a token goes is decided by an *address
 Tokens with ``write`` false are never stored (masked stores; their addresses are out of range so
 that the interpreter's scatter drops them too).  Quantization repeats the float32 arithmetic of
 :mod:`ninfer_kv.codecs` on whole tiles (see :mod:`pallas_kernels.codec_tiles`).
+
+:func:`run_append` is the public-op body (config check, head-dim limit, backend dispatch) and
+:func:`append_call` builds and runs the kernel around an addresser factory; both are shared too.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.profiles import KVCodec, KVProfile
 
+from .backends import implementation, resolve_interpret
 from .codec_tiles import (
     Cols,
     quantize_bf16_tile,
@@ -30,8 +35,9 @@ from .codec_tiles import (
     quantize_int8_tile,
     quantize_nvfp4_tile,
 )
+from .limits import check_head_dim
 
-__all__ = ["quantize_and_store", "storage_planes", "logical_planes"]
+__all__ = ["quantize_and_store", "storage_planes", "logical_planes", "run_append", "append_call"]
 
 
 def storage_planes(planes: list, interpret: bool) -> list:
@@ -129,3 +135,89 @@ def quantize_and_store(
             store_tile(f"{tensor}_scale", scales, Cols(0, 1, d // 16))
         else:  # pragma: no cover - KVCodec is closed
             raise ValueError(f"unsupported codec {codec}")
+
+
+def run_append(op: str, config_type: type, view, rows, positions, k, v, valid, *, config, interpret):
+    """Body of a public append op: default/check ``config``, check the head dim, dispatch.
+
+    ``config`` must be ``None`` (a default ``config_type()``) or a ``config_type``; the
+    implementation registered for ``(op, config.backend)`` returns the new planes and the result is
+    ``view.replace(planes=...)``.
+    """
+    config = config_type() if config is None else config
+    if not isinstance(config, config_type):
+        raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
+    check_head_dim(view.layout.profile, view.layout.head_dim)
+    impl = implementation(op, config.backend)
+    planes = impl(view, rows, positions, k, v, valid, config=config, interpret=resolve_interpret(interpret))
+    return view.replace(planes=planes)
+
+
+AddresserFactory = Callable[..., Addresser]
+
+
+def append_call(
+    backend,
+    *,
+    view,
+    names: list,
+    rows,
+    positions,
+    valid,
+    tables: tuple,
+    k,
+    v,
+    cfg,
+    interpret: bool,
+    name: str,
+    make_address: AddresserFactory,
+) -> dict:
+    """Quantize ``k, v (B, T, H, D)`` into the view's planes in place; returns the planes by name.
+
+    Grid ``(B, ceil(T / block_t), H)``.  The kernel's operands are ``layer (1,)``, ``rows``,
+    ``positions``, ``valid`` (int32 ``(B,)``), the ``tables`` (e.g. the block tables), ``k``,
+    ``v`` and the planes ``names`` (aliased input -> output, passed through
+    :func:`storage_planes`).  Each program calls ``make_address(layer, row, pos, n_valid, h,
+    *table_refs)`` for its addresser (see the module docstring) and runs
+    :func:`quantize_and_store`.  ``k`` and ``v`` must be non-empty.
+    """
+    profile, d = view.layout.profile, view.layout.head_dim
+    bsz, t_len, h_len, _ = k.shape
+    dtypes = [view.planes[n].dtype for n in names]
+    planes = storage_planes([view.planes[n] for n in names], interpret)
+    n_tables = len(tables)
+
+    def kernel(layer_ref, rows_ref, pos_ref, valid_ref, *refs):
+        table_refs = refs[:n_tables]
+        k_ref, v_ref = refs[n_tables], refs[n_tables + 1]
+        out_refs = dict(zip(names, refs[n_tables + 2 + len(names):]))
+        b, tile, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        address = make_address(layer_ref[0], rows_ref[b], pos_ref[b], valid_ref[b], h, *table_refs)
+        quantize_and_store(
+            profile, d, t_len, cfg.block_t, b=b, h=h, t0=tile * cfg.block_t,
+            k_ref=k_ref, v_ref=v_ref, out_refs=out_refs, address=address,
+        )
+
+    n_in = 4 + n_tables + 2
+    call = backend.pallas_call(
+        kernel,
+        grid=(bsz, -(-t_len // cfg.block_t), h_len),
+        out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in planes],
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        name=name,
+        input_output_aliases={n_in + i: i for i in range(len(planes))},
+    )
+    out = call(
+        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
+        jnp.asarray(rows, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(valid, jnp.int32),
+        *tables,
+        k,
+        v,
+        *planes,
+    )
+    return dict(zip(names, logical_planes(out, dtypes)))
+

@@ -23,6 +23,10 @@ probabilities.  The compute dtype of the products is bfloat16 for bfloat16 queri
 The context of a (row, query tile) is ``[lo, hi)`` with ``hi = min(kv_len, last query position +
 1)``; its steps are divided among ``k_splits`` programs.  With one split the program normalises
 and writes the output; otherwise it writes ``(acc, m, l)`` and :func:`combine_splits` merges them.
+
+:func:`run_attention` is the public-op body (config check and resolution, head-dim limit,
+``sm_scale`` default, backend dispatch) and :func:`attention_call` builds and runs the kernel
+around a key-source factory; both serve the paged and the cyclic ops.
 """
 
 from __future__ import annotations
@@ -32,14 +36,26 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.profiles import KVCodec, KVProfile
 
+from .backends import implementation, resolve_interpret
 from .codec_tiles import Cols, fp8_bits_to_f32, nvfp4_dequantize_halves, value_columns
 from .config import ResolvedAttention
+from .limits import check_head_dim
 
-__all__ = ["AttentionSpec", "attention_program", "combine_splits", "compute_dtype_for", "masked_tile_load", "M_INIT"]
+__all__ = [
+    "AttentionSpec",
+    "attention_program",
+    "attention_call",
+    "combine_splits",
+    "compute_dtype_for",
+    "masked_tile_load",
+    "run_attention",
+    "M_INIT",
+]
 
 M_INIT = -1e30  # initial running max: finite, so exp(m_old - m_new) never sees inf - inf
 _F32 = jnp.float32
@@ -248,3 +264,102 @@ def masked_tile_load(ref_view, key_ok: jax.Array, cols) -> jax.Array:
         tile = pl_triton.load(ref_view, mask=mask).astype(jnp.bfloat16)
         return jnp.where(mask, tile, jnp.zeros((), jnp.bfloat16))
     return pl_triton.load(ref_view, mask=mask, other=0)
+
+
+def run_attention(
+    op: str, config_type: type, q, view, rows, positions, kv_lens, *, max_keys: int, sm_scale, config, interpret
+) -> jax.Array:
+    """Body of a public attention op: default/check ``config``, check the head dim, resolve, dispatch.
+
+    ``config`` must be ``None`` (a default ``config_type()``) or a ``config_type``; it is resolved
+    from the shapes of ``q (B, T, Hq, D)``, the view's KV heads and ``max_keys`` (the most keys a
+    row can see).  ``sm_scale`` defaults to ``1 / sqrt(D)``.  The implementation registered for
+    ``(op, resolved.backend)`` computes the output.
+    """
+    config = config_type() if config is None else config
+    if not isinstance(config, config_type):
+        raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
+    lay = view.layout
+    check_head_dim(lay.profile, lay.head_dim)
+    b, t, hq, d = q.shape
+    cfg = config.resolve(
+        num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
+        max_keys=max_keys,
+    )
+    sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
+    impl = implementation(op, cfg.backend)
+    return impl(q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, interpret=resolve_interpret(interpret))
+
+
+KeySourceFactory = Callable[..., KeySource]
+
+
+def attention_call(
+    backend,
+    *,
+    q: jax.Array,
+    view,
+    names: list,
+    rows,
+    positions,
+    kv_lens,
+    tables: tuple,
+    spec: AttentionSpec,
+    interpret: bool,
+    name: str,
+    make_key_source: KeySourceFactory,
+    key_floor_offset: int | None = None,
+) -> jax.Array:
+    """Run :func:`attention_program` over the grid ``(B, H, ceil(T / block_q), k_splits)``.
+
+    The kernel's operands are ``layer (1,)``, ``rows``, ``positions``, ``kv_lens`` (int32
+    ``(B,)``), the ``tables`` (e.g. the block tables), ``q`` and the planes ``names``.  Each
+    program calls ``make_key_source(layer, row, h, plane_refs, *table_refs)`` for its key source;
+    with ``key_floor_offset`` the program's key floor is ``positions[b] + key_floor_offset``.
+    Several splits are merged with :func:`combine_splits`.  ``q`` must be non-empty.
+    """
+    cfg, splits = spec.cfg, spec.cfg.k_splits
+    n_tables, n_planes = len(tables), len(names)
+
+    def kernel(layer_ref, rows_ref, pos_ref, lens_ref, *refs):
+        table_refs = refs[:n_tables]
+        q_ref = refs[n_tables]
+        plane_refs = dict(zip(names, refs[n_tables + 1:n_tables + 1 + n_planes]))
+        out_refs = refs[n_tables + 1 + n_planes:]
+        b, h, qt, sp = (pl.program_id(i) for i in range(4))
+        pos = pos_ref[b]
+        key_source = make_key_source(layer_ref[0], rows_ref[b], h, plane_refs, *table_refs)
+        attention_program(
+            spec, b=b, h=h, qt=qt, sp=sp, pos=pos, kv_len=lens_ref[b], q_ref=q_ref, key_source=key_source,
+            out_refs=out_refs, key_floor=None if key_floor_offset is None else pos + key_floor_offset,
+        )
+
+    if splits == 1:
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
+        ]
+    call = backend.pallas_call(
+        kernel,
+        grid=(q.shape[0], view.layout.num_kv_heads, -(-q.shape[1] // cfg.block_q), splits),
+        out_shape=out_shape,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        interpret=interpret,
+        name=name,
+    )
+    out = call(
+        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
+        jnp.asarray(rows, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(kv_lens, jnp.int32),
+        *tables,
+        q,
+        *[view.planes[n] for n in names],
+    )
+    if splits == 1:
+        return out[0]
+    return combine_splits(*out, dtype=q.dtype)

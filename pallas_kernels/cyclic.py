@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from ninfer_kv.views import CyclicKVCacheLayerView
 
-from .append_core import logical_planes, quantize_and_store, storage_planes
-from .attention_core import AttentionSpec, attention_program, combine_splits, compute_dtype_for, masked_tile_load
-from .backends import TRITON, implementation, register, resolve_interpret
+from .append_core import append_call, run_append
+from .attention_core import AttentionSpec, attention_call, compute_dtype_for, masked_tile_load, run_attention
+from .backends import TRITON, register
 from .config import CyclicAppendConfig, CyclicAttentionConfig
-from .limits import check_head_dim
 
 __all__ = ["cyclic_append", "cyclic_attention"]
 
@@ -51,13 +49,8 @@ def cyclic_append(
       config: block sizes (default :class:`CyclicAppendConfig`).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
-    config = CyclicAppendConfig() if config is None else config
-    if not isinstance(config, CyclicAppendConfig):
-        raise TypeError(f"config must be a CyclicAppendConfig, got {type(config).__name__}")
-    check_head_dim(view.layout.profile, view.layout.head_dim)
-    impl = implementation("cyclic_append", config.backend)
-    planes = impl(view, rows, positions, k, v, valid, config=config, interpret=resolve_interpret(interpret))
-    return view.replace(planes=planes)
+    return run_append("cyclic_append", CyclicAppendConfig, view, rows, positions, k, v, valid,
+                      config=config, interpret=interpret)
 
 
 def cyclic_attention(
@@ -81,41 +74,22 @@ def cyclic_attention(
       config: block sizes (default :class:`CyclicAttentionConfig`).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
-    config = CyclicAttentionConfig() if config is None else config
-    if not isinstance(config, CyclicAttentionConfig):
-        raise TypeError(f"config must be a CyclicAttentionConfig, got {type(config).__name__}")
     lay = view.layout
-    check_head_dim(lay.profile, lay.head_dim)
-    b, t, hq, d = q.shape
-    cfg = config.resolve(
-        num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
-        max_keys=min(lay.slots, lay.window + t - 1),
+    return run_attention(
+        "cyclic_attention", CyclicAttentionConfig, q, view, rows, positions, kv_lens,
+        max_keys=min(lay.slots, lay.window + q.shape[1] - 1), sm_scale=sm_scale, config=config, interpret=interpret,
     )
-    sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
-    impl = implementation("cyclic_attention", cfg.backend)
-    return impl(q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, interpret=resolve_interpret(interpret))
 
 
 @register("cyclic_append", "triton")
 def _cyclic_append_triton(view, rows, positions, k, v, valid, *, config, interpret) -> dict:
     lay = view.layout
-    profile, d, slots, n_rows = lay.profile, lay.head_dim, lay.slots, lay.rows
-    bsz, t_len, h_len, _ = k.shape
+    slots, n_rows = lay.slots, lay.rows
+    bsz, t_len = k.shape[:2]
     if bsz == 0 or t_len == 0:
         return dict(view.planes)
-    cfg = config.for_tokens(t_len)
-    names = [p.name for p in lay.planes]
-    dtypes = [view.planes[n].dtype for n in names]
-    planes = storage_planes([view.planes[n] for n in names], interpret)
 
-    def kernel(layer_ref, rows_ref, pos_ref, valid_ref, k_ref, v_ref, *refs):
-        out_refs = dict(zip(names, refs[len(names):]))
-        b, tile, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        layer = layer_ref[0]
-        ring = rows_ref[b]
-        pos = pos_ref[b]
-        n_valid = valid_ref[b]
-
+    def make_address(layer, ring, pos, n_valid, h):
         def address(t):
             p = pos + t
             write = (t < n_valid) & (p >= 0) & (p > pos + n_valid - 1 - slots)
@@ -129,32 +103,13 @@ def _cyclic_append_triton(view, rows, positions, k, v, valid, *, config, interpr
 
             return write, index
 
-        quantize_and_store(
-            profile, d, t_len, cfg.block_t, b=b, h=h, t0=tile * cfg.block_t,
-            k_ref=k_ref, v_ref=v_ref, out_refs=out_refs, address=address,
-        )
+        return address
 
-    n_in = 6
-    call = TRITON.pallas_call(
-        kernel,
-        grid=(bsz, -(-t_len // cfg.block_t), h_len),
-        out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in planes],
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        name=f"cyclic_append_{profile.value}_d{d}",
-        input_output_aliases={n_in + i: i for i in range(len(planes))},
+    return append_call(
+        TRITON, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions, valid=valid,
+        tables=(), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
+        name=f"cyclic_append_{lay.profile.value}_d{lay.head_dim}", make_address=make_address,
     )
-    out = call(
-        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
-        jnp.asarray(rows, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(valid, jnp.int32),
-        k,
-        v,
-        *planes,
-    )
-    return dict(zip(names, logical_planes(out, dtypes)))
 
 
 @register("cyclic_attention", "triton")
@@ -163,24 +118,13 @@ def _cyclic_attention_triton(q, view, rows, positions, kv_lens, *, sm_scale, cfg
     bsz, t_len, hq_len, d = q.shape
     if bsz == 0 or t_len == 0:
         return jnp.zeros(q.shape, q.dtype)
-    h_len, slots, window = lay.num_kv_heads, lay.slots, lay.window
-    names = [p.name for p in lay.planes]
+    slots, window = lay.slots, lay.window
     spec = AttentionSpec(
-        profile=lay.profile, head_dim=d, num_queries=t_len, group=hq_len // h_len, cfg=cfg,
+        profile=lay.profile, head_dim=d, num_queries=t_len, group=hq_len // lay.num_kv_heads, cfg=cfg,
         sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype), window=window,
     )
-    splits = cfg.k_splits
 
-    def kernel(layer_ref, rows_ref, pos_ref, lens_ref, q_ref, *refs):
-        plane_refs = dict(zip(names, refs[: len(names)]))
-        out_refs = refs[len(names):]
-        b, h, qt, sp = (pl.program_id(i) for i in range(4))
-        layer = layer_ref[0]
-        ring = rows_ref[b]
-        pos = pos_ref[b]
-        # Only the `slots` most recent positions of the chunk are held by the ring.
-        kv_floor = pos + t_len - slots
-
+    def make_key_source(layer, ring, h, plane_refs):
         def key_source(step, j, key_ok):
             slot = jax.lax.rem(jnp.where(key_ok, j, 0), jnp.int32(slots))
 
@@ -193,37 +137,12 @@ def _cyclic_attention_triton(q, view, rows, positions, kv_lens, *, sm_scale, cfg
 
             return load
 
-        attention_program(
-            spec, b=b, h=h, qt=qt, sp=sp, pos=pos, kv_len=lens_ref[b], q_ref=q_ref,
-            key_source=key_source, out_refs=out_refs, key_floor=kv_floor,
-        )
+        return key_source
 
-    q_tiles = -(-t_len // cfg.block_q)
-    if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
-            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
-            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
-        ]
-    call = TRITON.pallas_call(
-        kernel,
-        grid=(bsz, h_len, q_tiles, splits),
-        out_shape=out_shape,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        name=f"cyclic_attention_{lay.profile.value}_d{d}_w{window}_q{cfg.block_q}_k{cfg.block_k}_s{splits}",
+    return attention_call(
+        TRITON, q=q, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions,
+        kv_lens=kv_lens, tables=(), spec=spec, interpret=interpret,
+        name=f"cyclic_attention_{lay.profile.value}_d{d}_w{window}_q{cfg.block_q}_k{cfg.block_k}_s{cfg.k_splits}",
+        make_key_source=make_key_source,
+        key_floor_offset=t_len - slots,  # the ring holds only the chunk's `slots` most recent positions
     )
-    out = call(
-        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
-        jnp.asarray(rows, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(kv_lens, jnp.int32),
-        q,
-        *[view.planes[n] for n in names],
-    )
-    if splits == 1:
-        return out[0]
-    return combine_splits(*out, dtype=q.dtype)

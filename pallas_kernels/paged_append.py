@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.views import PagedKVBatchLayerView
 
-from .append_core import logical_planes, quantize_and_store, storage_planes
-from .backends import TRITON, implementation, register, resolve_interpret
+from .append_core import append_call, run_append
+from .backends import TRITON, register
 from .config import PagedAppendConfig
-from .limits import check_head_dim
 
 __all__ = ["paged_append"]
 
@@ -51,39 +49,23 @@ def paged_append(
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     Returns: the view with the updated planes (the same buffers when the caller donated them).
     """
-    config = PagedAppendConfig() if config is None else config
-    if not isinstance(config, PagedAppendConfig):
-        raise TypeError(f"config must be a PagedAppendConfig, got {type(config).__name__}")
-    check_head_dim(view.layout.profile, view.layout.head_dim)
-    impl = implementation("paged_append", config.backend)
-    planes = impl(view, table_rows, positions, k, v, valid, config=config, interpret=resolve_interpret(interpret))
-    return view.replace(planes=planes)
+    return run_append("paged_append", PagedAppendConfig, view, table_rows, positions, k, v, valid,
+                      config=config, interpret=interpret)
 
 
 @register("paged_append", "triton")
 def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, interpret) -> dict:
     lay = view.layout
-    profile, order, d = lay.profile, lay.order, lay.head_dim
-    bsz, t_len, h_len, _ = k.shape
+    order = lay.order
+    bsz, t_len = k.shape[:2]
     if bsz == 0 or t_len == 0:
         return dict(view.planes)
     n_pages = view.num_pages
     n_blocks = view.logical_pages
     page = lay.page_size
     shift = page.bit_length() - 1
-    cfg = config.for_tokens(t_len)
-    names = list(lay.plane_names)
-    dtypes = [view.planes[n].dtype for n in names]
-    planes = storage_planes([view.planes[n] for n in names], interpret)
 
-    def kernel(layer_ref, rows_ref, pos_ref, valid_ref, bt_ref, k_ref, v_ref, *refs):
-        out_refs = dict(zip(names, refs[len(names):]))
-        b, tile, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        layer = layer_ref[0]
-        row = rows_ref[b]
-        pos = pos_ref[b]
-        n_valid = valid_ref[b]
-
+    def make_address(layer, row, pos, n_valid, h, bt_ref):
         def address(t):
             p = pos + t
             blk = jax.lax.shift_right_arithmetic(p, jnp.int32(shift))
@@ -103,30 +85,10 @@ def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, in
 
             return write, index
 
-        quantize_and_store(
-            profile, d, t_len, cfg.block_t, b=b, h=h, t0=tile * cfg.block_t,
-            k_ref=k_ref, v_ref=v_ref, out_refs=out_refs, address=address,
-        )
+        return address
 
-    n_in = 7
-    call = TRITON.pallas_call(
-        kernel,
-        grid=(bsz, -(-t_len // cfg.block_t), h_len),
-        out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in planes],
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        name=f"paged_append_{profile.value}_{order.value}_d{d}",
-        input_output_aliases={n_in + i: i for i in range(len(planes))},
+    return append_call(
+        TRITON, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions, valid=valid,
+        tables=(view.block_tables,), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
+        name=f"paged_append_{lay.profile.value}_{order.value}_d{lay.head_dim}", make_address=make_address,
     )
-    out = call(
-        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
-        jnp.asarray(table_rows, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(valid, jnp.int32),
-        view.block_tables,
-        k,
-        v,
-        *planes,
-    )
-    return dict(zip(names, logical_planes(out, dtypes)))

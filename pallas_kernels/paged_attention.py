@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.views import PagedKVBatchLayerView
 
-from .attention_core import AttentionSpec, attention_program, combine_splits, compute_dtype_for, masked_tile_load
-from .backends import TRITON, implementation, register, resolve_interpret
+from .attention_core import AttentionSpec, attention_call, compute_dtype_for, masked_tile_load, run_attention
+from .backends import TRITON, register
 from .config import PagedAttentionConfig
-from .limits import check_head_dim
 
 __all__ = ["paged_attention"]
 
@@ -54,20 +52,10 @@ def paged_attention(
       config: block sizes (default :class:`PagedAttentionConfig`, resolved from the shapes).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
-    config = PagedAttentionConfig() if config is None else config
-    if not isinstance(config, PagedAttentionConfig):
-        raise TypeError(f"config must be a PagedAttentionConfig, got {type(config).__name__}")
-    lay = view.layout
-    check_head_dim(lay.profile, lay.head_dim)
-    b, t, hq, d = q.shape
-    cfg = config.resolve(
-        num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
-        max_keys=view.logical_pages * lay.page_size,
+    return run_attention(
+        "paged_attention", PagedAttentionConfig, q, view, table_rows, positions, kv_lens,
+        max_keys=view.logical_pages * view.layout.page_size, sm_scale=sm_scale, config=config, interpret=interpret,
     )
-    sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
-    impl = implementation("paged_attention", cfg.backend)
-    return impl(q, view, table_rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg,
-                interpret=resolve_interpret(interpret))
 
 
 @register("paged_attention", "triton")
@@ -78,22 +66,13 @@ def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale
     bsz, t_len, hq_len, d = q.shape
     if bsz == 0 or t_len == 0:
         return jnp.zeros(q.shape, q.dtype)
-    h_len = lay.num_kv_heads
-    names = list(lay.plane_names)
     spec = AttentionSpec(
-        profile=lay.profile, head_dim=d, num_queries=t_len, group=hq_len // h_len, cfg=cfg,
+        profile=lay.profile, head_dim=d, num_queries=t_len, group=hq_len // lay.num_kv_heads, cfg=cfg,
         sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype),
     )
     bk = cfg.block_k
-    splits = cfg.k_splits
 
-    def kernel(layer_ref, rows_ref, pos_ref, lens_ref, bt_ref, q_ref, *refs):
-        plane_refs = dict(zip(names, refs[: len(names)]))
-        out_refs = refs[len(names):]
-        b, h, qt, sp = (pl.program_id(i) for i in range(4))
-        layer = layer_ref[0]
-        row = rows_ref[b]
-
+    def make_key_source(layer, row, h, plane_refs, bt_ref):
         def key_source(step, j, key_ok):
             tok = j & jnp.int32(page - 1)
             if bk == page:
@@ -114,38 +93,11 @@ def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale
 
             return load
 
-        attention_program(
-            spec, b=b, h=h, qt=qt, sp=sp, pos=pos_ref[b], kv_len=lens_ref[b], q_ref=q_ref,
-            key_source=key_source, out_refs=out_refs,
-        )
+        return key_source
 
-    q_tiles = -(-t_len // cfg.block_q)
-    if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
-            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
-            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
-        ]
-    call = TRITON.pallas_call(
-        kernel,
-        grid=(bsz, h_len, q_tiles, splits),
-        out_shape=out_shape,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        interpret=interpret,
-        name=f"paged_attention_{lay.profile.value}_{order.value}_d{d}_q{cfg.block_q}_k{bk}_s{splits}",
+    return attention_call(
+        TRITON, q=q, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions,
+        kv_lens=kv_lens, tables=(view.block_tables,), spec=spec, interpret=interpret,
+        name=f"paged_attention_{lay.profile.value}_{order.value}_d{d}_q{cfg.block_q}_k{bk}_s{cfg.k_splits}",
+        make_key_source=make_key_source,
     )
-    out = call(
-        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
-        jnp.asarray(table_rows, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(kv_lens, jnp.int32),
-        view.block_tables,
-        q,
-        *[view.planes[n] for n in names],
-    )
-    if splits == 1:
-        return out[0]
-    return combine_splits(*out, dtype=q.dtype)
