@@ -28,10 +28,8 @@ import numpy as np  # noqa: E402
 
 from ninfer_kv.cli import render_table  # noqa: E402
 from ninfer_kv.demo import DemoConfig, WorkloadSpec, run_demo  # noqa: E402
-from ninfer_kv.demo.dense_check import DENSE_BATCH  # noqa: E402
+from ninfer_kv.demo.dense_check import dense_generation_logits  # noqa: E402
 from ninfer_kv.demo.run import _params  # noqa: E402
-from ninfer_kv.geometry import PAGE_SIZE, ceil_div  # noqa: E402
-from ninfer_kv.models.qwen_tiny import dense_logits  # noqa: E402
 from ninfer_kv.profiles import KVProfile  # noqa: E402
 
 
@@ -39,23 +37,12 @@ def teacher_forced(config: DemoConfig, records, profile: KVProfile):
     """(agreeing positions, positions, max |logit diff|) of ``profile`` over BF16's sequences."""
     model = config.model_config
     params, _ = _params(model, config.seed)
-    work = [r for r in records if r.generated.size]
-    length = ceil_div(max(r.request.prompt_tokens + r.generated.size - 1 for r in work), PAGE_SIZE) * PAGE_SIZE
     agree = total = 0
     max_diff = 0.0
-    for start in range(0, len(work), DENSE_BATCH):
-        group = work[start : start + DENSE_BATCH]
-        seqs = np.zeros((DENSE_BATCH, length), np.int32)
-        for i, r in enumerate(group):
-            full = np.concatenate([r.request.prompt, r.generated[:-1]])
-            seqs[i, : full.size] = full
-        logits = np.asarray(dense_logits(params, model, seqs, profile))
-        for i, r in enumerate(group):
-            n0, m = r.request.prompt_tokens, r.generated.size
-            mine = logits[i, n0 - 1 : n0 - 1 + m]
-            agree += int(np.sum(np.argmax(mine, axis=-1) == r.generated))
-            total += m
-            max_diff = max(max_diff, float(np.max(np.abs(mine - r.logits))))
+    for r, mine in dense_generation_logits(params, model, profile, records):
+        agree += int(np.sum(np.argmax(mine, axis=-1) == r.generated))
+        total += r.generated.size
+        max_diff = max(max_diff, float(np.max(np.abs(mine - r.logits))))
     return agree, total, max_diff
 
 

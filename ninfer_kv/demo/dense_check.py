@@ -81,6 +81,30 @@ def tolerance_for(profile) -> float:
     return DENSE_TOLERANCES[KVProfile.parse(profile)]
 
 
+def dense_generation_logits(params: dict, model: ModelConfig, profile, records: Sequence[RequestRecord]):
+    """Yield ``(record, dense logits (m, V))`` for each record with ``m > 0`` generated tokens.
+
+    The dense (no-cache) model sees ``prompt + generated[:-1]``; row ``i`` of the logits is the
+    prediction of ``generated[i]``.  Sequences run in batches of :data:`DENSE_BATCH`, padded at the
+    end to a multiple of the page size (causal attention: padding is invisible).
+    """
+    work = [r for r in records if r.generated.size]
+    if not work:
+        return
+    longest = max(r.request.prompt_tokens + r.generated.size - 1 for r in work)
+    length = ceil_div(longest, PAGE_SIZE) * PAGE_SIZE
+    for start in range(0, len(work), DENSE_BATCH):
+        group = work[start : start + DENSE_BATCH]
+        seqs = np.zeros((DENSE_BATCH, length), np.int32)
+        for i, r in enumerate(group):
+            full = np.concatenate([r.request.prompt, r.generated[:-1]])
+            seqs[i, : full.size] = full
+        logits = np.asarray(dense_logits(params, model, seqs, profile))
+        for i, r in enumerate(group):
+            n0 = r.request.prompt_tokens
+            yield r, logits[i, n0 - 1 : n0 - 1 + r.generated.size]
+
+
 def check_dense(
     params: dict,
     model: ModelConfig,
@@ -94,37 +118,25 @@ def check_dense(
     ``tolerance`` defaults to :func:`tolerance_for` ``(profile)``.
     """
     tol = tolerance_for(profile) if tolerance is None else float(tolerance)
-    work = [r for r in records if r.generated.size]
     max_diff = 0.0
     checked = ties = 0
     tokens_ok = True
     bad: list[int] = []
-    if work:
-        longest = max(r.request.prompt_tokens + r.generated.size - 1 for r in work)
-        length = ceil_div(longest, PAGE_SIZE) * PAGE_SIZE
-        for start in range(0, len(work), DENSE_BATCH):
-            group = work[start : start + DENSE_BATCH]
-            seqs = np.zeros((DENSE_BATCH, length), np.int32)
-            for i, r in enumerate(group):
-                full = np.concatenate([r.request.prompt, r.generated[:-1]])
-                seqs[i, : full.size] = full
-            logits = np.asarray(dense_logits(params, model, seqs, profile))
-            for i, r in enumerate(group):
-                n0, m = r.request.prompt_tokens, r.generated.size
-                dense = logits[i, n0 - 1 : n0 - 1 + m]
-                differ = np.argmax(dense, axis=-1).astype(np.int32) != r.generated
-                # a differing token is a tie when its dense logit is within tol of the dense maximum
-                gap = dense.max(axis=-1) - np.take_along_axis(dense, r.generated[:, None].astype(np.int64), 1)[:, 0]
-                untied = differ & ~(gap <= tol)
-                diff = float(np.max(np.abs(dense - r.logits)))
-                if not np.isfinite(diff):
-                    diff = float("inf")
-                checked += m
-                ties += int(np.sum(differ & (gap <= tol)))
-                max_diff = max(max_diff, diff)
-                tokens_ok &= not differ.any()
-                if untied.any() or not diff <= tol:
-                    bad.append(r.request.id)
+    for r, dense in dense_generation_logits(params, model, profile, records):
+        m = r.generated.size
+        differ = np.argmax(dense, axis=-1).astype(np.int32) != r.generated
+        # a differing token is a tie when its dense logit is within tol of the dense maximum
+        gap = dense.max(axis=-1) - np.take_along_axis(dense, r.generated[:, None].astype(np.int64), 1)[:, 0]
+        untied = differ & ~(gap <= tol)
+        diff = float(np.max(np.abs(dense - r.logits)))
+        if not np.isfinite(diff):
+            diff = float("inf")
+        checked += m
+        ties += int(np.sum(differ & (gap <= tol)))
+        max_diff = max(max_diff, diff)
+        tokens_ok &= not differ.any()
+        if untied.any() or not diff <= tol:
+            bad.append(r.request.id)
     return DenseCheck(
         match=not bad,
         tokens_match=tokens_ok,
