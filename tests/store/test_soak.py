@@ -22,8 +22,6 @@ def test_short_soak():
 
 
 @pytest.mark.soak
-def test_soak_10000_sequences(request):
-    if "soak" not in (request.config.option.markexpr or ""):
-        pytest.skip("long soak: run with -m soak")
+def test_soak_10000_sequences():
     stats = _load().run_soak(10_000, seed=0)
     assert stats["sequences"] == 10_000 and stats["verified"] == 10_000
