@@ -12,6 +12,27 @@ of DESIGN.md section 3:
   low nibble of byte ``j``.
 * A zero scale stores codes 0.  Dequantize: ``x' = float(code) * s``.
 
+Odd values have one answer on every path (reference, FFI, Pallas interpret, GPU), decided by bit
+tests and selects rather than by how a backend's float unit treats them:
+
+* **Subnormals are flushed in the quantizers' arithmetic**: in INT8-G64, FP8-row and NVFP4-G16 a
+  float32 input element (after the bf16 -> float32 widening) whose exponent field is zero reads as
+  zero of the same sign, and a scale quotient (``amax / 127``, ``amax / 448``, ``amax / 6``) that
+  is subnormal becomes +0.  This is what XLA's CPU backend does implicitly (FTZ + DAZ); doing it
+  explicitly makes a GPU (which keeps subnormals) produce the same bits.  e4m3fn and e2m1
+  subnormal *codes* are regular values of those formats and are unaffected.  The BF16 codec does
+  no arithmetic: its rounding works on the bit pattern, so a subnormal input gives the correctly
+  rounded (possibly subnormal) bf16 code on every path.
+* **NaN propagates through amax** explicitly (a per-group NaN test, never ``reduce_max``'s NaN
+  behaviour, which XLA's CPU backend does not guarantee): the group's bf16 scale is the canonical
+  quiet NaN ``0x7FC0``, the NVFP4 scale byte is ``0x7F``.
+* **A scale that is zero or not finite stores codes 0** (int8 0, e4m3fn 0x00, e2m1 nibble 0), so
+  no float -> int conversion of a NaN or an infinity is ever executed; an infinite amax gives the
+  bf16 scale +inf (``0x7F80``).  NVFP4 clamps its scale to 448, so an infinite element there
+  gives the finite scale 448 and clips to the code +-6.
+* BF16 codes of NaN inputs are the canonical quiet NaN ``0x7FC0`` (sign and payload dropped);
+  infinities and values that round above the bf16 range give +-inf.
+
 Only operations that the Pallas Triton lowering accepts are used on the element path (no
 ``round``/``rint``, no 4-bit dtypes, no slicing of loaded values): rounding to nearest even is
 exact floor/fraction arithmetic, e2m1 encoding is a sum of comparisons, and every division of the
@@ -29,6 +50,13 @@ from .profiles import KVCodec, KVProfile
 
 __all__ = [
     "div_rn",
+    "flush_subnormal",
+    "is_nan_bits",
+    "propagate_nan",
+    "bf16_scale",
+    "nvfp4_scale_bits",
+    "scale_usable",
+    "bf16_code",
     "round_half_even",
     "e2m1_encode",
     "e2m1_decode",
@@ -53,6 +81,76 @@ _F32 = jnp.float32
 INT8_QMAX = 127.0
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
+BF16_NAN_BITS = 0x7FC0
+"""The canonical quiet NaN of the bf16 planes (scales of NaN groups, BF16 codes of NaN inputs)."""
+E4M3FN_NAN_BITS = 0x7F
+"""The NVFP4 scale byte of a NaN group (e4m3fn NaN)."""
+
+_U32 = jnp.uint32
+_EXP_MASK = 0x7F800000
+_SIGN_MASK = 0x80000000
+
+
+def _bits32(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.asarray(x, _F32), _U32)
+
+
+def flush_subnormal(x: jax.Array) -> jax.Array:
+    """float32 ``x`` with every subnormal replaced by zero of the same sign (bit test, no arithmetic)."""
+    b = _bits32(x)
+    sub = (b & _U32(_EXP_MASK)) == 0
+    return jax.lax.bitcast_convert_type(jnp.where(sub, b & _U32(_SIGN_MASK), b), _F32)
+
+
+def is_nan_bits(x: jax.Array) -> jax.Array:
+    """``isnan`` of float32 ``x`` decided on its bits (immune to fast-math and DAZ rewrites)."""
+    return (_bits32(x) & _U32(0x7FFFFFFF)) > _U32(_EXP_MASK)
+
+
+def propagate_nan(amax: jax.Array, has_nan: jax.Array) -> jax.Array:
+    """``amax`` where ``has_nan`` is false, NaN where it is true (explicit amax NaN propagation)."""
+    return jnp.where(has_nan, jnp.float32(jnp.nan), amax)
+
+
+def bf16_scale(amax: jax.Array, qmax) -> jax.Array:
+    """The bf16 scale ``bf16(amax / qmax)`` of INT8-G64 / FP8 rows (float32 ``amax``, NaN propagated).
+
+    The quotient is the IEEE one (:func:`div_rn`), a subnormal quotient becomes +0, and a NaN
+    ``amax`` gives the canonical quiet NaN ``0x7FC0``.
+    """
+    amax = jnp.asarray(amax, _F32)
+    s = flush_subnormal(div_rn(amax, jnp.full(amax.shape, qmax, _F32))).astype(jnp.bfloat16)
+    bits = jax.lax.bitcast_convert_type(s, jnp.uint16)
+    bits = jnp.where(is_nan_bits(amax), jnp.uint16(BF16_NAN_BITS), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def nvfp4_scale_bits(amax: jax.Array) -> jax.Array:
+    """Raw uint8 bits of the NVFP4 scale ``e4m3fn(min(amax / 6, 448))``; a NaN ``amax`` gives 0x7F."""
+    amax = jnp.asarray(amax, _F32)
+    q = flush_subnormal(div_rn(amax, jnp.full(amax.shape, E2M1_MAX, _F32)))
+    nan = is_nan_bits(amax)
+    sb = jnp.minimum(jnp.where(nan, 0.0, q), FP8_MAX).astype(jnp.float8_e4m3fn)
+    bits = jax.lax.bitcast_convert_type(sb, jnp.uint8)
+    return jnp.where(nan, jnp.uint8(E4M3FN_NAN_BITS), bits)
+
+
+def scale_usable(s: jax.Array) -> jax.Array:
+    """Whether a (float32-widened) scale is finite and nonzero: only then are codes computed."""
+    a = _bits32(s) & _U32(0x7FFFFFFF)
+    return (a != 0) & (a < _U32(_EXP_MASK))
+
+
+def bf16_code(x: jax.Array) -> jax.Array:
+    """BF16 codes: ``bf16(x)``, round to nearest even on the float32 bit pattern; NaN -> 0x7FC0.
+
+    Integer arithmetic only, so the result never depends on how a backend converts (a hardware
+    bf16 conversion may flush subnormals); subnormal inputs round like any other value.
+    """
+    b = _bits32(jnp.asarray(x).astype(_F32))
+    rounded = (b + _U32(0x7FFF) + ((b >> 16) & _U32(1))) >> 16
+    bits = jnp.where(is_nan_bits(jax.lax.bitcast_convert_type(b, _F32)), _U32(BF16_NAN_BITS), rounded)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def round_half_even(y: jax.Array) -> jax.Array:
@@ -71,10 +169,16 @@ def round_half_even(y: jax.Array) -> jax.Array:
 
 
 def _group_amax(x: jax.Array, group: int) -> jax.Array:
-    """``max |x|`` over groups of ``group`` along the last axis: ``(..., D) -> (..., D // group)``."""
+    """``max |x|`` over groups of ``group`` along the last axis: ``(..., D) -> (..., D // group)``.
+
+    NaN propagates explicitly: NaN elements enter the maximum as 0 and a group holding one gets
+    NaN afterwards (XLA's CPU ``reduce_max`` drops NaN for some shapes).
+    """
     d = x.shape[-1]
-    g = jnp.abs(x).reshape(x.shape[:-1] + (d // group, group))
-    return jnp.max(g, axis=-1)
+    shape = x.shape[:-1] + (d // group, group)
+    nan = is_nan_bits(x)
+    g = jnp.where(nan, 0.0, jnp.abs(x)).reshape(shape)
+    return propagate_nan(jnp.max(g, axis=-1), jnp.any(nan.reshape(shape), axis=-1))
 
 
 def _expand(s: jax.Array, group: int) -> jax.Array:
@@ -139,9 +243,9 @@ def div_rn(a: jax.Array, b) -> jax.Array:
 
 
 def _safe_div(x: jax.Array, s_full: jax.Array) -> jax.Array:
-    """``x / s`` (correctly rounded) where ``s != 0``; 0 where ``s == 0`` (zero groups store codes 0)."""
-    nz = s_full != 0
-    return jnp.where(nz, div_rn(x, jnp.where(nz, s_full, 1.0)), 0.0)
+    """``x / s`` (correctly rounded) where the scale is usable; 0 where it is zero or not finite."""
+    ok = scale_usable(s_full)
+    return jnp.where(ok, div_rn(x, jnp.where(ok, s_full, 1.0)), 0.0)
 
 
 # -- e2m1 ------------------------------------------------------------------------------------------
@@ -195,31 +299,30 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def quantize_bf16(x: jax.Array) -> tuple[jax.Array, None]:
-    return x.astype(jnp.bfloat16), None
+    return bf16_code(x), None
 
 
 def quantize_int8_g64(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x = x.astype(_F32)
-    s = div_rn(_group_amax(x, 64), INT8_QMAX).astype(jnp.bfloat16)
+    x = flush_subnormal(x.astype(_F32))
+    s = bf16_scale(_group_amax(x, 64), INT8_QMAX)
     y = _safe_div(x, _expand(s.astype(_F32), 64))
     q = round_half_even(jnp.clip(y, -INT8_QMAX, INT8_QMAX))
     return q.astype(jnp.int8), s
 
 
 def quantize_fp8_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x = x.astype(_F32)
-    s = div_rn(jnp.max(jnp.abs(x), axis=-1, keepdims=True), FP8_MAX).astype(jnp.bfloat16)
+    x = flush_subnormal(x.astype(_F32))
+    s = bf16_scale(_group_amax(x, x.shape[-1]), FP8_MAX)
     y = _safe_div(x, s.astype(_F32))
     return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), s
 
 
 def quantize_nvfp4_g16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x = x.astype(_F32)
-    sb = jnp.minimum(div_rn(_group_amax(x, 16), E2M1_MAX), FP8_MAX).astype(jnp.float8_e4m3fn)
-    s_bits = jax.lax.bitcast_convert_type(sb, jnp.uint8)
-    y = _safe_div(x, _expand(sb.astype(_F32), 16))
-    codes = e2m1_encode(jnp.clip(y, -E2M1_MAX, E2M1_MAX))
-    codes = jnp.where(_expand(sb.astype(_F32), 16) != 0, codes, 0).astype(jnp.uint8)
+    x = flush_subnormal(x.astype(_F32))
+    s_bits = nvfp4_scale_bits(_group_amax(x, 16))
+    s = _expand(jax.lax.bitcast_convert_type(s_bits, jnp.float8_e4m3fn).astype(_F32), 16)
+    codes = e2m1_encode(jnp.clip(_safe_div(x, s), -E2M1_MAX, E2M1_MAX))
+    codes = jnp.where(scale_usable(s), codes, 0).astype(jnp.uint8)
     return pack_nibbles(codes), s_bits
 
 

@@ -4,12 +4,16 @@ Written from the rules of DESIGN.md section 3 alone, with the obvious numpy tool
 ``ml_dtypes`` casts, per-group loops over reshaped arrays), so that it shares no code and no trick
 with :mod:`ninfer_kv.codecs`:
 
-* BF16: ``code = bf16(x)``.
-* INT8-G64: ``s = bf16(amax / 127)``; ``code = int8(clip(rint(x / s), -127, 127))``; ``s == 0`` -> 0.
-* FP8-E4M3FN-row: ``s = bf16(amax / 448)``; ``code = e4m3fn(clip(x / s, -448, 448))``; ``s == 0`` -> 0.
+* BF16: ``code = bf16(x)``; every NaN input -> the canonical quiet NaN ``0x7FC0``.
+* INT8-G64: ``s = bf16(amax / 127)``; ``code = int8(clip(rint(x / s), -127, 127))``.
+* FP8-E4M3FN-row: ``s = bf16(amax / 448)``; ``code = e4m3fn(clip(x / s, -448, 448))``.
 * NVFP4-G16: ``sb = e4m3fn(min(amax / 6, 448))`` (raw bits stored), ``s = float(sb)``;
-  ``code = e2m1(clip(x / s, -6, 6))``, element 2j in the low nibble of byte j; ``s == 0`` -> 0.
-* Dequantize: ``float(code) * s`` in float32.
+  ``code = e2m1(clip(x / s, -6, 6))``, element 2j in the low nibble of byte j.
+* Odd values (ninfer_kv.codecs): the quantizers (not BF16) read subnormal float32 inputs as zero
+  of the same sign and flush a subnormal ``amax / q`` quotient to +0; ``amax`` propagates NaN
+  (``np.max`` does), a NaN scale is stored as ``0x7FC0`` (bf16) or ``0x7F`` (NVFP4 byte); a scale
+  that is zero or not finite stores codes 0.
+* Dequantize: ``float(code) * s``.
 
 All arithmetic is float32, as the rules require.  Every function takes ``(..., D)`` and returns
 numpy arrays with the plane dtypes of :class:`ninfer_kv.profiles.KVCodec`.
@@ -41,12 +45,34 @@ def _groups(x: np.ndarray, size: int) -> np.ndarray:
     return x.reshape(x.shape[:-1] + (x.shape[-1] // size, size))
 
 
+TINY = np.finfo(F32).tiny
+
+
+def _flush(x: np.ndarray) -> np.ndarray:
+    """Subnormal float32 values -> zero of the same sign."""
+    x = np.asarray(x, F32)
+    return np.where(np.abs(x) < TINY, np.copysign(F32(0), x), x).astype(F32)
+
+
+def _scale_bf16(amax: np.ndarray, q: float) -> np.ndarray:
+    """bf16(amax / q) with a subnormal quotient flushed and NaN stored as 0x7FC0."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = _flush((amax / F32(q)).astype(F32)).astype(BF16)
+    bits = np.where(np.isnan(amax), np.uint16(0x7FC0), s.view(np.uint16)).astype(np.uint16)
+    return bits.view(BF16)
+
+
+def _usable(s: np.ndarray) -> np.ndarray:
+    """(..., G, 1): the scale is finite and nonzero."""
+    return (np.isfinite(s) & (s != 0))[..., None]
+
+
 def _divide_or_zero(x_groups: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """x / s per group (s broadcast over the last axis); groups with s == 0 give 0."""
-    s = s[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        y = (x_groups / np.where(s == 0, F32(1), s)).astype(F32)
-    return np.where(s == 0, F32(0), y)
+    """x / s per group (s broadcast over the last axis); groups whose s is 0 or not finite give 0."""
+    ok = _usable(s)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        y = (x_groups / np.where(ok, s[..., None], F32(1))).astype(F32)
+    return np.where(ok, y, F32(0))
 
 
 def encode(codec: str, x) -> tuple[np.ndarray, np.ndarray | None]:
@@ -54,29 +80,34 @@ def encode(codec: str, x) -> tuple[np.ndarray, np.ndarray | None]:
     x = np.asarray(x).astype(F32)
     d = x.shape[-1]
     if codec == "bf16":
-        return x.astype(BF16), None
+        code = x.astype(BF16).view(np.uint16)
+        return np.where(np.isnan(x), np.uint16(0x7FC0), code).astype(np.uint16).view(BF16), None
+    x = _flush(x)
     if codec == "int8-g64":
         g = _groups(x, 64)
-        s = (np.max(np.abs(g), axis=-1) / F32(127)).astype(F32).astype(BF16)
+        s = _scale_bf16(np.max(np.abs(g), axis=-1), 127)
         y = _divide_or_zero(g, s.astype(F32))
         q = np.clip(np.rint(y), -127, 127).astype(np.int8)
         return q.reshape(x.shape), s
     if codec == "fp8-e4m3fn-row":
         g = _groups(x, d)
-        s = (np.max(np.abs(g), axis=-1) / F32(448)).astype(F32).astype(BF16)
+        s = _scale_bf16(np.max(np.abs(g), axis=-1), 448)
         y = _divide_or_zero(g, s.astype(F32))
         q = np.clip(y, F32(-448), F32(448)).astype(E4M3)
-        q = np.where(s.astype(F32)[..., None] == 0, np.zeros((), E4M3), q)
+        q = np.where(_usable(s.astype(F32)), q, np.zeros((), E4M3))
         return q.reshape(x.shape), s
     if codec == "nvfp4-g16":
         g = _groups(x, 16)
-        sb = np.minimum((np.max(np.abs(g), axis=-1) / F32(6)).astype(F32), F32(448)).astype(E4M3)
-        s = sb.astype(F32)
+        amax = np.max(np.abs(g), axis=-1)
+        with np.errstate(invalid="ignore"):
+            sb = np.minimum(_flush((amax / F32(6)).astype(F32)), F32(448)).astype(E4M3)
+        sb_bits = np.where(np.isnan(amax), np.uint8(0x7F), sb.view(np.uint8)).astype(np.uint8)
+        s = sb_bits.view(E4M3).astype(F32)
         y = _divide_or_zero(g, s)
         nib = np.clip(y, F32(-6), F32(6)).astype(E2M1).view(np.uint8) & 0xF
-        nib = np.where(s[..., None] == 0, np.uint8(0), nib).reshape(x.shape).astype(np.uint8)
+        nib = np.where(_usable(s), nib, np.uint8(0)).reshape(x.shape).astype(np.uint8)
         packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
-        return packed, sb.view(np.uint8)
+        return packed, sb_bits
     raise ValueError(f"unknown codec {codec!r}")
 
 
