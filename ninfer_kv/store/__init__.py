@@ -16,7 +16,9 @@ from .errors import (
     KVStoreError,
     LifecycleError,
     PoolCapacityError,
+    RowError,
     StaleHandleError,
+    WorkOrderError,
 )
 from .host_replicas import OFFLOAD_STAGES, RESTORE_STAGES, HostTransferReport
 from .logical_page import HostReplica, LogicalKVPage, LogicalPageTable, ReplicaRef, replica_valid
@@ -63,4 +65,6 @@ __all__ = [
     "InvariantError",
     "HostCapacityError",
     "StaleReplicaError",
+    "RowError",
+    "WorkOrderError",
 ]

@@ -16,6 +16,8 @@ __all__ = [
     "InvariantError",
     "HostCapacityError",
     "StaleReplicaError",
+    "RowError",
+    "WorkOrderError",
 ]
 
 
@@ -47,6 +49,11 @@ class EntitlementError(KVStoreError, ValueError):
     """A mapping or commit target exceeds an address space's entitlement or mapped extent."""
 
 
+class RowError(KVStoreError, ValueError):
+    """A row verb named an execution row that is not leased to an active sequence (idle, out of
+    range, negative) or named one row twice in one call."""
+
+
 class LifecycleError(KVStoreError):
     """An operation does not fit the object's state (double finish, commit going backwards, ...)."""
 
@@ -65,3 +72,8 @@ class StaleReplicaError(LifecycleError):
 
 class InvariantError(KVStoreError, AssertionError):
     """An internal consistency check failed (a bug, never a user error)."""
+
+
+class WorkOrderError(KVStoreError):
+    """A device state did not receive the store's round works in order (one was skipped or applied
+    twice), or it was poisoned by such a mismatch inside a jitted step."""

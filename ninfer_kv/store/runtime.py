@@ -70,19 +70,11 @@ class PoolRuntime:
         derived = np.clip(self.spaces.committed[np.where(has, w, 0)] - pg.writer_block[slots] * PAGE_SIZE, 0, PAGE_SIZE)
         return np.where(has, derived, stored)
 
-    def _check_rows(self, rows: np.ndarray) -> None:
-        if rows.size and (rows.min() < 0 or rows.max() >= self.rows):
-            bad = rows[(rows < 0) | (rows >= self.rows)]
-            raise ValueError(f"pool {self.kind.value}: rows {bad.tolist()} are outside [0, {self.rows})")
-
-    def _inactive_error(self, rows: np.ndarray) -> LifecycleError:
-        bad = rows[~self.spaces.active[rows]]
-        return LifecycleError(f"pool {self.kind.value}: rows {bad.tolist()} hold no active address space")
-
     # -- mapping ----------------------------------------------------------------------------------------
     def map_rows(self, rows: np.ndarray, targets: np.ndarray) -> int:
         """Make each row's membership cover ``targets[i]`` tokens (a lower bound); returns new pages.
 
+        ``rows`` are distinct active rows (validated by the store's :class:`ExecutionRows`).
         No-op for rows already covering their target; fails (changing nothing) when a target needs
         more pages than the row's entitlement.  New pages convert the row's own reservation into
         leases.  Never moves a frontier, never trims, never changes an entitlement.
@@ -95,19 +87,13 @@ class PoolRuntime:
         r = rows[idx]
         t = targets[idx]
         need = (t + (PAGE_SIZE - 1)) >> _SHIFT
-        # idle row slots have a zero entitlement, so this one test also rejects them
         if (need > sp.ent_pages[r]).any():
-            self._check_rows(r)
-            if not sp.active[r].all():
-                raise self._inactive_error(r)
             i = int(np.flatnonzero(need > sp.ent_pages[r])[0])
             raise EntitlementError(
                 f"pool {self.kind.value}: row {int(r[i])} asks to map {int(t[i])} tokens but its entitlement "
                 f"covers {int(sp.ent_pages[r[i]]) * PAGE_SIZE} tokens ({int(sp.ent_pages[r[i]])} pages)"
             )
         n = r.size
-        if n > 1 and (len(set(r.tolist())) if n <= 64 else np.unique(r).size) != n:
-            raise ValueError(f"pool {self.kind.value}: rows passed twice: {r.tolist()}")
         have = sp.n_blocks[r]
         counts = need - have
         k = sum(counts.tolist()) if n <= 64 else int(counts.sum())  # small sets: Python is cheaper
@@ -126,13 +112,12 @@ class PoolRuntime:
         return k
 
     # -- frontiers ----------------------------------------------------------------------------------------
-    def commit_rows(self, rows: np.ndarray, frontiers: np.ndarray) -> None:
-        """Advance committed frontiers after a successful unit (within the mapped extent)."""
+    def check_commit(self, rows: np.ndarray, frontiers: np.ndarray) -> None:
+        """Raise (changing nothing) unless every frontier lies in ``[committed, mapped]`` of its row."""
         sp = self.spaces
         old = sp.committed[rows]
         bad = (frontiers < old) | (frontiers > sp.mapped[rows])
-        if bad.any() or (rows.size and rows.min() < 0):
-            self._check_rows(rows)
+        if bad.any():
             i = int(np.flatnonzero(bad)[0])
             r, f = int(rows[i]), int(frontiers[i])
             if f < old[i]:
@@ -140,13 +125,16 @@ class PoolRuntime:
                     f"pool {self.kind.value}: row {r} commit to {f} would move the committed frontier "
                     f"{int(old[i])} backwards; use truncate"
                 )
-            if not sp.active[r]:
-                raise self._inactive_error(rows[i : i + 1])
             raise EntitlementError(
                 f"pool {self.kind.value}: row {r} commit to {f} exceeds its mapped extent "
                 f"{int(sp.mapped[r])} tokens; map first"
             )
-        sp.committed[rows] = frontiers
+
+    def commit_rows(self, rows: np.ndarray, frontiers: np.ndarray) -> None:
+        """Advance committed frontiers of distinct active rows after a successful unit (within the
+        mapped extent)."""
+        self.check_commit(rows, frontiers)
+        self.spaces.committed[rows] = frontiers
 
     def trim_rows(self, rows: np.ndarray, keep_tokens: np.ndarray) -> int:
         """Keep ``ceil(max(committed, keep_tokens) / P)`` pages per row; returns pages trimmed.

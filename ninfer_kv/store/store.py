@@ -39,7 +39,6 @@ Host tier (``KVStore(..., host_arena=arena)`` or ``host_bytes=n``): one arena sh
 
 from __future__ import annotations
 
-import bisect
 from typing import Any, Callable, Mapping
 
 import jax
@@ -65,6 +64,7 @@ from .errors import (
     PoolCapacityError,
 )
 from .host_replicas import HostTier, HostTransferReport, placement_of
+from .rows import ExecutionRows, as_index, as_index_vector
 from .runtime import PoolRuntime
 from .summary import HostOccupancy, HostTransferStats, PoolOccupancy, StoreMemorySummary
 
@@ -85,17 +85,14 @@ ACTIVATION_STAGES: tuple[str, ...] = (
 FaultInjector = Callable[[str, "PoolKind | None"], None]
 
 
-def _int(name: str, value, low: int = 0) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {low}")
-    return int(value)
+_int = as_index
+_vec = as_index_vector
 
 
-def _vec(name: str, values) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape}")
-    return arr
+def _same_length(rows: np.ndarray, **others: np.ndarray) -> None:
+    for name, arr in others.items():
+        if arr.shape != rows.shape:
+            raise ValueError(f"rows {rows.shape} and {name} {arr.shape} must be 1-D of one length")
 
 
 class KVStore:
@@ -157,8 +154,7 @@ class KVStore:
                 pool_planes = pool_plan.layout.allocate(pool_plan.physical_pages, device=device)
             self._rt[kind] = PoolRuntime(pool_plan, planes=pool_planes, lead_tokens=lead, device=device)
         self._main = self._rt[PoolKind.MAIN]
-        self._free_rows: list[int] = list(range(self.max_concurrency - 1, -1, -1))  # pop() -> lowest row
-        self._row_owner = np.full(self.max_concurrency, -1, np.int64)
+        self._rows = ExecutionRows(self.max_concurrency)
         self._registry = HandleRegistry(next_store_serial())
         self._host: HostTier | None = None
         arena = self._make_arena(host_arena, host_bytes, device)
@@ -242,6 +238,10 @@ class KVStore:
             raise TypeError(f"expected a CheckpointHandle, got {type(handle).__name__}")
         return self._registry.get(handle)
 
+    def _handle_row(self, handle) -> np.ndarray:
+        """The one-row vector of a sequence handle, through the row verbs' validation."""
+        return self._rows.check_one(self._sequence(handle).row)
+
     def row(self, handle: SequenceHandle) -> int:
         """The execution row (block-table row in every pool) of an active sequence."""
         return self._sequence(handle).row
@@ -283,7 +283,7 @@ class KVStore:
         return self._registry.handles("checkpoint")
 
     def active_rows(self) -> np.ndarray:
-        return np.flatnonzero(self._row_owner >= 0)
+        return self._rows.active()
 
     # -- activation ------------------------------------------------------------------------------------------
     def _fault(self, stage: str, kind: PoolKind | None) -> None:
@@ -333,7 +333,7 @@ class KVStore:
                 raise ValueError(f"prompt_tokens={prompt} is below the checkpoint frontier {f_main}")
         elif release_source:
             raise ValueError("release_source=True needs a source checkpoint")
-        if not self._free_rows:
+        if not self._rows.free:
             raise PoolCapacityError(f"all {self.max_concurrency} execution rows are leased")
 
         # -- plan every pool (no state changes) --------------------------------------------------------
@@ -384,8 +384,8 @@ class KVStore:
 
         undo: list[Callable[[], None]] = []
         try:
-            row = self._free_rows.pop()
-            undo.append(lambda: self._free_rows.append(row))
+            row = self._rows.take()
+            undo.append(lambda: self._rows.untake(row))
             handle = self._registry.add(_Record("sequence", {p["kind"]: row for p in plans}, row=row))
             undo.append(lambda: self._registry.undo_add(handle))
             for p in plans:
@@ -406,8 +406,8 @@ class KVStore:
                 if p["tail"] is not None:
                     undo.append(p["rt"].private_tail(row, *p["tail"]))
             self._fault("lease_rows", None)
-            self._row_owner[row] = handle.id
-            undo.append(lambda: self._row_owner.__setitem__(row, -1))
+            self._rows.lease(row, handle.id)
+            undo.append(lambda: self._rows.unlease(row))
             for p in plans:
                 self._fault("publish_tables", p["kind"])
                 undo.append(p["rt"].publish_row(row))
@@ -447,88 +447,89 @@ class KVStore:
         nothing changed, only when ``tokens`` exceeds the entitlement.  Never advances a frontier,
         never trims, never changes the entitlement.  Returns the number of pages materialized.
         """
-        rec = self._sequence(handle)
+        rows = self._handle_row(handle)
         tokens = _int("tokens", tokens)
-        return self._runtime(pool).map_rows(np.array([rec.row]), np.array([tokens], np.int64))
+        return self._runtime(pool).map_rows(rows, np.array([tokens], np.int64))
 
     def commit(self, handle: SequenceHandle, frontier: int, *, pool="main") -> None:
         """Advance the committed frontier after a unit succeeded (within the mapped extent)."""
-        rec = self._sequence(handle)
+        rows = self._handle_row(handle)
         frontier = _int("frontier", frontier)
-        self._runtime(pool).commit_rows(np.array([rec.row]), np.array([frontier], np.int64))
+        self._runtime(pool).commit_rows(rows, np.array([frontier], np.int64))
 
     def trim(self, handle: SequenceHandle, *, pool="main", provisional: int = 0) -> int:
         """Keep ``ceil(max(committed, provisional) / P)`` pages; leases return to the reservation."""
-        rec = self._sequence(handle)
+        rows = self._handle_row(handle)
         provisional = _int("provisional", provisional)
-        return self._runtime(pool).trim_rows(np.array([rec.row]), np.array([provisional], np.int64))
+        return self._runtime(pool).trim_rows(rows, np.array([provisional], np.int64))
 
     def truncate(self, handle: SequenceHandle, frontier: int, *, pool="main", provisional: int = 0) -> None:
         """Lower the committed frontier to ``frontier`` (not below the protected frontier), then trim."""
-        rec = self._sequence(handle)
+        row = int(self._handle_row(handle)[0])
         rt = self._runtime(pool)
         frontier = _int("frontier", frontier)
         provisional = _int("provisional", provisional)
-        lo, hi = int(rt.spaces.protected[rec.row]), int(rt.spaces.committed[rec.row])
+        lo, hi = int(rt.spaces.protected[row]), int(rt.spaces.committed[row])
         if not lo <= frontier <= hi:
             raise LifecycleError(
                 f"pool {rt.kind.value}: truncate frontier {frontier} is outside [{lo}, {hi}] (protected frontier, "
                 f"committed frontier)"
             )
-        rt.truncate_row(rec.row, frontier, provisional)
+        rt.truncate_row(row, frontier, provisional)
 
     def settle(self, handle: SequenceHandle, accepted_frontier: int, *, pool="main", provisional: int | None = None):
         """Speculative settlement: commit the accepted frontier, then trim rejected trailing pages.
 
         ``provisional`` keeps mappings up to that many tokens (e.g. the next round's draft window).
         """
-        rec = self._sequence(handle)
+        rows = self._handle_row(handle)
         accepted_frontier = _int("accepted_frontier", accepted_frontier)
         keep = accepted_frontier if provisional is None else _int("provisional", provisional)
-        rt = self._runtime(pool)
-        rows = np.array([rec.row])
-        rt.commit_rows(rows, np.array([accepted_frontier], np.int64))
-        rt.trim_rows(rows, np.array([keep], np.int64))
+        self._settle(self._runtime(pool), rows, np.array([accepted_frontier], np.int64), np.array([keep], np.int64))
 
     # -- vectorized row verbs (decode rounds) ------------------------------------------------------------------
     def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``ensure_mapped_to_tokens`` over execution rows; returns pages materialized."""
-        rows = np.asarray(rows, np.int64)
-        targets = np.asarray(targets, np.int64)
-        if rows.shape != targets.shape or rows.ndim != 1:
-            raise ValueError(f"rows {rows.shape} and targets {targets.shape} must be 1-D of one length")
-        rt = self._rt[pool] if pool in self._rt else self._runtime(pool)
+        rt = self._runtime(pool)
+        rows = self._rows.check(rows)
+        targets = _vec("targets", targets)
+        _same_length(rows, targets=targets)
         return rt.map_rows(rows, targets)
 
     def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
         """Vectorized ``commit`` over execution rows."""
-        rows = np.asarray(rows, np.int64)
-        frontiers = np.asarray(frontiers, np.int64)
-        if rows.shape != frontiers.shape or rows.ndim != 1:
-            raise ValueError(f"rows {rows.shape} and frontiers {frontiers.shape} must be 1-D of one length")
-        rt = self._rt[pool] if pool in self._rt else self._runtime(pool)
+        rt = self._runtime(pool)
+        rows = self._rows.check(rows)
+        frontiers = _vec("frontiers", frontiers)
+        _same_length(rows, frontiers=frontiers)
         rt.commit_rows(rows, frontiers)
 
-    def trim_rows(self, rows, keep_tokens=None, *, pool="main") -> int:
+    def trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``trim``: keep ``ceil(max(committed, keep_tokens) / P)`` pages per row."""
-        rows = _vec("rows", rows)
-        keep = np.zeros_like(rows) if keep_tokens is None else _vec("keep_tokens", keep_tokens)
-        if keep.shape != rows.shape:
-            raise ValueError(f"rows {rows.shape} and keep_tokens {keep.shape} must have one length")
         rt = self._runtime(pool)
-        rt._check_rows(rows)
+        rows = self._rows.check(rows)
+        keep = np.zeros_like(rows) if keep_tokens is None else _vec("keep_tokens", keep_tokens)
+        _same_length(rows, keep_tokens=keep)
         return rt.trim_rows(rows, keep)
 
-    def settle_rows(self, rows, accepted, provisional=None, *, pool="main") -> int:
+    def settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``settle``: commit accepted frontiers, then trim to ``max(accepted, provisional)``."""
-        rows = _vec("rows", rows)
+        rt = self._runtime(pool)
+        rows = self._rows.check(rows)
         accepted = _vec("accepted", accepted)
         keep = accepted if provisional is None else _vec("provisional", provisional)
-        if not rows.shape == accepted.shape == keep.shape:
-            raise ValueError("rows, accepted and provisional must have one length")
-        rt = self._runtime(pool)
+        _same_length(rows, accepted=accepted, provisional=keep)
+        return self._settle(rt, rows, accepted, keep)
+
+    @staticmethod
+    def _settle(rt: PoolRuntime, rows: np.ndarray, accepted: np.ndarray, keep: np.ndarray) -> int:
+        saved = rt.spaces.committed[rows]
         rt.commit_rows(rows, accepted)
-        return rt.trim_rows(rows, keep)
+        try:
+            return rt.trim_rows(rows, keep)
+        except BaseException:  # a refused trim (pinned pages) leaves the frontiers as they were
+            rt.spaces.committed[rows] = saved
+            raise
 
     def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:
         """Grow ``kv_lease_growth`` entitlements at a decode-round boundary (vectorized).
@@ -539,12 +540,7 @@ class KVStore:
         Lanes with a full entitlement never change.
         """
         main = self._main
-        if rows is None:
-            rows = np.flatnonzero(main.spaces.active[: self.max_concurrency])
-        rows = _vec("rows", rows)
-        main._check_rows(rows)
-        if not main.spaces.active[rows].all():
-            raise main._inactive_error(rows)
+        rows = self._rows.active() if rows is None else self._rows.check(rows)
         step = _int("step_tokens", step_tokens, 1)
         committed = main.spaces.committed[rows]
         target = main.spaces.target[rows]
@@ -609,8 +605,7 @@ class KVStore:
             rt.check_deactivate(row, retain)
         slots = {kind: rt.deactivate(row, retain) for kind, rt in self._rt.items()}
         self._registry.remove(handle)
-        self._row_owner[row] = -1
-        bisect.insort(self._free_rows, row, key=lambda r: -r)
+        self._rows.release(row)
         if retain:
             return self._registry.add(_Record("checkpoint", slots, state_image=state_image))
         return None
@@ -739,7 +734,7 @@ class KVStore:
     def memory_summary(self) -> StoreMemorySummary:
         return StoreMemorySummary(
             pools={k.value: self.occupancy(k) for k in self._rt},
-            active_sequences=int((self._row_owner >= 0).sum()),
+            active_sequences=int(self._rows.active().size),
             retained_checkpoints=len(self.checkpoints()),
             host=self.host_occupancy(),
             offloaded_pages=self.stats.offloaded_pages,
@@ -752,14 +747,13 @@ class KVStore:
 
         for rt in self._rt.values():
             rt.check_invariants()
-        active = np.flatnonzero(self._row_owner >= 0)
+        active = self._rows.active()
         for kind, rt in self._rt.items():
             if not np.array_equal(np.flatnonzero(rt.spaces.active[: self.max_concurrency]), active):
                 raise InvariantError(f"pool {kind.value}: active rows disagree with leased rows")
-        if sorted(self._free_rows) != sorted(set(range(self.max_concurrency)) - set(active.tolist())):
-            raise InvariantError("free execution rows disagree with leased rows")
+        self._rows.check_invariants(InvariantError)
         for h in self.sequences():
-            if self._row_owner[self._registry.get(h).row] != h.id:
+            if self._rows.owner[self._registry.get(h).row] != h.id:
                 raise InvariantError(f"sequence {h.id} does not own its row")
         if self._host is not None:
             self._host.check_invariants()
@@ -768,8 +762,7 @@ class KVStore:
         """A comparable deep copy of every piece of semantic state (for tests and debugging)."""
         return {
             "pools": {k.value: rt.snapshot() for k, rt in self._rt.items()},
-            "free_rows": list(self._free_rows),
-            "row_owner": self._row_owner.copy(),
+            "rows": self._rows.snapshot(),
             "registry": self._registry.snapshot(),
             "host": None if self._host is None else self._host.snapshot(),
             "stats": self.stats.to_json(),
@@ -780,5 +773,5 @@ class KVStore:
         host = "" if self._host is None else f", host_arena={self._host.arena.capacity}"
         return (
             f"KVStore(S={self.max_context}, C={self.max_concurrency}, L={self.logical_pages}, pools=[{pools}], "
-            f"active={int((self._row_owner >= 0).sum())}, checkpoints={len(self.checkpoints())}{host})"
+            f"active={int(self._rows.active().size)}, checkpoints={len(self.checkpoints())}{host})"
         )

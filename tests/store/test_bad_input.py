@@ -11,6 +11,7 @@ from ninfer_kv.store import (
     KVStore,
     LifecycleError,
     PoolCapacityError,
+    RowError,
     SequenceHandle,
     StaleHandleError,
 )
@@ -46,9 +47,9 @@ def test_frontier_beyond_entitlement(store):
     _unchanged(store, lambda: store.commit(h, 99), LifecycleError, "backwards")
     _unchanged(store, lambda: store.truncate(h, 101), LifecycleError, r"outside \[0, 100\]")
     _unchanged(store, lambda: store.ensure_mapped_to_tokens(h, -1), ValueError)
-    _unchanged(store, lambda: store.commit_rows([store.row(h), 7], [100, 100]), (ValueError, IndexError))
+    _unchanged(store, lambda: store.commit_rows([store.row(h), 7], [100, 100]), RowError, "row 7 is outside")
     _unchanged(store, lambda: store.activate(200, 57), EntitlementError, "exceeds max_context=256")
-    _unchanged(store, lambda: store.map_rows([1], [10]), LifecycleError, "no active address space")
+    _unchanged(store, lambda: store.map_rows([1], [10]), RowError, "row 1 is not leased")
 
 
 def test_unknown_and_stale_handles(store):

@@ -37,6 +37,7 @@ from ninfer_kv.store import (
     KVStore,
     LifecycleError,
     PoolCapacityError,
+    RowError,
     StaleHandleError,
 )
 
@@ -262,6 +263,38 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.commit_rows(rows, c + 1)
         for h, v in zip(hs, vals):
             self.live_seqs[h].content[MAIN].append(v)
+
+    @rule(data=st.data(), verb=st.sampled_from(["map", "commit", "trim", "settle", "boundary"]),
+          kind=st.sampled_from(["first", "idle", "range", "negative", "duplicate"]))
+    def invalid_rows_rejected(self, data, verb, kind):
+        """Row verbs refuse idle, out-of-range, negative and duplicated rows, changing nothing."""
+        store = self.store
+        C = store.max_concurrency
+        active = store.active_rows().tolist()
+        idle = sorted(set(range(C)) - set(active))
+        if kind == "first" or kind == "range":
+            bad = [C + data.draw(st.integers(0, 5))]  # the index space of the checkpoint slots
+        elif kind == "idle":
+            if not idle:
+                return
+            bad = [data.draw(st.sampled_from(idle))]
+        elif kind == "negative":
+            bad = [-data.draw(st.integers(1, 3))]
+        else:
+            if not active:
+                return
+            bad = [data.draw(st.sampled_from(active))] * 2
+        rows = np.array(active[:1] + bad, np.int64) if kind != "duplicate" else np.array(bad, np.int64)
+        pool = data.draw(st.sampled_from(self.kinds))
+        ones = np.ones(rows.size, np.int64)
+        fn = {
+            "map": lambda: store.map_rows(rows, ones, pool=pool),
+            "commit": lambda: store.commit_rows(rows, ones * 10**6, pool=pool),
+            "trim": lambda: store.trim_rows(rows, pool=pool),
+            "settle": lambda: store.settle_rows(rows, ones * 10**6, pool=pool),
+            "boundary": lambda: store.round_boundary(rows),
+        }[verb]
+        self._unchanged(fn, RowError)
 
     @precondition(lambda self: self.growth)
     @rule()
