@@ -58,6 +58,9 @@ __all__ = [
 
 PROG = "ninfer-kv"
 EXIT_USAGE = 2
+EXIT_INTERNAL = 1
+_INT64_MAX = 2**63 - 1
+_MAX_DIGITS = 60
 
 SUBCOMMAND_MODULES: tuple[str, ...] = ("ninfer_kv.demo.cli",)
 """Dotted names of modules that register further subcommands when imported (besides the built-ins)."""
@@ -177,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.configure(p)
         _add_common_arguments(p)
-        p.set_defaults(_subcommand=cmd)
+        p.set_defaults(_subcommand=cmd, _parser=p)
     return parser
 
 
@@ -208,7 +211,7 @@ def parse_bytes(text: str) -> int:
 
     Decimal suffixes (``KB``, ``MB``, ``GB``, ``TB``; also ``K``/``M``/``G``/``T``) are powers of
     1000, binary suffixes (``KiB``, ``MiB``, ``GiB``, ``TiB``) powers of 1024; case is ignored.  The
-    result must be a whole, non-negative number of bytes.
+    result must be a whole, non-negative number of bytes that fits int64.
 
     Raises:
       ValueError: naming the text and the accepted forms.
@@ -220,9 +223,15 @@ def parse_bytes(text: str) -> int:
             f"byte size {text!r} is invalid; use a non-negative integer, scientific notation (1e9) or a "
             "number with a suffix KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024), e.g. 40GiB"
         )
-    value = Fraction(match.group(1)) * _BYTE_UNITS[unit]
+    number = match.group(1)
+    mantissa, _, exponent = number.lower().partition("e")
+    if len(mantissa) > _MAX_DIGITS or len(exponent) > 4 or abs(int(exponent or 0)) > _MAX_DIGITS:
+        raise ValueError(f"byte size {text!r} is too large; it must be at most {_INT64_MAX} bytes (int64)")
+    value = Fraction(number) * _BYTE_UNITS[unit]
     if value.denominator != 1:
         raise ValueError(f"byte size {text!r} is {float(value)} bytes; it must be a whole number of bytes")
+    if value > _INT64_MAX:
+        raise ValueError(f"byte size {text!r} is {int(value)} bytes; it must be at most {_INT64_MAX} bytes (int64)")
     return int(value)
 
 
@@ -254,8 +263,11 @@ def _arg_type(name: str, fn):
 
 def _int_at_least(minimum: int):
     def parse(text: str) -> int:
+        digits = str(text).strip()
+        if len(digits.lstrip("+-")) > _MAX_DIGITS and digits.lstrip("+-").isdigit():
+            raise ValueError(f"{digits[:12]}... ({len(digits)} digits) is too large; it must be an integer >= {minimum}")
         try:
-            value = int(str(text).strip(), 10)
+            value = int(digits, 10)
         except ValueError:
             raise ValueError(f"{text!r} is not an integer; it must be an integer >= {minimum}") from None
         if value < minimum:
@@ -265,10 +277,33 @@ def _int_at_least(minimum: int):
     return _arg_type("int", parse)
 
 
+KV_CACHE_DTYPES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp8": "fp8-e4m3fn-row256",
+    "fp8_e4m3": "fp8-e4m3fn-row256",
+    "int8": "int8-g64",
+    "nvfp4": "nvfp4-g16",
+    "k8v4": "k8v4",
+}
+"""vLLM-style ``--kv-cache-dtype`` short names and the closed profile each one selects."""
+
+PROFILE_HELP = (
+    "KV profile: bf16, int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4 "
+    "(short names: fp8 = fp8-e4m3fn-row256, int8 = int8-g64, nvfp4 = nvfp4-g16)"
+)
+
+
 def _profile(text: str):
     from .profiles import KVProfile
 
-    return KVProfile.parse(text)
+    key = str(text).strip().lower()
+    try:
+        return KVProfile.parse(KV_CACHE_DTYPES.get(key, text))
+    except ValueError:
+        names = ", ".join(m.value for m in KVProfile)
+        short = ", ".join(f"{k} ({v})" for k, v in KV_CACHE_DTYPES.items() if k != v)
+        raise ValueError(f"unknown KV profile {text!r}; allowed: {names}; short names: {short}") from None
 
 
 def _order(text: str):
@@ -325,8 +360,12 @@ def _kv_lines(pairs: Sequence[tuple[str, str]]) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # layout
 # ------------------------------------------------------------------------------------------------
+def _add_profile(p) -> None:
+    p.add_argument("--profile", "--kv-cache-dtype", dest="profile", type=PROFILE, required=True, help=PROFILE_HELP)
+
+
 def _configure_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", type=PROFILE, required=True, help="bf16, int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4")
+    _add_profile(p)
     p.add_argument("--head-dim", type=POSITIVE_INT, required=True, metavar="D", help="head dim D")
     pool = p.add_argument_group("pool (optional; shows page bytes and stacked plane shapes)")
     pool.add_argument("--layers", type=POSITIVE_INT, metavar="N", help="layers stacked in the pool")
@@ -337,8 +376,10 @@ def _configure_layout(p: argparse.ArgumentParser) -> None:
 
 def _run_layout(args: argparse.Namespace) -> CommandOutput:
     from .layout import PagedKVStorageLayout
+    from .planning import ModelKVConfig, check_pool_bytes
 
     profile, head_dim = args.profile, args.head_dim
+    ModelKVConfig(args.layers or 1, args.kv_heads or 1, head_dim, profile)  # bounds and the profile's head dims
     planes = profile.planes(head_dim)
     data = {
         "profile": profile.value,
@@ -366,6 +407,7 @@ def _run_layout(args: argparse.Namespace) -> CommandOutput:
             raise ValueError(f"{given} needs {' and '.join(missing)} as well (the pool view needs layers and KV heads)")
         layout = PagedKVStorageLayout(profile, args.layers, args.kv_heads, head_dim, order=args.order or "page-major")
         pages = args.pages or 1
+        check_pool_bytes(layout, pages)
         summary = layout.memory_summary(pages)
         data["pool"] = {
             "layers": layout.num_layers,
@@ -410,9 +452,7 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=POSITIVE_INT, required=True, metavar="N", help="full-attention layers")
     model.add_argument("--kv-heads", type=POSITIVE_INT, required=True, metavar="H", help="KV heads")
     model.add_argument("--head-dim", type=POSITIVE_INT, required=True, metavar="D", help="head dim")
-    model.add_argument(
-        "--profile", type=PROFILE, required=True, help="bf16, int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4"
-    )
+    _add_profile(model)
     engine = p.add_argument_group("engine")
     engine.add_argument("--max-context", type=POSITIVE_INT, required=True, metavar="S", help="per-sequence ceiling S")
     engine.add_argument("--max-concurrency", type=POSITIVE_INT, required=True, metavar="C", help="active rows C")
@@ -467,6 +507,15 @@ def _speculative_from_args(args: argparse.Namespace):
     )
 
 
+def _dflash_note(speculative) -> str | None:
+    if speculative.backend.value in ("dflash", "dflash2") and not speculative.has_draft_full:
+        return (
+            f"--backend {speculative.backend.value} without --draft-full-layers plans no Draft Full pool "
+            "(the draft model then keeps no paged KV here); pass --draft-full-layers N to plan one"
+        )
+    return None
+
+
 def _run_plan(args: argparse.Namespace) -> CommandOutput:
     from .planning import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, plan_kv_cache
 
@@ -492,6 +541,8 @@ def _run_plan(args: argparse.Namespace) -> CommandOutput:
     data["policy"] = policy_json
     if speculative.backend.value == "mtp":
         data["draft_window"] = speculative.draft_window
+    note = _dflash_note(speculative)
+    data["notes"] = [note] if note else []
     return CommandOutput(data=data, text=_plan_text(plan, speculative, policy_json))
 
 
@@ -507,8 +558,10 @@ def _plan_text(plan, speculative, policy_json: dict) -> str:
             f" (draft window K = {speculative.draft_window}, {speculative.mtp_layers} MTP layer(s); "
             f"MTP pages = M + C*ceil((K-1)/P) = M + {_n(lead)})"
         )
-    elif backend in ("dflash", "dflash2"):
+    elif speculative.has_draft_full:
         backend += f" ({speculative.draft_full_layers} draft full-attention layer(s))"
+    elif backend in ("dflash", "dflash2"):
+        backend += " (no draft full-attention layers: no Draft Full pool planned)"
     where = "M_min" if plan.m == b.m_min else ("M_max" if plan.m == b.m_max else "between M_min and M_max")
     lines = ["KV plan"]
     lines += _kv_lines(
@@ -572,6 +625,9 @@ def _plan_text(plan, speculative, policy_json: dict) -> str:
     else:
         pairs += [("policy", f"explicit: kv_capacity = {_n(policy_json['kv_capacity'])} tokens, M = ceil(K/P)")]
     lines += _kv_lines(pairs)
+    note = _dflash_note(speculative)
+    if note:
+        lines += ["", f"note: {note}"]
     return "\n".join(lines)
 
 
@@ -586,29 +642,111 @@ register_subcommand(
 # ------------------------------------------------------------------------------------------------
 # entry point
 # ------------------------------------------------------------------------------------------------
+PARAMETER_FLAGS: dict[str, str] = {
+    "num_layers": "--layers",
+    "num_kv_heads": "--kv-heads",
+    "head_dim": "--head-dim",
+    "num_pages": "--pages",
+    "profile": "--profile",
+    "max_context": "--max-context",
+    "max_concurrency": "--max-concurrency",
+    "kv_capacity": "--kv-capacity",
+    "free_bytes": "--free-bytes",
+    "headroom_bytes": "--headroom-bytes",
+    "fixed_bytes": "--fixed-bytes",
+    "draft_window": "--draft-window",
+    "mtp_layers": "--mtp-layers",
+    "draft_full_layers": "--draft-full-layers",
+    "draft_kv_heads": "--draft-kv-heads",
+    "draft_head_dim": "--draft-head-dim",
+}
+"""Library parameter names and the flags that set them (errors from the library speak in flags)."""
+
+_PARAMETER_RE = re.compile(
+    r"\b(" + "|".join(sorted(PARAMETER_FLAGS, key=len, reverse=True)) + r")\b(?:=('[^']*'|[^\s,;)]+))?"
+)
+
+
+def _typed_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The option strings the user typed (``--flag``, ``--flag=value`` or an unambiguous prefix)."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    typed = set()
+    for token in argv:
+        if not token.startswith("--") or token == "--":
+            continue
+        name = token.split("=", 1)[0]
+        hits = [o for o in options if o == name] or [o for o in options if o.startswith(name)]
+        if len(hits) == 1:
+            typed.add(hits[0])
+    return typed
+
+
+def _speak_in_flags(message: str, parser: argparse.ArgumentParser | None, argv: Sequence[str]) -> str:
+    """Rewrite library parameter names as flags; mark the first mention of each flag not typed."""
+    aliases = {}
+    if parser is not None:
+        for action in parser._actions:
+            for o in action.option_strings:
+                aliases[o] = action.option_strings[0]
+    typed = {aliases.get(o, o) for o in _typed_flags(parser, argv)} if parser is not None else set()
+    marked: set[str] = set()
+
+    def flag(match: re.Match) -> str:
+        name = PARAMETER_FLAGS[match.group(1)]
+        value = match.group(2)
+        text = name if value is None else f"{name} {value}"
+        if parser is None or name in typed or name in marked or name not in aliases:
+            return text
+        marked.add(name)
+        return f"{text} (the default; not on the command line)"
+
+    return _PARAMETER_RE.sub(flag, message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 success, 2 bad usage or bad value)."""
+    """Run the CLI; returns the exit status (0 success, 2 bad usage or bad value, 1 internal error).
+
+    No traceback is printed: a bad value is one line on stderr naming the flag, the value and the
+    allowed range; an unexpected failure is one line too (set ``NINFER_KV_TRACEBACK=1`` to see it).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    cmd: Subcommand | None = None
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        cmd: Subcommand | None = getattr(args, "_subcommand", None)
-        if cmd is None:
-            names = ", ".join(registered_subcommands())
-            raise UsageError(PROG, f"a command is required (choose from {names}); see {PROG} --help")
         try:
-            result = cmd.run(args)
-        except ValueError as exc:
-            raise UsageError(f"{PROG} {cmd.name}", str(exc)) from None
-    except UsageError as exc:
-        print(exc.line(), file=sys.stderr)
-        return EXIT_USAGE
-    if result is not None:
-        if args.json:
-            sys.stdout.write(json.dumps(result.data) + "\n")
-        else:
-            sys.stdout.write(result.text.rstrip("\n") + "\n")
-    return 0
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            cmd = getattr(args, "_subcommand", None)
+            if cmd is None:
+                names = ", ".join(registered_subcommands())
+                raise UsageError(PROG, f"a command is required (choose from {names}); see {PROG} --help")
+            try:
+                result = cmd.run(args)
+            except ValueError as exc:
+                message = _speak_in_flags(str(exc), getattr(args, "_parser", None), argv)
+                raise UsageError(f"{PROG} {cmd.name}", message) from None
+        except UsageError as exc:
+            print(exc.line(), file=sys.stderr)
+            return EXIT_USAGE
+        if result is not None:
+            if args.json:
+                sys.stdout.write(json.dumps(result.data) + "\n")
+            else:
+                sys.stdout.write(result.text.rstrip("\n") + "\n")
+        return 0
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the command line never prints a traceback
+        import os
+
+        if os.environ.get("NINFER_KV_TRACEBACK"):
+            raise
+        where = f"{PROG} {cmd.name}" if cmd is not None else PROG
+        print(
+            f"{where}: internal error: {type(exc).__name__}: {_one_line(exc)} (set NINFER_KV_TRACEBACK=1 for details)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,7 @@ every byte count (``page_bytes``, ``buffer_bytes``, ``memory_summary``, the capa
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -196,7 +197,7 @@ class PagedKVStorageLayout:
     def buffer_bytes(self, num_pages: int) -> int:
         """Bytes of the buffers ``allocate(num_pages)`` creates (from the same shapes)."""
         _positive_int("num_pages", num_pages)
-        return sum(int(np.prod(self.plane_shape(p.name, num_pages))) * p.dtype.itemsize for p in self.planes)
+        return sum(math.prod(self.plane_shape(p.name, num_pages)) * p.dtype.itemsize for p in self.planes)
 
     def allocate(self, num_pages: int, *, device=None, fill=None) -> dict[str, jax.Array]:
         """Allocate the stacked device planes for ``num_pages`` physical page groups.

@@ -1,6 +1,6 @@
 """Startup planning: pool set, capacity policies and the affine SequenceCapacityCurve.
 
-Notation (DESIGN.md section 4): ``S`` = max_context, ``C`` = max_concurrency, ``P = 64``,
+Notation: ``S`` = max_context, ``C`` = max_concurrency, ``P = 64``,
 ``L = ceil(S / P)``, ``M`` = Main page groups.
 
 * ``M_min = max(L, C)``, ``M_max = C * L``.
@@ -15,6 +15,13 @@ Notation (DESIGN.md section 4): ``S`` = max_context, ``C`` = max_concurrency, ``
 :class:`KVPoolSetLayout` is the one builder: it gives each pool's :class:`PagedKVStorageLayout`
 and page count for any ``M``, allocates the real buffers, and is what the curve is computed from
 and verified against.
+
+Bounds.  Every byte count is an exact Python int and must fit int64; every physical page ID of
+every pool (``0 .. pages - 1``) and every token position of a sequence (``0 .. L * P - 1``, and
+``kv_lens`` up to ``L * P``) must fit the int32 block tables and position arrays; layers,
+KV heads and head dim are bounded far above any real model (:data:`MAX_LAYERS`,
+:data:`MAX_KV_HEADS`, :data:`MAX_HEAD_DIM`).  A value outside these bounds raises
+:class:`PlanBoundError` (a ``ValueError``) naming the parameter, its value and the allowed range.
 """
 
 from __future__ import annotations
@@ -42,15 +49,59 @@ __all__ = [
     "KVPlan",
     "plan_kv_cache",
     "TABLE_ENTRY_BYTES",
+    "PlanBoundError",
+    "INT32_MAX",
+    "INT64_MAX",
+    "MAX_PAGES",
+    "MAX_CONTEXT",
+    "MAX_LAYERS",
+    "MAX_KV_HEADS",
+    "MAX_HEAD_DIM",
+    "check_pool_bytes",
 ]
 
 TABLE_ENTRY_BYTES = 4  # int32 block-table entries
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_PAGES = INT32_MAX + 1
+"""Most physical page groups one pool may hold: page IDs ``0 .. MAX_PAGES - 1`` fit int32."""
+MAX_CONTEXT = (INT32_MAX // PAGE_SIZE) * PAGE_SIZE
+"""Largest ``S``: the positions ``0 .. L * P - 1`` and ``kv_lens <= L * P`` fit int32."""
+MAX_LAYERS = 4096
+"""Most layers one pool stacks (its plane inventory has one entry per layer and plane)."""
+MAX_KV_HEADS = 65536
+"""Most KV heads."""
+MAX_HEAD_DIM = 65536
+"""Largest head dim."""
 
 
-def _int_at_least(name: str, value, minimum: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
+class PlanBoundError(ValueError):
+    """A planning value outside its allowed range.
+
+    Attributes:
+      name: the parameter (``max_context``, ``draft_window``, ...).
+      value: the value given.
+      allowed: the allowed range in words (``"an integer in [1, 8192]"``).
+    """
+
+    def __init__(self, name: str, value, allowed: str, why: str = ""):
+        self.name, self.value, self.allowed, self.why = name, value, allowed, why
+        super().__init__(f"{name}={value!r} is out of range; it must be {allowed}" + (f" ({why})" if why else ""))
+
+
+def _int_at_least(name: str, value, minimum: int, maximum: int | None = None, why: str = "") -> int:
+    allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise PlanBoundError(name, value, allowed, why)
+    if value < minimum or (maximum is not None and value > maximum):
+        raise PlanBoundError(name, int(value), allowed, why)
     return int(value)
+
+
+def _check_bytes(name: str, value: int, what: str) -> int:
+    if value > INT64_MAX:
+        raise PlanBoundError(name, value, f"at most {INT64_MAX} bytes", f"{what} must fit int64")
+    return value
 
 
 class SpeculativeBackend(enum.Enum):
@@ -110,13 +161,13 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "backend", SpeculativeBackend.parse(self.backend))
-        _int_at_least("draft_window", self.draft_window, 1)
-        _int_at_least("mtp_layers", self.mtp_layers, 1)
-        _int_at_least("draft_full_layers", self.draft_full_layers, 0)
+        _int_at_least("draft_window", self.draft_window, 1, MAX_CONTEXT, "positions are int32")
+        _int_at_least("mtp_layers", self.mtp_layers, 1, MAX_LAYERS)
+        _int_at_least("draft_full_layers", self.draft_full_layers, 0, MAX_LAYERS)
         if self.draft_kv_heads is not None:
-            _int_at_least("draft_kv_heads", self.draft_kv_heads, 1)
+            _int_at_least("draft_kv_heads", self.draft_kv_heads, 1, MAX_KV_HEADS)
         if self.draft_head_dim is not None:
-            _int_at_least("draft_head_dim", self.draft_head_dim, 1)
+            _int_at_least("draft_head_dim", self.draft_head_dim, 1, MAX_HEAD_DIM)
 
     @property
     def has_draft_full(self) -> bool:
@@ -142,9 +193,9 @@ class ModelKVConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "profile", KVProfile.parse(self.profile))
-        _int_at_least("num_layers", self.num_layers, 1)
-        _int_at_least("num_kv_heads", self.num_kv_heads, 1)
-        _int_at_least("head_dim", self.head_dim, 1)
+        _int_at_least("num_layers", self.num_layers, 1, MAX_LAYERS)
+        _int_at_least("num_kv_heads", self.num_kv_heads, 1, MAX_KV_HEADS)
+        _int_at_least("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
         self.profile.check_head_dim(self.head_dim)
 
 
@@ -207,8 +258,8 @@ class AutomaticCapacity:
     headroom_bytes: int = 0
 
     def __post_init__(self):
-        _int_at_least("free_bytes", self.free_bytes, 0)
-        _int_at_least("headroom_bytes", self.headroom_bytes, 0)
+        _int_at_least("free_bytes", self.free_bytes, 0, INT64_MAX, "byte counts are int64")
+        _int_at_least("headroom_bytes", self.headroom_bytes, 0, INT64_MAX, "byte counts are int64")
 
     @classmethod
     def from_device(cls, device=None, headroom_bytes: int = 0) -> "AutomaticCapacity":
@@ -258,15 +309,30 @@ class KVPoolSetLayout:
         fixed_bytes: int = 0,
     ):
         self.model = model
-        self.max_context = _int_at_least("max_context", max_context, 1)
-        self.max_concurrency = _int_at_least("max_concurrency", max_concurrency, 1)
+        self.max_context = _int_at_least(
+            "max_context", max_context, 1, MAX_CONTEXT, "token positions and kv_lens are int32"
+        )
         self.speculative = speculative or SpeculativeConfig()
-        self.fixed_bytes = _int_at_least("fixed_bytes", fixed_bytes, 0)
+        spec = self.speculative
+        logical = ceil_div(self.max_context, PAGE_SIZE)
+        if spec.backend is SpeculativeBackend.MTP and spec.draft_window > self.max_context:
+            raise PlanBoundError(
+                "draft_window",
+                spec.draft_window,
+                f"an integer in [1, {self.max_context}]",
+                f"the MTP draft window cannot exceed max_context={self.max_context}",
+            )
+        lead = self._mtp_lead()
+        why = f"every pool's page IDs must fit int32: M_min = max(L, C) = max({logical}, C)"
+        why += f" plus C * {lead} MTP lead pages" if lead else ""
+        self.max_concurrency = _int_at_least(
+            "max_concurrency", max_concurrency, 1, _max_concurrency(logical, lead), why + f" <= {MAX_PAGES} page groups"
+        )
+        self.fixed_bytes = _int_at_least("fixed_bytes", fixed_bytes, 0, INT64_MAX, "byte counts are int64")
         self.page_size = PAGE_SIZE
-        self.logical_pages = ceil_div(self.max_context, PAGE_SIZE)
+        self.logical_pages = logical
         self.m_min = max(self.logical_pages, self.max_concurrency)
         self.m_max = self.max_concurrency * self.logical_pages
-        spec = self.speculative
         self.layouts: dict[PoolKind, PagedKVStorageLayout] = {
             PoolKind.MAIN: PagedKVStorageLayout(model.profile, model.num_layers, model.num_kv_heads, model.head_dim)
         }
@@ -293,12 +359,32 @@ class KVPoolSetLayout:
             raise ValueError(f"M={m} Main page groups is outside [{self.m_min}, {self.m_max}]")
         return m
 
+    def _mtp_lead(self) -> int:
+        """Pages per row the MTP pool may lead Main by: ``ceil((K - 1) / P)`` (0 without MTP)."""
+        if self.speculative.backend is not SpeculativeBackend.MTP:
+            return 0
+        return ceil_div(self.speculative.draft_window - 1, PAGE_SIZE)
+
     def physical_pages(self, kind: PoolKind, m: int) -> int:
         """Physical page groups of pool ``kind`` at Main capacity ``M``."""
         if kind is PoolKind.MAIN or kind is PoolKind.DRAFT_FULL:
             return m
-        lead = ceil_div(self.speculative.draft_window - 1, PAGE_SIZE)
-        return m + self.max_concurrency * lead
+        return m + self.max_concurrency * self._mtp_lead()
+
+    def max_m(self) -> int:
+        """Largest ``M`` whose every pool's page IDs fit int32 (at most ``M_max``)."""
+        return min(self.m_max, MAX_PAGES - self.max_concurrency * self._mtp_lead())
+
+    def check_bounds(self, m: int) -> None:
+        """Raise :class:`PlanBoundError` unless every pool at ``M`` has int32 page IDs and B(M) fits int64."""
+        if m > self.max_m():
+            raise PlanBoundError(
+                "M",
+                m,
+                f"an integer in [{self.m_min}, {self.max_m()}]",
+                f"every pool's page IDs must fit int32: at most {MAX_PAGES} page groups per pool",
+            )
+        _check_bytes("B(M)", self.device_bytes(m), f"the device bytes at M={m}")
 
     def pools(self, m: int) -> dict[PoolKind, PoolPlan]:
         m = self._check_m(m)
@@ -332,6 +418,7 @@ class KVPoolSetLayout:
 
     def allocate(self, m: int, *, device=None) -> dict[PoolKind, dict[str, jax.Array]]:
         """Allocate every pool's device planes at ``M`` (block tables are owned by the store)."""
+        self.check_bounds(self._check_m(m))
         return {kind: p.layout.allocate(p.physical_pages, device=device) for kind, p in self.pools(m).items()}
 
     def allocated_bytes(self, m: int) -> int:
@@ -350,16 +437,18 @@ class KVPoolSetLayout:
         if isinstance(policy, ExplicitCapacity):
             k = policy.kv_capacity
             lo_tokens = max(self.max_context, (self.m_min - 1) * P + 1)
-            hi_tokens = self.m_max * P
+            hi_tokens = self.max_m() * P
             m = ceil_div(k, P)
-            if k < self.max_context or not self.m_min <= m <= self.m_max:
-                raise ValueError(
-                    f"kv_capacity={k} tokens is outside the allowed range [{lo_tokens}, {hi_tokens}] tokens "
-                    f"(max_context={self.max_context}, M_min={self.m_min}, M_max={self.m_max} pages of {P})"
+            if k < self.max_context or not self.m_min <= m <= self.max_m():
+                cap = "" if self.max_m() == self.m_max else f"; page IDs are int32, so M <= {self.max_m()}"
+                raise PlanBoundError(
+                    "kv_capacity", k, f"in [{lo_tokens}, {hi_tokens}] tokens",
+                    f"max_context={self.max_context}, M_min={self.m_min}, M_max={self.m_max} pages of {P}{cap}",
                 )
             return m
         if isinstance(policy, AutomaticCapacity):
             curve = self.curve()
+            _check_b_min(self, curve)
             need = policy.headroom_bytes + curve.b_min
             if policy.free_bytes < need:
                 raise ValueError(
@@ -422,6 +511,55 @@ class KVPlan:
         }
 
 
+def _policy_bound_error(builder: KVPoolSetLayout, policy, m: int, exc: PlanBoundError) -> PlanBoundError:
+    """Re-word a bound ``M`` violates in terms of the policy argument that chose ``M``."""
+    curve = builder.curve()
+    _check_b_min(builder, curve)
+    limit = min(builder.max_m(), builder.m_min + (INT64_MAX - curve.b_min) // curve.b_step)
+    why = f"it gives M = {m} Main page groups, beyond the largest valid M = {limit} ({exc.why})"
+    if isinstance(policy, ExplicitCapacity):
+        return PlanBoundError("kv_capacity", policy.kv_capacity, f"at most {limit * PAGE_SIZE} tokens", why)
+    most = policy.headroom_bytes + curve.bytes_at(limit) + curve.b_step - 1
+    return PlanBoundError("free_bytes", policy.free_bytes, f"at most {most} bytes for this plan", why)
+
+
+def check_pool_bytes(layout: PagedKVStorageLayout, num_pages: int) -> int:
+    """Check one pool of ``num_pages`` page groups: int32 page IDs, int64 bytes; returns its bytes."""
+    _int_at_least("num_pages", num_pages, 1, MAX_PAGES, "page IDs are int32")
+    total = layout.buffer_bytes(num_pages)
+    if layout.page_bytes > INT64_MAX:
+        raise PlanBoundError(
+            "page_bytes", layout.page_bytes, f"at most {INT64_MAX} bytes",
+            "one page group of layers x KV heads x head dim must fit int64; the geometry cannot be real",
+        )
+    if total > INT64_MAX:
+        raise PlanBoundError(
+            "num_pages", num_pages, f"an integer in [1, {INT64_MAX // layout.page_bytes}]",
+            f"the pool's bytes, {layout.page_bytes} per page group, must fit int64",
+        )
+    return total
+
+
+def _check_b_min(builder: KVPoolSetLayout, curve: SequenceCapacityCurve) -> None:
+    if curve.b_min > INT64_MAX:
+        raise PlanBoundError(
+            "B_min", curve.b_min, f"at most {INT64_MAX} bytes",
+            "the device bytes at M_min = max(L, C)"
+            + (f", fixed_bytes={builder.fixed_bytes} included," if builder.fixed_bytes else "")
+            + " must fit int64; no device holds this model at this (S, C)",
+        )
+
+
+def _max_concurrency(logical_pages: int, lead: int) -> int:
+    """Largest C with ``max(L, C) + C * lead <= MAX_PAGES`` (int32 page IDs at M_min), at most int32."""
+    if logical_pages + lead > MAX_PAGES:
+        return 0
+    c = MAX_PAGES // (1 + lead)
+    if c < logical_pages:
+        c = (MAX_PAGES - logical_pages) // lead
+    return min(c, INT32_MAX)
+
+
 def plan_kv_cache(
     model: ModelKVConfig,
     *,
@@ -434,4 +572,8 @@ def plan_kv_cache(
     """Resolve ``policy`` to a :class:`KVPlan` for ``model`` under (S, C) and the backend."""
     builder = KVPoolSetLayout(model, max_context, max_concurrency, speculative, fixed_bytes)
     m = builder.resolve(policy)
+    try:
+        builder.check_bounds(m)
+    except PlanBoundError as exc:
+        raise _policy_bound_error(builder, policy, m, exc) from None
     return KVPlan(builder=builder, m=m, pools=builder.pools(m), curve=builder.curve())

@@ -6,7 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import contextlib
+import io
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ninfer_kv
 from ninfer_kv import cli
@@ -165,25 +170,45 @@ def test_plan_mtp_layers(capsys):
         ([a if a != "bf16" else "fp16" for a in SMALL] + ["--kv-capacity", "1000"], ["--profile", "'fp16'", "bf16", "k8v4"]),
         (["layout", "--profile", "fp16", "--head-dim", "64"], ["--profile", "'fp16'", "nvfp4-g16"]),
         (["layout", "--profile", "bf16", "--head-dim", "0"], ["--head-dim", "0", ">= 1"]),
-        (["layout", "--profile", "int8-g64", "--head-dim", "96"], ["int8-g64", "head_dim=96", "% 64"]),
-        (["layout", "--profile", "nvfp4-g16", "--head-dim", "40"], ["nvfp4-g16", "head_dim=40", "% 16"]),
+        (["layout", "--profile", "int8-g64", "--head-dim", "96"], ["--profile int8-g64", "--head-dim 96", "% 64"]),
+        (["layout", "--profile", "nvfp4-g16", "--head-dim", "40"], ["nvfp4-g16", "--head-dim 40", "% 16"]),
         (["layout", "--profile", "bf16", "--head-dim", "64", "--order", "diagonal"], ["'diagonal'", "page-major, head-major"]),
         (["layout", "--profile", "bf16", "--head-dim", "64", "--layers", "2"], ["--layers", "--kv-heads"]),
-        (SMALL + ["--kv-capacity", "999"], ["kv_capacity=999", "[1000, 8192]"]),
-        (SMALL + ["--kv-capacity", "9000"], ["kv_capacity=9000", "[1000, 8192]"]),
-        (SMALL + ["--free-bytes", "1000"], ["free_bytes=1000", "too small", "B_min"]),
-        (SMALL + ["--free-bytes", "1MiB", "--headroom-bytes", "1GiB"], ["free_bytes=1048576", "1073741824"]),
+        (["layout", "--profile", "bf16", "--head-dim", "1000000000000"], ["--head-dim 1000000000000", "[1, 65536]"]),
+        (["layout", "--profile", "bf16", "--head-dim", "64", "--layers", "5000", "--kv-heads", "1"], ["--layers 5000", "[1, 4096]"]),
+        (["layout", "--profile", "bf16", "--head-dim", "64", "--layers", "1", "--kv-heads", "70000"], ["--kv-heads 70000", "[1, 65536]"]),
+        (["layout", "--profile", "bf16", "--head-dim", "64", "--layers", "1", "--kv-heads", "1", "--pages", str(2**31 + 1)],
+         ["--pages 2147483649", "[1, 2147483648]", "int32"]),
+        (["layout", "--profile", "bf16", "--head-dim", "65536", "--layers", "4096", "--kv-heads", "65536", "--pages", "2048"],
+         ["--pages 2048", "[1, 2047]", "int64"]),
+        (["layout", "--kv-cache-dtype", "fp9", "--head-dim", "64"], ["--kv-cache-dtype", "'fp9'", "fp8 (fp8-e4m3fn-row256)"]),
+        (SMALL + ["--kv-capacity", "999"], ["--kv-capacity 999", "[1000, 8192]"]),
+        (SMALL + ["--kv-capacity", "9000"], ["--kv-capacity 9000", "[1000, 8192]"]),
+        (SMALL + ["--free-bytes", "1000"], ["--free-bytes 1000", "too small", "B_min", "--headroom-bytes (the default; not on"]),
+        (SMALL + ["--free-bytes", "1MiB", "--headroom-bytes", "1GiB"], ["--free-bytes 1048576", "1073741824"]),
         (SMALL + ["--free-bytes", "1GiB", "--backend", "eagle"], ["'eagle'", "off, mtp, dflash, dflash2"]),
         (SMALL + ["--free-bytes", "40 parsecs"], ["--free-bytes", "'40 parsecs'", "GiB"]),
         (SMALL + ["--free-bytes", "0.5"], ["'0.5'", "whole number"]),
         (SMALL + ["--free-bytes=-1GiB"], ["'-1GiB'"]),
+        (SMALL + ["--free-bytes", "1e99999"], ["--free-bytes", "'1e99999'", "int64"]),
+        (SMALL + ["--free-bytes", "1e19"], ["--free-bytes", "10000000000000000000", "9223372036854775807"]),
+        (SMALL + ["--free-bytes", "9e18", "--max-concurrency", "1000000000"], ["--free-bytes 9000000000000000000", "int32"]),
         (SMALL, ["--kv-capacity", "--free-bytes", "required"]),
         (SMALL + ["--kv-capacity", "1000", "--free-bytes", "1GiB"], ["not allowed"]),
         (SMALL + ["--kv-capacity", "1000", "--headroom-bytes", "1"], ["--headroom-bytes", "--free-bytes"]),
         (SMALL + ["--kv-capacity", "1000", "--draft-window", "4"], ["--draft-window", "mtp"]),
         (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-full-layers", "1"], ["--draft-full-layers", "dflash"]),
         (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-window", "0"], ["--draft-window", "0", ">= 1"]),
+        (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-window", "100000"],
+         ["--draft-window 100000", "[1, 1000]", "--max-context 1000"]),
         (SMALL + ["--kv-capacity", "1000", "--max-concurrency", "many"], ["'many'", "integer >= 1"]),
+        (SMALL + ["--kv-capacity", "1000", "--max-concurrency", str(2**31)], ["--max-concurrency 2147483648", "int32"]),
+        (SMALL + ["--kv-capacity", "1000", "--max-context", str(2**31)], ["--max-context 2147483648", "[1, 2147483584]"]),
+        (SMALL + ["--kv-capacity", "1000", "--layers", "9" * 5000], ["--layers", "5000 digits", "too large"]),
+        (SMALL + ["--kv-capacity", str(10**17), "--max-concurrency", "1000000000"], ["--kv-capacity 100000000000000000", "int32"]),
+        (SMALL + ["--kv-capacity", "1000", "--fixed-bytes", "9223372036854775807"], ["B_min", "int64", "--fixed-bytes 9223372036854775807"]),
+        ("plan --layers 4096 --kv-heads 65536 --head-dim 65536 --profile bf16 --max-context 2147483584 "
+         "--max-concurrency 64 --free-bytes 1GiB".split(), ["B_min", "int64"]),
         (SMALL + ["--kv-capacity", "1000", "--unknown"], ["unrecognized", "--unknown"]),
         (["frobnicate"], ["'frobnicate'", "layout", "plan"]),
         ([], ["command is required"]),
@@ -194,7 +219,104 @@ def test_bad_values_exit_2_with_one_line(capsys, argv, needles):
 
 
 def test_bad_value_in_json_mode_prints_nothing_on_stdout(capsys):
-    assert_usage_error(capsys, SMALL + ["--kv-capacity", "1", "--json"], "kv_capacity=1")
+    assert_usage_error(capsys, SMALL + ["--kv-capacity", "1", "--json"], "--kv-capacity 1")
+
+
+def test_a_default_the_user_did_not_type_is_named_as_such(capsys):
+    err = assert_usage_error(capsys, SMALL + ["--free-bytes", "1000", "--headroom-bytes", "0"], "--free-bytes 1000")
+    assert "the default" not in err
+    big = ["layout", "--profile", "bf16", "--head-dim", "65536", "--layers", "4096", "--kv-heads", "65536"]
+    assert run_json(capsys, big)["pool"]["page_bytes"] == 2**52  # 4 PiB per page group still fits int64
+    err = assert_usage_error(capsys, big[:-2] + ["--kv-heads", "65536", "--order", "head-major"] + ["--pages", "4096"],
+                             "--pages 4096", "int64")
+    assert "the default" not in err
+
+
+def test_kv_cache_dtype_is_an_alias_of_profile(capsys):
+    for short, profile in [("bf16", "bf16"), ("fp8", "fp8-e4m3fn-row256"), ("int8", "int8-g64"), ("nvfp4", "nvfp4-g16"),
+                           ("k8v4", "k8v4"), ("INT8", "int8-g64")]:
+        assert run_json(capsys, ["layout", "--kv-cache-dtype", short, "--head-dim", "128"])["profile"] == profile
+        assert run_json(capsys, ["layout", "--profile", short, "--head-dim", "128"])["profile"] == profile
+    js = run_json(capsys, [a if a != "--profile" else "--kv-cache-dtype" for a in SMALL] + ["--kv-capacity", "1000"])
+    assert js["pools"]["main"]["profile"] == "bf16"
+
+
+@pytest.mark.parametrize("backend", ["dflash", "dflash2"])
+def test_dflash_without_draft_layers_says_it_plans_none(capsys, backend):
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend])
+    assert set(js["pools"]) == {"main"} and "plans no Draft Full pool" in js["notes"][0]
+    code, out, err = run(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend])
+    assert code == 0 and err == "" and "no Draft Full pool planned" in out and "--draft-full-layers N" in out
+    assert run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend, "--draft-full-layers", "1"])["notes"] == []
+
+
+def test_an_unexpected_failure_is_one_line_without_traceback(capsys, monkeypatch):
+    def boom(args):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(cli, "_REGISTRY", dict(cli._REGISTRY))
+    cli.register_subcommand("boom", help="fails", configure=lambda p: None, run=boom)
+    monkeypatch.delenv("NINFER_KV_TRACEBACK", raising=False)
+    code, out, err = run(capsys, ["boom"])
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "internal error: RuntimeError: disk on fire second line" in err and "Traceback" not in err
+
+
+# -- fuzz: numeric flags never give a traceback ---------------------------------------------------
+_NUMBERS = st.one_of(
+    st.integers(-3, 300),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, 63, 64, 65, 2**31 - 64, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 10**30]),
+).map(str) | st.sampled_from(["", "x", "1.5", "1e3", "-0", "+7", "0x10", " 12 "])
+_BYTE_TEXTS = _NUMBERS | st.sampled_from(["1e18", "1e19", "9e18", "40GiB", "1e400", "1e-3", "8EiB", "0.5KiB"])
+_PLAN_INT_FLAGS = ["--layers", "--kv-heads", "--head-dim", "--max-context", "--max-concurrency", "--kv-capacity",
+                   "--draft-window", "--mtp-layers", "--draft-full-layers", "--draft-kv-heads", "--draft-head-dim"]
+_PLAN_BYTE_FLAGS = ["--free-bytes", "--headroom-bytes", "--fixed-bytes"]
+
+
+def _main_captured(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _check_outcome(argv, code, out, err):
+    assert code in (0, 2), (argv, code, err)
+    assert "Traceback" not in err
+    if code == 2:
+        assert out == "" and err.startswith("ninfer-kv") and err.count("\n") == 1, (argv, err)
+    else:
+        assert err == "" and isinstance(json.loads(out), dict), (argv, out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), backend=st.sampled_from(["off", "mtp", "dflash", "dflash2"]))
+def test_fuzz_plan_numeric_flags(data, backend):
+    base = {"--layers": "2", "--kv-heads": "2", "--head-dim": "64", "--max-context": "1000", "--max-concurrency": "8"}
+    chosen = data.draw(st.lists(st.sampled_from(_PLAN_INT_FLAGS + _PLAN_BYTE_FLAGS), min_size=1, max_size=4, unique=True))
+    values = dict(base)
+    for flag in chosen:
+        values[flag] = data.draw(_BYTE_TEXTS if flag in _PLAN_BYTE_FLAGS else _NUMBERS, label=flag)
+    if "--kv-capacity" not in values and "--free-bytes" not in values:
+        values["--free-bytes"] = "1GiB"
+    argv = ["plan", "--profile", "bf16", "--backend", backend, "--json"]
+    for flag, value in values.items():
+        argv.append(f"{flag}={value}")
+    _check_outcome(argv, *_main_captured(argv))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    profile=st.sampled_from(["bf16", "int8", "fp8", "nvfp4", "k8v4"]),
+    head_dim=_NUMBERS,
+    pool=st.one_of(st.none(), st.tuples(_NUMBERS, _NUMBERS, st.one_of(st.none(), _NUMBERS))),
+)
+def test_fuzz_layout_numeric_flags(profile, head_dim, pool):
+    argv = ["layout", "--kv-cache-dtype", profile, f"--head-dim={head_dim}", "--json"]
+    if pool is not None:
+        argv += [f"--layers={pool[0]}", f"--kv-heads={pool[1]}"] + ([f"--pages={pool[2]}"] if pool[2] else [])
+    _check_outcome(argv, *_main_captured(argv))
 
 
 # -- byte sizes -----------------------------------------------------------------------------------
@@ -297,3 +419,9 @@ def test_console_script(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "main" in proc.stdout and "mtp" in proc.stdout
+
+
+def test_package_ships_py_typed():
+    from importlib import resources
+
+    assert resources.files("ninfer_kv").joinpath("py.typed").is_file()

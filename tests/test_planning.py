@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ninfer_kv.planning import INT64_MAX, MAX_CONTEXT, MAX_PAGES, PlanBoundError, check_pool_bytes
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv import (
     AutomaticCapacity,
     ExplicitCapacity,
@@ -78,13 +80,13 @@ def test_explicit_below_max_context_is_rejected_with_range():
 
 def test_explicit_below_m_min_is_rejected_even_when_at_least_s():
     # S = 128, C = 4: L = 2 but M_min = C = 4, so at least 3 * 64 + 1 tokens are needed.
-    with pytest.raises(ValueError, match=r"kv_capacity=192 tokens is outside the allowed range \[193, 512\]"):
+    with pytest.raises(ValueError, match=r"kv_capacity=192 is out of range; it must be in \[193, 512\] tokens"):
         _plan(s=128, c=4, policy=ExplicitCapacity(192))
     assert _plan(s=128, c=4, policy=ExplicitCapacity(193)).m == 4
 
 
 def test_explicit_above_m_max_is_rejected_with_range():
-    with pytest.raises(ValueError, match=r"kv_capacity=8193 tokens is outside the allowed range \[1000, 8192\]"):
+    with pytest.raises(ValueError, match=r"kv_capacity=8193 is out of range; it must be in \[1000, 8192\] tokens"):
         _plan(s=1000, c=8, policy=ExplicitCapacity(8193))
 
 
@@ -313,7 +315,7 @@ def test_curve_detects_a_wrong_curve():
 )
 def test_automatic_m_is_the_largest_affordable(profile, layers, heads, groups, s, c, backend, k, full, fixed, slack, headroom):
     model = ModelKVConfig(layers, heads, 64 * groups, profile)
-    spec = SpeculativeConfig(backend, draft_window=k, draft_full_layers=full)
+    spec = SpeculativeConfig(backend, draft_window=min(k, s), draft_full_layers=full)
     builder = KVPoolSetLayout(model, s, c, spec, fixed)
     curve = builder.curve()
     free = headroom + curve.b_min + slack
@@ -344,3 +346,82 @@ def test_plan_json_keys():
     for pool in js["pools"].values():
         assert set(pool) == {"profile", "order", "layers", "kv_heads", "head_dim", "physical_pages", "page_bytes", "bytes", "table_bytes"}
     assert set(js["curve"]) == {"b_min", "b_step"}
+
+
+# -- bounds: exact integers, int32 page IDs and positions, int64 bytes ------------------------------
+def test_huge_geometry_has_an_exact_curve_and_a_bound_error():
+    # Once overflowed int64 inside the builder ("capacity curve mismatch"); the bytes are exact ints.
+    model = ModelKVConfig(4096, 1000, 65536, "bf16")
+    builder = KVPoolSetLayout(model, 100_000_000, 100_000)
+    curve = builder.curve()  # verified against the builder at M_max
+    page = 4096 * 1000 * 65536 * 2 * 2 * P
+    assert curve.b_step == page and curve.b_min == builder.m_min * page + builder.m_max * 4
+    assert builder.device_bytes(builder.m_max) == curve.bytes_at(builder.m_max) > INT64_MAX
+    with pytest.raises(PlanBoundError, match="B_min=.* must fit int64") as err:
+        _plan(model, s=100_000_000, c=100_000, policy=ExplicitCapacity(100_000_000))
+    assert err.value.name == "B_min" and isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name, allowed",
+    [
+        (dict(s=MAX_CONTEXT + 1, c=1), "max_context", f"[1, {MAX_CONTEXT}]"),
+        (dict(s=64, c=MAX_PAGES), "max_concurrency", f"[1, {MAX_PAGES - 1}]"),
+        (dict(s=64, c=MAX_PAGES // 2, spec=SpeculativeConfig("mtp", draft_window=64)), "max_concurrency",
+         f"[1, {MAX_PAGES // 2}]"),
+        (dict(s=64, c=MAX_PAGES // 2 + 1, spec=SpeculativeConfig("mtp", draft_window=64)), "max_concurrency",
+         f"[1, {MAX_PAGES // 2}]"),
+        (dict(s=100, c=1, spec=SpeculativeConfig("mtp", draft_window=101)), "draft_window", "[1, 100]"),
+    ],
+)
+def test_builder_bounds(kwargs, name, allowed):
+    spec = kwargs.pop("spec", None)
+    if name == "max_concurrency" and kwargs["c"] == MAX_PAGES // 2:
+        assert KVPoolSetLayout(TINY, kwargs["s"], kwargs["c"], spec).max_m() == MAX_PAGES // 2
+        return
+    with pytest.raises(PlanBoundError) as err:
+        KVPoolSetLayout(TINY, kwargs["s"], kwargs["c"], spec)
+    assert err.value.name == name and allowed in str(err.value)
+
+
+def test_m_is_bounded_by_int32_page_ids():
+    # S = 6400 (L = 100), C = 2**30: M_max = 100 * 2**30 pages, but page IDs stop at 2**31.
+    builder = KVPoolSetLayout(TINY, 6400, 2**30)
+    assert builder.max_m() == MAX_PAGES < builder.m_max
+    assert _plan(s=6400, c=2**30, policy=ExplicitCapacity(MAX_PAGES * P)).m == MAX_PAGES
+    with pytest.raises(PlanBoundError, match=r"kv_capacity=.* it must be in \[.*, %d\] tokens.*int32" % (MAX_PAGES * P)):
+        _plan(s=6400, c=2**30, policy=ExplicitCapacity(MAX_PAGES * P + 1))
+    with pytest.raises(PlanBoundError, match="free_bytes=.*at most .* bytes for this plan.*int32") as err:
+        _plan(s=6400, c=2**30, policy=AutomaticCapacity(free_bytes=INT64_MAX))
+    assert err.value.name == "free_bytes"
+    with pytest.raises(PlanBoundError, match="M=.*int32"):
+        builder.check_bounds(MAX_PAGES + 1)
+
+
+def test_byte_counts_must_fit_int64():
+    with pytest.raises(PlanBoundError, match="free_bytes="):
+        AutomaticCapacity(free_bytes=INT64_MAX + 1)
+    with pytest.raises(PlanBoundError, match="fixed_bytes="):
+        KVPoolSetLayout(TINY, 64, 1, fixed_bytes=INT64_MAX + 1)
+    with pytest.raises(PlanBoundError, match="B_min=.*fixed_bytes=.*int64"):
+        _plan(s=64, c=1, policy=ExplicitCapacity(64), fixed=INT64_MAX)
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [((4097, 1, 64), "num_layers"), ((1, 65537, 64), "num_kv_heads"), ((1, 1, 10**12), "head_dim")],
+)
+def test_model_geometry_is_bounded(args, name):
+    with pytest.raises(PlanBoundError, match=f"{name}=") as err:
+        ModelKVConfig(*args, "bf16")
+    assert err.value.name == name
+
+
+def test_pool_bytes_are_exact_and_bounded():
+    layout = PagedKVStorageLayout("bf16", 4096, 65536, 65536)
+    assert layout.page_bytes == 2**52 and layout.buffer_bytes(2047) == 2047 * 2**52  # no int64 wrap
+    assert check_pool_bytes(layout, 2047) == 2047 * 2**52
+    with pytest.raises(PlanBoundError, match=r"num_pages=2048 .*\[1, 2047\]"):
+        check_pool_bytes(layout, 2048)
+    with pytest.raises(PlanBoundError, match="num_pages=.*int32"):
+        check_pool_bytes(PagedKVStorageLayout("bf16", 1, 1, 64), MAX_PAGES + 1)

@@ -1,80 +1,99 @@
-"""Progress reporting on stderr: a tqdm bar when tqdm is installed, else a plain status line.
+"""The demo's progress bar on stderr (tqdm), showing when XLA is compiling a step function.
 
-tqdm is optional (the ``demo`` extra).  The fallback rewrites one ``\\r``-terminated line on a
-terminal and prints at most one line every ``interval`` seconds (plus the last one) otherwise.
+While a bar is open it listens to JAX's compile events (``jax.monitoring``): when a step function
+has been lowered and its backend compile starts, the bar says ``compiling <function>``; when the
+compile ends, it goes back to ``serving`` and adds the compile time to its ``compile`` total.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
 
-__all__ = ["Progress", "make_progress"]
+from jax import monitoring
+from tqdm import tqdm
+
+__all__ = ["DemoProgress", "make_progress", "LOWERED_EVENT", "COMPILED_EVENT"]
+
+LOWERED_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+"""Recorded when a function has been lowered to MLIR, just before its backend compile."""
+COMPILED_EVENT = "/jax/core/compile/backend_compile_duration"
+"""Recorded when XLA has finished compiling a function."""
 
 
-class Progress:
-    """Counts finished requests and shows ``postfix`` facts (tokens, tokens/s, active lanes)."""
+class DemoProgress:
+    """Finished requests out of ``total``, with generated tokens, tokens/s and the compile phase."""
 
-    def __init__(self, total: int, *, stream: TextIO | None = None, interval: float = 0.5, desc: str = "demo"):
-        self.total = int(total)
-        self.done = 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.interval = float(interval)
-        self.desc = desc
-        self._last = 0.0
-        self._start = time.perf_counter()
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._postfix = ""
+    def __init__(self, total: int, *, stream: TextIO | None = None, desc: str = "serving requests"):
+        self.compile_seconds = 0.0
+        self.compiles = 0
+        self._facts: dict[str, object] = {}
+        self._phase = "starting"
+        self._bar = tqdm(
+            total=int(total),
+            desc=desc,
+            unit="req",
+            file=stream if stream is not None else sys.stderr,
+            dynamic_ncols=True,
+            leave=True,
+            mininterval=0.2,
+        )
+        self._show()
+        monitoring.register_event_duration_secs_listener(self._on_event)
+        self._listening = True
 
-    def update(self, n: int = 1, **postfix) -> None:
-        self.done += n
-        if postfix:
-            self._postfix = "  ".join(f"{k} {v}" for k, v in postfix.items())
-        now = time.perf_counter()
-        if self.done >= self.total or now - self._last >= self.interval:
-            self._last = now
-            self._draw(now)
+    @property
+    def n(self) -> int:
+        """Requests finished so far."""
+        return self._bar.n
 
-    def _draw(self, now: float) -> None:
-        line = f"{self.desc}: {self.done}/{self.total} requests  {now - self._start:6.1f} s  {self._postfix}".rstrip()
-        self.stream.write(("\r" + line) if self._tty else (line + "\n"))
-        self.stream.flush()
+    @property
+    def phase(self) -> str:
+        """``starting``, ``compiling <function>`` or ``serving``."""
+        return self._phase
 
-    def close(self) -> None:
-        if self._tty:
-            self.stream.write("\n")
-            self.stream.flush()
+    def _show(self, refresh: bool = False) -> None:
+        postfix = {"now": self._phase, **self._facts}
+        if self.compiles:
+            postfix["compiled"] = f"{self.compiles} fn in {self.compile_seconds:.1f}s"
+        self._bar.set_postfix(postfix, refresh=refresh)
 
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == LOWERED_EVENT:
+            self._phase = f"compiling {kwargs.get('fun_name', 'a step function')}"
+        elif event == COMPILED_EVENT:
+            self._phase = "serving"
+            self.compiles += 1
+            self.compile_seconds += float(duration)
+        else:
+            return
+        self._show(refresh=True)
 
-class _TqdmProgress:
-    def __init__(self, total: int, desc: str):
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True, leave=True)
-
-    def update(self, n: int = 1, **postfix) -> None:
-        if postfix:
-            self._bar.set_postfix(postfix, refresh=False)
+    def update(self, n: int = 1, **facts) -> None:
+        """``n`` more requests finished; ``facts`` (e.g. ``tokens=...``) replace the shown ones."""
+        self._phase = "serving"
+        self._facts.update(facts)
+        self._show()
         self._bar.update(n)
 
     def close(self) -> None:
+        if self._listening:
+            monitoring.unregister_event_duration_listener(self._on_event)
+            self._listening = False
+        self._show()
         self._bar.close()
 
 
 class _Silent:
-    def update(self, n: int = 1, **postfix) -> None:
+    def update(self, n: int = 1, **facts) -> None:
         pass
 
     def close(self) -> None:
         pass
 
 
-def make_progress(total: int, *, enabled: bool = True, desc: str = "demo"):
-    """A progress reporter: tqdm if importable, else :class:`Progress`; a no-op when disabled."""
+def make_progress(total: int, *, enabled: bool = True, desc: str = "serving requests", stream: TextIO | None = None):
+    """A :class:`DemoProgress` bar over ``total`` requests; a silent stand-in when not ``enabled``."""
     if not enabled:
         return _Silent()
-    try:
-        return _TqdmProgress(total, desc)
-    except ImportError:
-        return Progress(total, desc=desc)
+    return DemoProgress(total, desc=desc, stream=stream)

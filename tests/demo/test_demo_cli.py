@@ -30,11 +30,11 @@ def test_demo_is_registered():
         (["--draft-window", "2"], "--draft-window applies only to --backend mtp"),
         (["--kv-lease-window", "8"], "--kv-lease-window applies only with --kv-lease-growth"),
         (["--headroom-bytes", "1MiB"], "--headroom-bytes applies only"),
-        (["--kv-capacity", "100"], "kv_capacity=100"),
+        (["--kv-capacity", "100"], "--kv-capacity 100"),
         (["--kv-capacity", "640", "--free-bytes", "1GiB"], "not allowed with"),
         (["--host-bytes", "12xyz"], "byte size '12xyz'"),
         (["--max-context", "128"], "--max-context is 128"),
-        (["--free-bytes", "1KiB"], "free_bytes=1024 is too small"),
+        (["--free-bytes", "1KiB"], "--free-bytes 1024 is too small"),
         (["--max-concurrency", "0"], "--max-concurrency"),
     ],
 )

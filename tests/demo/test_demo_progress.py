@@ -1,42 +1,47 @@
-"""Progress reporting: tqdm when installed, a plain stderr line otherwise."""
+"""The demo's progress bar: a tqdm bar on stderr that shows when XLA is compiling."""
 
 from __future__ import annotations
 
-import builtins
 import io
 
-from ninfer_kv.demo.progress import Progress, make_progress
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ninfer_kv.demo.progress import DemoProgress, make_progress
 
 
-def test_plain_progress_prints_lines_on_a_pipe():
+def _fresh_compile(scale: float) -> None:
+    """Compile a function XLA has never seen in this process (a new constant each time)."""
+    jax.jit(lambda x: jnp.tanh(x) * scale + scale)(np.arange(3, dtype=np.float32)).block_until_ready()
+
+
+def test_bar_counts_requests_and_shows_facts():
     stream = io.StringIO()
-    bar = Progress(3, stream=stream, interval=0.0)
+    bar = make_progress(3, stream=stream)
+    assert isinstance(bar, DemoProgress)
     bar.update(1, tokens=5)
     bar.update(2, tokens=9)
     bar.close()
-    lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("demo: 1/3 requests") and "tokens 5" in lines[0]
-    assert lines[-1].startswith("demo: 3/3 requests") and "tokens 9" in lines[-1]
+    text = stream.getvalue()
+    assert "3/3" in text and "tokens=9" in text and "serving requests" in text
+    assert bar.n == 3 and bar.phase == "serving"
 
 
-def test_plain_progress_throttles_but_always_shows_the_end():
+def test_bar_shows_the_compile_phase_while_open_only():
     stream = io.StringIO()
-    bar = Progress(100, stream=stream, interval=3600.0)
-    for _ in range(100):
-        bar.update(1)
-    assert len(stream.getvalue().splitlines()) == 2  # the first update and the last
-
-
-def test_fallback_without_tqdm(monkeypatch):
-    real_import = builtins.__import__
-
-    def no_tqdm(name, *args, **kwargs):
-        if name == "tqdm" or name.startswith("tqdm."):
-            raise ImportError("no tqdm here")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_tqdm)
-    assert isinstance(make_progress(5), Progress)
+    bar = make_progress(2, stream=stream)
+    _fresh_compile(1.25)
+    text = stream.getvalue()
+    assert "now=compiling" in text, text  # drawn when lowering ends and the backend compile starts
+    assert text.rindex("now=serving") > text.index("now=compiling")  # and back once it is compiled
+    assert bar.phase == "serving" and bar.compiles >= 1 and bar.compile_seconds > 0
+    bar.update(2, tokens=4)
+    bar.close()
+    compiles = bar.compiles
+    _fresh_compile(2.5)  # after close the bar no longer listens
+    assert bar.compiles == compiles
+    assert "compiled=" in stream.getvalue() and "2/2" in stream.getvalue()
 
 
 def test_disabled_progress_is_silent(capsys):
