@@ -22,8 +22,10 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from .layout import PagedKVStorageLayout
+from .ops.indices import int32_host_vector
 
 __all__ = ["copy_page_columns", "page_axis_of", "compiled_variants"]
 
@@ -110,21 +112,20 @@ def compiled_variants() -> int:
 
 
 def _host_int32(name: str, values) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-    return arr.astype(np.int32, copy=False)
+    """Any 1-D integer array-like as int32 (TypeError for other dtypes, ValueError on overflow)."""
+    return int32_host_vector(name, values)
 
 
 def copy_page_columns(
-    planes: Mapping[str, jax.Array], src, dst, columns, *, layout: PagedKVStorageLayout
+    planes: Mapping[str, jax.Array], src: ArrayLike, dst: ArrayLike, columns: ArrayLike, *, layout: PagedKVStorageLayout
 ) -> dict[str, jax.Array]:
     """Copy token columns ``[0, columns[i])`` of page ``src[i]`` to page ``dst[i]`` in every plane.
 
     Args:
       planes: the pool's stacked planes keyed by plane name (as ``layout.allocate`` returns them).
         They are **donated**: use only the returned dict afterwards.
-      src, dst, columns: int32 arrays of one padded length ``U``; ``0 <= columns[i] <= P``; entries
+      src, dst, columns: integer arrays (any integer dtype, lists) of one padded length ``U``;
+        ``0 <= columns[i] <= P``; entries
         with ``columns[i] == 0`` do nothing.  Active destinations must be distinct and must not be
         active sources.
       layout: the pool's :class:`PagedKVStorageLayout` (plane names, shapes, page axis).

@@ -22,6 +22,26 @@ Semantics (identical for every implementation):
   lives in slot ``j mod slots`` and is visible iff ``positions[b] + t - window < j <= positions[b] + t``
   and ``j < kv_lens[b]``.
 
+Index vectors (``table_rows``/``rows``, ``positions``, ``valid``, ``kv_lens``) accept any integer
+array-like — numpy arrays of any integer dtype, Python lists, ``jax`` arrays — and are converted to
+int32 (:mod:`ninfer_kv.ops.indices`): a concrete value that does not fit in int32 is a
+``ValueError``, a non-integer dtype a ``TypeError``.
+
+Out-of-range indices.  With concrete inputs every range is checked before anything runs
+(:mod:`ninfer_kv.ops.validation`), including every block-table entry the op touches: the blocks
+of ``[positions, positions + valid)`` for an append and of ``[0, kv_lens)`` for attention must map
+to physical pages in ``[0, N)``, else a ``ValueError`` names the table row, the batch row, the
+block, the value and the range.  Under ``jax.jit`` nothing can be checked and every implementation
+behaves the same way, without touching memory outside the planes:
+
+* a ``table_rows[b]`` (or cyclic ``rows[b]``) outside ``[0, C)`` makes row ``b`` inert: its append
+  writes nothing and its attention returns zeros;
+* a table entry outside ``[0, N)`` (negative included) drops the appended tokens of that block and
+  makes every key of that block invisible to attention;
+* logical positions outside ``[0, L * 64)`` are dropped by appends; attention reads
+  ``clip(kv_lens, 0, L * 64)`` keys and a query at a negative position sees no key; ``valid`` is
+  clipped to ``[0, T]``.
+
 Appends write in place when the caller's ``jax.jit`` donates the planes (the implementations alias
 planes input -> output); an eager call returns new planes.  Page IDs, table rows, positions,
 lengths and the layer index are array data, never part of a graph key.
@@ -29,7 +49,9 @@ lengths and the layer index are array data, never part of a graph key.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from ..page_copy import copy_page_columns
 from ..views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
@@ -79,11 +101,11 @@ __all__ = [
 ]
 
 
-def _single_as_batch(view: PagedKVLayerView, table_rows, batch: int):
+def _single_as_batch(view: PagedKVLayerView, table_rows: ArrayLike | None, batch: int):
     """A one-sequence view as a batch view with ``table_rows = zeros((B,))``."""
     view.check()
     if table_rows is not None:
-        validation.check_int_vector("table_rows", table_rows, batch)
+        table_rows = validation.check_int_vector("table_rows", table_rows, batch)
         vals = validation.host_values(table_rows)
         if vals is not None and vals.any():
             i = int(vals.nonzero()[0][0])
@@ -94,76 +116,133 @@ def _single_as_batch(view: PagedKVLayerView, table_rows, batch: int):
     return view.as_batch(), jnp.zeros((batch,), jnp.int32)
 
 
-def paged_append(view, table_rows, positions, k, v, valid, *, impl: str = "auto"):
+def paged_append(
+    view: PagedKVBatchLayerView | PagedKVLayerView,
+    table_rows: ArrayLike | None,
+    positions: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    valid: ArrayLike,
+    *,
+    impl: str = "auto",
+) -> PagedKVBatchLayerView | PagedKVLayerView:
     """Append ``k, v (B, T, H, D)`` to a paged view; returns the view with the new planes.
 
     Args:
       view: a :class:`PagedKVBatchLayerView`, or a :class:`PagedKVLayerView` (one sequence; then
         ``table_rows`` may be ``None`` and every batch row uses the view's single table row).
-      table_rows: int32 ``(B,)`` block-table row of each batch row, in ``[0, C)``.
-      positions: int32 ``(B,)`` logical position of token 0 of each row, ``>= 0``.
+      table_rows: integer ``(B,)`` block-table row of each batch row, in ``[0, C)``.
+      positions: integer ``(B,)`` logical position of token 0 of each row, ``>= 0``.
       k, v: ``(B, T, H, D)`` float32 or bfloat16; ``H``, ``D`` as in the view's layout.
-      valid: int32 ``(B,)`` tokens to write per row, in ``[0, T]``; ``positions + valid <= L * 64``.
+      valid: integer ``(B,)`` tokens to write per row, in ``[0, T]``; ``positions + valid <= L * 64``.
       impl: ``"auto"``, ``"pallas"``, ``"ffi"``, ``"reference"`` or a registered name.
+
+    Integer vectors may be any integer array-like (converted to int32).  With concrete inputs the
+    table entries of the blocks of ``[positions, positions + valid)`` must lie in ``[0, N)``;
+    under ``jax.jit`` an out-of-range row makes the row inert and an out-of-range entry drops the
+    tokens of its block (see the module docstring).
 
     Returns:
       The same kind of view as ``view`` with updated planes (donate the planes under ``jax.jit``
       for an in-place write).
+
+    Raises:
+      ValueError: a bad shape, an out-of-range value or table entry (concrete inputs), an index
+        that does not fit in int32.
+      TypeError: a wrong kind of view or a non-integer index dtype.
     """
     if isinstance(view, PagedKVLayerView):
         _require_shape(k, "k")
         batch_view, rows = _single_as_batch(view, table_rows, k.shape[0])
         out = paged_append(batch_view, rows, positions, k, v, valid, impl=impl)
         return PagedKVLayerView(out.planes, view.block_table, view.layer, view.layout, validate=False)
-    validation.check_paged_append(view, table_rows, positions, k, v, valid)
+    table_rows, positions, valid = validation.check_paged_append(view, table_rows, positions, k, v, valid)
     fn = resolve_impl(impl).paged_append
-    return fn(view, jnp.asarray(table_rows), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid))
+    return fn(view, table_rows, positions, jnp.asarray(k), jnp.asarray(v), valid)
 
 
-def paged_attention(q, view, table_rows, positions, kv_lens, *, sm_scale: float | None = None, impl: str = "auto"):
+def paged_attention(
+    q: ArrayLike,
+    view: PagedKVBatchLayerView | PagedKVLayerView,
+    table_rows: ArrayLike | None,
+    positions: ArrayLike,
+    kv_lens: ArrayLike,
+    *,
+    sm_scale: float | None = None,
+    impl: str = "auto",
+) -> jax.Array:
     """Causal paged attention of ``q (B, T, Hq, D)`` over a paged view; returns ``(B, T, Hq, D)``.
 
     Args:
       q: float32 or bfloat16 queries; ``Hq`` a multiple of the view's ``H`` (GQA).
       view: a :class:`PagedKVBatchLayerView` or a :class:`PagedKVLayerView` (see
         :func:`paged_append`).
-      table_rows: int32 ``(B,)`` in ``[0, C)``.
-      positions: int32 ``(B,)`` position of query 0 of each row, ``>= 0``.
-      kv_lens: int32 ``(B,)`` readable keys of each row, in ``[0, L * 64]``.
+      table_rows: integer ``(B,)`` in ``[0, C)``.
+      positions: integer ``(B,)`` position of query 0 of each row, ``>= 0``.
+      kv_lens: integer ``(B,)`` readable keys of each row, in ``[0, L * 64]``.
       sm_scale: score scale (default ``1 / sqrt(D)``).
       impl: implementation name (see the module docstring).
 
+    With concrete inputs the table entries of the blocks of ``[0, kv_lens)`` must lie in
+    ``[0, N)``; under ``jax.jit`` an out-of-range row returns zeros and the keys of an
+    out-of-range entry are invisible (see the module docstring).
+
     Returns:
       The attention output in ``q.dtype``; zeros for a query with no visible key.
+
+    Raises:
+      ValueError, TypeError: as :func:`paged_append`.
     """
     if isinstance(view, PagedKVLayerView):
         _require_shape(q, "q")
         batch_view, rows = _single_as_batch(view, table_rows, q.shape[0])
         return paged_attention(q, batch_view, rows, positions, kv_lens, sm_scale=sm_scale, impl=impl)
-    validation.check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale)
+    table_rows, positions, kv_lens = validation.check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale)
     fn = resolve_impl(impl).paged_attention
-    return fn(jnp.asarray(q), view, jnp.asarray(table_rows), jnp.asarray(positions), jnp.asarray(kv_lens), sm_scale=sm_scale)
+    return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, sm_scale=sm_scale)
 
 
-def cyclic_append(view, rows, positions, k, v, valid, *, impl: str = "auto"):
+def cyclic_append(
+    view: CyclicKVCacheLayerView,
+    rows: ArrayLike,
+    positions: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    valid: ArrayLike,
+    *,
+    impl: str = "auto",
+) -> CyclicKVCacheLayerView:
     """Append ``k, v (B, T, H, D)`` to per-row ring buffers; returns the updated view.
 
     Token ``t < valid[b]`` of row ``rows[b]`` goes to slot ``(positions[b] + t) mod slots``; when a
-    row writes more than ``slots`` tokens only the last ``slots`` survive.
+    row writes more than ``slots`` tokens only the last ``slots`` survive.  ``rows``, ``positions``
+    and ``valid`` are integer ``(B,)`` array-likes; under ``jax.jit`` a row outside ``[0, rows)``
+    writes nothing and negative positions are dropped.
     """
-    validation.check_cyclic_append(view, rows, positions, k, v, valid)
+    rows, positions, valid = validation.check_cyclic_append(view, rows, positions, k, v, valid)
     fn = resolve_impl(impl).cyclic_append
-    return fn(view, jnp.asarray(rows), jnp.asarray(positions), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid))
+    return fn(view, rows, positions, jnp.asarray(k), jnp.asarray(v), valid)
 
 
-def cyclic_attention(q, view, rows, positions, kv_lens, *, sm_scale: float | None = None, impl: str = "auto"):
+def cyclic_attention(
+    q: ArrayLike,
+    view: CyclicKVCacheLayerView,
+    rows: ArrayLike,
+    positions: ArrayLike,
+    kv_lens: ArrayLike,
+    *,
+    sm_scale: float | None = None,
+    impl: str = "auto",
+) -> jax.Array:
     """Windowed attention over ring buffers; key ``j`` visible iff ``p - window < j <= p`` and ``j < kv_lens``.
 
     ``T`` may be at most ``slots - window + 1`` (the ring must still hold the oldest key of query 0).
+    Under ``jax.jit`` a row outside ``[0, rows)`` returns zeros and a query at a negative position
+    sees no key.
     """
-    validation.check_cyclic_attention(q, view, rows, positions, kv_lens, sm_scale)
+    rows, positions, kv_lens = validation.check_cyclic_attention(q, view, rows, positions, kv_lens, sm_scale)
     fn = resolve_impl(impl).cyclic_attention
-    return fn(jnp.asarray(q), view, jnp.asarray(rows), jnp.asarray(positions), jnp.asarray(kv_lens), sm_scale=sm_scale)
+    return fn(jnp.asarray(q), view, rows, positions, kv_lens, sm_scale=sm_scale)
 
 
 def _require_shape(x, name: str) -> None:

@@ -20,8 +20,8 @@ the only output; nothing proportional to the pool is materialized); scatter writ
 the **donated** planes.  Both move raw bits (float planes are bitcast to unsigned integers of the
 same width), so every byte, NaN payloads included, is copied exactly.  Integer planes (int8 codes,
 NVFP4 bytes and scales) are updated in place; XLA's CPU backend has no in-place scatter for 16/8-bit
-float element types and copies each bf16/e4m3 plane once around the update.  Run arrays must be host values (numpy or concrete ``jax``
-arrays): they are validated before the program runs.
+float element types and copies each bf16/e4m3 plane once around the update.  Run arrays must be host values of any integer dtype (numpy arrays,
+Python lists, concrete ``jax`` arrays): they are validated before the program runs.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from ..layout import PagedKVStorageLayout
+from .indices import host_int_array
 
 __all__ = ["gather_page_runs", "scatter_page_runs", "run_page_ids"]
 
@@ -116,15 +118,7 @@ def _check_planes(planes: Mapping, layout: PagedKVStorageLayout, what: str, num_
 
 
 def _host_runs(run_starts, run_lengths, num_pages: int, *, disjoint: bool) -> tuple[np.ndarray, np.ndarray]:
-    runs = []
-    for name, x in (("run_starts", run_starts), ("run_lengths", run_lengths)):
-        if isinstance(x, jax.core.Tracer):
-            raise TypeError(f"{name} must be a host array (numpy or a concrete jax array), not a traced value")
-        a = np.asarray(x)
-        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"{name} must be a 1-D integer array, got shape {a.shape} dtype {a.dtype}")
-        runs.append(a.astype(np.int64))
-    starts, lengths = runs
+    starts, lengths = (host_int_array(name, x) for name, x in (("run_starts", run_starts), ("run_lengths", run_lengths)))
     if starts.shape != lengths.shape:
         raise ValueError(f"run_starts and run_lengths must have one length, got {starts.shape[0]} and {lengths.shape[0]}")
     if (lengths < 0).any():
@@ -158,8 +152,8 @@ def _host_runs(run_starts, run_lengths, num_pages: int, *, disjoint: bool) -> tu
 
 def gather_page_runs(
     planes: Mapping[str, jax.Array],
-    run_starts,
-    run_lengths,
+    run_starts: ArrayLike,
+    run_lengths: ArrayLike,
     *,
     layout: PagedKVStorageLayout,
     num_pages: int | None = None,
@@ -168,7 +162,7 @@ def gather_page_runs(
 
     Args:
       planes: the pool's stacked planes (``layout.allocate`` keys and shapes); not modified.
-      run_starts, run_lengths: host int vectors of one length ``R``; run ``r`` covers physical pages
+      run_starts, run_lengths: host integer vectors (any integer dtype, lists) of one length ``R``; run ``r`` covers physical pages
         ``[run_starts[r], run_starts[r] + run_lengths[r])`` (within ``[0, N)``; zero-length runs
         are padding and may start anywhere).
       layout: the pool's :class:`PagedKVStorageLayout`.
@@ -190,8 +184,8 @@ def gather_page_runs(
 
 def scatter_page_runs(
     planes: Mapping[str, jax.Array],
-    run_starts,
-    run_lengths,
+    run_starts: ArrayLike,
+    run_lengths: ArrayLike,
     payload: Mapping[str, jax.Array],
     *,
     layout: PagedKVStorageLayout,

@@ -12,10 +12,18 @@ Semantics (DESIGN.md section 6):
 * Cyclic ops: key ``j`` lives in ring slot ``j mod slots``; visible iff
   ``positions[b] + t - window < j <= positions[b] + t`` and ``j < kv_lens[b]``.
 
+Out-of-range indices (possible only under ``jax.jit``; concrete inputs are checked by
+:mod:`ninfer_kv.ops.validation`) follow the rules of :mod:`ninfer_kv.ops`, identically in every
+implementation: a table row outside ``[0, C)`` (a cyclic row outside ``[0, rows)``) is inert
+(nothing written, zeros returned); a block-table entry outside ``[0, N)`` drops the appended tokens
+of its block and hides its keys from attention; positions outside ``[0, L * 64)`` are dropped;
+attention reads ``clip(kv_lens, 0, L * 64)`` keys.
+
 These functions gather whole table rows into contiguous float32 K/V: that is what makes them a
 reference and what the kernels must never do.  Unread pages and table entries may hold anything
-(NaN pages, out-of-range IDs): page IDs are clamped before the gather and invalid keys are zeroed
-before they meet a probability, so poison never leaks into a result.
+(NaN pages, out-of-range IDs): page IDs are clamped before the gather (the gathered keys of an
+out-of-range entry are masked) and invalid keys are zeroed before they meet a probability, so
+poison never leaks into a result.
 """
 
 from __future__ import annotations
@@ -72,11 +80,20 @@ def attention_over_keys(
     return o.reshape(b, t, hq, d)
 
 
-def _gather_rows(view: PagedKVBatchLayerView, table_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _row_pages(view: PagedKVBatchLayerView, table_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Physical page of every logical block of each batch row ``(B, L)``, clamped into ``[0, N)``,
+    and whether it is a real mapping (row in ``[0, C)`` and entry in ``[0, N)``)."""
+    n, c = view.num_pages, view.max_concurrency
+    rows = jnp.asarray(table_rows, jnp.int32)
+    row_ok = (rows >= 0) & (rows < c)
+    entries = view.block_tables[jnp.clip(rows, 0, c - 1)]  # (B, L)
+    mapped = row_ok[:, None] & (entries >= 0) & (entries < n)
+    return jnp.where(mapped, entries, 0), mapped
+
+
+def _gather_rows(view: PagedKVBatchLayerView, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Dequantized float32 K, V of every logical block of each row: ``(B, H, L * P, D)``."""
     lay = view.layout
-    n = view.num_pages
-    pages = jnp.clip(view.block_tables[jnp.asarray(table_rows, jnp.int32)], 0, n - 1)  # (B, L)
     gathered = {}
     for name, plane in view.planes.items():
         layer_plane = _layer_slice(plane, view.layer)
@@ -102,10 +119,13 @@ def paged_attention_reference(
     """Reference paged attention; see the module docstring for the visibility rule."""
     b, t, _, d = q.shape
     sm_scale = (1.0 / d**0.5) if sm_scale is None else sm_scale
-    k, v = _gather_rows(view, table_rows)
+    pages, mapped = _row_pages(view, table_rows)
+    k, v = _gather_rows(view, pages)
+    p = view.page_size
     j = jnp.arange(k.shape[2], dtype=jnp.int32)
     qpos = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # (B, T)
-    visible = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < jnp.asarray(kv_lens, jnp.int32)[:, None, None])
+    key_ok = mapped[:, j // p] & (j[None, :] < jnp.asarray(kv_lens, jnp.int32)[:, None])  # (B, J)
+    visible = (j[None, None, :] <= qpos[:, :, None]) & key_ok[:, None, :]
     return attention_over_keys(q, k, v, visible, sm_scale).astype(q.dtype)
 
 
@@ -150,9 +170,11 @@ def paged_append_reference(
     write = jnp.arange(t, dtype=jnp.int32)[None, :] < jnp.asarray(valid, jnp.int32)[:, None]
     block = pos // p
     write = write & (block < nblk) & (pos >= 0)
-    rows = jnp.asarray(table_rows, jnp.int32)
-    pages = view.block_tables[rows[:, None], jnp.clip(block, 0, nblk - 1)]
-    pages = jnp.where(write, pages, n)  # n is out of range: dropped
+    row_pages, mapped = _row_pages(view, table_rows)
+    blk = jnp.clip(block, 0, nblk - 1)
+    pages = jnp.take_along_axis(row_pages, blk, axis=1)
+    write = write & jnp.take_along_axis(mapped, blk, axis=1)
+    pages = jnp.where(write, pages, n)  # n is out of range: dropped (never a negative, wrapped index)
     offs = pos % p
     enc = codecs.encode_kv(lay.profile, k, v)  # each (B, T, H, X)
     new = {}
@@ -182,7 +204,8 @@ def cyclic_append_reference(
     last = jnp.asarray(positions, jnp.int32)[:, None] + jnp.asarray(valid, jnp.int32)[:, None] - 1
     write = write & (pos > last - lay.slots)
     r = jnp.broadcast_to(jnp.asarray(rows, jnp.int32)[:, None], (b, t))
-    r = jnp.where(write, r, lay.rows)
+    write = write & (r >= 0) & (r < lay.rows)  # a row outside [0, rows) is inert
+    r = jnp.where(write, r, lay.rows)  # lay.rows is out of range: dropped
     slot = pos % lay.slots
     enc = codecs.encode_kv(lay.profile, k, v)
     new = {}
@@ -206,7 +229,9 @@ def cyclic_attention_reference(
     lay = view.layout
     b, t, _, d = q.shape
     sm_scale = (1.0 / d**0.5) if sm_scale is None else sm_scale
-    rows = jnp.clip(jnp.asarray(rows, jnp.int32), 0, lay.rows - 1)
+    rows = jnp.asarray(rows, jnp.int32)
+    row_ok = (rows >= 0) & (rows < lay.rows)  # a row outside [0, rows) sees no key
+    rows = jnp.clip(rows, 0, lay.rows - 1)
     planes = {name: _layer_slice(plane, view.layer)[rows] for name, plane in view.planes.items()}  # (B, H, S, X)
     k, v = codecs.decode_kv(lay.profile, planes)  # (B, H, slots, D)
     # Key j of query (b, t) lives in slot j mod slots; enumerate the `slots` most recent positions.
@@ -219,4 +244,5 @@ def cyclic_attention_reference(
     kl = jnp.asarray(kv_lens, jnp.int32)[:, None, None]
     jp = jpos[:, None, :]
     visible = (jp <= qpos[:, :, None]) & (jp > qpos[:, :, None] - lay.window) & (jp < kl) & (jp >= 0)
+    visible = visible & row_ok[:, None, None]
     return attention_over_keys(q, k, v, visible, sm_scale).astype(q.dtype)

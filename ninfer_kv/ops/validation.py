@@ -4,15 +4,20 @@ Two tiers of checks:
 
 * **Static** (always, also under ``jax.jit`` where inputs are tracers): view type, plane keys,
   shapes and dtypes against the view's layout, block-table shape/dtype, k/v/q dtypes and shapes
-  against the layout's ``H`` and ``D``, ``Hq % H == 0``, ``T >= 1``, int32 ``(B,)`` row/position/
-  length vectors, ``sm_scale``.
+  against the layout's ``H`` and ``D``, ``Hq % H == 0``, ``T >= 1``, ``(B,)`` integer row/position/
+  length vectors (any integer dtype; converted to int32, see :mod:`ninfer_kv.ops.indices`),
+  ``sm_scale``.
 * **Values** (only for concrete inputs, i.e. outside a trace): ``table_rows`` in ``[0, C)``,
   ``positions >= 0``, ``valid`` in ``[0, T]``, ``positions + valid <= L * 64``, ``kv_lens`` in
-  ``[0, L * 64]``; for cyclic views ``rows`` in ``[0, rows)``; the layer index in range.
+  ``[0, L * 64]``; every block-table entry the op will touch — the blocks of
+  ``[positions, positions + valid)`` for an append, of ``[0, kv_lens)`` for attention — is a
+  physical page in ``[0, N)``; for cyclic views ``rows`` in ``[0, rows)``; the layer index in range.
 
-Every failure raises ``ValueError`` (or ``TypeError`` for a wrong kind of object) whose message
-names the argument, the bad value (with its index for vectors) and the allowed range.  Nothing is
-modified.  Implementations may assume inputs that passed these checks.
+Every failure raises ``ValueError`` (or ``TypeError`` for a wrong kind of object or a non-integer
+index dtype) whose message names the argument, the bad value (with its index for vectors) and the
+allowed range.  Nothing is modified.  Under ``jax.jit`` the value checks cannot run; the
+implementations then follow the out-of-range rules of :mod:`ninfer_kv.ops` (inert rows, dropped
+writes, invisible keys) and never touch memory outside the planes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import jax
 import numpy as np
 
 from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+from .indices import INT32_MAX, int32_vector
 
 __all__ = [
     "is_concrete",
@@ -36,6 +42,7 @@ __all__ = [
     "check_cyclic_attention",
     "check_sm_scale",
     "check_int_vector",
+    "check_table_entries",
     "host_values",
 ]
 
@@ -125,12 +132,9 @@ def _check_q(q, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
     return b, t
 
 
-def check_int_vector(name: str, x, batch: int) -> None:
-    """int32 (B,)."""
-    _require_array(name, x)
-    if np.dtype(x.dtype) != np.int32:
-        raise ValueError(f"{name} must be int32, got {np.dtype(x.dtype).name}")
-    _chex(lambda: chex.assert_shape(x, (batch,)), f"{name} must have shape (B,) = ({batch},), got {tuple(x.shape)}")
+def check_int_vector(name: str, x, batch: int) -> jax.Array:
+    """An integer ``(B,)`` array-like as int32 (``TypeError`` for a non-integer dtype)."""
+    return int32_vector(name, x, batch)
 
 
 def host_values(x) -> np.ndarray | None:
@@ -142,6 +146,11 @@ def _first_bad(name: str, values: np.ndarray, bad: np.ndarray, allowed: str) -> 
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"{name}[{i}]={int(values[i])} is out of range; allowed: {allowed}")
+
+
+def _check_position_span(pos: np.ndarray, t: int) -> None:
+    """Positions ``positions[b] + t`` of a call's ``T`` tokens must be int32 values."""
+    _first_bad("positions", pos, pos.astype(np.int64) + (t - 1) > INT32_MAX, f"<= 2**31 - T = {INT32_MAX - t + 1} (T={t})")
 
 
 def check_sm_scale(sm_scale) -> None:
@@ -163,11 +172,39 @@ def _check_table_rows(table_rows, max_concurrency: int) -> None:
         _first_bad("table_rows", vals, (vals < 0) | (vals >= max_concurrency), f"[0, C={max_concurrency})")
 
 
-def check_paged_append(view, table_rows, positions, k, v, valid) -> None:
+def check_table_entries(view, table_rows, first, count, op: str) -> None:
+    """Each batch row ``b`` touches logical blocks ``first[b] .. first[b] + count[b] - 1`` of
+    table row ``table_rows[b]``; those entries must be physical pages in ``[0, N)``.
+
+    Skipped unless the block table and the vectors are concrete (and already range-checked).
+    """
+    tables = host_values(view.block_tables)
+    rows, lo, cnt = host_values(table_rows), host_values(first), host_values(count)
+    if tables is None or rows is None or lo is None or cnt is None:
+        return
+    n = view.num_pages
+    blk = np.arange(tables.shape[1])[None, :]
+    lo = lo.astype(np.int64)[:, None]
+    used = (blk >= lo) & (blk < lo + cnt.astype(np.int64)[:, None])  # (B, L)
+    entries = tables[rows]
+    bad = used & ((entries < 0) | (entries >= n))
+    if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        r = int(rows[b])
+        span = f"blocks [{int(lo[b, 0])}, {int(lo[b, 0] + cnt[b])})"
+        raise ValueError(
+            f"block_tables[{r}, {j}] = {int(entries[b, j])} (table row {r} = table_rows[{b}], logical block {j}) "
+            f"is not a physical page: {op} uses {span} of that row, whose entries must lie in [0, N={n})"
+        )
+
+
+def check_paged_append(view, table_rows, positions, k, v, valid) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checks an append's inputs; returns ``(table_rows, positions, valid)`` as int32 arrays."""
     check_paged_view(view)
     b, t = _check_kv(k, v, view.num_kv_heads, view.head_dim)
-    for name, x in (("table_rows", table_rows), ("positions", positions), ("valid", valid)):
-        check_int_vector(name, x, b)
+    table_rows, positions, valid = (
+        check_int_vector(name, x, b) for name, x in (("table_rows", table_rows), ("positions", positions), ("valid", valid))
+    )
     cap = view.logical_pages * view.page_size
     _check_table_rows(table_rows, view.max_concurrency)
     pos, val = host_values(positions), host_values(valid)
@@ -184,21 +221,33 @@ def check_paged_append(view, table_rows, positions, k, v, valid) -> None:
                 f"positions[{i}] + valid[{i}] = {int(pos[i])} + {int(val[i])} = {int(end[i])} exceeds the "
                 f"logical capacity L*P = {view.logical_pages}*{view.page_size} = {cap} tokens of a table row"
             )
+        p = view.page_size
+        first = pos // p
+        last = np.where(val > 0, (end - 1) // p, first - 1)
+        check_table_entries(view, table_rows, first, last - first + 1, "paged_append")
+    return table_rows, positions, valid
 
 
-def check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale=None) -> None:
+def check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checks an attention call's inputs; returns ``(table_rows, positions, kv_lens)`` as int32 arrays."""
     check_paged_view(view)
-    b, _ = _check_q(q, view.num_kv_heads, view.head_dim)
-    for name, x in (("table_rows", table_rows), ("positions", positions), ("kv_lens", kv_lens)):
+    b, t = _check_q(q, view.num_kv_heads, view.head_dim)
+    table_rows, positions, kv_lens = (
         check_int_vector(name, x, b)
+        for name, x in (("table_rows", table_rows), ("positions", positions), ("kv_lens", kv_lens))
+    )
     check_sm_scale(sm_scale)
     cap = view.logical_pages * view.page_size
     _check_table_rows(table_rows, view.max_concurrency)
     pos, lens = host_values(positions), host_values(kv_lens)
     if pos is not None:
         _first_bad("positions", pos, pos < 0, ">= 0")
+        _check_position_span(pos, t)
     if lens is not None:
         _first_bad("kv_lens", lens, (lens < 0) | (lens > cap), f"[0, L*P={cap}]")
+        blocks = -(-lens.astype(np.int64) // view.page_size)
+        check_table_entries(view, table_rows, np.zeros_like(blocks), blocks, "paged_attention")
+    return table_rows, positions, kv_lens
 
 
 # -- cyclic ops ----------------------------------------------------------------------------------
@@ -210,21 +259,27 @@ def _check_cyclic_rows(rows, num_rows: int) -> None:
         _first_bad("rows", vals, (vals < 0) | (vals >= num_rows), f"[0, rows={num_rows})")
 
 
-def check_cyclic_append(view, rows, positions, k, v, valid) -> None:
+def check_cyclic_append(view, rows, positions, k, v, valid) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checks a cyclic append's inputs; returns ``(rows, positions, valid)`` as int32 arrays."""
     check_cyclic_view(view)
     lay = view.layout
     b, t = _check_kv(k, v, lay.num_kv_heads, lay.head_dim)
-    for name, x in (("rows", rows), ("positions", positions), ("valid", valid)):
-        check_int_vector(name, x, b)
+    rows, positions, valid = (
+        check_int_vector(name, x, b) for name, x in (("rows", rows), ("positions", positions), ("valid", valid))
+    )
     _check_cyclic_rows(rows, lay.rows)
     pos, val = host_values(positions), host_values(valid)
     if pos is not None:
         _first_bad("positions", pos, pos < 0, ">= 0")
     if val is not None:
         _first_bad("valid", val, (val < 0) | (val > t), f"[0, T={t}]")
+    if pos is not None:
+        _check_position_span(pos, t)
+    return rows, positions, valid
 
 
-def check_cyclic_attention(q, view, rows, positions, kv_lens, sm_scale=None) -> None:
+def check_cyclic_attention(q, view, rows, positions, kv_lens, sm_scale=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Checks a cyclic attention call's inputs; returns ``(rows, positions, kv_lens)`` as int32 arrays."""
     check_cyclic_view(view)
     lay = view.layout
     b, t = _check_q(q, lay.num_kv_heads, lay.head_dim)
@@ -234,12 +289,15 @@ def check_cyclic_attention(q, view, rows, positions, kv_lens, sm_scale=None) -> 
             f"q has T={t} queries per row; a ring of slots={lay.slots} with window={lay.window} holds the keys of "
             f"at most T = slots - window + 1 = {max_t} queries (allocate slots >= window + T - 1)"
         )
-    for name, x in (("rows", rows), ("positions", positions), ("kv_lens", kv_lens)):
-        check_int_vector(name, x, b)
+    rows, positions, kv_lens = (
+        check_int_vector(name, x, b) for name, x in (("rows", rows), ("positions", positions), ("kv_lens", kv_lens))
+    )
     check_sm_scale(sm_scale)
     _check_cyclic_rows(rows, lay.rows)
     pos, lens = host_values(positions), host_values(kv_lens)
     if pos is not None:
         _first_bad("positions", pos, pos < 0, ">= 0")
+        _check_position_span(pos, t)
     if lens is not None:
         _first_bad("kv_lens", lens, lens < 0, ">= 0")
+    return rows, positions, kv_lens

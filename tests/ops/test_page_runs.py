@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv import PagedKVStorageLayout, PlaneOrder
+from ninfer_kv import PagedKVStorageLayout, PlaneOrder, ops
 from ninfer_kv.ops import gather_page_runs, scatter_page_runs
 from ninfer_kv.ops import page_runs
 
@@ -120,8 +120,30 @@ def test_errors_name_the_bad_run():
         scatter_page_runs(planes, [0], [4], dict(payload, v=payload["v"][:, :3]), layout=layout)
     with pytest.raises(ValueError, match="planes keyed"):
         gather_page_runs({"k": planes["k"]}, [0], [1], layout=layout)
+    with pytest.raises(TypeError, match="run_starts must hold integers .* got dtype float64"):
+        gather_page_runs(planes, [0.0], [1], layout=layout)
+    with pytest.raises(ValueError, match=r"run_lengths must be a 1-D integer array, got shape \(1, 1\)"):
+        gather_page_runs(planes, [0], [[1]], layout=layout)
     # nothing was donated by the failed calls
     assert not any(x.is_deleted() for x in planes.values())
+
+
+def test_runs_and_page_ids_accept_any_integer_array_like():
+    layout = _layout(PlaneOrder.HEAD_MAJOR)
+    _, planes = _planes(layout)
+    want = gather_page_runs(planes, np.array([7, 2], np.int32), np.array([2, 1], np.int32), layout=layout)
+    for starts, lengths in [([7, 2], (2, 1)), (np.array([7, 2], np.uint8), np.array([2, 1], np.int64)),
+                            (jnp.asarray([7, 2], jnp.int32), jnp.asarray([2, 1], jnp.int32))]:
+        got = gather_page_runs(planes, starts, lengths, layout=layout)
+        for name in want:
+            np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint8), np.asarray(want[name]).view(np.uint8))
+    z = np.zeros(2, np.int64)
+    with pytest.raises(TypeError, match="columns must hold integers"):
+        ops.copy_page_columns(planes, z, z + 1, np.array([1.0, 0.0]), layout=layout)
+    with pytest.raises(ValueError, match=r"dst\[0\]=4294967296 does not fit in int32"):
+        ops.copy_page_columns(planes, z, np.array([2**32, 1], np.int64), [1, 0], layout=layout)
+    out = ops.copy_page_columns(planes, [1, 0], np.array([3, 0], np.uint16), (5, 0), layout=layout)
+    assert set(out) == set(layout.plane_names)
 
 
 def test_scatter_updates_integer_planes_in_place():

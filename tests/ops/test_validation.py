@@ -67,9 +67,11 @@ PAGED_APPEND_BAD = [
     ("valid", i32(4, 0), r"valid\[0\]=4 is out of range; allowed: \[0, T=3\]"),
     ("valid", i32(0, -1), r"valid\[1\]=-1 is out of range"),
     ("positions", i32(CAP - 2, 0), r"positions\[0\] \+ valid\[0\] = 126 \+ 3 = 129 exceeds the logical capacity L\*P = 2\*64 = 128"),
-    ("table_rows", jnp.zeros((B,), jnp.int64) if jax.config.jax_enable_x64 else np.zeros((B,), np.int64), "table_rows must be int32, got int64"),
+    ("table_rows", np.zeros((B,), np.float32), r"table_rows must hold integers \(any integer dtype\), got dtype float32"),
+    ("table_rows", np.array([0, 2**31], np.int64), r"table_rows\[1\]=2147483648 does not fit in int32"),
     ("positions", i32(0, 0, 0), r"positions must have shape \(B,\) = \(2,\), got \(3,\)"),
-    ("valid", [3, 1], "valid must be an array, got list"),
+    ("valid", [3.0, 1.0], "valid must hold integers"),
+    ("valid", [True, False], "valid must hold integers .* got dtype bool"),
     ("k", jnp.zeros((B, T, H, D), jnp.float16), "k has dtype float16; allowed: float32 or bfloat16"),
     ("k", jnp.zeros((B, T, H, D)[1:], jnp.float32), r"k must be \(B, T, H, D\), got shape \(3, 2, 64\)"),
     ("v", jnp.zeros((B, T, H, D), jnp.bfloat16), "k and v dtypes differ: float32 vs bfloat16"),
@@ -189,8 +191,10 @@ def test_under_jit_only_static_checks_run():
     # static properties are still checked while tracing
     with pytest.raises(ValueError, match="q has Hq=3 query heads"):
         attend(jnp.zeros((B, T, 3, D), jnp.float32), args["view"], args["table_rows"], args["positions"], args["kv_lens"])
-    with pytest.raises(ValueError, match="kv_lens must be int32, got uint32"):
-        attend(args["q"], args["view"], args["table_rows"], args["positions"], jnp.zeros((B,), jnp.uint32))
+    with pytest.raises(TypeError, match="kv_lens must hold integers .* got dtype float32"):
+        attend(args["q"], args["view"], args["table_rows"], args["positions"], jnp.zeros((B,), jnp.float32))
+    # any integer dtype is converted with astype inside the trace
+    attend(args["q"], args["view"], args["table_rows"], args["positions"], jnp.zeros((B,), jnp.uint32))
 
 
 def test_failed_validation_changes_nothing():
@@ -201,3 +205,125 @@ def test_failed_validation_changes_nothing():
         _call(ops.paged_append, args)
     for k, v in args["view"].planes.items():
         np.testing.assert_array_equal(np.asarray(v), before[k])
+
+
+# -- integer-like index inputs ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("convert", [
+    lambda a: np.asarray(a, np.int64),
+    lambda a: np.asarray(a, np.uint16),
+    lambda a: [int(x) for x in a],
+    lambda a: tuple(np.asarray(a, np.int16)),
+    lambda a: jnp.asarray(a, jnp.int32),
+], ids=["numpy-int64", "numpy-uint16", "list", "tuple-of-int16", "jax-int32"])
+def test_index_vectors_accept_integer_array_likes(convert):
+    a, t, c, ct = _paged(), _attn(), _cyc_append(), _cyc_attn()
+    checks = [
+        (validation.check_paged_append, (a["view"], convert([0, 2]), convert([0, 5]), a["k"], a["v"], convert([3, 1])), [[0, 2], [0, 5], [3, 1]]),
+        (validation.check_paged_attention, (t["q"], t["view"], convert([0, 2]), convert([0, 5]), convert([3, CAP])), [[0, 2], [0, 5], [3, CAP]]),
+        (validation.check_cyclic_append, (c["view"], convert([3, 0]), convert([0, 100]), c["k"], c["v"], convert([3, 0])), [[3, 0], [0, 100], [3, 0]]),
+        (validation.check_cyclic_attention, (ct["q"], ct["view"], convert([3, 0]), convert([0, 100]), convert([3, 50])), [[3, 0], [0, 100], [3, 50]]),
+    ]
+    for check, args, want in checks:
+        for got, w in zip(check(*args), want):
+            assert isinstance(got, jax.Array) and got.dtype == jnp.int32
+            np.testing.assert_array_equal(np.asarray(got), w)
+
+
+def test_ops_hand_int32_arrays_to_the_implementation():
+    """Lists, tuples and numpy int64 reach the implementation as int32 jax arrays."""
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append([x for x in args if isinstance(x, jax.Array) and x.ndim == 1])
+        return args[0] if isinstance(args[0], PagedKVBatchLayerView) else jnp.zeros(())
+
+    def loader():
+        return ops.OpImpl("recording", record, record, record, record)
+
+    t, a = _attn(), _paged()
+    with ops.override_impls({"recording": loader}):
+        ops.paged_attention(t["q"], t["view"], [0, 2], np.array([0, 5]), (3, CAP), impl="recording")
+        ops.paged_append(a["view"], np.array([0, 2], np.uint8), [0, 5], a["k"], a["v"], np.array([3, 1], np.int64), impl="recording")
+    assert [[list(np.asarray(x)) for x in call] for call in seen] == [[[0, 2], [0, 5], [3, CAP]], [[0, 2], [0, 5], [3, 1]]]
+    assert all(x.dtype == jnp.int32 for call in seen for x in call)
+
+
+def test_converted_vectors_are_int32():
+    a = _paged()
+    rows, pos, valid = validation.check_paged_append(a["view"], [0, 2], np.array([0, 5], np.int64), a["k"], a["v"], (3, 1))
+    for x in (rows, pos, valid):
+        assert isinstance(x, jax.Array) and x.dtype == jnp.int32
+
+
+def test_index_overflow_and_dtype_errors_name_the_argument():
+    t = _attn()
+    with pytest.raises(ValueError, match=r"kv_lens\[0\]=-2147483649 does not fit in int32; allowed: \[-2147483648, 2147483647\]"):
+        _call(ops.paged_attention, dict(t, kv_lens=np.array([-(2**31) - 1, 0], np.int64)))
+    with pytest.raises(ValueError, match=r"positions\[1\]=18446744073709551615 does not fit in int32"):
+        _call(ops.paged_attention, dict(t, positions=np.array([0, 2**64 - 1], np.uint64)))
+    with pytest.raises(TypeError, match="table_rows must hold integers"):
+        _call(ops.paged_attention, dict(t, table_rows=jnp.zeros((B,), jnp.bfloat16)))
+    c = _cyc_append()
+    with pytest.raises(TypeError, match="rows must hold integers"):
+        _call(ops.cyclic_append, dict(c, rows=np.array([0.0, 1.0])))
+
+
+def test_positions_whose_token_span_overflows_int32_are_rejected():
+    t = _attn()
+    with pytest.raises(ValueError, match=r"positions\[0\]=2147483647 is out of range; allowed: <= 2\*\*31 - T = 2147483645"):
+        _call(ops.paged_attention, dict(t, positions=i32(2**31 - 1, 0)))
+    c = _cyc_attn()
+    with pytest.raises(ValueError, match=r"positions\[1\]=2147483646 is out of range"):
+        _call(ops.cyclic_attention, dict(c, positions=i32(0, 2**31 - 2)))
+
+
+# -- block-table entries -------------------------------------------------------------------------
+
+
+def _with_tables(args, tables):
+    view = args["view"]
+    return dict(args, view=PagedKVBatchLayerView(view.planes, jnp.asarray(tables, jnp.int32), view.layer, LAYOUT))
+
+
+def test_append_rejects_unmapped_blocks_it_writes():
+    tables = np.zeros((C, L), np.int32)
+    tables[2, 1] = -1  # row 2, block 1
+    tables[0, 1] = N  # row 0, block 1: >= N
+    a = _with_tables(_paged(), tables)
+
+    def check(**kw):
+        b = dict(a, **kw)
+        validation.check_paged_append(b["view"], b["table_rows"], b["positions"], b["k"], b["v"], b["valid"])
+
+    check()  # table_rows (0, 2), positions (0, 5), valid (3, 1): blocks [0, 1) of both rows: fine
+    with pytest.raises(ValueError, match=(
+        r"block_tables\[2, 1\] = -1 \(table row 2 = table_rows\[1\], logical block 1\) is not a physical page: "
+        r"paged_append uses blocks \[1, 2\) of that row, whose entries must lie in \[0, N=6\)")):
+        _call(ops.paged_append, dict(a, positions=i32(0, 64)))
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 6 \(table row 0 = table_rows\[0\]"):
+        _call(ops.paged_append, dict(a, positions=i32(62, 0)))  # tokens 62..64 cross into block 1
+    check(positions=i32(61, 0))  # tokens 61..63 stay in block 0
+    check(positions=i32(64, 64), valid=i32(0, 0))  # nothing written: nothing checked
+
+
+def test_attention_rejects_unmapped_blocks_it_reads():
+    tables = np.zeros((C, L), np.int32)
+    tables[2, 1] = 2**31 - 1
+    t = _with_tables(_attn(), tables)
+    validation.check_paged_attention(t["q"], t["view"], t["table_rows"], t["positions"], i32(3, 64))  # block 0 only
+    with pytest.raises(ValueError, match=(
+        r"block_tables\[2, 1\] = 2147483647 \(table row 2 = table_rows\[1\], logical block 1\) is not a physical "
+        r"page: paged_attention uses blocks \[0, 2\) of that row")):
+        _call(ops.paged_attention, dict(t, kv_lens=i32(3, 65)))
+
+
+def test_single_sequence_view_checks_its_table_entries():
+    from ninfer_kv.views import PagedKVLayerView
+
+    view = _paged()["view"]
+    single = PagedKVLayerView(view.planes, jnp.asarray([0, -3], jnp.int32), 0, LAYOUT)
+    a = _attn()
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = -3"):
+        ops.paged_attention(a["q"], single, None, a["positions"], i32(64, 65), impl="reference")
