@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from .profiles import KVCodec, KVProfile
 
@@ -112,7 +113,7 @@ def propagate_nan(amax: jax.Array, has_nan: jax.Array) -> jax.Array:
     return jnp.where(has_nan, jnp.float32(jnp.nan), amax)
 
 
-def bf16_scale(amax: jax.Array, qmax) -> jax.Array:
+def bf16_scale(amax: jax.Array, qmax: float) -> jax.Array:
     """The bf16 scale ``bf16(amax / qmax)`` of INT8-G64 / FP8 rows (float32 ``amax``, NaN propagated).
 
     The quotient is the IEEE one (:func:`div_rn`), a subnormal quotient becomes +0, and a NaN
@@ -208,7 +209,7 @@ def _div_rn_normalized(am: jax.Array, bm: jax.Array) -> jax.Array:
     return best_bits
 
 
-def div_rn(a: jax.Array, b) -> jax.Array:
+def div_rn(a: ArrayLike, b: ArrayLike) -> jax.Array:
     """Correctly rounded float32 ``a / b`` (IEEE round to nearest even), whatever the compiler does.
 
     XLA's algebraic simplifier rewrites ``a / constant`` and ``a / broadcast(s)`` into
@@ -329,7 +330,7 @@ def quantize_nvfp4_g16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 # -- dequantize ------------------------------------------------------------------------------------
 
 
-def dequantize_bf16(code: jax.Array, scale=None) -> jax.Array:
+def dequantize_bf16(code: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     return code.astype(_F32)
 
 

@@ -16,15 +16,20 @@ A view holds no allocator handle, request identity, reservation, ownership or fr
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from .layout import PagedKVStorageLayout
 from .profiles import KVProfile
 
-__all__ = ["PagedKVLayerView", "PagedKVBatchLayerView", "CyclicKVCacheLayerView", "CyclicKVLayout"]
+__all__ = ["PagedKVLayerView", "PagedKVBatchLayerView", "CyclicKVCacheLayerView", "CyclicKVLayout", "LayerIndex"]
+
+LayerIndex = Union[int, jax.Array]
+"""A layer index: a Python int or a (possibly traced) integer scalar array."""
 
 
 def _check_planes(planes: dict, expected_shapes: dict, dtypes: dict, what: str) -> None:
@@ -53,7 +58,7 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _check_layer(layer, num_layers: int) -> None:
+def _check_layer(layer: ArrayLike, num_layers: int) -> None:
     if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
         if not 0 <= int(layer) < num_layers:
             raise ValueError(f"layer={int(layer)} is out of range [0, {num_layers})")
@@ -135,9 +140,9 @@ class PagedKVBatchLayerView(_PagedViewBase):
       layout: the pool's :class:`PagedKVStorageLayout` (static).
     """
 
-    planes: dict
+    planes: dict[str, jax.Array]
     block_tables: jax.Array
-    layer: object
+    layer: LayerIndex
     layout: PagedKVStorageLayout
     validate: dataclasses.InitVar[bool] = True
 
@@ -182,7 +187,8 @@ class PagedKVBatchLayerView(_PagedViewBase):
         """A copy with some fields replaced (e.g. ``planes`` returned by an append)."""
         return self._replaced(**changes)
 
-    def with_layer(self, layer) -> "PagedKVBatchLayerView":
+    def with_layer(self, layer: LayerIndex) -> "PagedKVBatchLayerView":
+        """A copy reading layer ``layer`` (a Python int or an int32 scalar, traced or not)."""
         return self.replace(layer=layer)
 
 
@@ -191,9 +197,9 @@ class PagedKVBatchLayerView(_PagedViewBase):
 class PagedKVLayerView(_PagedViewBase):
     """Single-sequence view: stacked planes + one block-table row ``int32 (L,)`` + layer index."""
 
-    planes: dict
+    planes: dict[str, jax.Array]
     block_table: jax.Array
-    layer: object
+    layer: LayerIndex
     layout: PagedKVStorageLayout
     validate: dataclasses.InitVar[bool] = True
 
@@ -243,16 +249,18 @@ class CyclicKVLayout:
         self.profile.check_head_dim(self.head_dim)
 
     @property
-    def planes(self):
+    def planes(self) -> tuple:
+        """The profile's :class:`~ninfer_kv.profiles.PlaneSpec` entries for ``head_dim``."""
         return self.profile.planes(self.head_dim)
 
     def plane_shapes(self) -> dict[str, tuple[int, ...]]:
         return {p.name: (self.num_layers, self.rows, self.num_kv_heads, self.slots, p.extent) for p in self.planes}
 
-    def plane_dtypes(self) -> dict:
+    def plane_dtypes(self) -> dict[str, np.dtype]:
         return {p.name: p.dtype for p in self.planes}
 
-    def allocate(self, *, fill=None) -> dict[str, jax.Array]:
+    def allocate(self, *, fill: float | None = None) -> dict[str, jax.Array]:
+        """Zeroed planes (or planes filled with ``fill``; NaN fills float planes only)."""
         out = {}
         for p in self.planes:
             value = 0
@@ -267,8 +275,8 @@ class CyclicKVLayout:
 class CyclicKVCacheLayerView(_LayerViewBase):
     """Per-row ring buffers of one layer: planes ``(num_layers, rows, H, slots, X)`` + layer index."""
 
-    planes: dict
-    layer: object
+    planes: dict[str, jax.Array]
+    layer: LayerIndex
     layout: CyclicKVLayout
     validate: dataclasses.InitVar[bool] = True
 

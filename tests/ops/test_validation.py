@@ -327,3 +327,17 @@ def test_single_sequence_view_checks_its_table_entries():
     a = _attn()
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = -3"):
         ops.paged_attention(a["q"], single, None, a["positions"], i32(64, 65), impl="reference")
+
+
+def test_public_ops_and_views_are_annotated():
+    import inspect
+
+    from ninfer_kv import views
+
+    fns = [getattr(ops, name) for name in ops.__all__ if inspect.isfunction(getattr(ops, name))]
+    fns += [views.PagedKVBatchLayerView.__init__, views.PagedKVBatchLayerView.with_layer, views.CyclicKVLayout.allocate]
+    for fn in fns:
+        sig = inspect.signature(fn)
+        missing = [p for p in sig.parameters.values() if p.name != "self" and p.annotation is inspect.Parameter.empty]
+        assert not missing, f"{fn.__qualname__}: parameters without annotations: {[p.name for p in missing]}"
+        assert sig.return_annotation is not inspect.Signature.empty, f"{fn.__qualname__}: no return annotation"
