@@ -47,41 +47,47 @@ class DemoResult:
         return dict(self.data)
 
     def table(self) -> str:
+        """The summary in plain words (the JSON keys hold the same numbers)."""
         d = self.data
         lines = [
             f"ninfer-kv demo: {d['requests']} requests on model {d['model']['name']} "
             f"({d['model']['layers']} layers, {d['model']['kv_heads']} KV heads x {d['model']['head_dim']}), "
-            f"profile {d['profile']}, backend {d['backend']}, impl {d['impl']}, device {d['device']}",
+            f"KV cache format {d['profile']}, speculative decoding {d['backend']}, kernels {d['impl']} on {d['device']}",
             "",
         ]
         dense = d["dense"]
-        verdict = "match" if d["dense_match"] else "MISMATCH"
+        ev = d["evictions"]
+        reasons = {"length": "reached their token budget"}
         pairs = [
-            ("generated tokens", f"{d['generated_tokens']:,} in {d['serve_seconds']:.2f} s = {d['tokens_per_s']:.1f} tokens/s "
-             f"({d['compile_seconds']:.1f} s of compilation included; {d['tokens_per_s_excl_compile']:.1f} tokens/s "
-             f"without it; {d['rounds']} rounds)"),
-            ("prefix hits", f"{d['prefix_hits']} forks of a retained system prompt ({d['prefix_tokens_reused']:,} prompt "
-             f"tokens not recomputed); {d['prefix_jobs']} prefix prefills"),
-            ("host tier", (f"offloaded {d['offloaded_pages']} pages, restored {d['restored_pages']} pages; "
-                           f"peak host {format_bytes(d['peak_host_bytes'])}") if d["host_tier"] else "not available"),
-            ("evictions", f"{d['evictions']['offloads']} offloaded, {d['evictions']['releases']} released "
-             f"({d['evictions']['host_full']} because the host arena was full)"),
-            ("finish reasons", ", ".join(f"{k} {v}" for k, v in sorted(d["finish_reasons"].items()))
-             + (f" ({d['bounded_completions']} bounded by the lease)" if d["bounded_completions"] else "")),
-            ("admission", f"peak {d['peak_active']} active lanes; the queue head waited in {d['admission_waits']} rounds"
-             + (f"; {d['lease_pages_granted']} pages granted at round boundaries" if d["kv_lease_growth"] else "")),
-            ("dense check", "skipped (--no-dense-check)" if dense is None else
-             f"{verdict}: {dense['checked_tokens']:,} tokens, greedy tokens "
-             + ("equal" if dense["tokens_match"] else f"equal but {dense['tie_flips']} tie(s) within the tolerance")
-             + f", max |logit diff| {dense['max_abs_logit_diff']:.2e} (tolerance {dense['tolerance']:.0e})"),
-            ("leaks", f"{d['leaked_pages']} pages, {d['leaked_host_extents']} host extents"),
+            ("speed", f"{d['generated_tokens']:,} tokens generated in {d['serve_seconds']:.2f} s = {d['tokens_per_s']:.1f} "
+             f"tokens/s, of which {d['compile_seconds']:.1f} s was compiling ({d['tokens_per_s_excl_compile']:.1f} "
+             f"tokens/s without it); {d['rounds']} scheduling steps"),
+            ("shared prompts", f"{d['prefix_hits']} requests reused a cached system prompt "
+             f"({d['prefix_tokens_reused']:,} prompt tokens not recomputed); {d['prefix_jobs']} system prompts computed"),
+            ("host memory", (f"{d['offloaded_pages']} KV pages moved to host memory, {d['restored_pages']} moved back; "
+                             f"at most {format_bytes(d['peak_host_bytes'])} held there") if d["host_tier"] else "not used"),
+            ("memory pressure", f"{ev['offloads']} cached prompts moved to host memory, {ev['releases']} dropped"
+             + (f" ({ev['host_full']} because host memory was full)" if ev["host_full"] else "")),
+            ("finished", ", ".join(f"{v} {reasons.get(k, k)}" for k, v in sorted(d["finish_reasons"].items()))
+             + (f" ({d['bounded_completions']} stopped early: the KV cache could not grow)"
+                if d["bounded_completions"] else "")),
+            ("batching", f"up to {d['peak_active']} requests decoded together; a waiting request could not start "
+             f"in {d['admission_waits']} steps"
+             + (f"; {d['lease_pages_granted']} KV pages granted as requests grew" if d["kv_lease_growth"] else "")),
+            ("correctness", "not checked (--no-dense-check)" if dense is None else
+             ("same tokens" if dense["tokens_match"] else f"{dense['tie_flips']} near-tie token(s) differ")
+             + f" as an unpaged full-precision model over {dense['checked_tokens']:,} tokens; largest logit "
+             f"difference {dense['max_abs_logit_diff']:.2e} (allowed {dense['tolerance']:.0e}): "
+             + ("PASS" if d["dense_match"] else "FAIL")),
+            ("leaks", "none: every KV page and host buffer was returned" if not (d["leaked_pages"] or d["leaked_host_extents"])
+             else f"{d['leaked_pages']} KV pages and {d['leaked_host_extents']} host buffers not returned"),
         ]
         if d.get("mtp"):
             m = d["mtp"]
             pairs.insert(
                 1,
-                ("MTP", f"{m['rounds']} lane-rounds, {m['drafts_accepted']} of {m['drafts_verified']} drafts accepted "
-                 f"({m['acceptance_rate']:.1%}), {m['tokens_per_round']:.2f} tokens per round"),
+                ("draft tokens", f"{m['drafts_accepted']} of {m['drafts_verified']} drafted tokens accepted "
+                 f"({m['acceptance_rate']:.1%}), {m['tokens_per_round']:.2f} tokens per model step"),
             )
         width = max(len(k) for k, _ in pairs)
         lines += [f"  {k.ljust(width)}  {v}" for k, v in pairs]
@@ -92,12 +98,13 @@ class DemoResult:
         ]
         lines += [
             "",
-            f"pools (S = {plan['max_context']}, C = {plan['max_concurrency']}, M = {plan['main_pages']} Main pages)",
-            render_table(["pool", "pages", "peak pages", "page bytes", "bytes"], rows, right=(1, 2, 3, 4)),
+            f"KV memory (up to {plan['max_context']:,} tokens per request, {plan['max_concurrency']} requests at once, "
+            f"pages of {plan['page_size']} tokens)",
+            render_table(["cache", "pages", "most in use", "bytes per page", "total"], rows, right=(1, 2, 3, 4)),
             "",
-            "step functions",
+            "step functions (compiled once per batch size)",
             render_table(
-                ["step", "calls", "buckets", "compiles"],
+                ["step", "calls", "batch sizes", "compiles"],
                 [
                     [name, d["units"].get(name, 0), ",".join(str(b) for b in d["buckets"].get(name, [])) or "-", n]
                     for name, n in d["compiles"].items()

@@ -69,4 +69,4 @@ def test_text_view_is_the_summary_table(capsys):
     out, _ = capsys.readouterr()
     assert out.startswith("ninfer-kv demo: 4 requests on model tiny")
     assert "step functions" in out and "prefill" in out and "decode" in out
-    assert "skipped (--no-dense-check)" in out
+    assert "not checked (--no-dense-check)" in out
