@@ -28,8 +28,10 @@ from jax.experimental.pallas import triton as pl_triton
 from ninfer_kv.profiles import KVCodec, KVProfile
 
 from .backends import implementation, resolve_interpret
+from .addressing import check_plane_addressing
 from .codec_tiles import (
     Cols,
+    and_masks,
     quantize_bf16_tile,
     quantize_fp8_row_tile,
     quantize_int8_tile,
@@ -104,12 +106,14 @@ def quantize_and_store(
     write2 = write[:, None]
 
     def load(x_ref, cols: Cols) -> jax.Array:
-        tile = pl_triton.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=write2, other=0)
+        mask = and_masks(write2, cols.mask())
+        tile = pl_triton.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=mask, other=0)
         return tile.astype(jnp.float32)
 
     def store_tile(name: str, value: jax.Array, cols: Cols) -> None:
         ref = out_refs[name]
-        pl_triton.store(ref.at[index(cols.index())], _as_stored(value, plane_dtypes[name], ref.dtype), mask=write2)
+        value = _as_stored(value, plane_dtypes[name], ref.dtype)
+        pl_triton.store(ref.at[index(cols.index())], value, mask=and_masks(write2, cols.mask()))
 
     def store_lane(name: str, value: jax.Array, lane: int) -> None:
         ref = out_refs[name]
@@ -118,7 +122,7 @@ def quantize_and_store(
     d = head_dim
     for tensor, x_ref in (("k", k_ref), ("v", v_ref)):
         codec = profile.codec(tensor)
-        all_lanes = Cols(0, 1, d)
+        all_lanes = Cols.padded(0, 1, d)
         if codec is KVCodec.BF16:
             store_tile(tensor, quantize_bf16_tile(load(x_ref, all_lanes)), all_lanes)
         elif codec is KVCodec.FP8_E4M3FN_ROW:
@@ -126,13 +130,14 @@ def quantize_and_store(
             store_tile(tensor, codes, all_lanes)
             store_lane(f"{tensor}_scale", scale, 0)
         elif codec is KVCodec.INT8_G64:
-            codes, scales = quantize_int8_tile(load(x_ref, all_lanes))
+            codes, scales = quantize_int8_tile(load(x_ref, all_lanes), d)
             store_tile(tensor, codes, all_lanes)
-            store_tile(f"{tensor}_scale", scales, Cols(0, 1, d // 64))
+            store_tile(f"{tensor}_scale", scales, Cols.padded(0, 1, d // 64))
         elif codec is KVCodec.NVFP4_G16:
-            packed, scales = quantize_nvfp4_tile(load(x_ref, Cols(0, 2, d // 2)), load(x_ref, Cols(1, 2, d // 2)))
-            store_tile(tensor, packed, Cols(0, 1, d // 2))
-            store_tile(f"{tensor}_scale", scales, Cols(0, 1, d // 16))
+            even, odd = Cols.padded(0, 2, d // 2), Cols.padded(1, 2, d // 2)
+            packed, scales = quantize_nvfp4_tile(load(x_ref, even), load(x_ref, odd), d)
+            store_tile(tensor, packed, Cols.padded(0, 1, d // 2))
+            store_tile(f"{tensor}_scale", scales, Cols.padded(0, 1, d // 16))
         else:  # pragma: no cover - KVCodec is closed
             raise ValueError(f"unsupported codec {codec}")
 
@@ -148,8 +153,10 @@ def run_append(op: str, config_type: type, view, rows, positions, k, v, valid, *
     if not isinstance(config, config_type):
         raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
     check_head_dim(view.layout.profile, view.layout.head_dim)
+    interpret = resolve_interpret(interpret)
+    check_plane_addressing(view.planes, interpret=interpret)
     impl = implementation(op, config.backend)
-    planes = impl(view, rows, positions, k, v, valid, config=config, interpret=resolve_interpret(interpret))
+    planes = impl(view, rows, positions, k, v, valid, config=config, interpret=interpret)
     return view.replace(planes=planes)
 
 
@@ -171,6 +178,7 @@ def append_call(
     interpret: bool,
     name: str,
     make_address: AddresserFactory,
+    row_limit: int,
 ) -> dict:
     """Quantize ``k, v (B, T, H, D)`` into the view's planes in place; returns the planes by name.
 
@@ -179,7 +187,9 @@ def append_call(
     ``v`` and the planes ``names`` (aliased input -> output, passed through
     :func:`storage_planes`).  Each program calls ``make_address(layer, row, pos, n_valid, h,
     *table_refs)`` for its addresser (see the module docstring) and runs
-    :func:`quantize_and_store`.  ``k`` and ``v`` must be non-empty.
+    :func:`quantize_and_store`.  ``k`` and ``v`` must be non-empty.  A row index ``rows[b]``
+    outside ``[0, row_limit)`` makes row ``b`` write nothing (its addresser sees row 0, a safe
+    address, and no valid token).
     """
     profile, d = view.layout.profile, view.layout.head_dim
     bsz, t_len, h_len, _ = k.shape
@@ -192,7 +202,10 @@ def append_call(
         k_ref, v_ref = refs[n_tables], refs[n_tables + 1]
         out_refs = dict(zip(names, refs[n_tables + 2 + len(names):]))
         b, tile, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        address = make_address(layer_ref[0], rows_ref[b], pos_ref[b], valid_ref[b], h, *table_refs)
+        row = rows_ref[b]
+        row_ok = (row >= 0) & (row < row_limit)
+        n_valid = jnp.where(row_ok, valid_ref[b], 0)
+        address = make_address(layer_ref[0], jnp.where(row_ok, row, 0), pos_ref[b], n_valid, h, *table_refs)
         quantize_and_store(
             profile, d, t_len, cfg.block_t, b=b, h=h, t0=tile * cfg.block_t,
             k_ref=k_ref, v_ref=v_ref, out_refs=out_refs, address=address,

@@ -42,7 +42,8 @@ from jax.experimental.pallas import triton as pl_triton
 from ninfer_kv.profiles import KVCodec, KVProfile
 
 from .backends import implementation, resolve_interpret
-from .codec_tiles import Cols, fp8_bits_to_f32, nvfp4_dequantize_halves, value_columns
+from .addressing import check_plane_addressing
+from .codec_tiles import Cols, and_masks, fp8_bits_to_f32, nvfp4_dequantize_halves, value_columns
 from .config import ResolvedAttention
 from .limits import check_head_dim
 
@@ -84,8 +85,8 @@ def _dot(a: jax.Array, b: jax.Array, transpose_b: bool) -> jax.Array:
 
 
 def _nvfp4_tiles(load: TileLoader, name: str, d: int, cdt) -> tuple[jax.Array, jax.Array]:
-    packed = load(name, Cols(0, 1, d // 2))
-    scale = fp8_bits_to_f32(load(f"{name}_scale", Cols(0, 1, d // 2, div=8)))
+    packed = load(name, Cols.padded(0, 1, d // 2, floor=16))
+    scale = fp8_bits_to_f32(load(f"{name}_scale", Cols.padded(0, 1, d // 2, div=8, floor=16)))
     lo, hi = nvfp4_dequantize_halves(packed, scale)
     return lo.astype(cdt), hi.astype(cdt)
 
@@ -93,9 +94,9 @@ def _nvfp4_tiles(load: TileLoader, name: str, d: int, cdt) -> tuple[jax.Array, j
 def _scores(codec: KVCodec, d: int, qs: list, load: TileLoader, cdt) -> jax.Array:
     """``q . k`` of the tile, float32 ``(rows, block_k)``, unscaled by ``sm_scale``."""
     if codec is KVCodec.BF16:
-        return _dot(qs[0], load("k", Cols(0, 1, d)).astype(cdt), True)
+        return _dot(qs[0], load("k", value_columns(codec, d)[0]).astype(cdt), True)
     if codec is KVCodec.FP8_E4M3FN_ROW:
-        s = _dot(qs[0], load("k", Cols(0, 1, d)).astype(cdt), True)
+        s = _dot(qs[0], load("k", value_columns(codec, d)[0]).astype(cdt), True)
         return s * load("k_scale", 0).astype(_F32)[None, :]
     if codec is KVCodec.INT8_G64:
         total = None
@@ -112,10 +113,10 @@ def _scores(codec: KVCodec, d: int, qs: list, load: TileLoader, cdt) -> jax.Arra
 def _accumulate(codec: KVCodec, d: int, accs: list, p: jax.Array, load: TileLoader, cdt) -> list:
     """``accs + p @ v`` per value-column part."""
     if codec is KVCodec.BF16:
-        return [accs[0] + _dot(p.astype(cdt), load("v", Cols(0, 1, d)).astype(cdt), False)]
+        return [accs[0] + _dot(p.astype(cdt), load("v", value_columns(codec, d)[0]).astype(cdt), False)]
     if codec is KVCodec.FP8_E4M3FN_ROW:
         ps = (p * load("v_scale", 0).astype(_F32)[None, :]).astype(cdt)
-        return [accs[0] + _dot(ps, load("v", Cols(0, 1, d)).astype(cdt), False)]
+        return [accs[0] + _dot(ps, load("v", value_columns(codec, d)[0]).astype(cdt), False)]
     if codec is KVCodec.INT8_G64:
         out = []
         for g, cols in enumerate(value_columns(codec, d)):
@@ -129,7 +130,7 @@ def _accumulate(codec: KVCodec, d: int, accs: list, p: jax.Array, load: TileLoad
     raise ValueError(f"unsupported codec {codec}")  # pragma: no cover - KVCodec is closed
 
 
-KeySource = Callable[[jax.Array, jax.Array, jax.Array], TileLoader]
+KeySource = Callable[[jax.Array, jax.Array, jax.Array], tuple[TileLoader, jax.Array]]
 
 
 def attention_program(
@@ -153,9 +154,11 @@ def attention_program(
       b, h, qt, sp: program ids (row, KV head, query tile, context split).
       pos, kv_len: the row's first query position and key count (int32 scalars).
       q_ref: queries ``(B, T, Hq, D)``.
-      key_source: ``key_source(step, j, key_ok) -> load`` where ``j`` are the step's logical key
-        positions ``(block_k,)``, ``key_ok`` the keys to load, and ``load(plane, cols_or_lane)``
-        returns the masked tile ``(block_k, n)`` (or ``(block_k,)`` for one lane) of that plane.
+      key_source: ``key_source(step, j, key_ok) -> (load, key_ok)`` where ``j`` are the step's
+        logical key positions ``(block_k,)``, ``key_ok`` the keys to load (the source may clear
+        more of them: keys whose block-table entry is not a page of the pool), and
+        ``load(plane, cols_or_lane)`` returns the masked tile ``(block_k, n)`` (or ``(block_k,)``
+        for one lane) of that plane.
       key_floor: optional int32 scalar: keys below it are never visited (the cyclic view holds
         only the most recent ``slots`` positions).
       out_refs: ``(out,)`` with out ``(B, T, Hq, D)`` when there is one split, else
@@ -192,7 +195,9 @@ def attention_program(
 
     row_ok2 = row_ok[:, None]
     qs = [
-        pl_triton.load(q_ref.at[b, tq[:, None], hq[:, None], cols.index()], mask=row_ok2, other=0).astype(cdt)
+        pl_triton.load(
+            q_ref.at[b, tq[:, None], hq[:, None], cols.index()], mask=and_masks(row_ok2, cols.mask()), other=0
+        ).astype(cdt)
         for cols in value_columns(profile.k_codec, d)
     ]
     vcols = value_columns(profile.v_codec, d)
@@ -202,7 +207,7 @@ def attention_program(
         m, l, *accs = carry
         j = step * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
         key_ok = (j >= lo) & (j < hi)
-        load = key_source(step, j, key_ok)
+        load, key_ok = key_source(step, j, key_ok)
         s = _scores(profile.k_codec, d, qs, load, cdt) * sm_scale
         visible = key_ok[None, :] & (j[None, :] <= qpos[:, None])
         if spec.window is not None:
@@ -228,12 +233,16 @@ def attention_program(
         inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[:, None]
         for acc, cols in zip(accs, vcols):
             pl_triton.store(
-                o_ref.at[b, tq_store[:, None], hq[:, None], cols.index()], (acc * inv).astype(o_ref.dtype), mask=row_ok2
+                o_ref.at[b, tq_store[:, None], hq[:, None], cols.index()], (acc * inv).astype(o_ref.dtype),
+                mask=and_masks(row_ok2, cols.mask()),
             )
     else:
         acc_ref, m_ref, l_ref = out_refs
         for acc, cols in zip(accs, vcols):
-            pl_triton.store(acc_ref.at[sp, b, tq_store[:, None], hq[:, None], cols.index()], acc, mask=row_ok2)
+            pl_triton.store(
+                acc_ref.at[sp, b, tq_store[:, None], hq[:, None], cols.index()], acc,
+                mask=and_masks(row_ok2, cols.mask()),
+            )
         pl_triton.store(m_ref.at[sp, b, tq_store, hq], m, mask=row_ok)
         pl_triton.store(l_ref.at[sp, b, tq_store, hq], l, mask=row_ok)
 
@@ -259,7 +268,7 @@ def masked_tile_load(ref_view, key_ok: jax.Array, cols) -> jax.Array:
     float8 planes are loaded without a fill value (the Triton lowering cannot build an f8
     constant) and zeroed after an exact conversion to bfloat16.
     """
-    mask = key_ok if isinstance(cols, int) else key_ok[:, None]
+    mask = key_ok if isinstance(cols, int) else and_masks(key_ok[:, None], cols.mask())
     if jnp.dtype(ref_view.dtype).itemsize == 1 and jnp.issubdtype(ref_view.dtype, jnp.floating):
         tile = pl_triton.load(ref_view, mask=mask).astype(jnp.bfloat16)
         return jnp.where(mask, tile, jnp.zeros((), jnp.bfloat16))
@@ -281,6 +290,8 @@ def run_attention(
         raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
     lay = view.layout
     check_head_dim(lay.profile, lay.head_dim)
+    interpret = resolve_interpret(interpret)
+    check_plane_addressing(view.planes, interpret=interpret)
     b, t, hq, d = q.shape
     cfg = config.resolve(
         num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
@@ -288,7 +299,7 @@ def run_attention(
     )
     sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
     impl = implementation(op, cfg.backend)
-    return impl(q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, interpret=resolve_interpret(interpret))
+    return impl(q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, interpret=interpret)
 
 
 KeySourceFactory = Callable[..., KeySource]
@@ -308,6 +319,8 @@ def attention_call(
     interpret: bool,
     name: str,
     make_key_source: KeySourceFactory,
+    row_limit: int,
+    key_limit: int | None = None,
     key_floor_offset: int | None = None,
 ) -> jax.Array:
     """Run :func:`attention_program` over the grid ``(B, H, ceil(T / block_q), k_splits)``.
@@ -316,6 +329,10 @@ def attention_call(
     ``(B,)``), the ``tables`` (e.g. the block tables), ``q`` and the planes ``names``.  Each
     program calls ``make_key_source(layer, row, h, plane_refs, *table_refs)`` for its key source;
     with ``key_floor_offset`` the program's key floor is ``positions[b] + key_floor_offset``.
+
+    Out-of-range inputs (no check is possible under ``jit``): a row index ``rows[b]`` outside
+    ``[0, row_limit)`` makes row ``b`` inert (no key is visited: zeros; the key source gets row
+    0, a safe address); ``kv_lens[b]`` is clipped to ``[0, key_limit]``.
     Several splits are merged with :func:`combine_splits`.  ``q`` must be non-empty.
     """
     cfg, splits = spec.cfg, spec.cfg.k_splits
@@ -328,9 +345,13 @@ def attention_call(
         out_refs = refs[n_tables + 1 + n_planes:]
         b, h, qt, sp = (pl.program_id(i) for i in range(4))
         pos = pos_ref[b]
-        key_source = make_key_source(layer_ref[0], rows_ref[b], h, plane_refs, *table_refs)
+        row = rows_ref[b]
+        row_ok = (row >= 0) & (row < row_limit)
+        kv_len = lens_ref[b] if key_limit is None else jnp.minimum(lens_ref[b], key_limit)
+        kv_len = jnp.where(row_ok, jnp.maximum(kv_len, 0), 0)
+        key_source = make_key_source(layer_ref[0], jnp.where(row_ok, row, 0), h, plane_refs, *table_refs)
         attention_program(
-            spec, b=b, h=h, qt=qt, sp=sp, pos=pos, kv_len=lens_ref[b], q_ref=q_ref, key_source=key_source,
+            spec, b=b, h=h, qt=qt, sp=sp, pos=pos, kv_len=kv_len, q_ref=q_ref, key_source=key_source,
             out_refs=out_refs, key_floor=None if key_floor_offset is None else pos + key_floor_offset,
         )
 

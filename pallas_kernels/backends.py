@@ -12,7 +12,9 @@ flash-decoding combine, configs) live in the op modules and are shared.
 Today there is one backend, ``"triton"`` (:data:`TRITON`): kernels written against the Pallas
 Triton dialect (``jax.experimental.pallas.triton`` masked ``load``/``store``), compiled with
 ``jax.experimental.pallas.triton.CompilerParams(num_warps, num_stages)``.  Its ``pallas_call``
-wrapper is the only place that builds compiler parameters or calls ``pl.pallas_call``.
+wrapper is the only place that builds compiler parameters or calls ``pl.pallas_call``; it also
+makes the lowering address every operand of >= 2**31 elements with 64-bit offsets
+(:mod:`pallas_kernels.addressing`).
 
 A Mosaic GPU (Hopper, warpgroup/TMA) variant of an op is added beside it: write the kernel
 against ``jax.experimental.pallas.mosaic_gpu``, give it a backend object with its own
@@ -29,6 +31,8 @@ from typing import Callable
 
 import jax
 from jax.experimental import pallas as pl
+
+from .addressing import install_wide_offsets
 
 __all__ = ["TritonBackend", "TRITON", "BACKENDS", "IMPLEMENTATIONS", "register", "implementation", "resolve_interpret"]
 
@@ -67,6 +71,8 @@ class TritonBackend:
         """
         from jax.experimental.pallas import triton as pl_triton
 
+        if not interpret:
+            install_wide_offsets()  # 64-bit offsets for every operand of >= 2**31 elements
         return pl.pallas_call(
             kernel,
             grid=grid,

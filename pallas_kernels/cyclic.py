@@ -9,6 +9,8 @@ Planes are ``(num_layers, rows, H, slots, X)``; key ``j`` of a row lives in slot
   ``p - window < j <= p``, ``j < kv_lens[b]`` and ``j`` is one of the ``slots`` most recent
   positions of the row's chunk (``j > positions[b] + T - 1 - slots``; with the layout's
   ``slots >= window + T - 1`` this is implied by the window).
+* A ring index outside ``[0, rows)`` makes the row inert (append writes nothing; attention
+  returns zeros); tokens at negative positions are dropped and see no key.
 
 Grids: append ``(B, ceil(T / block_t), H)``; attention ``(B, H, ceil(T / block_q), k_splits)``.
 The codec arithmetic and the attention program are shared with the paged kernels.
@@ -89,12 +91,14 @@ def _cyclic_append_triton(view, rows, positions, k, v, valid, *, config, interpr
     if bsz == 0 or t_len == 0:
         return dict(view.planes)
 
+    drop_ring = n_rows if interpret else 0  # never stored: out of range for the interpreter's scatter
+
     def make_address(layer, ring, pos, n_valid, h):
         def address(t):
             p = pos + t
             write = (t < n_valid) & (p >= 0) & (p > pos + n_valid - 1 - slots)
             slot = jax.lax.rem(jnp.where(write, p, 0), jnp.int32(slots))
-            rr = jnp.where(write, ring, n_rows)  # out of range: never stored
+            rr = jnp.where(write, ring, drop_ring)
 
             def index(cols):
                 if cols.ndim == 0:
@@ -108,7 +112,7 @@ def _cyclic_append_triton(view, rows, positions, k, v, valid, *, config, interpr
     return append_call(
         TRITON, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions, valid=valid,
         tables=(), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
-        name=f"cyclic_append_{lay.profile.value}_d{lay.head_dim}", make_address=make_address,
+        name=f"cyclic_append_{lay.profile.value}_d{lay.head_dim}", make_address=make_address, row_limit=n_rows,
     )
 
 
@@ -135,7 +139,7 @@ def _cyclic_attention_triton(q, view, rows, positions, kv_lens, *, sm_scale, cfg
                     idx = (layer, ring, h, slot[:, None], cols.index())
                 return masked_tile_load(plane_refs[name].at[idx], key_ok, cols)
 
-            return load
+            return load, key_ok
 
         return key_source
 
@@ -143,6 +147,6 @@ def _cyclic_attention_triton(q, view, rows, positions, kv_lens, *, sm_scale, cfg
         TRITON, q=q, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions,
         kv_lens=kv_lens, tables=(), spec=spec, interpret=interpret,
         name=f"cyclic_attention_{lay.profile.value}_d{d}_w{window}_q{cfg.block_q}_k{cfg.block_k}_s{cfg.k_splits}",
-        make_key_source=make_key_source,
+        make_key_source=make_key_source, row_limit=lay.rows,
         key_floor_offset=t_len - slots,  # the ring holds only the chunk's `slots` most recent positions
     )

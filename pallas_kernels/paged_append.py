@@ -6,6 +6,10 @@ Row ``b`` writes tokens ``t < valid[b]`` at logical positions ``p = positions[b]
 past the table width are dropped, like the reference.  The table lookup happens inside the kernel;
 only entries of blocks that are actually written are read.
 
+Out-of-range inputs under ``jit``: a ``table_rows[b]`` outside ``[0, C)`` writes nothing (no table
+entry of it is read); tokens whose table entry is outside ``[0, N)`` and tokens at positions
+outside ``[0, L * 64)`` are dropped; ``valid`` counts are clipped to ``[0, T]``.
+
 The planes are passed whole and aliased input -> output (``input_output_aliases``), so under a
 ``jax.jit`` that donates them the append writes into the caller's buffers and copies nothing.
 
@@ -65,6 +69,10 @@ def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, in
     page = lay.page_size
     shift = page.bit_length() - 1
 
+    # Tokens that are not written get a page that cannot alias a written one: on a GPU page 0 (a
+    # safe address; the store is masked), in the interpreter page N (its scatter drops it).
+    drop_page = n_pages if interpret else 0
+
     def make_address(layer, row, pos, n_valid, h, bt_ref):
         def address(t):
             p = pos + t
@@ -72,7 +80,8 @@ def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, in
             off = p & jnp.int32(page - 1)
             write = (t < n_valid) & (p >= 0) & (blk < n_blocks)
             pg = pl_triton.load(bt_ref.at[row, jnp.where(write, blk, 0)], mask=write, other=0)
-            pg = jnp.where(write, pg, n_pages)  # out of range: never stored
+            write = write & (pg >= 0) & (pg < n_pages)  # an entry outside [0, N): the block is dropped
+            pg = jnp.where(write, pg, drop_page)
 
             def index(cols):
                 if cols.ndim == 0:
@@ -91,4 +100,5 @@ def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, in
         TRITON, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions, valid=valid,
         tables=(view.block_tables,), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
         name=f"paged_append_{lay.profile.value}_{order.value}_d{lay.head_dim}", make_address=make_address,
+        row_limit=view.block_tables.shape[0],
     )

@@ -12,6 +12,11 @@ nothing proportional to the context is staged.  A program stops at the last bloc
 visible key, so table entries past a row's ``kv_len`` are never read (they may be poison), and
 physical page IDs may come in any order.
 
+Out-of-range inputs under ``jit`` (SEMANTICS of :mod:`ninfer_kv.ops`): a ``table_rows[b]`` outside
+``[0, C)`` returns zeros for row ``b``; a block whose table entry is outside ``[0, N)`` is
+invisible (its keys are masked like keys past ``kv_len``, and page 0 is addressed instead);
+``kv_lens`` is clipped to ``[0, L * 64]``; a query at a negative position sees no key.
+
 See :mod:`pallas_kernels.attention_core` for the per-program arithmetic.
 """
 
@@ -72,16 +77,21 @@ def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale
     )
     bk = cfg.block_k
 
+    n_pages = view.num_pages
+
     def make_key_source(layer, row, h, plane_refs, bt_ref):
         def key_source(step, j, key_ok):
             tok = j & jnp.int32(page - 1)
             if bk == page:
-                pg = bt_ref[row, step]  # one page per step: a scalar table load
-                pg_tile = pg
+                pg = bt_ref[row, step]  # one page per step: a scalar table load (step < L: kv_len <= L * 64)
             else:
                 blk = jax.lax.shift_right_arithmetic(j, jnp.int32(shift))
                 pg = pl_triton.load(bt_ref.at[row, jnp.where(key_ok, blk, 0)], mask=key_ok, other=0)
-                pg_tile = pg[:, None]
+            # A table entry that is not a page of the pool hides its block's keys; address page 0.
+            pg_ok = (pg >= 0) & (pg < n_pages)
+            key_ok = key_ok & pg_ok
+            pg = jnp.where(pg_ok, pg, 0)
+            pg_tile = pg if bk == page else pg[:, None]
 
             def load(name, cols):
                 if isinstance(cols, int):
@@ -91,7 +101,7 @@ def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale
                 idx = (layer, pp, h, tt, cc) if order is PlaneOrder.PAGE_MAJOR else (layer, h, pp, tt, cc)
                 return masked_tile_load(plane_refs[name].at[idx], key_ok, cols)
 
-            return load
+            return load, key_ok
 
         return key_source
 
@@ -99,5 +109,5 @@ def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale
         TRITON, q=q, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions,
         kv_lens=kv_lens, tables=(view.block_tables,), spec=spec, interpret=interpret,
         name=f"paged_attention_{lay.profile.value}_{order.value}_d{d}_q{cfg.block_q}_k{bk}_s{cfg.k_splits}",
-        make_key_source=make_key_source,
+        make_key_source=make_key_source, row_limit=view.block_tables.shape[0], key_limit=view.logical_pages * page,
     )

@@ -151,3 +151,58 @@ def assert_close(got, want, q_dtype) -> None:
     w = np.asarray(jnp.asarray(want, jnp.float32))
     assert np.isfinite(g).all(), "non-finite values in the kernel output"
     np.testing.assert_allclose(g, w, **tol)
+
+
+# -- out-of-range inputs (SEMANTICS A) -------------------------------------------------------------
+
+
+def sanitized_for_reference(view: PagedKVBatchLayerView, table_rows, valid):
+    """Inputs on which the reference append does what the kernels must do with the raw ones.
+
+    A ``table_rows`` entry outside ``[0, C)`` becomes row 0 with ``valid`` 0 (the row is inert);
+    every table entry outside ``[0, N)`` becomes ``N`` (dropped by the reference's scatter).
+    """
+    table = np.asarray(view.block_tables)
+    n = view.num_pages
+    rows = np.asarray(table_rows)
+    row_ok = (rows >= 0) & (rows < table.shape[0])
+    clean = np.where((table >= 0) & (table < n), table, n).astype(np.int32)
+    return (
+        view.replace(block_tables=jnp.asarray(clean)),
+        jnp.asarray(np.where(row_ok, rows, 0), jnp.int32),
+        jnp.asarray(np.where(row_ok, np.asarray(valid), 0), jnp.int32),
+    )
+
+
+def expected_paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, sm_scale=None):
+    """float32 dense paged attention with the out-of-range rules of the kernels (an independent oracle).
+
+    Row ``b`` with ``table_rows[b]`` outside ``[0, C)`` sees no key; a block whose table entry is
+    outside ``[0, N)`` is invisible; ``kv_lens`` is clipped to ``[0, L * 64]``.
+    """
+    from ninfer_kv.ops.reference import attention_over_keys
+
+    lay = view.layout
+    table = np.asarray(view.block_tables)
+    c_rows, width = table.shape
+    n = view.num_pages
+    rows = np.asarray(table_rows)
+    row_ok = (rows >= 0) & (rows < c_rows)
+    entries = table[np.where(row_ok, rows, 0)]  # (B, L)
+    page_ok = (entries >= 0) & (entries < n)
+    pages = np.where(page_ok, entries, 0)
+    gathered = {}
+    for name, plane in view.planes.items():
+        layer = np.asarray(plane)[view.layer] if lay.order.value == "page-major" else np.moveaxis(np.asarray(plane)[view.layer], 0, 1)
+        x = layer[pages]  # (B, L, H, P, X)
+        bsz, nblk, h, p, ext = x.shape
+        gathered[name] = jnp.asarray(np.transpose(x, (0, 2, 1, 3, 4)).reshape(bsz, h, nblk * p, ext))
+    k, v = codecs.decode_kv(lay.profile, gathered)
+    d = q.shape[-1]
+    j = np.arange(width * PAGE)
+    kv_eff = np.clip(np.asarray(kv_lens), 0, width * PAGE) * row_ok
+    qpos = np.asarray(positions)[:, None] + np.arange(q.shape[1])[None, :]
+    visible = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_eff[:, None, None])
+    visible &= np.repeat(page_ok, PAGE, axis=1)[:, None, :]
+    scale = (1.0 / d**0.5) if sm_scale is None else sm_scale
+    return attention_over_keys(q, k, v, jnp.asarray(visible), scale).astype(q.dtype)

@@ -121,3 +121,105 @@ def test_columns_cover_every_lane_once():
         for d in (64, 128, 256):
             lanes = np.concatenate([np.asarray(c.index())[0] for c in ct.value_columns(codec, d)])
             assert sorted(lanes.tolist()) == list(range(d)), (codec, d)
+
+
+def test_padded_columns_mask_the_padding():
+    from ninfer_kv.profiles import KVCodec
+
+    for codec, d in ((KVCodec.BF16, 80), (KVCodec.FP8_E4M3FN_ROW, 8), (KVCodec.NVFP4_G16, 160), (KVCodec.INT8_G64, 192)):
+        lanes = []
+        for c in ct.value_columns(codec, d):
+            assert c.n >= 16 and c.n & (c.n - 1) == 0
+            mask = np.ones((1, c.n), bool) if c.mask() is None else np.asarray(c.mask())
+            idx = np.asarray(c.index())
+            lanes += idx[mask].tolist()
+            assert np.all(idx[~mask] >= d)  # padding names no real lane
+        assert sorted(lanes) == list(range(d)), (codec, d)
+
+
+_NAN_BF16, _INF_BF16, _NAN_E4M3 = codecs.BF16_NAN_BITS, 0x7F80, codecs.E4M3FN_NAN_BITS
+
+
+def _poisoned_rows(d, group, rs):
+    """Rows of normals with NaN (various payloads and signs) and +-inf planted in some groups."""
+    x = rs.standard_normal((_ROWS, d)).astype(np.float32) * 3
+    odd_nan = np.array([0xFFC00001, 0x7F800001, 0x7FFFFFFF], np.uint32).view(np.float32)
+    x[0, 3] = odd_nan[0]
+    x[1, group + 1] = odd_nan[1]
+    x[2, :] = np.nan
+    x[3, 2 * group - 1] = np.inf
+    x[4, 0] = -np.inf
+    x[4, group] = odd_nan[2]
+    x[5, group + 2] = np.inf
+    x[5, group + 3] = np.nan
+    x[6, 1] = 1e-40  # a subnormal element (flushed by the quantizers)
+    x[7, :group] = 1e-39
+    return x
+
+
+def _bits16(a):
+    return np.asarray(a).view(np.uint16)
+
+
+def test_non_finite_int8_groups_store_nan_or_inf_scales_and_zero_codes():
+    x = _poisoned_rows(128, 64, np.random.RandomState(0))
+    codes, scales = (np.asarray(a) for a in _int8(x))
+    groups = x.reshape(_ROWS, 2, 64)
+    nan, inf = np.isnan(groups).any(-1), np.isinf(groups).any(-1)
+    finite = ~(nan | inf)
+    s_bits = _bits16(scales)
+    assert np.all(s_bits[nan] == _NAN_BF16) and np.all(s_bits[inf & ~nan] == _INF_BF16)
+    assert np.all(codes.reshape(_ROWS, 2, 64)[~finite] == 0)
+    want_codes, want_scales = _ref_int8(x)
+    _same(codes, want_codes)
+    _same(scales, want_scales)
+
+
+def test_non_finite_fp8_rows_store_nan_or_inf_scales_and_zero_codes():
+    x = _poisoned_rows(64, 16, np.random.RandomState(1))
+    codes, scale = (np.asarray(a) for a in _fp8(x))
+    nan, inf = np.isnan(x).any(-1), np.isinf(x).any(-1)
+    s_bits = _bits16(scale)
+    assert np.all(s_bits[nan] == _NAN_BF16) and np.all(s_bits[inf & ~nan] == _INF_BF16)
+    assert np.all(codes.view(np.uint8)[nan | inf] == 0)
+    want_codes, want_scale = _ref_fp8(x)
+    _same(codes, want_codes)
+    _same(scale, np.asarray(want_scale)[:, 0])
+
+
+def test_non_finite_nvfp4_groups_store_nan_scale_bytes_and_zero_codes():
+    x = _poisoned_rows(64, 16, np.random.RandomState(2))
+    packed, bits = (np.asarray(a) for a in _nvfp4(x[:, 0::2], x[:, 1::2]))
+    nan = np.isnan(x.reshape(_ROWS, 4, 16)).any(-1)
+    assert np.all(bits[nan] == _NAN_E4M3)
+    assert np.all(packed.reshape(_ROWS, 4, 8)[nan] == 0)
+    # Infinity is not special for NVFP4 (scale min(inf / 6, 448) = 448, codes clipped to +-6).
+    inf = np.isinf(x.reshape(_ROWS, 4, 16)).any(-1) & ~nan
+    assert np.any(inf) and np.all(bits[inf] == 0x7E)
+    want_packed, want_bits = _ref_nvfp4(x)
+    _same(bits, want_bits)
+    _same(packed, want_packed)
+
+
+def test_bf16_nan_is_canonical():
+    x = _poisoned_rows(64, 16, np.random.RandomState(3))
+    got = _bits16(jax.jit(ct.quantize_bf16_tile)(x))
+    nan = np.isnan(x)
+    assert np.all(got[nan] == _NAN_BF16)
+    _same(got, jax.jit(codecs.quantize_bf16)(x)[0])
+
+
+def test_padded_tiles_quantize_the_real_lanes_like_the_codecs():
+    rs = np.random.RandomState(4)
+    x = rs.standard_normal((_ROWS, 192)).astype(np.float32)
+    padded = np.concatenate([x, np.zeros((_ROWS, 64), np.float32)], axis=1)
+    codes, scales = jax.jit(ct.quantize_int8_tile, static_argnums=1)(padded, 192)
+    want_codes, want_scales = _ref_int8(x)
+    _same(np.asarray(codes)[:, :192], want_codes)
+    _same(np.asarray(scales)[:, :3], want_scales)
+    y = rs.standard_normal((_ROWS, 80)).astype(np.float32)
+    halves = [np.concatenate([y[:, i::2], np.zeros((_ROWS, 24), np.float32)], axis=1) for i in (0, 1)]
+    packed, bits = jax.jit(ct.quantize_nvfp4_tile, static_argnums=2)(*halves, 80)
+    want_packed, want_bits = _ref_nvfp4(y)
+    _same(np.asarray(packed)[:, :40], want_packed)
+    _same(np.asarray(bits)[:, :5], want_bits)

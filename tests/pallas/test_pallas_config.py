@@ -57,10 +57,16 @@ def test_resolve_rejects_too_many_rows():
         )
 
 
-@pytest.mark.parametrize("profile,head_dim", [("bf16", 96), ("bf16", 1024), ("nvfp4-g16", 16), ("int8-g64", 192)])
+@pytest.mark.parametrize("profile,head_dim", [("bf16", 1024), ("bf16", 0), ("nvfp4-g16", 24), ("int8-g64", 96)])
 def test_unsupported_head_dims_are_clear(profile, head_dim):
     with pytest.raises(ValueError, match=rf"head_dim={head_dim}"):
         pk.check_head_dim(KVProfile.parse(profile), head_dim)
+
+
+@pytest.mark.parametrize("profile,head_dim", [("bf16", 80), ("fp8-e4m3fn-row256", 96), ("nvfp4-g16", 16),
+                                              ("int8-g64", 192), ("k8v4", 160), ("bf16", 8)])
+def test_every_codec_head_dim_is_accepted(profile, head_dim):
+    pk.check_head_dim(KVProfile.parse(profile), head_dim)
 
 
 def test_unknown_backend_is_clear():

@@ -8,6 +8,7 @@ Also checked on the lowered (CUDA) programs: the planes are consumed by the kern
 gather, slice or staging copy of them outside it) and the append aliases them input -> output.
 """
 
+import math
 import re
 
 import jax
@@ -23,9 +24,9 @@ from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatch
 B, H, G, D, N_PAGES, WIDTH = 3, 2, 4, 128, 16, 8
 
 
-def _paged_view(profile, order, head_dim=D):
-    lay = PagedKVStorageLayout(profile, 2, H, head_dim, order)
-    planes = {n: jax.ShapeDtypeStruct(s, lay.plane_dtypes()[n]) for n, s in lay.plane_shapes(N_PAGES).items()}
+def _paged_view(profile, order, head_dim=D, *, kv_heads=H, num_pages=N_PAGES, num_layers=2):
+    lay = PagedKVStorageLayout(profile, num_layers, kv_heads, head_dim, order)
+    planes = {n: jax.ShapeDtypeStruct(s, lay.plane_dtypes()[n]) for n, s in lay.plane_shapes(num_pages).items()}
     bt = jax.ShapeDtypeStruct((B + 1, WIDTH), jnp.int32)
     return PagedKVBatchLayerView(planes, bt, jax.ShapeDtypeStruct((), jnp.int32), lay, validate=False)
 
@@ -78,9 +79,13 @@ def test_cyclic_kernels_lower_for_cuda(profile):
         _lower(attn, _tokens(t, H * G, jnp.float32), view, _I32, _I32, _I32)
 
 
-@pytest.mark.parametrize("profile,head_dim", [("int8-g64", 64), ("nvfp4-g16", 256), ("k8v4", 256), ("bf16", 64)])
-def test_head_dims_lower_for_cuda(profile, head_dim):
-    view = _paged_view(profile, "page-major", head_dim)
+@pytest.mark.parametrize(
+    "profile,order,head_dim",
+    [("bf16", "page-major", 80), ("fp8-e4m3fn-row256", "head-major", 96), ("k8v4", "page-major", 160),
+     ("int8-g64", "head-major", 192), ("nvfp4-g16", "page-major", 16), ("k8v4", "head-major", 256)],
+)
+def test_head_dims_lower_for_cuda(profile, order, head_dim):
+    view = _paged_view(profile, order, head_dim)
     attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, interpret=False)  # noqa: E731
     _lower(attn, _tokens(1, H * 8, head_dim=head_dim), view, _I32, _I32, _I32)
     append = lambda v, r, p, k, vv, n: pk.paged_append(v, r, p, k, vv, n, interpret=False)  # noqa: E731
@@ -118,3 +123,105 @@ def test_attention_reads_planes_only_inside_the_kernel(t_len, config):
         if plane_vars & {v for v in eqn.invars if isinstance(v, jax_core.Var)}:
             assert eqn.primitive.name == "pallas_call", f"a plane is consumed by {eqn.primitive.name}"
     assert not _primitives_outside_kernels(jaxpr) & _FORBIDDEN_OUTSIDE_KERNEL
+
+
+# -- 64-bit addressing of large planes -------------------------------------------------------------
+
+_SSA_DEF = re.compile(r"^\s*(%[\w#]+)(?::\d+)? = ([\w.]+) (%[\w#]+)")
+_ADDPTR = re.compile(r"= tt\.addptr (%[\w#]+), %[\w#]+ : (?:tensor<[^>]*>>|!tt\.ptr<[^>]*>), (?:tensor<[\dx]*x)?i(\d+)>?$")
+_POINTER_OPS = {"tt.splat", "tt.broadcast", "tt.addptr", "tt.expand_dims", "tt.reshape"}
+
+
+def _triton_modules(monkeypatch, fn, *args) -> list:
+    """Lower ``fn`` for CUDA and return ``(kernel jaxpr, Triton IR text)`` of every Pallas kernel."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    captured = []
+    original = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, *a, **k):
+        result = original(jaxpr, *a, **k)
+        captured.append((jaxpr, result.module.operation.get_asm()))
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    _lower(fn, *args)
+    assert captured, "no Triton kernel was lowered"
+    return captured
+
+
+def _offset_widths_by_operand(jaxpr, text: str) -> dict[int, set[int]]:
+    """For each kernel operand (``%argN``): the bit widths of the offsets added to pointers into it."""
+    defs = {}
+    for line in text.splitlines():
+        m = _SSA_DEF.match(line)
+        if m:
+            defs[m.group(1)] = (m.group(2), m.group(3))
+    widths: dict[int, set[int]] = {}
+    for line in text.splitlines():
+        m = _ADDPTR.search(line)
+        if not m:
+            continue
+        root = m.group(1)
+        while not root.startswith("%arg"):
+            op, operand = defs.get(root, (None, None))
+            assert op in _POINTER_OPS, f"cannot trace the pointer of {line.strip()!r} back to an operand ({root}: {op})"
+            root = operand
+        widths.setdefault(int(root[4:]), set()).add(int(m.group(2)))
+    assert len(widths) > 0
+    return widths
+
+
+def _assert_wide_offsets(modules) -> int:
+    """No pointer into an operand of >= 2**31 elements takes 32-bit offsets; returns how many such operands."""
+    large = 0
+    for jaxpr, text in modules:
+        widths = _offset_widths_by_operand(jaxpr, text)
+        for i, var in enumerate(jaxpr.invars):
+            n = math.prod(var.aval.shape)
+            if i not in widths:
+                continue
+            if n >= 2**31:
+                large += 1
+                assert widths[i] == {64}, f"operand {i} {var.aval} has {n} elements but takes i{widths[i]} offsets"
+            elif n * var.aval.dtype.itemsize < 2**30:
+                assert widths[i] == {32}, f"small operand {i} {var.aval} takes i{widths[i]} offsets"
+    return large
+
+
+# A 1-layer K8V4 pool, H = 8, D = 128, 40000 pages: the FP8 key plane holds 2.6e9 elements (2.44 GiB,
+# inside the lowering's 32-bit byte window); the NVFP4 value plane 1.3e9 (i32 offsets are right).
+_BIG = dict(kv_heads=8, num_pages=40000, num_layers=1)
+
+
+@pytest.mark.parametrize(
+    "order,config",
+    [("page-major", pk.PagedAttentionConfig(k_splits=1)), ("head-major", pk.PagedAttentionConfig(block_k=128))],
+)
+def test_large_planes_take_64_bit_offsets_in_attention(monkeypatch, order, config):
+    view = _paged_view("k8v4", order, 128, **_BIG)
+    attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, config=config, interpret=False)  # noqa: E731
+    modules = _triton_modules(monkeypatch, attn, _tokens(1, 32), view, _I32, _I32, _I32)
+    assert _assert_wide_offsets(modules) == 1  # the key plane
+
+
+def test_large_planes_take_64_bit_offsets_in_append(monkeypatch):
+    view = _paged_view("k8v4", "page-major", 128, **_BIG)
+    append = lambda v, r, p, k, vv, n: pk.paged_append(v, r, p, k, vv, n, interpret=False)  # noqa: E731
+    modules = _triton_modules(monkeypatch, append, view, _I32, _I32, _tokens(1, 8), _tokens(1, 8), _I32)
+    assert _assert_wide_offsets(modules) == 1  # the key plane (written through its aliased output)
+
+
+def test_the_check_sees_32_bit_offsets_without_the_wide_offset_rule(monkeypatch):
+    """Control: with JAX's own offset rule the same kernel addresses the key plane with i32 offsets."""
+    from jax._src.pallas.triton import lowering
+
+    from pallas_kernels import addressing
+
+    addressing.install_wide_offsets()
+    monkeypatch.setattr(lowering, "_compute_offsets_from_indices", lowering._compute_offsets_from_indices.__wrapped__)
+    view = _paged_view("k8v4", "page-major", 128, **_BIG)
+    attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, interpret=False)  # noqa: E731
+    modules = _triton_modules(monkeypatch, attn, _tokens(1, 32), view, _I32, _I32, _I32)
+    with pytest.raises(AssertionError, match=re.escape("takes i{32} offsets")):
+        _assert_wide_offsets(modules)
