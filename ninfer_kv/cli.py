@@ -10,8 +10,12 @@ Output contract:
 
 * Default output is human-readable text.  With ``--json`` exactly one JSON object is written to
   stdout and nothing else.
-* Bad values exit with status 2 and a single line on stderr that names the value and the allowed
-  range; no traceback is ever printed for a user error.
+* Bad values exit with status 2 and a single line on stderr that names the flag (``--max-context``,
+  never the library's ``max_context``), the value and the allowed range, and says when the value is
+  a default the user did not type.  No traceback is ever printed: an unexpected failure is one line
+  and exit status 1 (``NINFER_KV_TRACEBACK=1`` shows the traceback).
+* ``--kv-cache-dtype`` is an alias of ``--profile``; both accept the short names of
+  :data:`KV_CACHE_DTYPES` (``bf16``, ``fp8``, ``int8``, ``nvfp4``, ``k8v4``).
 
 Subcommands live in a registry.  A module adds one with :func:`register_subcommand` (usually as a
 decorator on its ``run`` function) and is listed in :data:`SUBCOMMAND_MODULES` so ``main`` imports it
@@ -681,21 +685,16 @@ def _typed_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[st
     return typed
 
 
-def _speak_in_flags(message: str, parser: argparse.ArgumentParser | None, argv: Sequence[str]) -> str:
+def _speak_in_flags(message: str, parser: argparse.ArgumentParser, argv: Sequence[str]) -> str:
     """Rewrite library parameter names as flags; mark the first mention of each flag not typed."""
-    aliases = {}
-    if parser is not None:
-        for action in parser._actions:
-            for o in action.option_strings:
-                aliases[o] = action.option_strings[0]
-    typed = {aliases.get(o, o) for o in _typed_flags(parser, argv)} if parser is not None else set()
+    canonical = {o: a.option_strings[0] for a in parser._actions for o in a.option_strings}
+    typed = {canonical[o] for o in _typed_flags(parser, argv)}
     marked: set[str] = set()
 
     def flag(match: re.Match) -> str:
         name = PARAMETER_FLAGS[match.group(1)]
-        value = match.group(2)
-        text = name if value is None else f"{name} {value}"
-        if parser is None or name in typed or name in marked or name not in aliases:
+        text = name if match.group(2) is None else f"{name} {match.group(2)}"
+        if name in typed or name in marked or name not in canonical:
             return text
         marked.add(name)
         return f"{text} (the default; not on the command line)"
@@ -722,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 result = cmd.run(args)
             except ValueError as exc:
-                message = _speak_in_flags(str(exc), getattr(args, "_parser", None), argv)
+                message = _speak_in_flags(str(exc), args._parser, argv)
                 raise UsageError(f"{PROG} {cmd.name}", message) from None
         except UsageError as exc:
             print(exc.line(), file=sys.stderr)

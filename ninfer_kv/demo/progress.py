@@ -60,7 +60,10 @@ class DemoProgress:
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         if event == LOWERED_EVENT:
-            self._phase = f"compiling {kwargs.get('fun_name', 'a step function')}"
+            name = str(kwargs.get("fun_name", "a step function"))
+            if name.startswith("jit(") and name.endswith(")"):
+                name = name[4:-1]
+            self._phase = f"compiling {name}"
         elif event == COMPILED_EVENT:
             self._phase = "serving"
             self.compiles += 1
