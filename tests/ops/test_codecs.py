@@ -292,3 +292,55 @@ def test_fp8_bf16_inputs_on_exact_e4m3_ties():
         xs = np.broadcast_to(x, shape)
         code, _ = jax.jit(lambda a: codecs.quantize(KVCodec.FP8_E4M3FN_ROW, a))(jnp.asarray(xs))
         assert_bits_equal(code, np.broadcast_to(want_code, shape), f"e4m3 ties {shape}")
+
+
+def _strict_bits(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    bad = _bits(a) != _bits(b)
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements differ, first at {tuple(np.argwhere(bad)[0])}"
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.value)
+def test_nan_in_any_lane_propagates_explicitly(codec):
+    """A NaN at any lane makes its group's scale NaN and its codes 0, NaN bits compared exactly.
+
+    XLA's CPU ``reduce_max`` drops NaN for shapes like (16, 256) in groups of 16, so a codec that
+    relied on it would store finite scales here.
+    """
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 256)).astype(np.float32)
+    lanes = rng.permutation(256)[:16]
+    x[np.arange(16), lanes] = np.where(np.arange(16) % 2, np.nan, -np.nan).astype(np.float32)
+    x[3, (lanes[3] + 100) % 256] = np.inf
+    want_code, want_scale = np_codecs.encode(codec.value, x)
+    code, scale = jax.jit(lambda a: codecs.quantize(codec, a))(jnp.asarray(x))
+    _strict_bits(code, want_code, f"{codec.value} codes")
+    if want_scale is not None:
+        _strict_bits(scale, want_scale, f"{codec.value} scales")
+        group = {KVCodec.INT8_G64: 64, KVCodec.FP8_E4M3FN_ROW: 256, KVCodec.NVFP4_G16: 16}[codec]
+        s = _bits(scale)[np.arange(16), lanes // group]
+        assert (s == (0x7F if codec is KVCodec.NVFP4_G16 else 0x7FC0)).all()
+
+
+def test_subnormals_are_flushed_by_the_quantizers_and_kept_by_bf16():
+    x = np.zeros((3, 64), np.float32)
+    x[0] = np.float32(1e-39) * np.arange(1, 65, dtype=np.float32)  # all subnormal
+    x[1] = np.float32(2e-38)  # normal amax; amax / 127 and amax / 448 are subnormal
+    x[2, :32] = 1.0
+    x[2, 32:] = -np.float32(3e-40)  # subnormals beside normal values: codes of -0.0
+
+    @jax.jit
+    def run(a):
+        return {c.value: codecs.quantize(c, a) for c in CODECS}, codecs.flush_subnormal(a[2])
+
+    got, flushed = run(jnp.asarray(x))
+    for codec in CODECS:
+        want_code, want_scale = np_codecs.encode(codec.value, x)
+        code, scale = got[codec.value]
+        _strict_bits(code, want_code, f"{codec.value} codes")
+        if scale is not None:
+            _strict_bits(scale, want_scale, f"{codec.value} scales")
+    code, scale = got[KVCodec.INT8_G64.value]
+    assert not np.asarray(scale)[:2].astype(np.float32).any() and not np.asarray(code)[:2].any()
+    assert (_bits(got[KVCodec.BF16.value][0])[0] != 0).all()  # bf16 codes keep subnormals
+    assert (_bits(flushed)[32:] == 0x80000000).all() and (np.asarray(flushed)[:32] == 1).all()
