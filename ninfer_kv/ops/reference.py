@@ -199,9 +199,10 @@ def cyclic_append_reference(
     lay = view.layout
     b, t, h, d = k.shape
     pos = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    write = (jnp.arange(t, dtype=jnp.int32)[None, :] < jnp.asarray(valid, jnp.int32)[:, None]) & (pos >= 0)
+    valid = jnp.clip(jnp.asarray(valid, jnp.int32), 0, t)
+    write = (jnp.arange(t, dtype=jnp.int32)[None, :] < valid[:, None]) & (pos >= 0)
     # Only the last `slots` written tokens of a row survive; drop earlier ones so duplicates never race.
-    last = jnp.asarray(positions, jnp.int32)[:, None] + jnp.asarray(valid, jnp.int32)[:, None] - 1
+    last = jnp.asarray(positions, jnp.int32)[:, None] + valid[:, None] - 1
     write = write & (pos > last - lay.slots)
     r = jnp.broadcast_to(jnp.asarray(rows, jnp.int32)[:, None], (b, t))
     write = write & (r >= 0) & (r < lay.rows)  # a row outside [0, rows) is inert
