@@ -29,6 +29,13 @@ raises :class:`FFIUnavailableError` with that text.
 Threads: ``NINFER_KV_FFI_THREADS`` (read when the library first runs) sets the total thread count
 (the calling thread included); the default is the number of hardware threads.
 
+Instruction sets: the library holds the kernels compiled for several levels (x86-64: ``baseline``,
+``avx2`` = x86-64-v3, ``avx512`` = x86-64-v4; aarch64: ``neon``; a ``-march=native`` build:
+``native``) and picks the best level this CPU supports when it loads.  ``NINFER_KV_FFI_ISA`` (read
+once, on import) forces a level; a level that is not compiled in or that the CPU cannot run is
+refused: the library is then unavailable and :func:`load_error` says why.  :func:`info` reports the
+level in use, the compiled-in and the supported levels.
+
 ``jax.vmap`` over an op uses ``vmap_method="sequential"``: one custom call per mapped element.
 The kernels are already batched over B, so vmap is a convenience, and "sequential" keeps two
 properties the other methods lose: operands that are not mapped (the planes, above all) are
@@ -43,6 +50,7 @@ import glob
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -63,12 +71,14 @@ __all__ = [
     "load_error",
     "library_path",
     "num_threads",
+    "info",
+    "FFIInfo",
     "FFIUnavailableError",
     "ABI_VERSION",
     "TARGETS",
 ]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """Version of the handler contract (operands, attributes, semantics) this module speaks."""
 
 TARGETS = {
@@ -132,6 +142,7 @@ class _Library:
         self.lib: ctypes.CDLL | None = None
         self.path: Path | None = None
         self.error: str | None = None
+        self.forced_isa: str = ""
         self._lock = threading.Lock()
         self._registered = False
 
@@ -156,6 +167,15 @@ class _Library:
         if self.lib is None:
             tried = "; ".join(reasons) if reasons else "no candidate paths"
             self.error = f"the ninfer_kv FFI library ({LIBRARY_NAME}) did not load [{tried}]; {REBUILD_HINT}"
+            return
+        for name in ("NinferKvFfiIsa", "NinferKvFfiIsaError", "NinferKvFfiIsaCompiled", "NinferKvFfiIsaSupported",
+                     "NinferKvFfiCpuFeatures"):
+            getattr(self.lib, name).restype = ctypes.c_char_p
+        self.forced_isa = os.environ.get("NINFER_KV_FFI_ISA", "")  # what the library reads on first use
+        isa_error = self.lib.NinferKvFfiIsaError().decode()
+        if isa_error:
+            self.lib = None
+            self.error = f"the ninfer_kv FFI library at {self.path} cannot run: {isa_error}"
             return
         try:
             self._register()
@@ -197,6 +217,61 @@ def num_threads() -> int:
     lib = _require()
     lib.NinferKvFfiNumThreads.restype = ctypes.c_int
     return int(lib.NinferKvFfiNumThreads())
+
+
+@dataclass(frozen=True)
+class FFIInfo:
+    """What the loaded library runs on this machine."""
+
+    isa: str
+    """The instruction-set level in use (``baseline``, ``avx2``, ``avx512``, ``neon`` or ``native``)."""
+    compiled: tuple[str, ...]
+    """Levels compiled into the library, best first."""
+    supported: tuple[str, ...]
+    """Compiled-in levels this CPU can run, best first (the first is the default)."""
+    forced: bool
+    """Whether ``NINFER_KV_FFI_ISA`` chose the level."""
+    vector_width: int
+    """float32 lanes per SIMD vector of the level in use."""
+    threads: int
+    """Threads the kernels use (the calling thread included)."""
+    cpu_features: tuple[str, ...]
+    """CPU features the library detected."""
+    library: str
+    """Path of the loaded library."""
+
+    def summary(self) -> str:
+        """One line for logs and benchmark headers."""
+        how = "forced by NINFER_KV_FFI_ISA" if self.forced else "auto"
+        return (
+            f"FFI ISA {self.isa} ({how}; compiled {','.join(self.compiled)}; supported {','.join(self.supported)}), "
+            f"{self.vector_width} float lanes, {self.threads} threads"
+        )
+
+
+def info() -> FFIInfo:
+    """The instruction-set level in use, the compiled-in and supported levels, lanes and threads.
+
+    Raises :class:`FFIUnavailableError` when the library is unavailable (including a
+    ``NINFER_KV_FFI_ISA`` level this CPU cannot run).
+    """
+    lib = _require()
+
+    def names(fn) -> tuple[str, ...]:
+        return tuple(x for x in fn().decode().split(",") if x)
+
+    lib.NinferKvFfiVectorWidth.restype = ctypes.c_int
+    forced = _LIBRARY.forced_isa not in ("", "auto")
+    return FFIInfo(
+        isa=lib.NinferKvFfiIsa().decode(),
+        compiled=names(lib.NinferKvFfiIsaCompiled),
+        supported=names(lib.NinferKvFfiIsaSupported),
+        forced=forced,
+        vector_width=int(lib.NinferKvFfiVectorWidth()),
+        threads=num_threads(),
+        cpu_features=names(lib.NinferKvFfiCpuFeatures),
+        library=str(_LIBRARY.path),
+    )
 
 
 def _require() -> ctypes.CDLL:

@@ -4,7 +4,7 @@
 
 #include "thread_pool.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 namespace ffi = xla::ffi;
 
 ffi::Error ParseAppendInputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, AppendInputs* out) {
@@ -75,4 +75,4 @@ void ForEachItem(int64_t n, int64_t per_item, const std::function<void(int64_t)>
   });
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END

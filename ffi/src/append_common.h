@@ -13,7 +13,7 @@
 #include "quantize.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // k and v inputs (B, T, H, D), float32 or bfloat16 (both the same dtype).
 struct AppendInputs {
@@ -33,6 +33,6 @@ void WriteToken(const AppendInputs& in, const PlaneSet& planes, int64_t b, int64
 // enough to pay for the hand-off, else inline; always with denormals flushed.
 void ForEachItem(int64_t n, int64_t per_item, const std::function<void(int64_t)>& fn);
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_APPEND_COMMON_H_

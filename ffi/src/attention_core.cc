@@ -8,7 +8,7 @@
 #include "row_decoders.h"
 #include "simd.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // Software prefetch of the next run, spread over the work of the current one so that the fill
 // buffers are never flooded.
@@ -62,16 +62,30 @@ inline void ScoreTile(const float* q, int ld, const typename KDec::Row* krows, i
   static_assert(MB * JB == kVL, "a score tile has exactly kVL accumulators");
   VFloat acc[MB * JB];
   for (int i = 0; i < MB * JB; ++i) acc[i] = Splat(0.0f);
-  for (int c = 0; c < nchunks; ++c) {
-    VFloat kv[JB];
-    for (int jj = 0; jj < JB; ++jj) kv[jj] = krows[jj].Chunk(c);
-    for (int mm = 0; mm < MB; ++mm) {
-      const VFloat qv = Load(q + mm * ld + c * kVL);
-      for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] += qv * kv[jj];
+  int c = 0;
+  for (; c + 2 <= nchunks; c += 2) {  // chunk pairs (decoded together where a level can)
+    for (int jj = 0; jj < JB; ++jj) {
+      VFloat kv[2];
+      krows[jj].KeyChunk2(c, kv);
+      for (int h = 0; h < 2; ++h) {
+        for (int mm = 0; mm < MB; ++mm) acc[mm * JB + jj] += Load(q + mm * ld + (c + h) * kVL) * kv[h];
+      }
+    }
+  }
+  for (; c < nchunks; ++c) {
+    for (int jj = 0; jj < JB; ++jj) {
+      const VFloat kv = krows[jj].KeyChunk(c);
+      for (int mm = 0; mm < MB; ++mm) acc[mm * JB + jj] += Load(q + mm * ld + c * kVL) * kv;
     }
   }
   float tmp[kVL];
-  Store(tmp, ReduceTranspose(acc));
+  VFloat r = ReduceTranspose(acc);
+  if (KDec::Row::kKeyScaled) {
+    VFloat f;
+    for (int i = 0; i < kVL; ++i) f[i] = krows[i % JB].KeyScale();
+    r *= f;
+  }
+  Store(tmp, r);
   for (int mm = 0; mm < MB; ++mm) std::memcpy(s + mm * lds, tmp + mm * JB, JB * sizeof(float));
 }
 
@@ -123,7 +137,11 @@ inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRo
     }
     const typename VDec::Row row = v.template At<VDec>(j);
     VFloat vv[W];
-    for (int w = 0; w < W; ++w) vv[w] = row.Chunk(c0 + w);
+    int w0 = 0;
+    if ((c0 & 1) == 0) {
+      for (; w0 + 2 <= W; w0 += 2) row.Chunk2(c0 + w0, vv + w0);
+    }
+    for (int w = w0; w < W; ++w) vv[w] = row.Chunk(c0 + w);
     for (int r = 0; r < R; ++r) {
       const VFloat pr = Splat(p[r][j]);
       for (int w = 0; w < W; ++w) acc[r][w] += pr * vv[w];
@@ -396,4 +414,4 @@ std::vector<float>& ThreadRowBuffer(size_t n) {
   return row;
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END

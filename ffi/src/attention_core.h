@@ -23,7 +23,7 @@
 #include "dequantize.h"
 #include "row_decoders.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 class Prefetcher;
 
@@ -87,6 +87,6 @@ AttentionAccumulator& ThreadAccumulator();
 // A float buffer of at least n elements owned by the calling thread.
 std::vector<float>& ThreadRowBuffer(size_t n);
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_ATTENTION_CORE_H_

@@ -10,7 +10,8 @@
 //   int run_capacity() const;                      // longest run of contiguous keys
 //   int64_t split_align() const;                   // context splits start at multiples of this
 //   int64_t RunEnd(int b, int64_t j) const;        // first key after the run holding key j
-//   KVRunSource Run(int b, int h, int64_t j) const;  // sources positioned at key j
+//   bool RunValid(int b, int64_t j) const;          // false: every key of the run holding j is masked
+//   KVRunSource Run(int b, int h, int64_t j) const;  // sources positioned at key j (a valid run)
 //   void Visible(int b, int t, int64_t* lo, int64_t* hi) const;  // keys of query (b, t), inclusive
 #ifndef NINFER_KV_FFI_ATTENTION_DRIVER_H_
 #define NINFER_KV_FFI_ATTENTION_DRIVER_H_
@@ -25,7 +26,7 @@
 #include "scalar_codec.h"
 #include "thread_pool.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 struct AttentionShape {
   int64_t batch, queries, q_heads, kv_heads, head_dim;  // B, T, Hq, H, D
@@ -121,16 +122,22 @@ void RunAttention(const AttentionShape& s, const Source& src) {
         lo = std::max(klo, a0 + split * per * align);
         hi = std::min(khi + 1, a0 + (split + 1) * per * align);
       }
-      int64_t j = lo;
+      // The first key at or after j of a run whose keys are not masked (hi when none).
+      auto next_valid = [&](int64_t j) {
+        while (j < hi && !src.RunValid(static_cast<int>(b), j)) j = src.RunEnd(static_cast<int>(b), j);
+        return std::min(j, hi);
+      };
+      int64_t j = next_valid(lo);
       if (j < hi) {
         KVRunSource run = src.Run(static_cast<int>(b), static_cast<int>(h), j);
         while (j < hi) {
           const int64_t e = std::min(src.RunEnd(static_cast<int>(b), j), hi);
+          const int64_t nj = next_valid(e);
           KVRunSource next;
-          const bool has_next = e < hi;
-          if (has_next) next = src.Run(static_cast<int>(b), static_cast<int>(h), e);
+          const bool has_next = nj < hi;
+          if (has_next) next = src.Run(static_cast<int>(b), static_cast<int>(h), nj);
           acc.Fold(run, j, static_cast<int>(e - j), has_next ? &next : nullptr);
-          j = e;
+          j = nj;
           if (has_next) run = next;
         }
       }
@@ -170,6 +177,6 @@ void RunAttention(const AttentionShape& s, const Source& src) {
   });
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_ATTENTION_DRIVER_H_

@@ -17,15 +17,17 @@
 #include <cstring>
 #include <new>
 
+#include "isa.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // Bumped whenever a handler's operands, attributes or semantics change; ffi_ops.py refuses a
 // library whose version differs from its own (a stale build).
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 enum class Codec : int32_t { kBF16 = 0, kInt8G64 = 1, kFp8Row = 2, kNvfp4G16 = 3 };
 
@@ -147,6 +149,6 @@ class AlignedFloats {
   size_t cap_ = 0;
 };
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_COMMON_H_

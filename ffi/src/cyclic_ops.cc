@@ -10,7 +10,8 @@
 // Append writes token t < valid[b] at slot (positions[b] + t) mod slots when the position is
 // >= 0 and among the last `slots` positions the call writes for that row (earlier ones would be
 // overwritten in the same call); a row index outside [0, rows) or a layer outside
-// [0, num_layers) writes nothing.  Attention clamps the row index and the layer; query
+// [0, num_layers) writes nothing.  Attention returns zeros for a row index outside [0, rows)
+// and clamps the layer; query
 // (b, t) at p = positions[b] + t sees key j iff p - window < j <= p, j < kv_lens[b], j >= 0 and
 // j > positions[b] + T - 1 - slots (the keys the ring still holds).
 #include <algorithm>
@@ -21,12 +22,13 @@
 #include "attention_driver.h"
 #include "common.h"
 #include "handler_args.h"
+#include "kernel_table.h"
 #include "planes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 namespace {
 
 constexpr int64_t kRun = 64;  // keys folded per run (runs also break at the ring's end)
@@ -53,11 +55,18 @@ class RingSource {
   }
 
   void Visible(int b, int t, int64_t* lo, int64_t* hi) const {
+    if (rows_[b] < 0 || rows_[b] >= geo_.rows) {  // an inert row sees no key
+      *lo = 0;
+      *hi = -1;
+      return;
+    }
     const int64_t qpos = static_cast<int64_t>(pos_[b]) + t;
     const int64_t top = static_cast<int64_t>(pos_[b]) + queries_ - 1;
     *lo = std::max({qpos - window_ + 1, top - geo_.slots + 1, int64_t{0}});
     *hi = std::min(qpos, static_cast<int64_t>(lens_[b]) - 1);
   }
+
+  bool RunValid(int, int64_t) const { return true; }
 
   KVRunSource Run(int b, int h, int64_t j) const {
     const int64_t row = Clamp64(rows_[b], 0, geo_.rows - 1);
@@ -128,24 +137,25 @@ ffi::Error CyclicAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 1> rows, 
 }
 
 }  // namespace
-}  // namespace ninfer_kv_ffi
 
-using ninfer_kv_ffi::S32Scalar;
-using ninfer_kv_ffi::S32Vector;
+XLA_FFI_DEFINE_HANDLER(kCyclicAppendHandler, CyclicAppendImpl,
+                       BindAppendTail(ffi::Ffi::Bind()
+                                          .Arg<S32Vector>()     // rows
+                                          .Arg<S32Vector>()     // positions
+                                          .Arg<S32Vector>()     // valid
+                                          .Arg<S32Scalar>()));  // layer
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvCyclicAppend, ninfer_kv_ffi::CyclicAppendImpl,
-                              ninfer_kv_ffi::BindAppendTail(ffi::Ffi::Bind()
-                                                                .Arg<S32Vector>()    // rows
-                                                                .Arg<S32Vector>()    // positions
-                                                                .Arg<S32Vector>()    // valid
-                                                                .Arg<S32Scalar>()));  // layer
+XLA_FFI_DEFINE_HANDLER(kCyclicAttentionHandler, CyclicAttentionImpl,
+                       BindAttentionTail(ffi::Ffi::Bind()
+                                             .Arg<ffi::AnyBuffer>()  // q
+                                             .Arg<S32Vector>()       // rows
+                                             .Arg<S32Vector>()       // positions
+                                             .Arg<S32Vector>()       // kv_lens
+                                             .Arg<S32Scalar>())      // layer
+                           .Attr<int32_t>("window")
+                           .Attr<float>("sm_scale"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvCyclicAttention, ninfer_kv_ffi::CyclicAttentionImpl,
-                              ninfer_kv_ffi::BindAttentionTail(ffi::Ffi::Bind()
-                                                                   .Arg<ffi::AnyBuffer>()  // q
-                                                                   .Arg<S32Vector>()       // rows
-                                                                   .Arg<S32Vector>()       // positions
-                                                                   .Arg<S32Vector>()       // kv_lens
-                                                                   .Arg<S32Scalar>())      // layer
-                                  .Attr<int32_t>("window")
-                                  .Attr<float>("sm_scale"));
+XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame) { return kCyclicAppendHandler(call_frame); }
+XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kCyclicAttentionHandler(call_frame); }
+
+NINFER_KV_NAMESPACE_END

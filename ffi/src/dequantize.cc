@@ -6,7 +6,7 @@
 #include "scalar_codec.h"
 #include "simd.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 namespace {
 
 inline void PrefetchBytes(const uint8_t* p, int64_t bytes) {
@@ -122,9 +122,9 @@ void DequantizeRows(const RowSource& src, int n, int d, int ld, float* out, cons
   }
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 PreparedRows PrepareRows(const RowSource& src, int cnt, int head_dim, AlignedFloats* scales, std::vector<uint8_t>* nan) {
   PreparedRows out;
@@ -169,4 +169,4 @@ PreparedRows PrepareRows(const RowSource& src, int cnt, int head_dim, AlignedFlo
   return out;
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END

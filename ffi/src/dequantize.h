@@ -6,7 +6,7 @@
 
 #include "common.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // Source of one tensor (K or V) of a token run: the data and scale rows of its first token and
 // the per-token byte strides.
@@ -30,6 +30,6 @@ struct KVRunSource {
 // are read.  When `prefetch` is non-null, the same byte range of the next run is prefetched.
 void DequantizeRows(const RowSource& src, int n, int d, int ld, float* out, const RowSource* prefetch);
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_DEQUANTIZE_H_

@@ -18,7 +18,7 @@
 #include "planes.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // Aliases without commas: the handler-definition macro counts its arguments by commas.
 using S32Scalar = xla::ffi::Buffer<xla::ffi::S32, 0>;
@@ -131,14 +131,6 @@ auto BindAttentionTail(Binding binding) {
       .template Attr<int32_t>("v_codec");
 }
 
-}  // namespace ninfer_kv_ffi
-
-// The exported handler symbols (their operands and attributes are fixed by ninfer_kv/ffi_ops.py).
-extern "C" {
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvPagedAppend(XLA_FFI_CallFrame* call_frame);
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvPagedAttention(XLA_FFI_CallFrame* call_frame);
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvCyclicAppend(XLA_FFI_CallFrame* call_frame);
-__attribute__((visibility("default"))) XLA_FFI_Error* NinferKvCyclicAttention(XLA_FFI_CallFrame* call_frame);
-}
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_HANDLER_ARGS_H_

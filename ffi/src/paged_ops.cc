@@ -8,10 +8,12 @@
 //                          kv_lens s32 (B,), planes...) -> out (B, T, Hq, D), q's dtype
 //   attributes: k_codec, v_codec (s32 codec ids), head_major (s32 0/1), sm_scale (f32, attention).
 //
-// Poison safety: a table row index is clamped to [0, C); attention reads only keys
-// j <= min(position + t, kv_len - 1, L * P - 1) and clamps page IDs to [0, N); append drops a
+// Odd indices (the rules every implementation follows): a table row outside [0, C) is inert
+// (append writes nothing for it, attention returns zeros for its queries); attention reads only
+// keys j <= min(position + t, kv_len - 1, L * P - 1) and masks every key of a block whose page ID
+// is outside [0, N) (negative included), never forming a pointer from such an ID; append drops a
 // token whose position is negative, whose block is >= L, whose page ID is outside [0, N), or whose
-// layer is outside [0, num_layers) (exactly the writes the reference's scatter drops).
+// layer is outside [0, num_layers).
 #include <algorithm>
 #include <cstdint>
 
@@ -19,12 +21,13 @@
 #include "attention_driver.h"
 #include "common.h"
 #include "handler_args.h"
+#include "kernel_table.h"
 #include "planes.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 namespace {
 
 // Geometry of a stacked paged plane: (layers, N, H, P, X) or (layers, H, N, P, X).
@@ -66,7 +69,7 @@ class PagedSource {
 
   void Visible(int b, int t, int64_t* lo, int64_t* hi) const {
     *lo = 0;
-    if (bt_.rows == 0 || bt_.blocks == 0) {
+    if (bt_.blocks == 0 || rows_[b] < 0 || rows_[b] >= bt_.rows) {  // an inert row sees no key
       *hi = -1;
       return;
     }
@@ -74,8 +77,15 @@ class PagedSource {
     *hi = std::min({qpos, static_cast<int64_t>(lens_[b]) - 1, bt_.blocks * geo_.page_size - 1});
   }
 
+  // Whether the block holding key j maps a page in [0, N) (the keys of other blocks are masked).
+  // Only called for rows that see keys, i.e. whose table row is in range.
+  bool RunValid(int b, int64_t j) const {
+    const int64_t page = bt_.data[static_cast<int64_t>(rows_[b]) * bt_.blocks + j / geo_.page_size];
+    return page >= 0 && page < geo_.pages;
+  }
+
   KVRunSource Run(int b, int h, int64_t j) const {
-    const int64_t row = Clamp64(rows_[b], 0, bt_.rows - 1);
+    const int64_t row = Clamp64(rows_[b], 0, bt_.rows - 1);  // in range when RunValid held; clamps stay safe
     const int64_t page = Clamp64(bt_.data[row * bt_.blocks + j / geo_.page_size], 0, geo_.pages - 1);
     return planes_.Run(geo_.Token(layer_, page, h, j % geo_.page_size));
   }
@@ -121,7 +131,8 @@ ffi::Error PagedAppendImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ff
     if (p < 0) return;
     const int64_t blk = p / geo.page_size;
     if (blk >= bt.blocks) return;
-    const int64_t row = Clamp64(rows[b], 0, bt.rows - 1);
+    const int64_t row = rows[b];
+    if (row < 0 || row >= bt.rows) return;  // an inert row writes nothing
     const int64_t page = bt.data[row * bt.blocks + blk];
     if (page < 0 || page >= geo.pages) return;
     for (int64_t h = 0; h < in.heads; ++h) WriteToken(in, planes, b, t, h, geo.Token(lay, page, h, p % geo.page_size));
@@ -152,28 +163,28 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
 }
 
 }  // namespace
-}  // namespace ninfer_kv_ffi
 
-using ninfer_kv_ffi::S32Matrix;
-using ninfer_kv_ffi::S32Scalar;
-using ninfer_kv_ffi::S32Vector;
+XLA_FFI_DEFINE_HANDLER(kPagedAppendHandler, PagedAppendImpl,
+                       BindAppendTail(ffi::Ffi::Bind()
+                                          .Arg<S32Matrix>()   // block_tables
+                                          .Arg<S32Scalar>()   // layer
+                                          .Arg<S32Vector>()   // table_rows
+                                          .Arg<S32Vector>()   // positions
+                                          .Arg<S32Vector>())  // valid
+                           .Attr<int32_t>("head_major"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvPagedAppend, ninfer_kv_ffi::PagedAppendImpl,
-                              ninfer_kv_ffi::BindAppendTail(ffi::Ffi::Bind()
-                                                                .Arg<S32Matrix>()   // block_tables
-                                                                .Arg<S32Scalar>()   // layer
-                                                                .Arg<S32Vector>()   // table_rows
-                                                                .Arg<S32Vector>()   // positions
-                                                                .Arg<S32Vector>())  // valid
-                                  .Attr<int32_t>("head_major"));
+XLA_FFI_DEFINE_HANDLER(kPagedAttentionHandler, PagedAttentionImpl,
+                       BindAttentionTail(ffi::Ffi::Bind()
+                                             .Arg<ffi::AnyBuffer>()  // q
+                                             .Arg<S32Matrix>()       // block_tables
+                                             .Arg<S32Scalar>()       // layer
+                                             .Arg<S32Vector>()       // table_rows
+                                             .Arg<S32Vector>()       // positions
+                                             .Arg<S32Vector>())      // kv_lens
+                           .Attr<int32_t>("head_major")
+                           .Attr<float>("sm_scale"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NinferKvPagedAttention, ninfer_kv_ffi::PagedAttentionImpl,
-                              ninfer_kv_ffi::BindAttentionTail(ffi::Ffi::Bind()
-                                                                   .Arg<ffi::AnyBuffer>()  // q
-                                                                   .Arg<S32Matrix>()       // block_tables
-                                                                   .Arg<S32Scalar>()       // layer
-                                                                   .Arg<S32Vector>()       // table_rows
-                                                                   .Arg<S32Vector>()       // positions
-                                                                   .Arg<S32Vector>())      // kv_lens
-                                  .Attr<int32_t>("head_major")
-                                  .Attr<float>("sm_scale"));
+XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendHandler(call_frame); }
+XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAttentionHandler(call_frame); }
+
+NINFER_KV_NAMESPACE_END

@@ -2,7 +2,7 @@
 
 #include <sstream>
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 namespace ffi = xla::ffi;
 
 namespace {
@@ -147,4 +147,4 @@ ffi::Error CollectRets(const ffi::RemainingRets& rets, std::vector<ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END

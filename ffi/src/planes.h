@@ -11,7 +11,7 @@
 #include "dequantize.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // The typed planes of one pool (or cyclic state), all sharing their first four dimensions.
 struct PlaneSet {
@@ -48,6 +48,6 @@ xla::ffi::Error CollectRets(const xla::ffi::RemainingRets& rets, std::vector<xla
 // "Expected X, got Y" helpers for error messages.
 std::string DimsString(xla::ffi::AnyBuffer::Dimensions dims);
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_PLANES_H_

@@ -7,7 +7,7 @@
 #include "simd.h"
 #include "vector_codec.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 namespace {
 
 void QuantizeInt8G64(const float* x, int d, uint8_t* code, uint8_t* scale) {
@@ -17,14 +17,13 @@ void QuantizeInt8G64(const float* x, int d, uint8_t* code, uint8_t* scale) {
     std::memcpy(scale + 2 * g, &sb, 2);
     const float s = Bf16ToFloat(sb);
     uint8_t* out = code + g * 64;
-    if (s == 0.0f) {
+    if (s == 0.0f || !IsFinite(s)) {  // zero, NaN (a NaN in the group) or inf scale: codes 0
       std::memset(out, 0, 64);
       continue;
     }
     const VFloat sv = Splat(s);
     for (int i = 0; i < 64; i += kVL) {  // 64 is a multiple of kVL
       VFloat q = RoundHalfEvenV(ClipV(Load(xg + i) / sv, -127.0f, 127.0f));
-      q = q != q ? Splat(0.0f) : q;  // NaN -> 0, as XLA converts
       StoreLanesU8(out + i, __builtin_convertvector(__builtin_convertvector(q, VInt), VUInt) & 0xFFu);
     }
   }
@@ -34,7 +33,7 @@ void QuantizeFp8Row(const float* x, int d, uint8_t* code, uint8_t* scale) {
   const uint16_t sb = FloatToBf16(AbsMaxV(x, d) / 448.0f);
   std::memcpy(scale, &sb, 2);
   const float s = Bf16ToFloat(sb);
-  if (s == 0.0f) {
+  if (s == 0.0f || !IsFinite(s)) {  // zero, NaN (a NaN in the row) or inf scale: codes 0
     std::memset(code, 0, static_cast<size_t>(d));
     return;
   }
@@ -70,7 +69,7 @@ void QuantizeNvfp4G16(const float* x, int d, uint8_t* code, uint8_t* scale) {
     const uint8_t sb = FloatToE4m3fn(t);
     scale[g] = sb;
     const float s = E4m3fnToFloat(sb);
-    if (s == 0.0f) {
+    if (s == 0.0f || !IsFinite(s)) {  // zero or NaN scale (0x7F: a NaN in the group): codes 0
       std::memset(code + g * 8, 0, 8);
       continue;
     }
@@ -98,6 +97,11 @@ void QuantizeRow(Codec c, const float* x, int d, uint8_t* code, uint8_t* scale) 
   }
 }
 
-void CopyBf16Row(const uint16_t* x, int d, uint8_t* code) { std::memcpy(code, x, static_cast<size_t>(d) * 2); }
+void CopyBf16Row(const uint16_t* x, int d, uint8_t* code) {
+  for (int i = 0; i < d; ++i) {
+    const uint16_t b = (x[i] & 0x7FFFu) > 0x7F80u ? kBf16CanonicalNan : x[i];
+    std::memcpy(code + 2 * i, &b, 2);
+  }
+}
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END

@@ -6,19 +6,21 @@
 
 #include "common.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // Quantizes x[0, d) (float32) with codec `c` and writes the codes to `code` (the data plane's
 // X elements of this token-head) and, for codecs with scales, the scales to `scale`.
 //
 // Bit-identical to ninfer_kv.codecs on CPU, provided the caller runs under ScopedFlushDenormal:
 // float32 arithmetic, every division (amax / c and x / s) a correctly rounded IEEE division
-// (codecs.div_rn), zero scale -> codes 0.
+// (codecs.div_rn).  A group (INT8: 64 elements, FP8: the row, NVFP4: 16) holding a NaN stores
+// the NaN scale (bf16 0x7FC0, NVFP4 byte 0x7F) and all codes 0; a scale that is 0 or not finite
+// (INT8 / FP8 with an infinite element) stores all codes 0; BF16 codes store every NaN as 0x7FC0.
 void QuantizeRow(Codec c, const float* x, int d, uint8_t* code, uint8_t* scale);
 
-// Writes x[0, d) (bfloat16 input) as BF16 codes: a plain copy of the bits.
+// Writes x[0, d) (bfloat16 input) as BF16 codes: a copy of the bits, NaNs as 0x7FC0.
 void CopyBf16Row(const uint16_t* x, int d, uint8_t* code);
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_QUANTIZE_H_

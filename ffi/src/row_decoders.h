@@ -14,7 +14,7 @@
 #include "scalar_codec.h"
 #include "simd.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 // e4m3fn codes (zero-extended to 32-bit lanes) -> float32, exact, without denormal arithmetic.
 inline VFloat E4m3fnLanes(VUInt w) {
@@ -37,6 +37,15 @@ inline VFloat E2m1Lanes(VUInt c) {
   return AsFloat(bits | ((c & 8u) << 28));
 }
 
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+// High bytes of the float16 values of the 16 e2m1 codes (sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+inline __m128i E2m1F16High() {
+  return _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, static_cast<char>(0x80), static_cast<char>(0xB8),
+                       static_cast<char>(0xBC), static_cast<char>(0xBE), static_cast<char>(0xC0), static_cast<char>(0xC2),
+                       static_cast<char>(0xC4), static_cast<char>(0xC6));
+}
+#endif
+
 // kVL / 2 packed bytes -> kVL e2m1 values (element 2i: low nibble of byte i).
 inline VFloat E2m1Packed(const uint8_t* p) {
 #if defined(__AVX512F__)
@@ -56,23 +65,27 @@ inline VFloat E2m1Packed(const uint8_t* p) {
 #else
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+  // (the permute reads only bits 0..3 of each index, so the high bits need no mask)
   w = _mm512_srlv_epi32(w, _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
-  w = _mm512_and_si512(w, _mm512_set1_epi32(15));
   const __m512 v = _mm512_permutexvar_ps(w, kLut);
   VFloat r;
   std::memcpy(&r, &v, sizeof r);
   return r;
 #endif
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__F16C__)
+  // The 8 nibbles of 4 bytes, in element order, index a 16-entry byte table (pshufb) holding the
+  // high byte of each e2m1 value as a float16 (whose low byte is 0); the float16 -> float32
+  // conversion is exact.
   int32_t four;
   std::memcpy(&four, p, 4);
   const __m128i b = _mm_cvtsi32_si128(four);
-  __m256i w = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
-  w = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-  w = _mm256_and_si256(w, _mm256_set1_epi32(15));
-  VUInt c;
-  std::memcpy(&c, &w, sizeof c);
-  return E2m1Lanes(c);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  const __m128i hi = _mm_shuffle_epi8(E2m1F16High(), nib);
+  const __m256 v = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), hi));
+  VFloat r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
 #else
   VUInt c;
   for (int i = 0; i < kVL; ++i) c[i] = (p[i / 2] >> ((i & 1) * 4)) & 15u;
@@ -80,7 +93,8 @@ inline VFloat E2m1Packed(const uint8_t* p) {
 #endif
 }
 
-// Whether any of the n e4m3fn codes at p is a NaN (S.1111.111).
+// Whether any of the n e4m3fn codes at p is a NaN (S.1111.111): 32 bytes at a time over portable
+// byte vectors (one compare per 16 or 32 bytes on every level; 64 with AVX-512BW).
 inline bool HasE4m3Nan(const uint8_t* p, int n) {
   int i = 0;
 #if defined(__AVX512BW__)
@@ -90,6 +104,17 @@ inline bool HasE4m3Nan(const uint8_t* p, int n) {
     if (_mm512_cmpeq_epi8_mask(b, mask) != 0) return true;
   }
 #endif
+  typedef uint8_t VB __attribute__((vector_size(32)));
+  typedef int8_t VM __attribute__((vector_size(32)));
+  VM any = VM{};
+  for (; i + 32 <= n; i += 32) {
+    VB b;
+    std::memcpy(&b, p + i, sizeof b);
+    any |= (b & 0x7Fu) == 0x7Fu;
+  }
+  uint64_t words[4];
+  std::memcpy(words, &any, sizeof words);
+  if ((words[0] | words[1] | words[2] | words[3]) != 0) return true;
   for (; i < n; ++i) {
     if ((p[i] & 0x7Fu) == 0x7Fu) return true;
   }
@@ -120,15 +145,62 @@ inline VFloat E4m3fnScaledLanes(const uint8_t* p) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+// Two-vector (16 value) forms of the AVX2 decoders above, sharing their loads and shuffles.
+
+// 8 packed bytes -> 16 e2m1 values.
+inline void E2m1Packed16(const uint8_t* p, VFloat* out) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+  const __m128i hi = _mm_shuffle_epi8(E2m1F16High(), nib);
+  const __m128i zero = _mm_setzero_si128();
+  const __m256 a = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hi));
+  const __m256 z = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hi));
+  std::memcpy(&out[0], &a, sizeof a);
+  std::memcpy(&out[1], &z, sizeof z);
+}
+
+// 16 e4m3fn codes -> their values times 2^-8 (NaN codes as in E4m3fnScaledLanes).
+inline void E4m3fnScaled16(const uint8_t* p, VFloat* out) {
+  __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const __m256 a = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
+  const __m256 z = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
+  std::memcpy(&out[0], &a, sizeof a);
+  std::memcpy(&out[1], &z, sizeof z);
+}
+#define NINFER_KV_PAIR_DECODERS 1
+#endif
+
 // Decoder<C>::Row(data, scales, nan) wraps one token row: `data` its codes, `scales` its scales
 // already decoded to float32 (PrepareScales), `nan` whether the row holds a NaN code (FP8 only).
-// Chunk(c) returns dequantized chunk c.
+// Chunk(c) returns dequantized chunk c; Chunk2(c, out) writes chunks c and c + 1 (c even), which
+// some levels decode together.
+// Defaults of every decoder row (CRTP): Chunk2 as two Chunk calls, and the key form used by the
+// score products: KeyChunk / KeyChunk2 may leave out a per-row factor that KeyScale() returns
+// (the caller multiplies the finished dot product by it; kKeyScaled says whether there is one).
+template <class R>
+struct RowOps {
+  static constexpr bool kKeyScaled = false;
+  void Chunk2(int c, VFloat* out) const {
+    out[0] = Self().Chunk(c);
+    out[1] = Self().Chunk(c + 1);
+  }
+  VFloat KeyChunk(int c) const { return Self().Chunk(c); }
+  void KeyChunk2(int c, VFloat* out) const { Self().Chunk2(c, out); }
+  float KeyScale() const { return 1.0f; }
+
+ private:
+  const R& Self() const { return static_cast<const R&>(*this); }
+};
+
 template <Codec C>
 struct Decoder;
 
 template <>
 struct Decoder<Codec::kBF16> {
-  struct Row {
+  struct Row : RowOps<Row> {
     const uint8_t* d = nullptr;
     Row() = default;
     Row(const uint8_t* data, const float*, bool) : d(data) {}
@@ -138,7 +210,7 @@ struct Decoder<Codec::kBF16> {
 
 template <>
 struct Decoder<Codec::kInt8G64> {
-  struct Row {
+  struct Row : RowOps<Row> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
     Row() = default;
@@ -150,38 +222,69 @@ struct Decoder<Codec::kInt8G64> {
 template <>
 struct Decoder<Codec::kFp8Row> {
   // A row's values are code * s, computed as (code * 2^-8) * (s * 2^8): the same product (both
-  // factors are exact, and s * 2^8 is finite for every scale amax / 448 can produce).  A row
-  // holding a NaN code takes the exact integer path, so the NaN lands where the reference has it.
-  struct Row {
+  // factors are exact, and s * 2^8 is finite for every scale amax / 448 can produce).  Keys leave
+  // the factor s * 2^8 to the finished dot product (KeyScale).  A value row holding a NaN code
+  // takes the exact integer path, so the NaN lands where the reference has it; a key row holding
+  // one has a NaN dot product, which KeyScale() = NaN gives.
+  struct Row : RowOps<Row> {
+    static constexpr bool kKeyScaled = true;
     const uint8_t* d = nullptr;
-    VFloat s = {};
-    VFloat s256 = {};
+    float s = 0.0f;
     bool nan = false;
     Row() = default;
-    Row(const uint8_t* data, const float* scales, bool has_nan)
-        : d(data), s(Splat(scales[0])), s256(Splat(scales[0] * 256.0f)), nan(has_nan) {}
-    VFloat Chunk(int c) const {
-      if (nan) return E4m3fnLanes(LoadU8AsU32(d + kVL * c)) * s;
-      return E4m3fnScaledLanes(d + kVL * c) * s256;
+    Row(const uint8_t* data, const float* scales, bool has_nan) : d(data), s(scales[0]), nan(has_nan) {}
+    VFloat Exact(int c) const { return E4m3fnLanes(LoadU8AsU32(d + kVL * c)) * Splat(s); }
+    VFloat Chunk(int c) const { return nan ? Exact(c) : KeyChunk(c) * Splat(s * 256.0f); }
+    void Chunk2(int c, VFloat* out) const {
+      if (nan) {
+        out[0] = Exact(c);
+        out[1] = Exact(c + 1);
+        return;
+      }
+      KeyChunk2(c, out);
+      out[0] *= Splat(s * 256.0f);
+      out[1] *= Splat(s * 256.0f);
     }
+    VFloat KeyChunk(int c) const { return E4m3fnScaledLanes(d + kVL * c); }
+    void KeyChunk2(int c, VFloat* out) const {
+#if defined(NINFER_KV_PAIR_DECODERS)
+      E4m3fnScaled16(d + kVL * c, out);
+#else
+      out[0] = KeyChunk(c);
+      out[1] = KeyChunk(c + 1);
+#endif
+    }
+    float KeyScale() const { return nan ? BitsFloat(0x7FC00000u) : s * 256.0f; }
   };
 };
 
 template <>
 struct Decoder<Codec::kNvfp4G16> {
-  struct Row {
+  struct Row : RowOps<Row> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
     Row() = default;
     Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
     VFloat Chunk(int c) const { return E2m1Packed(d + (kVL / 2) * c) * Splat(s[(c * kVL) / 16]); }
+    void Chunk2(int c, VFloat* out) const {
+#if defined(NINFER_KV_PAIR_DECODERS)
+      // kVL == 8: chunks c, c + 1 (c even) are the 16 values of one scale group.
+      E2m1Packed16(d + (kVL / 2) * c, out);
+      const VFloat sc = Splat(s[(c * kVL) / 16]);
+      out[0] *= sc;
+      out[1] *= sc;
+#else
+      out[0] = Chunk(c);
+      out[1] = Chunk(c + 1);
+#endif
+    }
   };
 };
 
 // Rows of an already dequantized float32 tile (the path for head dims that are not a multiple
 // of kVL): `data` points at a row of ld floats.
 struct F32Decoder {
-  struct Row {
+  struct Row : RowOps<Row> {
     const float* p = nullptr;
     Row() = default;
     Row(const uint8_t* data, const float*, bool) : p(reinterpret_cast<const float*>(data)) {}
@@ -207,6 +310,6 @@ struct PreparedRows {
 // and returns the prepared run.  Reads exactly the cnt tokens' scale bytes.
 PreparedRows PrepareRows(const RowSource& src, int cnt, int head_dim, AlignedFloats* scales, std::vector<uint8_t>* nan);
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_ROW_DECODERS_H_

@@ -1,6 +1,6 @@
 // Exact scalar conversions of the closed codecs (bit-identical to the jnp codecs under XLA).
 //
-//  * float32 -> bfloat16: round to nearest even on the bit pattern (NaN stays a quiet NaN).
+//  * float32 -> bfloat16: round to nearest even on the bit pattern; every NaN becomes 0x7FC0.
 //  * float32 -> float8_e4m3fn: round to nearest even, e4m3fn subnormals (multiples of 2^-9)
 //    exact, magnitudes that round above 448 become NaN (the format has no infinity).
 //  * float32 -> e2m1 code: the comparison ladder of codecs.e2m1_encode (ties to the even code).
@@ -12,11 +12,14 @@
 
 #include "common.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
+
+// Canonical quiet NaN of the bf16 planes (sign and payload of a NaN input are not kept).
+constexpr uint16_t kBf16CanonicalNan = 0x7FC0u;
 
 inline uint16_t FloatToBf16(float f) {
   uint32_t u = FloatBits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return kBf16CanonicalNan;
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -80,12 +83,14 @@ inline float E2m1ToFloat(uint8_t c) {
   return BitsFloat(bits | (uint32_t(c & 8u) << 28));
 }
 
+inline bool IsFinite(float f) { return (FloatBits(f) & 0x7F800000u) != 0x7F800000u; }
+
 // NaN-propagating clip, as jnp.clip (= minimum(maximum(x, lo), hi)) under XLA.
 inline float ClipNan(float x, float lo, float hi) {
   if (x != x) return x;
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_SCALAR_CODEC_H_

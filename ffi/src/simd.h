@@ -15,7 +15,7 @@
 #include <immintrin.h>
 #endif
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 #if defined(__AVX512F__)
 constexpr int kVL = 16;
@@ -213,6 +213,6 @@ inline VFloat Exp(VFloat x) {
   return p * scale;
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_SIMD_H_

@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "scalar_codec.h"
 #include "simd.h"
 
-namespace ninfer_kv_ffi {
+NINFER_KV_NAMESPACE_BEGIN
 
 inline VUInt SplatU(uint32_t x) { return VUInt{} + x; }
 
@@ -28,12 +29,11 @@ inline VFloat RoundHalfEvenV(VFloat y) {
   return (y + magic) - magic;
 }
 
-// float32 -> bfloat16 bits (round to nearest even; NaN -> quiet NaN), in 32-bit lanes.
+// float32 -> bfloat16 bits (round to nearest even; every NaN -> 0x7FC0), in 32-bit lanes.
 inline VUInt FloatToBf16V(VFloat f) {
   const VUInt u = AsUInt(f);
   const VUInt rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const VUInt quiet = (u >> 16) | 0x0040u;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? SplatU(kBf16CanonicalNan) : rounded;
 }
 
 // float32 -> float8_e4m3fn bits, as FloatToE4m3fn.
@@ -113,6 +113,6 @@ inline void StoreLanesU16(uint8_t* p, VUInt v) {
 #endif
 }
 
-}  // namespace ninfer_kv_ffi
+NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_VECTOR_CODEC_H_

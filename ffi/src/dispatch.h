@@ -1,0 +1,38 @@
+// Run-time choice of the instruction-set level (isa.h): CPU feature detection and the table of
+// the level in use.
+//
+// The level is chosen once, on first use: the best compiled-in level whose features the CPU (and
+// the operating system, for the AVX register state) supports, or the level named by the
+// environment variable NINFER_KV_FFI_ISA (baseline, avx2, avx512, neon, native; "auto" or empty
+// means the best).  A named level that is not compiled in, or that this CPU cannot run, is
+// refused: no level is selected and Selection::error says why.
+#ifndef NINFER_KV_FFI_DISPATCH_H_
+#define NINFER_KV_FFI_DISPATCH_H_
+
+#include <cstdint>
+#include <string>
+
+#include "kernel_table.h"
+
+namespace ninfer_kv_ffi {
+
+// Feature bits (kernel_table.h) this CPU and OS support.
+uint64_t CpuFeatures();
+
+// Names of the features in `bits`, comma separated ("avx2,fma,f16c").
+std::string FeatureNames(uint64_t bits);
+
+struct Selection {
+  const KernelTable* table = nullptr;  // null when refused
+  std::string error;                   // why nothing was selected (empty on success)
+  std::string compiled;                // compiled-in levels, best first, comma separated
+  std::string supported;               // those this CPU can run
+  std::string cpu_features;            // FeatureNames(CpuFeatures())
+};
+
+// The selection of this process (made on the first call; thread safe).
+const Selection& Selected();
+
+}  // namespace ninfer_kv_ffi
+
+#endif  // NINFER_KV_FFI_DISPATCH_H_

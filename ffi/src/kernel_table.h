@@ -1,0 +1,135 @@
+// The function table of one compiled instruction-set level, and the CPU features it needs.
+//
+// Every level (isa.h) defines one KernelTable as constant data: the four handlers compiled for
+// that level, its vector width and the set of CPU features its code may use, derived from the
+// compiler's predefined macros (so a -march=native build declares exactly what it was built
+// for).  The dispatcher (dispatch.cc) reads the tables as data, without running any level's code,
+// picks one level at load and forwards every handler call to it.
+#ifndef NINFER_KV_FFI_KERNEL_TABLE_H_
+#define NINFER_KV_FFI_KERNEL_TABLE_H_
+
+#include <cstdint>
+
+#include "isa.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace ninfer_kv_ffi {
+
+using HandlerFn = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+
+// CPU features a level's code may use (bit i = Feature(i)); names in dispatch.cc.
+enum Feature : uint64_t {
+  kSse3 = 1ull << 0,
+  kSsse3 = 1ull << 1,
+  kSse41 = 1ull << 2,
+  kSse42 = 1ull << 3,
+  kPopcnt = 1ull << 4,
+  kCx16 = 1ull << 5,
+  kAvx = 1ull << 6,
+  kAvx2 = 1ull << 7,
+  kFma = 1ull << 8,
+  kF16c = 1ull << 9,
+  kBmi1 = 1ull << 10,
+  kBmi2 = 1ull << 11,
+  kLzcnt = 1ull << 12,
+  kMovbe = 1ull << 13,
+  kAvx512f = 1ull << 14,
+  kAvx512bw = 1ull << 15,
+  kAvx512cd = 1ull << 16,
+  kAvx512dq = 1ull << 17,
+  kAvx512vl = 1ull << 18,
+  kAvx512vbmi = 1ull << 19,
+  kNeon = 1ull << 20,
+  kNumFeatures = 21,
+};
+
+struct KernelTable {
+  const char* level;      // "baseline", "avx2", "avx512", "neon" or "native"
+  int vector_width;       // float lanes per vector
+  uint64_t features;      // Feature bits the level's code may use
+  HandlerFn paged_append, paged_attention, cyclic_append, cyclic_attention;
+};
+
+// The CPU features a translation unit is compiled to use, from the predefined macros.
+constexpr uint64_t CompiledFeatures() {
+  return 0
+#if defined(__SSE3__)
+         | kSse3
+#endif
+#if defined(__SSSE3__)
+         | kSsse3
+#endif
+#if defined(__SSE4_1__)
+         | kSse41
+#endif
+#if defined(__SSE4_2__)
+         | kSse42
+#endif
+#if defined(__POPCNT__)
+         | kPopcnt
+#endif
+#if defined(__GCC_HAVE_SYNC_COMPARE_AND_SWAP_16) && (defined(__x86_64__) || defined(__i386__))
+         | kCx16
+#endif
+#if defined(__AVX__)
+         | kAvx
+#endif
+#if defined(__AVX2__)
+         | kAvx2
+#endif
+#if defined(__FMA__)
+         | kFma
+#endif
+#if defined(__F16C__)
+         | kF16c
+#endif
+#if defined(__BMI__)
+         | kBmi1
+#endif
+#if defined(__BMI2__)
+         | kBmi2
+#endif
+#if defined(__LZCNT__)
+         | kLzcnt
+#endif
+#if defined(__MOVBE__)
+         | kMovbe
+#endif
+#if defined(__AVX512F__)
+         | kAvx512f
+#endif
+#if defined(__AVX512BW__)
+         | kAvx512bw
+#endif
+#if defined(__AVX512CD__)
+         | kAvx512cd
+#endif
+#if defined(__AVX512DQ__)
+         | kAvx512dq
+#endif
+#if defined(__AVX512VL__)
+         | kAvx512vl
+#endif
+#if defined(__AVX512VBMI__)
+         | kAvx512vbmi
+#endif
+#if defined(__ARM_NEON)
+         | kNeon
+#endif
+      ;
+}
+
+}  // namespace ninfer_kv_ffi
+
+// The table of level `id` (a plain identifier), defined by that level's kernels.cc.
+#define NINFER_KV_KERNEL_TABLE(id) NINFER_KV_CAT(NinferKvKernels_, id)
+
+NINFER_KV_NAMESPACE_BEGIN
+// The handlers of the level this translation unit is compiled for (paged_ops.cc, cyclic_ops.cc).
+XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
+NINFER_KV_NAMESPACE_END
+
+#endif  // NINFER_KV_FFI_KERNEL_TABLE_H_
