@@ -56,6 +56,7 @@ __all__ = [
     "build_parser",
     "parse_bytes",
     "format_bytes",
+    "bounded_int",
     "render_table",
     "main",
 ]
@@ -265,20 +266,27 @@ def _arg_type(name: str, fn):
     return convert
 
 
-def _int_at_least(minimum: int):
+def _int_at_least(minimum: int, maximum: int | None = None):
+    allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+
     def parse(text: str) -> int:
         digits = str(text).strip()
         if len(digits.lstrip("+-")) > _MAX_DIGITS and digits.lstrip("+-").isdigit():
-            raise ValueError(f"{digits[:12]}... ({len(digits)} digits) is too large; it must be an integer >= {minimum}")
+            raise ValueError(f"{digits[:12]}... ({len(digits)} digits) is too large; it must be {allowed}")
         try:
             value = int(digits, 10)
         except ValueError:
-            raise ValueError(f"{text!r} is not an integer; it must be an integer >= {minimum}") from None
-        if value < minimum:
-            raise ValueError(f"{value} is out of range; it must be an integer >= {minimum}")
+            raise ValueError(f"{text!r} is not an integer; it must be {allowed}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(f"{value} is out of range; it must be {allowed}")
         return value
 
     return _arg_type("int", parse)
+
+
+def bounded_int(minimum: int, maximum: int):
+    """An argparse ``type=`` for integers in ``[minimum, maximum]`` (one-line errors naming the range)."""
+    return _int_at_least(minimum, maximum)
 
 
 KV_CACHE_DTYPES = {

@@ -210,6 +210,12 @@ def test_plan_mtp_layers(capsys):
         ("plan --layers 4096 --kv-heads 65536 --head-dim 65536 --profile bf16 --max-context 2147483584 "
          "--max-concurrency 64 --free-bytes 1GiB".split(), ["B_min", "int64"]),
         (SMALL + ["--kv-capacity", "1000", "--unknown"], ["unrecognized", "--unknown"]),
+        (["demo", "--kv-cache-dtype", "fp9"], ["--kv-cache-dtype", "'fp9'"]),
+        (["demo", "--requests", "100000000000"], ["--requests", "[1, 16384]"]),
+        (["demo", "--system-prompts", "100000000000"], ["--system-prompts", "[0, 256]"]),
+        (["demo", "--system-prompt-tokens", "100000000000"], ["--system-prompt-tokens", "[1, 65536]"]),
+        (["demo", "--max-context", "100000000000"], ["--max-context", "[1, 65536]"]),
+        (["demo", "--seed", "99999999999999999999999"], ["--seed", "[0, 4294967295]"]),
         (["frobnicate"], ["'frobnicate'", "layout", "plan"]),
         ([], ["command is required"]),
     ],

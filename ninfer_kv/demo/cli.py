@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import BYTES, NON_NEGATIVE_INT, POSITIVE_INT, PROFILE, CommandOutput, register_subcommand
+from ..cli import BYTES, POSITIVE_INT, PROFILE, CommandOutput, bounded_int, register_subcommand
 
 __all__ = ["configure", "run"]
 
@@ -47,19 +47,19 @@ def _choice(name: str, allowed: tuple[str, ...]):
 def configure(p: argparse.ArgumentParser) -> None:
     """Declare the demo's arguments (the capacity flags are those of ``ninfer-kv plan``)."""
     work = p.add_argument_group("workload")
-    work.add_argument("--requests", type=POSITIVE_INT, default=DEFAULT_REQUESTS, metavar="N",
+    work.add_argument("--requests", type=bounded_int(1, 1 << 14), default=DEFAULT_REQUESTS, metavar="N",
                       help=f"requests to serve (default {DEFAULT_REQUESTS})")
     work.add_argument("--max-new-tokens", type=POSITIVE_INT, default=DEFAULT_MAX_NEW_TOKENS, metavar="T",
                       help=f"largest output budget; each request draws from [T/2, T] (default {DEFAULT_MAX_NEW_TOKENS})")
-    work.add_argument("--system-prompt-tokens", type=POSITIVE_INT, default=150, metavar="T",
+    work.add_argument("--system-prompt-tokens", type=bounded_int(1, 1 << 16), default=150, metavar="T",
                       help="length of each shared system prompt (default 150)")
-    work.add_argument("--system-prompts", type=NON_NEGATIVE_INT, default=3, metavar="N",
+    work.add_argument("--system-prompts", type=bounded_int(0, 256), default=3, metavar="N",
                       help="distinct system prompts shared by 3/4 of the requests (default 3; 0: all unique)")
-    work.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seed of the weights and the workload (default 0)")
+    work.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0, help="seed of the weights and the workload (default 0)")
     model = p.add_argument_group("model and kernels")
     model.add_argument("--model", type=_choice("model", _MODELS), default="small",
                        help="tiny (2 layers, head dim 64) or small (4 layers, head dim 128; default)")
-    model.add_argument("--profile", type=PROFILE, default="bf16",
+    model.add_argument("--profile", "--kv-cache-dtype", dest="profile", type=PROFILE, default="bf16",
                        help="KV profile: bf16 (default), int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4")
     model.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
                        help="op implementation: auto (Pallas on GPU, FFI on CPU; default), pallas, ffi, reference")
@@ -68,7 +68,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-window", type=POSITIVE_INT, metavar="K",
                       help=f"MTP draft window K (default {DEFAULT_DRAFT_WINDOW}; --backend mtp only)")
     eng = p.add_argument_group("engine")
-    eng.add_argument("--max-context", type=POSITIVE_INT, default=DEFAULT_MAX_CONTEXT, metavar="S",
+    eng.add_argument("--max-context", type=bounded_int(1, 1 << 16), default=DEFAULT_MAX_CONTEXT, metavar="S",
                      help=f"per-sequence ceiling S (default {DEFAULT_MAX_CONTEXT})")
     eng.add_argument("--max-concurrency", type=POSITIVE_INT, default=DEFAULT_MAX_CONCURRENCY, metavar="C",
                      help=f"active rows C (default {DEFAULT_MAX_CONCURRENCY})")
