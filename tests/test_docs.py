@@ -84,3 +84,27 @@ def test_python_blocks_run_in_order(path, tmp_path):
     assert proc.returncode == 0, f"{path.name}: the python blocks fail when run in order:\n{proc.stderr[-4000:]}"
     peak = int(re.search(r"__peak_rss_bytes__=(\d+)", proc.stdout).group(1))
     assert peak < PEAK_RSS_LIMIT, f"{path.name}: the python blocks peak at {peak / 2**30:.2f} GiB resident"
+
+
+def test_readme_cli_examples_print_what_the_readme_shows(capsys):
+    """Every ``ninfer-kv plan`` / ``layout`` line of the README runs; the plan example prints the shown text."""
+    import shlex
+
+    from ninfer_kv.cli import main
+
+    blocks = fenced_blocks((ROOT / "README.md").read_text())
+    ran = 0
+    for i, (lang, code, line) in enumerate(blocks):
+        if lang != "bash":
+            continue
+        for command in code.splitlines():
+            argv = shlex.split(command, comments=True)
+            if argv[:1] != ["ninfer-kv"] or argv[1:2] not in (["plan"], ["layout"]):
+                continue
+            assert main(argv[1:]) == 0, f"README.md:{line}: {command}"
+            out = capsys.readouterr().out
+            ran += 1
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+            if argv[1] == "plan" and nxt is not None and nxt[0] == "text":
+                assert out == nxt[1], f"README.md:{nxt[2]}: the shown output of `{command}` is stale"
+    assert ran >= 3
