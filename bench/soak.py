@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.store import KVStore, PoolCapacityError
+from ninfer_kv.store import KVStore, PoolCapacityError, apply_work_jit
 
 P = 64
 MAIN, MTP = PoolKind.MAIN, PoolKind.MTP
@@ -43,23 +43,31 @@ def _write(planes, pages, cols, values, *, page_axis):
 
 
 class _Writer:
-    """Batches token writes of one round per pool, translated through the published tables."""
+    """The caller's device state, and the token writes of one round per pool, translated through the
+    device block tables after the round work was applied."""
 
     PAD = 512
 
     def __init__(self, store):
         self.store = store
+        self.state = store.allocate_state()
         self.pending = {k: [] for k in store.pool_kinds}
+
+    def sync(self):
+        """Apply the store's round work (table rows, COW copies) to the state."""
+        self.state = apply_work_jit(self.state, self.store.take_work())
+        return self.state
 
     def add(self, kind, row, start, values):
         if len(values):
             self.pending[kind].append((row, start, np.asarray(values, np.float32)))
 
-    def flush(self, tables):
+    def flush(self):
+        state = self.sync()
         for kind, items in self.pending.items():
             if not items:
                 continue
-            t = np.asarray(tables[kind])
+            t = np.asarray(state.tables[kind])
             pages, cols, vals = [], [], []
             for row, start, v in items:
                 pos = start + np.arange(v.size)
@@ -67,7 +75,7 @@ class _Writer:
                 cols.append(pos % P)
                 vals.append(v)
             pages, cols, vals = np.concatenate(pages), np.concatenate(cols), np.concatenate(vals)
-            planes = self.store.planes(kind)
+            planes = self.state.planes[kind]
             for s in range(0, pages.size, self.PAD):
                 n = min(self.PAD, pages.size - s)
                 pg = np.full(self.PAD, -1, np.int32)
@@ -75,7 +83,7 @@ class _Writer:
                 vl = np.zeros(self.PAD, np.float32)
                 pg[:n], cl[:n], vl[:n] = pages[s : s + n], cols[s : s + n], vals[s : s + n]
                 planes = _write(planes, pg, cl, vl, page_axis=1)
-            self.store.set_planes(kind, planes)
+            self.state = self.state.replace_planes(kind, planes)
             items.clear()
 
 
@@ -173,7 +181,7 @@ def run_soak(
         if not live:
             continue
         if admitted:
-            writer.flush(store.publish())
+            writer.flush()
             for seq in admitted:
                 for kind in store.pool_kinds:
                     store.commit(seq.h, len(seq.content[kind]), pool=kind)
@@ -189,7 +197,6 @@ def run_soak(
         mtp_ent = np.array([store.address_space(s.h, MTP).entitlement_tokens for s in live])
         mtp_reach = np.minimum(cm + k + lead, mtp_ent)
         stats["pages_mapped"] += store.map_rows(rows, mtp_reach, pool=MTP)
-        tables = store.publish()
         main_vals, mtp_vals = [], []
         for r, ci, ki, cmi, reach in zip(rows, c, k, cm, mtp_reach):
             v = _values(rng, int(ki))
@@ -198,7 +205,7 @@ def run_soak(
             mtp_vals.append(w)
             writer.add(MAIN, int(r), int(ci), v)
             writer.add(MTP, int(r), int(cmi), w)
-        writer.flush(tables)
+        writer.flush()
         # the unit succeeded: settle each pool on its accepted frontier (MTP keeps its lead mapped)
         accepted = np.array([int(rng.integers(1, ki + 1)) if ki > 0 else 0 for ki in k])
         store.settle_rows(rows, c + accepted, pool=MAIN)
@@ -211,7 +218,8 @@ def run_soak(
         # -- finishes ----------------------------------------------------------------------------
         done = [s for s in live if len(s.content[MAIN]) >= s.target or rng.random() < 0.01]
         if done:
-            planes_np = {kind: {n: np.asarray(x) for n, x in store.planes(kind).items()} for kind in store.pool_kinds}
+            state = writer.sync()
+            planes_np = {kind: {n: np.asarray(x) for n, x in state.planes[kind].items()} for kind in store.pool_kinds}
             for s in done:
                 live.remove(s)
                 if stats["sequences"] % verify_every == 0:
@@ -235,6 +243,7 @@ def run_soak(
     for ck, _ in ckpts:
         store.release_checkpoint(ck)
     store.check_invariants()
+    store.check_state(writer.state)
     for kind in store.pool_kinds:
         occ = store.occupancy(kind)
         if occ.allocated or occ.reserved or occ.logical_pages or occ.retained_checkpoints:

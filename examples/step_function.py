@@ -1,13 +1,16 @@
 """A paged KV cache under your own jitted step function, end to end.
 
-    plan  ->  store  ->  [map pages -> publish tables -> jitted step (planes donated) -> commit]*
+    plan  ->  store + device state  ->  [map pages -> take work -> jitted step (state donated) -> commit]*
           ->  finish(retain) -> fork a second sequence from the checkpoint -> release
 
-The step builds one ``PagedKVBatchLayerView`` per layer over the store's stacked planes and calls
-``ninfer_kv.ops.paged_append`` / ``paged_attention``; the planes are donated, so appends happen in
-place, and the step returns them for the store to keep.  Page IDs, rows, positions and lengths are
-array data: the step compiles once per input shape (here: a 128-token prefill chunk and a 1-token
-decode), however pages are assigned.  At the end the served logits are checked against a dense
+The store is host-only bookkeeping; the caller owns the ``KVDeviceState`` (planes and block tables)
+and threads it through its step.  The step first applies the store's round work
+(``ninfer_kv.apply_work``: block-table rows, the fork's partial-tail COW copy), then builds one
+``PagedKVBatchLayerView`` per layer over the state's stacked planes and calls
+``ninfer_kv.ops.paged_append`` / ``paged_attention``; the state is donated, so appends happen in
+place — one dispatch per unit.  Page IDs, rows, positions and lengths are array data and the work
+has one fixed shape (``take_step_work``): the step compiles once per input shape (here: a 128-token
+prefill chunk and a 1-token decode), however pages are assigned.  At the end the served logits are checked against a dense
 recomputation with the same K8V4 codec round trip.
 
 Run:  python examples/step_function.py   (a few seconds on a CPU)
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import ops
+from ninfer_kv import apply_work, ops, take_step_work
 from ninfer_kv.codecs import codec_roundtrip
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache
 from ninfer_kv.store import KVStore
@@ -32,6 +35,8 @@ plan = plan_kv_cache(ModelKVConfig(LAYERS, KV_HEADS, HEAD_DIM, profile="k8v4"),
                      max_context=512, max_concurrency=2, policy=ExplicitCapacity(16 * 64))
 store = KVStore(plan)
 layout = store.layout("main")
+state = store.allocate_state()                                   # caller-owned planes + block tables
+MAIN = PoolKind.MAIN
 
 # 2. A toy model: embeddings, per-layer q/k/v/o projections (your model goes here).
 rng = np.random.default_rng(0)
@@ -48,13 +53,15 @@ def qkv(x, layer):
             (x @ w["wv"][layer]).reshape(b, t, KV_HEADS, HEAD_DIM))
 
 
-# 3. The jitted step: planes donated (argument 0) and returned; tables, rows, positions are data.
+# 3. The jitted step: state donated (argument 0) and returned; the work, rows, positions are data.
 TRACES = []  # one entry per trace (= per compilation): the input shapes
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def step(planes, tables, rows, positions, valid, tokens):
+def step(state, work, rows, positions, valid, tokens):
     TRACES.append(tokens.shape)
+    state = apply_work(state, work)                              # table rows, COW copies, Host restores
+    planes, tables = state.planes[MAIN], state.tables[MAIN]
     x = w["embed"][tokens]                                       # (B, T, D_MODEL)
     for layer in range(LAYERS):
         view = PagedKVBatchLayerView(planes, tables, layer, layout)
@@ -63,18 +70,18 @@ def step(planes, tables, rows, positions, valid, tokens):
         out = ops.paged_attention(q, view, rows, positions, positions + valid)
         planes = view.planes
         x = x + out.reshape(x.shape[0], x.shape[1], -1) @ w["wo"][layer]
-    return planes, x @ w["embed"].T                              # logits (B, T, VOCAB)
+    return state.replace(planes={**state.planes, MAIN: planes}), x @ w["embed"].T   # logits (B, T, VOCAB)
 
 
 def run(handles, tokens, positions, valid):
-    """One unit: map pages, publish tables, run the step, hand the planes back, commit."""
+    """One unit: map pages, take the round work, run the step (one dispatch), commit."""
+    global state
     rows = np.array([store.row(h) for h in handles], np.int32)
     ends = positions + valid
     store.map_rows(rows, ends)                                   # pages from each sequence's reservation
-    tables = store.publish()[PoolKind.MAIN]                      # int32 (C, L), one batched publication
-    planes, logits = step(store.planes("main"), tables, rows, positions.astype(np.int32),
-                          valid.astype(np.int32), tokens.astype(np.int32))
-    store.set_planes("main", planes)                             # the donated planes' successors
+    state, work = take_step_work(store, state)                   # the work since the last unit, fixed shape
+    state, logits = step(state, work, rows, positions.astype(np.int32),
+                         valid.astype(np.int32), tokens.astype(np.int32))
     store.commit_rows(rows, ends)                                # only after the step succeeded
     return np.asarray(logits)
 
@@ -153,6 +160,7 @@ def main():
     main_pool = store.pool("main")
     assert main_pool.allocated == main_pool.reserved == 0
     store.check_invariants()
+    store.check_state(state)                                     # every round work applied once, in order
     print(f"ok: 2 sequences forked a 150-token prefix, 8 tokens each match the dense model "
           f"(profile {layout.profile.value}, impl {ops.resolve_impl('auto').name}); "
           f"step traced for shapes {TRACES} only")

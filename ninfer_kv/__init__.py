@@ -1,7 +1,8 @@
 """ninfer_kv: a growing, paged KV cache for JAX model step functions.
 
 Host-side bookkeeping (typed page pools, logical pages, address spaces, reservations, block tables)
-hands ``jax.jit`` step functions donated, stable-shape arrays; Pallas GPU kernels and C++ XLA FFI
+in :class:`KVStore` emits each round's device work as stable-shape arrays, which the caller applies
+to its own :class:`KVDeviceState` with :func:`apply_work` inside its jitted step; Pallas GPU kernels and C++ XLA FFI
 CPU kernels append to and attend over page-major and head-major plane buffers in five closed KV
 codecs.
 """
@@ -35,16 +36,25 @@ from .store import (
     HostCapacityError,
     IncompleteContinuationError,
     KVAddressSpace,
+    KVDeviceState,
     KVStore,
     KVStoreError,
     LifecycleError,
     LogicalKVPage,
+    OffloadPlan,
     PoolCapacityError,
     RoundGrant,
+    RoundWork,
+    RowError,
     SequenceHandle,
     SequenceKVBundle,
     StaleHandleError,
     StaleReplicaError,
+    WorkOrderError,
+    apply_work,
+    apply_work_jit,
+    gather_pages,
+    take_step_work,
 )
 
 __version__ = "0.1.0"
@@ -79,6 +89,13 @@ __all__ = [
     "HostKVArena",
     "HostKVPageLayout",
     "KVStore",
+    "KVDeviceState",
+    "RoundWork",
+    "OffloadPlan",
+    "apply_work",
+    "apply_work_jit",
+    "gather_pages",
+    "take_step_work",
     "EntitlementPolicy",
     "RoundGrant",
     "SequenceHandle",
@@ -97,4 +114,6 @@ __all__ = [
     "LifecycleError",
     "IncompleteContinuationError",
     "StaleReplicaError",
+    "RowError",
+    "WorkOrderError",
 ]

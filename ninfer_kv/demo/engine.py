@@ -4,13 +4,15 @@ One *unit* is one call of a jitted step for a batch of lanes.  Every unit follow
 protocol (DESIGN.md section 5)::
 
     map_rows(rows, frontier + tokens written)   # pages from each lane's own reservation
-    tables = publish()                          # one batched table publication
-    out = step(params, planes, copy(tables), ...)   # planes donated, written in place
-    set_planes(out.planes)                      # hand the donated planes back
+    work = take_work()                          # table rows, COW copies, Host restores since the last unit
+    state, out = step(params, state, work, ...) # one dispatch: apply_work, then the model step (state donated)
     commit_rows / settle_rows                   # only after the unit succeeded
 
-The steps donate their block-table argument, and the store keeps the published matrix for the
-next publication, so each step gets a fresh device copy of the (tiny, ``int32 (C, L)``) matrix.
+The engine owns the :class:`~ninfer_kv.KVDeviceState` (the store is host-only).  Every step takes
+the work padded to one fixed shape (:func:`~ninfer_kv.store.step_work_shape`), so a step compiles
+once per batch bucket;
+a larger work (COW copies or Host restores after activations, a burst of table rows) is applied
+alone first with :func:`~ninfer_kv.apply_work_jit` and the step gets the next, empty, take.
 
 Lanes and the MTP pool.  The MTP head's KV at position ``i`` is computed from the pair
 ``(h_i, t_{i+1})``: the main model's hidden state at ``i`` and the token after it.  A lane keeps
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..planning import PoolKind
-from ..store import KVStore, SequenceHandle
+from ..store import KVDeviceState, KVStore, SequenceHandle, apply_work_jit, step_work_shape, take_step_work
 from ..models.qwen_tiny import ModelConfig, ModelSteps, bucket_for, pad_rows
 from .requests import Request
 
@@ -170,10 +172,25 @@ class ModelEngine:
                 f"the largest batch bucket {max(self.buckets)} is below max_concurrency={store.max_concurrency}"
             )
         self.stats = UnitStats()
+        self.state: KVDeviceState = store.allocate_state()
+        self.work_shape = step_work_shape(store)
+
+    def _step_work(self):
+        """The round work for the next step, padded to :attr:`work_shape` (an oversized one is
+        applied alone first)."""
+        self.state, work = take_step_work(self.store, self.state, self.work_shape)
+        return work
+
+    def flushed_state(self) -> KVDeviceState:
+        """The device state with every pending round work applied (for an offload's gather)."""
+        if any(t or w for t, w in self.store.pending_work().values()):
+            self.state = apply_work_jit(self.state, self.store.take_work())
+        return self.state
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _call(self, name: str, kind: PoolKind, lead, positions, valid, rows, next_tokens=None):
-        """Publish, run step ``name`` on pool ``kind`` for ``n`` rows padded to a bucket, hand back the planes.
+        """Run state step ``name`` (the round work applied first) on pool ``kind`` for ``n`` rows padded
+        to a bucket.
 
         ``lead`` is int32 tokens ``(n, T)`` (Main steps) or float32 hidden states ``(n, T, d)`` with
         ``next_tokens (n, T)`` (MTP steps).  Returns the step's output.
@@ -190,17 +207,10 @@ class ModelEngine:
             hidden = np.zeros((bucket,) + lead.shape[1:], np.float32)
             hidden[:n] = lead
             args = (jnp.asarray(hidden, self.model.jnp_dtype), padded.tokens)
-        tables = self.store.publish()[kind]
-        out = getattr(self.steps, name)(
-            self.params,
-            self.store.planes(kind),
-            jnp.array(tables, copy=True),  # the step donates it; the store keeps its own
-            *args,
-            padded.positions,
-            padded.valid,
-            padded.table_rows,
+        work = self._step_work()
+        self.state, out = self.steps.on_state(name)(
+            self.params, self.state, work, *args, padded.positions, padded.valid, padded.table_rows
         )
-        self.store.set_planes(kind, out.planes)
         return out
 
     @staticmethod

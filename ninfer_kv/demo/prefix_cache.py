@@ -75,8 +75,11 @@ class PressureStats:
 class PrefixCache:
     """System-prompt checkpoints of one store and the victim policy (see the module docstring)."""
 
-    def __init__(self, store: KVStore):
+    def __init__(self, store: KVStore, state_of=None):
+        """``state_of()`` returns the caller's device state with every round work applied (the
+        source of an offload's payload); required with a Host tier."""
         self.store = store
+        self.state_of = state_of
         self.host_tier = has_host_tier(store)
         self._entries: dict[int, CachedPrefix] = {}
         self.stats = PressureStats()
@@ -133,7 +136,7 @@ class PrefixCache:
         if self.host_tier:
             try:
                 if self.placement(entry) == "device":
-                    self.store.offload_checkpoint(entry.checkpoint)
+                    self.store.offload_checkpoint(entry.checkpoint, self.state_of())
                 self.store.drop_device_replica(entry.checkpoint)
                 self.stats.offloads += 1
                 return "offloaded"

@@ -239,7 +239,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
     steps = _steps(config.step_config)
     compiles_before = steps.compiles()
     engine = ModelEngine(steps, params, store, model_fingerprint(model, config.seed, config.profile.value))
-    cache = PrefixCache(store)
+    cache = PrefixCache(store, engine.flushed_state)
     bar = make_progress(len(requests), enabled=progress)
     generated = 0
     compile_start = _CompileClock.read()
@@ -254,7 +254,8 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
     scheduler = Scheduler(engine, cache, requests, on_finish=on_finish)
     try:
         records = scheduler.run()
-        jax.block_until_ready(store.planes("main"))
+        jax.block_until_ready(engine.state)
+        store.check_state(engine.state)  # every round work applied once, in order
     finally:
         bar.close()
     serve_seconds = time.perf_counter() - start
@@ -265,7 +266,10 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
     dense = None
     if config.dense_check:
         dense = check_dense(params, model, config.profile, records)
-    compiles = {name: n - compiles_before.get(name, 0) for name, n in steps.compiles().items()}
+    compiles: dict[str, int] = {}  # per unit (a state step counts for the unit it runs)
+    for name, n in steps.compiles().items():
+        unit = name.removesuffix("_state")
+        compiles[unit] = compiles.get(unit, 0) + n - compiles_before.get(name, 0)
     st = scheduler.stats
     es = engine.stats
     finish_reasons: dict[str, int] = {}

@@ -1,10 +1,13 @@
 """KV store: typed page pools, logical pages, address spaces, block tables and Host replicas.
 
-Public entry point: :class:`KVStore`.  See ``docs/API.md`` ("## Store", "## Host tier") for the verbs.
+Public entry points: :class:`KVStore` (host-only bookkeeping), :class:`KVDeviceState` (the
+caller-owned device arrays) and :func:`apply_work` (the pure function that applies a store's
+:class:`RoundWork` to a state).  See ``docs/API.md`` ("## Store", "## Host tier") for the verbs.
 """
 
 from .address_space import AddressSpaceTable, KVAddressSpace
-from .block_tables import PUBLISH_BUCKETS, BlockTableMatrix, publish_table_updates
+from .block_tables import PUBLISH_BUCKETS, BlockTableMatrix
+from .device_state import POISONED, KVDeviceState
 from .bundle import CheckpointHandle, CheckpointInfo, SequenceHandle, SequenceKVBundle
 from .entitlement import EntitlementPolicy, RoundGrant
 from .errors import (
@@ -20,14 +23,35 @@ from .errors import (
     StaleHandleError,
     WorkOrderError,
 )
-from .host_replicas import OFFLOAD_STAGES, RESTORE_STAGES, HostTransferReport
+from .host_replicas import OFFLOAD_STAGES, RESTORE_STAGES, HostTransferReport, OffloadPlan
 from .logical_page import HostReplica, LogicalKVPage, LogicalPageTable, ReplicaRef, replica_valid
 from .pool import DeviceKVPageLease, DevicePagePool
+from .round_work import (
+    PoolWork,
+    RoundWork,
+    apply_work,
+    apply_work_jit,
+    gather_pages,
+    step_work_shape,
+    take_step_work,
+)
+from .rows import ExecutionRows
 from .store import ACTIVATION_STAGES, FaultInjector, KVStore
 from .summary import HostOccupancy, HostPoolOccupancy, HostTransferStats, PoolOccupancy, StoreMemorySummary
 
 __all__ = [
     "KVStore",
+    "KVDeviceState",
+    "POISONED",
+    "RoundWork",
+    "PoolWork",
+    "apply_work",
+    "apply_work_jit",
+    "gather_pages",
+    "step_work_shape",
+    "take_step_work",
+    "OffloadPlan",
+    "ExecutionRows",
     "ACTIVATION_STAGES",
     "FaultInjector",
     "DevicePagePool",
@@ -53,7 +77,6 @@ __all__ = [
     "RoundGrant",
     "BlockTableMatrix",
     "PUBLISH_BUCKETS",
-    "publish_table_updates",
     "PoolOccupancy",
     "StoreMemorySummary",
     "KVStoreError",

@@ -1,65 +1,48 @@
-"""Block-table matrices: a host mirror and a device ``int32 (C, L)`` matrix per pool.
+"""Block-table matrices: the host mirror of one pool's ``int32 (C, L)`` matrix and its pending updates.
 
 Entry ``[r, b]`` is the pool-local physical page-group ID of logical block ``b`` of the address
 space leased to execution row ``r``.  Entries no active membership covers hold the sentinel ID 0: a
 valid page ID that consumers never read (their read domain ends at the valid frontier).
 
-The host mirror is the truth; writes mark entries dirty.  :meth:`BlockTableMatrix.publish` sends
-every dirty entry to the device with one jitted, *donated* scatter of a fixed-shape update buffer —
-``int32 (3, U)`` (row, block, page) triples, ``U`` from a few fixed buckets, padded with an
-out-of-range row that the scatter drops — so publication never recompiles (one compilation per bucket and matrix
-shape) and never reallocates the matrix.
+The host mirror is the truth; writes mark entries dirty.  :meth:`BlockTableMatrix.take` hands every
+dirty entry out as a fixed-shape update buffer — ``int32 (3, U)`` (row, block, page) triples, ``U``
+from a fixed ladder of buckets (:data:`PUBLISH_BUCKETS` up to ``C * L``), padded with the
+out-of-range row ``C`` that the device scatter drops — for :func:`~ninfer_kv.apply_work` to apply
+to the caller's device matrix.  Publication never recompiles a step (one compilation per bucket)
+and never reallocates the matrix.  The store holds no device array.
 
-Every publication builds fresh numpy inputs; nothing handed to the device is mutated afterwards.
+Every take builds fresh numpy arrays; nothing handed out is mutated afterwards.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS", "publish_table_updates"]
+from .round_work import bucket, ladder
 
-PUBLISH_BUCKETS: tuple[int, ...] = (64, 1024, 16384)
-"""Fixed update-buffer lengths; larger publications loop over chunks of the largest bucket."""
+__all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS"]
 
-
-def _scatter_updates(table: jax.Array, updates: jax.Array) -> jax.Array:
-    rows, blocks, pages = updates[0], updates[1], updates[2]
-    return table.at[rows, blocks].set(pages, mode="drop")
-
-
-publish_table_updates = jax.jit(_scatter_updates, donate_argnums=(0,))
-"""``(table, updates) -> table``: scatter ``updates = int32 (3, U)`` rows/blocks/pages into a donated
-table; entries whose row is out of range (``== C``) are dropped."""
-
-
-def _bucket(n: int) -> int:
-    for b in PUBLISH_BUCKETS:
-        if n <= b:
-            return b
-    return PUBLISH_BUCKETS[-1]
+PUBLISH_BUCKETS: tuple[int, ...] = (64, 512, 4096, 32768)
+"""Update-buffer lengths below ``C * L`` (plus 0 and ``C * L`` itself)."""
 
 
 class BlockTableMatrix:
-    """Host mirror + device matrix of one pool's block tables.
+    """Host mirror and pending updates of one pool's block tables.
 
     Args:
       rows: execution rows C.
       logical_pages: logical blocks L per address space.
-      device: optional device for the matrix.
     """
 
     SENTINEL = 0
 
-    def __init__(self, rows: int, logical_pages: int, *, device=None):
+    def __init__(self, rows: int, logical_pages: int):
         self.rows = int(rows)
         self.logical_pages = int(logical_pages)
         self.host = np.full((self.rows, self.logical_pages), self.SENTINEL, np.int32)
-        table = jnp.full((self.rows, self.logical_pages), self.SENTINEL, jnp.int32)
-        self._device = jax.device_put(table, device) if device is not None else table
         self._dirty: list[np.ndarray] = []
+        cap = self.rows * self.logical_pages
+        self.buckets = tuple(sorted({0, cap, *(b for b in PUBLISH_BUCKETS if b < cap)}))
 
     # -- host writes ------------------------------------------------------------------------------------
     def write(self, rows: np.ndarray, blocks: np.ndarray, pages) -> None:
@@ -86,10 +69,10 @@ class BlockTableMatrix:
         self.host[row] = values
         del self._dirty[n:]
 
-    # -- device -----------------------------------------------------------------------------------------
+    # -- pending updates ----------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Dirty entries (with repeats) waiting for :meth:`publish`."""
+        """Dirty entries (with repeats) waiting for :meth:`take`."""
         return sum(int(d.size) for d in self._dirty)
 
     def pending_keys(self) -> np.ndarray:
@@ -97,39 +80,26 @@ class BlockTableMatrix:
             return np.zeros(0, np.int64)
         return np.unique(np.concatenate(self._dirty))
 
-    @property
-    def device(self) -> jax.Array:
-        """The device matrix as of the last :meth:`publish`."""
-        return self._device
-
-    def publish(self) -> jax.Array:
-        """Send every dirty entry to the device (batched, donated); returns the device matrix."""
-        if not self._dirty:
-            return self._device
+    def take(self) -> np.ndarray:
+        """Every dirty entry as a fresh ``int32 (3, U)`` update buffer (``U`` bucketed); clears them."""
         dirty = self._dirty
         self._dirty = []
-        if len(dirty) == 1:
+        if not dirty:
+            keys = np.zeros(0, np.int64)
+        elif len(dirty) == 1:
             keys = dirty[0]  # one write: its (row, block) pairs are distinct
         else:
             keys = np.unique(np.concatenate(dirty))
         L = self.logical_pages
-        values = self.host.reshape(-1)[keys]
         n = keys.size
-        table = self._device
-        start = 0
-        while start < n:
-            u = _bucket(n - start)
-            take = min(u, n - start)
-            chunk = keys[start : start + take]
-            updates = np.zeros((3, u), np.int32)  # fresh every time: never mutated once handed over
-            updates[0, take:] = self.rows  # out of range: dropped
-            updates[0, :take] = chunk // L
-            updates[1, :take] = chunk % L
-            updates[2, :take] = values[start : start + take]
-            table = publish_table_updates(table, updates)
-            start += take
-        self._device = table
-        return table
+        u = bucket(n, self.buckets)
+        updates = np.empty((3, u), np.int32)
+        updates[0, n:] = self.rows  # out of range: dropped
+        updates[1:, n:] = 0
+        updates[0, :n] = keys // L
+        updates[1, :n] = keys % L
+        updates[2, :n] = self.host.reshape(-1)[keys]
+        return updates
 
     def snapshot(self) -> dict:
-        return {"host": self.host.copy(), "device": np.asarray(self._device).copy(), "pending": self.pending_keys()}
+        return {"host": self.host.copy(), "pending": self.pending_keys()}

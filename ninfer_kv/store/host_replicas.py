@@ -23,6 +23,18 @@ Every transfer follows the contract's publication order, per page and pool::
 
     reserve destination -> copy -> verify epoch and coverage -> publish replica -> release source
 
+The store holds no device array, so the device side of a transfer belongs to the caller's state:
+
+* an offload is split in three: :meth:`HostTier.plan_offload` reserves the destination extents
+  and pins the pages; the caller gathers the pages' payload from its
+  :class:`~ninfer_kv.KVDeviceState` with the jittable :func:`~ninfer_kv.gather_pages` (Device ->
+  Host); :meth:`HostTier.complete_offload` copies the payload into the extents, verifies epoch and
+  coverage and publishes.  :meth:`HostTier.cancel_offload` abandons a plan with full rollback.
+  Pins hold across the split, so nothing can release or rewrite the pages in between;
+* a restore copies the Host replica's bytes into the pool's pending page writes, which the next
+  round work carries to the device (:func:`~ninfer_kv.apply_work` writes them before any unit
+  reads the pages); verify and publish follow at once on the host.
+
 with the source and destination pinned during the copy (the logical pages carry a transaction pin,
 so releasing the checkpoint, dropping or releasing a replica of a pinned page is refused) and the
 destination invisible until published.  An offload reserves all its extents at once, after
@@ -42,18 +54,19 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..host import (
-    ExtentAllocationError,
-    HostExtent,
-    HostKVArena,
-    StaleExtentError,
-    TransferReport,
-    host_layout_of,
-    offload_pages,
-    restore_pages,
-)
+from ..host import ExtentAllocationError, HostExtent, HostKVArena, StaleExtentError, TransferReport, host_layout_of
+from ..host.runs import coalesce_runs
 from ..planning import PoolKind
-from .errors import HostCapacityError, InvariantError, LifecycleError, PoolCapacityError, StaleReplicaError
+from .device_state import POISONED
+from .errors import (
+    HostCapacityError,
+    InvariantError,
+    LifecycleError,
+    PoolCapacityError,
+    StaleReplicaError,
+    WorkOrderError,
+)
+from .round_work import bucket, ladder, word_dtype
 from .summary import HostOccupancy, HostPoolOccupancy, HostTransferStats
 
 __all__ = [
@@ -62,6 +75,7 @@ __all__ = [
     "HostTier",
     "PoolHostReplicas",
     "HostTransferReport",
+    "OffloadPlan",
     "placement_of",
 ]
 
@@ -257,6 +271,28 @@ def _merge(reports: list[TransferReport]) -> TransferReport:
     )
 
 
+@dataclasses.dataclass(eq=False)
+class OffloadPlan:
+    """A planned offload: extents reserved, pages pinned, waiting for its payload.
+
+    ``pages``: ``{PoolKind: int32 (B,)}`` the Device pages to gather (logical order, padded to a
+    power-of-two bucket with page 0), the argument of :func:`~ninfer_kv.gather_pages`;
+    ``min_serial``: the work serial the gathering state must have reached; ``status``:
+    ``"planned"``, ``"completed"`` or ``"cancelled"``.
+    """
+
+    tier: "HostTier"
+    jobs: list
+    pages: dict
+    min_serial: int
+    status: str = "planned"
+
+    @property
+    def page_counts(self) -> dict:
+        """``{PoolKind: pages to copy}`` (without the bucket padding)."""
+        return {j.kind: int(j.slots.size) for j in self.jobs}
+
+
 class HostTier:
     """The Host replica tier of one store: the arena, per-pool memberships and the transfer verbs.
 
@@ -335,34 +371,30 @@ class HostTier:
             )
 
     def _copy_in(self, job: _Job) -> TransferReport:
-        """Host -> Device: write the pages' Host replicas into Device pages ``job.ids`` (logical order).
-
-        Pages are grouped into maximal stretches that sit in consecutive pages of one extent; each
-        stretch is one ``restore_pages`` call (adjacent destination IDs are coalesced into runs).
-        """
+        """Host -> Device: stage the pages' Host replicas, in logical order, as pending writes to
+        Device pages ``job.ids`` (the next round work carries them; the extent may go at once)."""
         rt, s = job.rt, job.slots
         pg = rt.pages
-        extents = [pg.host_extent[x] for x in s.tolist()]
-        index = pg.host_page[s]
-        reports = []
-        lo = 0
-        for hi in range(1, s.size + 1):
-            if hi < s.size and extents[hi] is extents[lo] and index[hi] == index[hi - 1] + 1:
-                continue
-            planes, report = restore_pages(
-                rt.planes, rt.layout, job.ids[lo:hi], self.arena, extents[lo], first_page=int(index[lo])
-            )
-            rt.planes = planes  # the old planes were donated
-            reports.append(report)
-            lo = hi
-        return _merge(reports)
+        views: dict = {}
+        for i, x in enumerate(s.tolist()):
+            extent = pg.host_extent[x]
+            if extent not in views:
+                views[extent] = job.table.layout.page_planes(self.arena.view(extent))
+            index = int(pg.host_page[x])
+            rt.writes.restore(job.ids[i : i + 1], {name: v[index : index + 1] for name, v in views[extent].items()})
+        runs = int(coalesce_runs(np.asarray(job.ids, np.int64))[0].size) if s.size else 0
+        return TransferReport(pages=int(s.size), runs=runs, chunks=runs, bytes=int(s.size) * job.table.layout.stride,
+                              path="work")
 
     # -- offload ----------------------------------------------------------------------------------------------
-    def offload(self, spaces: Mapping[PoolKind, int]) -> HostTransferReport:
-        """Device -> Host for every page of the checkpoint without a valid Host replica (placement -> Both).
+    def plan_offload(self, spaces: Mapping[PoolKind, int], serial_of) -> "OffloadPlan":
+        """Reserve the destination extents and pin the pages of an offload (placement -> Both after
+        :meth:`complete_offload`).
 
-        One extent per pool, holding that pool's copied pages in logical order.  The allocation
-        recipe of every pool is validated as a whole before anything is allocated.
+        One extent per pool, for that pool's pages without a valid Host replica, in logical order;
+        the allocation recipe of every pool is validated as a whole before anything is allocated.
+        ``serial_of(kind, ids)`` is the work serial a state must have reached to hold the pages'
+        current content.
         """
         jobs = []
         for kind, space in spaces.items():
@@ -376,7 +408,7 @@ class HostTier:
                 raise InvariantError(f"pool {kind.value}: a page has neither a Device nor a valid Host replica")
             jobs.append(self._job(kind, slots, todo))
         if not jobs:
-            return HostTransferReport.combine("offload", {})
+            return OffloadPlan(self, [], {}, 0)
         recipe = [("allocate", j.table.layout.extent_bytes(j.slots.size), j.table.tag) for j in jobs]
         self.fault("offload_reserve", None)
         try:
@@ -387,37 +419,93 @@ class HostTier:
                 f"offload needs Host extents ({need}) that the arena cannot place: {exc}; nothing was changed"
             ) from exc
         extents = self.arena.execute_plan(recipe)
+        pages = {}
+        min_serial = 0
         for job, extent in zip(jobs, extents):
             pg = job.rt.pages
             job.extent = extent
             job.ids = pg.device_page[job.slots].copy()
             job.id_gens = pg.device_gen[job.slots].copy()
             pg.pins[job.slots] += 1
+            b = bucket(job.slots.size, ladder(1, 2, job.rt.pool.capacity))
+            ids = np.zeros(b, np.int32)
+            ids[: job.slots.size] = job.ids
+            pages[job.kind] = ids
+            min_serial = max(min_serial, serial_of(job.kind, job.ids))
+        return OffloadPlan(self, jobs, pages, min_serial)
+
+    def _release_plan(self, plan: "OffloadPlan") -> None:
+        for job in plan.jobs:
+            job.rt.unpin(job.slots)
+            self.arena.free(job.extent)
+        plan.status = "cancelled"
+
+    def _check_plan(self, plan) -> None:
+        if not isinstance(plan, OffloadPlan) or plan.tier is not self:
+            raise TypeError(f"expected an OffloadPlan of this store, got {type(plan).__name__}")
+        if plan.status != "planned":
+            raise LifecycleError(f"the offload plan is already {plan.status}")
+
+    def cancel_offload(self, plan: "OffloadPlan") -> None:
+        """Abandon a planned offload: free its extents and unpin its pages (full rollback)."""
+        self._check_plan(plan)
+        self._release_plan(plan)
+
+    def complete_offload(self, plan: "OffloadPlan", payload) -> HostTransferReport:
+        """Copy the gathered payload into the plan's extents, verify epoch and coverage, publish.
+
+        ``payload`` is what :func:`~ninfer_kv.gather_pages` returned for ``plan.pages``:
+        ``(serial, {PoolKind: {plane: words (B, layers, H, P, X)}})``.  Any failure (a state that
+        missed a work, a page that changed, an injected fault) rolls the plan back: nothing is
+        published, the extents are freed and the pages unpinned.
+        """
+        self._check_plan(plan)
         try:
-            for job in jobs:
+            serial, planes = payload
+            got = int(np.asarray(serial))
+            if got == POISONED or got < plan.min_serial:
+                raise WorkOrderError(
+                    f"the offload payload was gathered from a state at work serial {got}; the pages' content "
+                    f"needs serial >= {plan.min_serial} (apply every round work before gathering)"
+                )
+            for job in plan.jobs:
                 self.fault("offload_copy", job.kind)
-                job.report = offload_pages(job.rt.planes, job.rt.layout, job.ids, self.arena, job.extent)
-            for job in jobs:
+                job.report = self._copy_out(job, planes[job.kind])
+            for job in plan.jobs:
                 self.fault("offload_verify", job.kind)
                 self._verify(job, restore=False)
             self.fault("offload_publish", None)
         except BaseException:
-            for job in jobs:
-                job.rt.unpin(job.slots)
-                self.arena.free(job.extent)
+            self._release_plan(plan)
             raise
         # -- publish (infallible), then release what the new replicas replace ---------------------------------
-        for job in jobs:
+        for job in plan.jobs:
             pg = job.rt.pages
             replaced = job.slots[pg.host_page[job.slots] >= 0]  # stale replicas
             if replaced.size:
                 job.table.detach(replaced)
             job.table.attach(job.slots, job.extent, job.epochs, job.columns)
             job.rt.unpin(job.slots)
-        report = HostTransferReport.combine("offload", {j.kind.value: j.report for j in jobs})
+        plan.status = "completed"
+        report = HostTransferReport.combine("offload", {j.kind: j.report for j in plan.jobs})
         self.stats.offloaded_pages += report.pages
         self.stats.offloaded_bytes += report.bytes
         return report
+
+    def _copy_out(self, job: _Job, planes: Mapping) -> TransferReport:
+        """Device -> Host: the gathered pages (logical order) into the job's extent."""
+        n = int(job.slots.size)
+        views = job.table.layout.page_planes(self.arena.view(job.extent))
+        for name, view in views.items():
+            words = np.asarray(planes[name])
+            if words.shape[0] < n or words.shape[1:] != view.shape[1:]:
+                raise ValueError(
+                    f"pool {job.kind.value}: payload plane {name!r} has shape {words.shape}; the plan needs "
+                    f"({n}+, {', '.join(map(str, view.shape[1:]))})"
+                )
+            view.view(word_dtype(view.dtype))[:n] = words[:n].view(word_dtype(view.dtype))
+        runs = int(coalesce_runs(np.asarray(job.ids, np.int64))[0].size)
+        return TransferReport(pages=n, runs=runs, chunks=1, bytes=n * job.table.layout.stride, path="gather")
 
     # -- Device replica release ---------------------------------------------------------------------------------
     def drop_device(self, spaces: Mapping[PoolKind, int]) -> int:
@@ -500,6 +588,7 @@ class HostTier:
             self.fault("restore_reserve", None)
             taken: list[_Job] = []
             pinned: list[_Job] = []
+            marks = [(job.rt.writes, job.rt.writes.mark()) for job in jobs]
             try:
                 for job in jobs:
                     job.ids, job.id_gens = job.rt.pool.acquire(job.slots.size)
@@ -515,6 +604,8 @@ class HostTier:
                     self._verify(job, restore=True)
                 self.fault("restore_publish", None)
             except BaseException:
+                for writes, mark in reversed(marks):
+                    writes.rollback(mark)
                 for job in pinned:
                     job.rt.unpin(job.slots)
                 for job in taken:
@@ -522,7 +613,7 @@ class HostTier:
                 raise
             for job in jobs:
                 self._publish_restored(job)
-        report = HostTransferReport.combine("restore", {j.kind.value: j.report for j in jobs})
+        report = HostTransferReport.combine("restore", {j.kind: j.report for j in jobs})
         if drop_host:
             self.release_host(spaces)
         return report
@@ -544,12 +635,14 @@ class HostTier:
         rt = job.rt
         job.ids, job.id_gens = rt.pool.materialize(row, job.slots.size)
         pg.pins[job.slots] += 1
+        mark = rt.writes.mark()
         try:
             self.fault("restore_copy", kind)
             job.report = self._copy_in(job)
             self.fault("restore_verify", kind)
             self._verify(job, restore=True)
         except BaseException:
+            rt.writes.rollback(mark)
             rt.unpin(job.slots)
             rt.pool.undo_materialize(row, job.ids)
             raise
@@ -557,6 +650,7 @@ class HostTier:
         stats = self.stats
 
         def undo():
+            rt.writes.rollback(mark)
             pg.device_page[job.slots] = -1
             pg.device_gen[job.slots] = 0
             rt.pool.undo_materialize(row, job.ids)
@@ -612,7 +706,7 @@ class HostTier:
         return HostOccupancy(
             arena=self.arena.occupancy(),
             memory_kind=self.arena.memory_kind,
-            pools={kind.value: t.occupancy() for kind, t in self.tables.items()},
+            pools={kind: t.occupancy() for kind, t in self.tables.items()},
             stats=self.stats.copy(),
         )
 

@@ -2,7 +2,9 @@
 
 One runtime bundles a :class:`DevicePagePool` (physical IDs, reservations, leases), a
 :class:`LogicalPageTable` (descriptors), an :class:`AddressSpaceTable` (memberships and
-frontiers), a :class:`BlockTableMatrix` and the pool's device planes.  Its methods are the pool-level
+frontiers), a :class:`BlockTableMatrix` (host mirror and pending updates) and the pool's pending
+:class:`~ninfer_kv.store.round_work.PageWrites` (COW copies and Host restores for the next work).
+It holds no device array.  Its methods are the pool-level
 verbs the :class:`~ninfer_kv.store.KVStore` facade composes: vectorized mapping / commit / trim over
 execution rows, activation pieces that return exact undo actions, deactivation and release.
 
@@ -18,24 +20,21 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
 import numpy as np
 
 from ..geometry import PAGE_SIZE
-from ..page_copy import copy_page_columns
 from ..planning import PoolKind, PoolPlan
 from .address_space import AddressSpaceTable
 from .block_tables import BlockTableMatrix
 from .errors import EntitlementError, InvariantError, LifecycleError
 from .logical_page import LogicalPageTable
 from .pool import DevicePagePool
+from .round_work import PageWrites
 
-__all__ = ["PoolRuntime", "COPY_PAD"]
+__all__ = ["PoolRuntime"]
 
 _SHIFT = PAGE_SIZE.bit_length() - 1
 assert 1 << _SHIFT == PAGE_SIZE
-COPY_PAD = 8
-"""Padded length of the COW copy buffers (one compilation per pool layout)."""
 
 Undo = Callable[[], None]
 
@@ -43,7 +42,7 @@ Undo = Callable[[], None]
 class PoolRuntime:
     """The state of one pool of a :class:`KVStore`."""
 
-    def __init__(self, plan: PoolPlan, *, planes: dict[str, jax.Array], lead_tokens: int, device=None):
+    def __init__(self, plan: PoolPlan, *, lead_tokens: int):
         self.kind: PoolKind = plan.kind
         self.layout = plan.layout
         self.page_size = PAGE_SIZE
@@ -54,8 +53,8 @@ class PoolRuntime:
         self.pool = DevicePagePool(plan.physical_pages, owners=self.rows, name=name)
         self.pages = LogicalPageTable(plan.physical_pages, pool=name)
         self.spaces = AddressSpaceTable(self.rows, self.logical_pages, pool=name)
-        self.table = BlockTableMatrix(self.rows, self.logical_pages, device=device)
-        self.planes = planes
+        self.table = BlockTableMatrix(self.rows, self.logical_pages)
+        self.writes = PageWrites(plan.layout, plan.physical_pages)
         self.host = None  # PoolHostReplicas when the store has a Host tier
 
     # -- derived page state -----------------------------------------------------------------------------
@@ -262,27 +261,22 @@ class PoolRuntime:
         return undo
 
     def private_tail(self, row: int, src_page_slot: int, block: int, columns: int) -> Undo:
-        """COW: a private page for ``block`` holding ``columns`` columns copied from ``src_page_slot``."""
+        """COW: a private page for ``block`` holding ``columns`` columns copied from ``src_page_slot``.
+
+        The copy is recorded for the next round work (the device performs it in ``apply_work``).
+        """
         sp, pg = self.spaces, self.pages
         ids, gens = self.pool.materialize(row, 1)
         slot = self.pages.create(ids, gens, row, block)
-        pg.pins[[src_page_slot, slot[0]]] += 1
-        try:
-            src = np.zeros(COPY_PAD, np.int32)
-            dst = np.zeros(COPY_PAD, np.int32)
-            cols = np.zeros(COPY_PAD, np.int32)
-            src[0] = pg.device_page[src_page_slot]
-            dst[0] = ids[0]
-            cols[0] = columns
-            self.planes = copy_page_columns(self.planes, src, dst, cols, layout=self.layout)
-        finally:
-            pg.pins[[src_page_slot, slot[0]]] -= 1
+        mark = self.writes.mark()
+        self.writes.copy(pg.device_page[src_page_slot], ids[0], columns)
         sp.membership[row, block] = slot[0]
         sp.n_blocks[row] = block + 1
         sp.mapped[row] = (block + 1) * PAGE_SIZE
         sp.committed[row] = block * PAGE_SIZE + columns
 
         def undo():
+            self.writes.rollback(mark)
             sp.membership[row, block] = -1
             sp.n_blocks[row] = block
             sp.mapped[row] = block * PAGE_SIZE
@@ -478,4 +472,5 @@ class PoolRuntime:
             "pages": self.pages.snapshot(),
             "spaces": self.spaces.snapshot(),
             "table": self.table.snapshot(),
+            "writes": self.writes.snapshot(),
         }

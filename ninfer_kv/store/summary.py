@@ -103,7 +103,7 @@ class StoreMemorySummary:
 
     def to_json(self) -> dict:
         return {
-            "pools": {k: p.to_json() for k, p in self.pools.items()},
+            "pools": {getattr(k, "value", k): p.to_json() for k, p in self.pools.items()},
             "active_sequences": self.active_sequences,
             "retained_checkpoints": self.retained_checkpoints,
             "device_bytes": self.device_bytes,
@@ -215,6 +215,6 @@ class HostOccupancy:
         return {
             "arena": self.arena.to_json(),
             "memory_kind": self.memory_kind,
-            "pools": {k: p.to_json() for k, p in self.pools.items()},
+            "pools": {getattr(k, "value", k): p.to_json() for k, p in self.pools.items()},
             "stats": self.stats.to_json(),
         }

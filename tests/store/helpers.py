@@ -1,16 +1,18 @@
-"""Shared helpers of the store tests: tiny plans, a device writer that goes through the block
-tables (as a kernel would), content readers and snapshot comparison."""
+"""Shared helpers of the store tests: tiny plans, the caller-owned device state of each store (its
+round works applied in order), a device writer that goes through the device block tables (as a
+kernel would), content readers and snapshot comparison."""
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.store import KVStore
+from ninfer_kv.store import KVDeviceState, KVStore, apply_work_jit
 
 P = 64
 
@@ -30,6 +32,61 @@ def tiny_plan(backend: str = "ordinary", *, max_context=256, max_concurrency=3, 
         policy=ExplicitCapacity(pages * P),
         speculative=CONFIGS[backend],
     )
+
+
+class Device:
+    """The caller side of one store: its :class:`KVDeviceState`, advanced by every round work."""
+
+    def __init__(self, store: KVStore):
+        self.store = store
+        self.state: KVDeviceState = store.allocate_state()
+        self.works = 0
+        pages = max(store.pool(k).capacity for k in store.pool_kinds)
+        self.pad = (store.max_concurrency * store.logical_pages, pages, pages) if pages <= 64 else None
+
+    def sync(self) -> KVDeviceState:
+        """Take the store's pending work and apply it (jitted, donated); returns the new state.
+
+        Nothing pending: nothing is taken, so arrays read from the state stay valid."""
+        if not any(t or w for t, w in self.store.pending_work().values()):
+            return self.state
+        work = self.store.take_work()
+        if self.pad:  # one shape per store: one compilation (bucketing is tested in test_compile_count)
+            work = work.pad_to(*self.pad)
+        self.state = apply_work_jit(self.state, work)
+        self.works += 1
+        return self.state
+
+
+_DEVICES: "weakref.WeakKeyDictionary[KVStore, Device]" = weakref.WeakKeyDictionary()
+
+
+def device(store: KVStore) -> Device:
+    """The (lazily created) device side of ``store``."""
+    dev = _DEVICES.get(store)
+    if dev is None:
+        dev = _DEVICES[store] = Device(store)
+    return dev
+
+
+def sync(store: KVStore) -> KVDeviceState:
+    """Apply every pending round work of ``store`` to its device state; returns the state."""
+    return device(store).sync()
+
+
+def planes_of(store: KVStore, kind) -> dict:
+    """The device planes of ``kind`` after every pending work was applied."""
+    return dict(sync(store).pool_planes(kind))
+
+
+def tables_of(store: KVStore) -> dict:
+    """The device block tables after every pending work was applied."""
+    return dict(sync(store).tables)
+
+
+def set_planes(store: KVStore, kind, planes) -> None:
+    dev = device(store)
+    dev.state = dev.state.replace_planes(kind, planes)
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -58,16 +115,23 @@ WRITE_PAD = 256
 
 def write_tokens(store: KVStore, kind, row: int, start: int, values) -> None:
     """Write ``values`` at positions ``start..`` of ``row`` in every plane/layer, translating positions
-    through the *published device* block table exactly like a paged-append kernel."""
+    through the *device* block table (every pending work applied) exactly like a paged-append kernel."""
+    values = np.asarray(values, np.float32)
+    write_positions(store, kind, np.full(values.size, row), start + np.arange(values.size), values)
+
+
+def write_positions(store: KVStore, kind, rows, positions, values) -> None:
+    """Write ``values[i]`` at position ``positions[i]`` of row ``rows[i]`` (distinct cells)."""
     values = np.asarray(values, np.float32)
     if values.size == 0:
         return
-    table = np.asarray(store.publish()[kind])
-    pos = start + np.arange(values.size)
-    pages = table[row, pos // P].astype(np.int32)
+    state = sync(store)
+    table = np.asarray(state.table(kind))
+    pos = np.asarray(positions, np.int64)
+    pages = table[np.asarray(rows, np.int64), pos // P].astype(np.int32)
     cols = (pos % P).astype(np.int32)
     axis = store.layout(kind).order.page_axis
-    planes = store.planes(kind)
+    planes = dict(state.pool_planes(kind))
     for s in range(0, values.size, WRITE_PAD):
         n = min(WRITE_PAD, values.size - s)
         pg = np.full(WRITE_PAD, -1, np.int32)
@@ -75,7 +139,7 @@ def write_tokens(store: KVStore, kind, row: int, start: int, values) -> None:
         vl = np.zeros(WRITE_PAD, np.float32)
         pg[:n], cl[:n], vl[:n] = pages[s : s + n], cols[s : s + n], values[s : s + n]
         planes = _write_cells(planes, pg, cl, vl, page_axis=axis)
-    store.set_planes(kind, planes)
+    set_planes(store, kind, planes)
 
 
 def read_cells(planes_np: dict, axis: int, pages: np.ndarray, cols: np.ndarray) -> list[np.ndarray]:
@@ -94,7 +158,7 @@ def space_content_ok(store: KVStore, kind, physical_pages: np.ndarray, expected:
     n = len(expected)
     if n == 0:
         return True
-    planes_np = planes_np if planes_np is not None else {k: np.asarray(v) for k, v in store.planes(kind).items()}
+    planes_np = planes_np if planes_np is not None else {k: np.asarray(v) for k, v in planes_of(store, kind).items()}
     pos = np.arange(n)
     pages = physical_pages[pos // P]
     cols = pos % P
@@ -127,10 +191,10 @@ def random_fill(store: KVStore, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for kind in store.pool_kinds:
         planes = {}
-        for name, x in store.planes(kind).items():
+        for name, x in planes_of(store, kind).items():
             raw = rng.integers(0, 256, size=x.size * x.dtype.itemsize, dtype=np.uint8)
             planes[name] = jnp.asarray(raw.view(x.dtype).reshape(x.shape))
-        store.set_planes(kind, planes)
+        set_planes(store, kind, planes)
 
 
 def page_bytes(planes_np: dict, axis: int, page: int) -> list[bytes]:
@@ -142,7 +206,7 @@ def logical_page_planes(store: KVStore, kind, page, planes_np: dict | None = Non
     from its Host replica (the arena's packed bytes) when it has no Device replica."""
     lease = page.device_lease
     if lease is not None:
-        planes_np = planes_np if planes_np is not None else {k: np.asarray(v) for k, v in store.planes(kind).items()}
+        planes_np = planes_np if planes_np is not None else {k: np.asarray(v) for k, v in planes_of(store, kind).items()}
         axis = store.layout(kind).order.page_axis
         return {name: np.take(x, lease.page, axis=axis) for name, x in planes_np.items()}
     replica = page.host_replica

@@ -16,7 +16,7 @@ from ninfer_kv.store import (
     StaleHandleError,
 )
 
-from .helpers import assert_same, tiny_plan
+from .helpers import assert_same, sync, tiny_plan
 
 
 def _unchanged(store, fn, exc, match=None):
@@ -33,7 +33,7 @@ def store():
     h = s.activate(100, 50)
     s.ensure_mapped_to_tokens(h, 100)
     s.commit(h, 100)
-    s.publish()
+    sync(s)
     return s
 
 

@@ -8,7 +8,7 @@ import pytest
 from ninfer_kv.planning import PoolKind
 from ninfer_kv.store import ACTIVATION_STAGES, KVStore
 
-from .helpers import CONFIGS, assert_same, space_content_ok, tiny_plan, write_tokens
+from .helpers import CONFIGS, assert_same, space_content_ok, sync, tiny_plan, write_tokens
 
 
 class InjectedFault(RuntimeError):
@@ -39,7 +39,7 @@ def _prepared(backend):
     other = store.activate(30, 10)
     store.ensure_mapped_to_tokens(other, 40)
     store.commit(other, 30)
-    store.publish()
+    sync(store)
     return store, ck
 
 
@@ -87,7 +87,7 @@ def test_activation_rolls_back_at_every_stage(backend, scenario):
         space = store.address_space(h, kind)
         expect = list(range(1, 101)) if source is not None else []
         assert space.committed_frontier == len(expect)
-        store.publish()
+        sync(store)
         assert space_content_ok(store, kind, space.physical_pages, expect)
     assert (ck in store.checkpoints()) == (not sc["release"])
 

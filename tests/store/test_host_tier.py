@@ -30,6 +30,11 @@ from ninfer_kv.views import PagedKVBatchLayerView
 
 from .helpers import (
     CONFIGS,
+    device,
+    planes_of,
+    set_planes,
+    sync,
+    tables_of,
     P,
     assert_same,
     content_ok,
@@ -121,7 +126,7 @@ def test_round_trip_through_store_is_byte_exact(profile, ids):
         assert all(coalesce_runs(p)[0].size == p.size == 5 for p in phys.values())
     assert store.checkpoint(ck).placement == "device"
 
-    report = store.offload_checkpoint(ck)
+    report = store.offload_checkpoint(ck, sync(store))
     assert report.pages == 10 and report.direction == "offload"
     for k in store.pool_kinds:
         r = report.pools[k.value]
@@ -173,9 +178,9 @@ _paged_attention = jax.jit(functools.partial(ops.paged_attention, impl="referenc
 
 def _append(store, kind, row, k, v):
     """Write ``k, v (1, n, H, D)`` at positions 0.. of ``row`` in every layer with ops.paged_append."""
-    tables = store.publish()[kind]
+    tables = tables_of(store)[kind]
     layout = store.layout(kind)
-    planes = store.planes(kind)
+    planes = planes_of(store, kind)
     n = k.shape[1]
     for layer in range(layout.num_layers):
         view = PagedKVBatchLayerView(planes, tables, layer, layout)
@@ -183,17 +188,17 @@ def _append(store, kind, row, k, v):
             view, jnp.asarray([row], jnp.int32), jnp.zeros(1, jnp.int32), k, v, jnp.asarray([n], jnp.int32)
         )
         planes = view.planes
-    store.set_planes(kind, planes)
+    set_planes(store, kind, planes)
 
 
 def _attend(store, kind, row, q, n):
-    tables = store.publish()[kind]
+    tables = tables_of(store)[kind]
     layout = store.layout(kind)
     t = q.shape[1]
     rows, pos, lens = jnp.asarray([row], jnp.int32), jnp.asarray([n - t], jnp.int32), jnp.asarray([n], jnp.int32)
     return [
         np.asarray(
-            _paged_attention(q, PagedKVBatchLayerView(store.planes(kind), tables, layer, layout), rows, pos, lens)
+            _paged_attention(q, PagedKVBatchLayerView(planes_of(store, kind), tables, layer, layout), rows, pos, lens)
         )
         for layer in range(layout.num_layers)
     ]
@@ -218,7 +223,7 @@ def test_restored_checkpoint_attends_identically(backend):
     before = {k: _attend(store, k, store.row(h), queries[k], n) for k in store.pool_kinds}
     ck = store.finish(h, retain=True)
 
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     store.drop_device_replica(ck)
     random_fill(store, seed=4)  # destroy every Device byte
     f = store.activate(n, 10, source=ck)  # restores Host-only pages in the restore_host stage
@@ -248,6 +253,7 @@ def test_stale_replica_is_never_published():
     ck = _checkpoint(store, 200)
     rt = store._rt[MAIN]  # the hook below simulates a concurrent content change (epoch advance)
     slot = int(store.address_space(ck).page_slots[1])
+    sync(store)
     before, _ = _snapshot_without_arena(store)
     free_before = store.host_arena.allocator.free_extents()
 
@@ -257,7 +263,7 @@ def test_stale_replica_is_never_published():
 
     store.fault_injector = bump
     with pytest.raises(StaleReplicaError, match="logical block 1 changed during the copy"):
-        store.offload_checkpoint(ck)
+        store.offload_checkpoint(ck, sync(store))
     store.fault_injector = None
     rt.pages.epoch[slot] -= 1
     after, _ = _snapshot_without_arena(store)
@@ -268,7 +274,7 @@ def test_stale_replica_is_never_published():
     store.check_invariants()
 
     # a replica that went stale after publication is never used: not a valid placement, no drop
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     first_extent = store.address_space(ck).pages()[0].host_extent
     rt.pages.epoch[slot] += 1
     info = store.checkpoint(ck)
@@ -276,7 +282,7 @@ def test_stale_replica_is_never_published():
     assert store.address_space(ck).pages()[1].placement == "device"
     _unchanged(store, lambda: store.drop_device_replica(ck), LifecycleError, r"logical blocks \[1\].*no valid Host")
     # offloading again copies exactly the stale page and replaces its replica
-    report = store.offload_checkpoint(ck)
+    report = store.offload_checkpoint(ck, sync(store))
     assert report.pages == 1
     pages = store.address_space(ck).pages()
     assert pages[1].host_extent != first_extent and pages[0].host_extent == first_extent
@@ -286,7 +292,7 @@ def test_stale_replica_is_never_published():
     store.drop_device_replica(ck)
     random_fill(store, seed=5)
     f = store.activate(210, 10, source=ck)  # restores from two extents (three stretches)
-    store.publish()
+    sync(store)
     assert content_ok(store, MAIN, f, list(range(1, 201)))
     store.finish(f)
 
@@ -325,11 +331,11 @@ def test_pinned_pages_cannot_be_released_mid_copy():
             assert all(p.pins == 1 for p in store.address_space(ck).pages())
             attempt("release_checkpoint", lambda: store.release_checkpoint(ck))
             attempt("drop_device_replica", lambda: store.drop_device_replica(ck))
-            attempt("offload_checkpoint", lambda: store.offload_checkpoint(ck))
+            attempt("offload_checkpoint", lambda: store.offload_checkpoint(ck, device(store).state))
             attempt("move", lambda: store.activate(150, 10, source=ck, release_source=True))
 
     store.fault_injector = during_offload
-    report = store.offload_checkpoint(ck)
+    report = store.offload_checkpoint(ck, sync(store))
     assert refused == ["release_checkpoint", "drop_device_replica", "offload_checkpoint", "move"]
     assert report.pages == 6 and store.checkpoint(ck).placement == "both"
     assert all(p.pins == 0 for k in store.pool_kinds for p in store.address_space(ck, k).pages())
@@ -348,7 +354,7 @@ def test_pinned_pages_cannot_be_released_mid_copy():
     f = store.activate(150, 10, source=ck)
     assert refused == ["release_checkpoint", "restore_checkpoint", "release_host_replica"]
     store.fault_injector = None
-    store.publish()
+    sync(store)
     for kind in store.pool_kinds:
         assert content_ok(store, kind, f, list(range(1, 151)))
     store.check_invariants()
@@ -360,9 +366,9 @@ def test_pinned_pages_cannot_be_released_mid_copy():
 def test_arena_exhaustion_changes_nothing():
     stride = KVStore(tiny_plan(), host_bytes=MiB).layout().page_bytes
     store = _ordinary(host_bytes=4 * stride)
-    store.offload_checkpoint(_checkpoint(store, 100))  # 2 of 4 pages used
+    store.offload_checkpoint(_checkpoint(store, 100), sync(store))  # 2 of 4 pages used
     ck = _checkpoint(store, 150)  # 3 pages
-    err = _unchanged(store, lambda: store.offload_checkpoint(ck), HostCapacityError, "not enough free bytes")
+    err = _unchanged(store, lambda: store.offload_checkpoint(ck, device(store).state), HostCapacityError, "not enough free bytes")
     assert isinstance(err, PoolCapacityError) and "nothing was changed" in str(err)
     assert err.__cause__.requested_bytes == 3 * stride
     assert store.checkpoint(ck).placement == "device"
@@ -373,7 +379,7 @@ def test_invalid_multi_pool_plan_changes_nothing():
     main_bytes = 2 * probe.layout(MAIN).page_bytes
     store = KVStore(tiny_plan("dflash"), host_bytes=main_bytes)  # Main's extent fits, Draft Full's not
     ck = _checkpoint(store, 100)
-    err = _unchanged(store, lambda: store.offload_checkpoint(ck), HostCapacityError, "draft_full: 2 pages")
+    err = _unchanged(store, lambda: store.offload_checkpoint(ck, device(store).state), HostCapacityError, "draft_full: 2 pages")
     assert isinstance(err.__cause__, InvalidPlanError) and err.__cause__.step == 1
     _arena_empty(store)
 
@@ -383,19 +389,19 @@ def test_fragmented_arena_refuses_with_clear_error():
     store = _ordinary(pages=16, host_bytes=3 * 2 * stride)  # exactly three 2-page extents
     cks = [_checkpoint(store, 100) for _ in range(3)]
     for ck in cks:
-        store.offload_checkpoint(ck)
+        store.offload_checkpoint(ck, sync(store))
     store.release_checkpoint(cks[0])
     store.release_checkpoint(cks[2])
     occ = store.host_occupancy()
     assert occ.free_bytes == 4 * stride and occ.largest_free_extent == 2 * stride
     big = _checkpoint(store, 150)  # 3 pages: fewer bytes than are free, but no hole holds them
-    _unchanged(store, lambda: store.offload_checkpoint(big), HostCapacityError, "fragmentation")
+    _unchanged(store, lambda: store.offload_checkpoint(big, device(store).state), HostCapacityError, "fragmentation")
 
 
 def test_restore_needs_available_device_pages():
     store = _ordinary(pages=9)
     ck = _checkpoint(store, 150)
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     store.drop_device_replica(ck)
     hog = store.activate(256, 0)  # reserves 4 of the 9 pages; 5 left
     hog2 = store.activate(130, 0)  # 3 more: 2 left, the checkpoint needs 3
@@ -424,12 +430,12 @@ class FaultAt:
 def _host_only_store(backend):
     store = KVStore(tiny_plan(backend, pages=12), host_bytes=MiB)
     ck = _checkpoint(store, 100, budget=20)
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     store.drop_device_replica(ck)
     other = store.activate(30, 10)
     store.ensure_mapped_to_tokens(other, 40)
     store.commit(other, 30)
-    store.publish()
+    sync(store)
     return store, ck
 
 
@@ -473,7 +479,7 @@ def test_activation_restore_rolls_back_at_every_stage(backend, scenario):
     sub = ("restore_host", "restore_copy", "restore_verify")
     assert [x for x in seen if x[0] in sub] == [(s, k) for k in store.pool_kinds for s in sub]
     store.check_invariants()
-    store.publish()
+    sync(store)
     for kind in store.pool_kinds:
         assert content_ok(store, kind, h, list(range(1, 101)))
     assert store.stats.restored_pages == restored_before + 2 * len(store.pool_kinds)
@@ -491,7 +497,7 @@ def test_drop_rules_and_extent_lifetime():
     store = _ordinary(pages=16)
     a = _checkpoint(store, 200)  # 3 full pages + 8-column tail
     f = store.activate(200, 30, source=a)  # Fork: shares the 3 full pages
-    store.offload_checkpoint(a)
+    store.offload_checkpoint(a, sync(store))
     _unchanged(store, lambda: store.drop_device_replica(a), LifecycleError, r"blocks \[0, 1, 2\].*active address space")
     store.ensure_mapped_to_tokens(f, 230)
     write_tokens(store, MAIN, store.row(f), 200, np.arange(201, 231, dtype=np.float32))
@@ -503,12 +509,12 @@ def test_drop_rules_and_extent_lifetime():
     info = store.checkpoint(b)
     assert info.placement == "device" and info.page_placement == {"device": 1, "host": 3, "both": 0}
     _unchanged(store, lambda: store.drop_device_replica(b), LifecycleError, r"blocks \[3\].*no valid Host replica")
-    assert store.offload_checkpoint(b).pages == 1  # only the page without a Host replica
+    assert store.offload_checkpoint(b, device(store).state).pages == 1  # only the page without a Host replica
     assert store.checkpoint(b).placement == "host"
     assert store.host_occupancy().extent_count == 2
 
     g = store.activate(240, 10, source=b)  # restores the 3 shared pages (b's tail is on Device)
-    store.publish()
+    sync(store)
     assert content_ok(store, MAIN, g, list(range(1, 231)))
     assert store.checkpoint(a).page_placement == {"device": 0, "host": 1, "both": 3}
     store.finish(g)
@@ -528,11 +534,11 @@ def test_release_host_replica_and_restore_drop_host():
     store = _ordinary()
     ck = _checkpoint(store, 150)
     assert store.release_host_replica(ck) == 0
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     assert store.release_host_replica(ck) == 3
     assert store.checkpoint(ck).placement == "device"
     _arena_empty(store)
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     store.drop_device_replica(ck)
     _unchanged(store, lambda: store.release_host_replica(ck), LifecycleError, "only copy")
     report = store.restore_checkpoint(ck, drop_host=True)
@@ -540,7 +546,7 @@ def test_release_host_replica_and_restore_drop_host():
     assert store.checkpoint(ck).placement == "device"
     _arena_empty(store)
     assert store.restore_checkpoint(ck).pages == 0  # nothing Host-only
-    store.publish()
+    sync(store)
     assert content_ok(store, MAIN, ck, list(range(1, 151)))
     assert store.stats.restored_pages == 3 and store.stats.released_host_pages == 6
     store.check_invariants()
@@ -549,7 +555,7 @@ def test_release_host_replica_and_restore_drop_host():
 def test_move_from_both_drops_host_replicas_of_writable_pages():
     store = _ordinary()
     ck = _checkpoint(store, 100)
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     h = store.activate(100, 20, source=ck, release_source=True)  # Move: pages become writable
     assert all(p.host_replica is None and p.writer_row == store.row(h) for p in store.bundle(h).main.pages())
     _arena_empty(store)
@@ -563,7 +569,7 @@ def test_move_from_both_drops_host_replicas_of_writable_pages():
 def test_summaries_and_counters():
     store = _ordinary(backend="mtp")
     ck = _checkpoint(store, 100)
-    store.offload_checkpoint(ck)
+    store.offload_checkpoint(ck, sync(store))
     store.drop_device_replica(ck)
     summary = store.memory_summary()
     assert summary.offloaded_pages == 4 and summary.restored_pages == 0
@@ -585,7 +591,7 @@ def test_store_without_host_tier():
     ck = _checkpoint(store, 100)
     assert store.host_occupancy() is None and store.host_arena is None
     assert store.checkpoint(ck).placement == "device"
-    for verb in ("offload_checkpoint", "drop_device_replica", "restore_checkpoint", "release_host_replica"):
+    for verb in ("plan_offload", "drop_device_replica", "restore_checkpoint", "release_host_replica"):
         _unchanged(store, lambda: getattr(store, verb)(ck), LifecycleError, "needs a Host tier")
     assert store.memory_summary().host is None
     with pytest.raises(ValueError, match="either host_arena or host_bytes"):

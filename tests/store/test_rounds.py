@@ -6,7 +6,7 @@ import pytest
 from ninfer_kv.planning import PoolKind
 from ninfer_kv.store import EntitlementError, EntitlementPolicy, KVStore
 
-from .helpers import P, tiny_plan
+from .helpers import P, sync, tables_of, tiny_plan
 
 MAIN, MTP, DRAFT = PoolKind.MAIN, PoolKind.MTP, PoolKind.DRAFT_FULL
 
@@ -94,12 +94,12 @@ def test_vectorized_decode_round_matches_per_lane_calls():
     c = np.array([10, 63, 64, 127])
     store.map_rows(rows, c)
     store.commit_rows(rows, c)
-    tables = store.publish()
+    tables = tables_of(store)
     for _ in range(70):
         store.map_rows(rows, c + 1)
         store.commit_rows(rows, c + 1)
         c = c + 1
-        tables = store.publish()
+        tables = tables_of(store)
     t = np.asarray(tables[MAIN])
     for h, ci in zip(hs, c):
         space = store.bundle(h).main

@@ -41,7 +41,7 @@ from ninfer_kv.store import (
     StaleHandleError,
 )
 
-from .helpers import P, assert_same, content_ok, page_bytes, space_content_ok, tiny_plan, write_tokens
+from .helpers import P, assert_same, content_ok, page_bytes, planes_of, space_content_ok, sync, tiny_plan, write_positions, write_tokens
 
 MAIN = PoolKind.MAIN
 
@@ -152,7 +152,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Offload + drop when the checkpoint has no Host-only page yet (best effort)."""
         if not self.store.checkpoint(ck).page_placement["host"]:
             try:
-                self.store.offload_checkpoint(ck)
+                self.store.offload_checkpoint(ck, sync(self.store))
                 self.store.drop_device_replica(ck)
             except (HostCapacityError, LifecycleError):
                 pass
@@ -258,8 +258,7 @@ class StoreMachine(RuleBasedStateMachine):
         c = np.array([self.store.address_space(h, MAIN).committed_frontier for h in hs])
         self.store.map_rows(rows, c + 1)
         vals = self._values(len(hs))
-        for h, r, ci, v in zip(hs, rows, c, vals):
-            write_tokens(self.store, MAIN, int(r), int(ci), [v])
+        write_positions(self.store, MAIN, rows, c, vals)  # one batched write through the device table
         self.store.commit_rows(rows, c + 1)
         for h, v in zip(hs, vals):
             self.live_seqs[h].content[MAIN].append(v)
@@ -343,9 +342,10 @@ class StoreMachine(RuleBasedStateMachine):
     def offload(self, data, then_drop):
         """Offload a checkpoint; with ``then_drop`` also give up its Device replica (an eviction)."""
         ck = self._pick_ckpt_with_pages(data, "device")
+        state = sync(self.store)
         before = self.store.snapshot()
         try:
-            report = self.store.offload_checkpoint(ck)
+            report = self.store.offload_checkpoint(ck, state)
         except HostCapacityError:
             assert_same(before, self.store.snapshot())
             return
@@ -417,14 +417,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.steps += 1
         store = self.store
         store.check_invariants()
-        tables = {k: np.asarray(t) for k, t in store.publish().items()}
+        state = sync(store)
+        store.check_state(state)  # every work applied once, in order
+        tables = {k: np.asarray(t) for k, t in state.tables.items()}
         active_rows = sorted(store.row(h) for h in self.live_seqs)
         assert active_rows == sorted(store.active_rows().tolist())
         assert len(set(active_rows)) == len(active_rows)
         for kind in self.kinds:
             pool = store.pool(kind)
             assert pool.allocated + pool.reserved + pool.available == pool.capacity
-            planes_np = {n: np.asarray(v) for n, v in store.planes(kind).items()}
+            planes_np = {n: np.asarray(v) for n, v in planes_of(store, kind).items()}
             axis = store.layout(kind).order.page_axis
             owners: dict = {}
             reserved = 0
@@ -486,7 +488,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 SETTINGS = settings(
     max_examples=200,
-    stateful_step_count=50,
+    stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

@@ -6,7 +6,7 @@ import numpy as np
 from ninfer_kv.planning import PoolKind
 from ninfer_kv.store import KVStore
 
-from .helpers import P, page_bytes, random_fill, tiny_plan, write_tokens
+from .helpers import P, page_bytes, planes_of, random_fill, tiny_plan, write_tokens
 
 MAIN = PoolKind.MAIN
 
@@ -26,7 +26,7 @@ def _checkpoint_at(store, frontier):
 
 
 def _np(store):
-    return {k: np.asarray(v) for k, v in store.planes(MAIN).items()}
+    return {k: np.asarray(v) for k, v in planes_of(store, MAIN).items()}
 
 
 def test_fork_at_1000_shares_15_pages_and_copies_a_40_column_tail():

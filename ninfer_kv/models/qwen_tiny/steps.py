@@ -57,6 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
+from ...planning import PoolKind
+from ...store import KVDeviceState, apply_work
 from .config import StepConfig
 from .model import forward_paged, logits_from_hidden
 from .mtp import mtp_draft_paged, mtp_forward_paged
@@ -72,11 +74,15 @@ __all__ = [
     "MTPExtendOutput",
     "MTPDraftOutput",
     "DONATED_ARGNUMS",
+    "STATE_DONATED_ARGNUMS",
     "accepted_prefix",
 ]
 
 DONATED_ARGNUMS = (1, 2)
 """Positional indices of the donated arguments of every step: ``planes`` and ``block_tables``."""
+
+STATE_DONATED_ARGNUMS = (1,)
+"""The donated argument of every state step: the :class:`~ninfer_kv.KVDeviceState`."""
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -380,6 +386,10 @@ class ModelSteps:
         self.decode = CountedStep("decode", decode, _token_check(cfg, "decode", 1))
         self.verify = CountedStep("verify", verify, _token_check(cfg, "verify", cfg.draft_window + 1))
         self._steps = {"prefill": self.prefill, "decode": self.decode, "verify": self.verify}
+        self._state_steps = {
+            name: _state_step(name, PoolKind.MAIN, fn, self._steps[name]._check)
+            for name, fn in (("prefill", prefill), ("decode", decode), ("verify", verify))
+        }
 
         if model.mtp:
             mtp_layout = cfg.mtp_layout
@@ -402,11 +412,27 @@ class ModelSteps:
             self.mtp_extend = CountedStep("mtp_extend", mtp_extend, _mtp_check(cfg, "mtp_extend"))
             self.mtp_draft = CountedStep("mtp_draft", mtp_draft, _mtp_check(cfg, "mtp_draft"))
             self._steps.update(mtp_extend=self.mtp_extend, mtp_draft=self.mtp_draft)
+            for name, fn in (("mtp_extend", mtp_extend), ("mtp_draft", mtp_draft)):
+                self._state_steps[name] = _state_step(name, PoolKind.MTP, fn, self._steps[name]._check)
+        self._steps.update({f"{name}_state": step for name, step in self._state_steps.items()})
 
     @property
     def steps(self) -> dict[str, CountedStep]:
-        """The step functions by name."""
+        """The step functions by name (``<name>`` over planes and tables, ``<name>_state`` over a
+        :class:`~ninfer_kv.KVDeviceState`)."""
         return dict(self._steps)
+
+    def on_state(self, name: str) -> CountedStep:
+        """The state step of ``name``: ``(params, state, work, *args) -> (state, output)``.
+
+        It applies the round ``work`` to the donated ``state`` (:func:`~ninfer_kv.apply_work`),
+        then runs step ``name`` on the pool's planes and block tables, all in one dispatch.  The
+        output's ``planes`` and ``block_tables`` are ``None``: they live in the returned state.
+        """
+        try:
+            return self._state_steps[name]
+        except KeyError:
+            raise ValueError(f"unknown step {name!r}; steps: {sorted(self._state_steps)}") from None
 
     def compiles(self) -> dict[str, int]:
         """Backend compilations per step function."""
@@ -415,6 +441,23 @@ class ModelSteps:
     def traces(self) -> dict[str, int]:
         """Traces per step function."""
         return {name: s.traces for name, s in self._steps.items()}
+
+
+def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable) -> CountedStep:
+    """``fn(params, planes, tables, *args)`` as a step over a state and a round work."""
+
+    def body(params, state, work, *args):
+        state = apply_work(state, work)
+        out = fn(params, state.planes[pool], state.tables[pool], *args)
+        state = state.replace(planes={**state.planes, pool: out.planes})
+        return state, out._replace(planes=None, block_tables=None)
+
+    def check_state(params, state, work, *args):
+        if not isinstance(state, KVDeviceState):
+            raise TypeError(f"{name}: state must be a KVDeviceState, got {type(state).__name__}")
+        check(params, state.pool_planes(pool), state.table(pool), *args)
+
+    return CountedStep(f"{name}_state", body, check_state, donate_argnums=STATE_DONATED_ARGNUMS)
 
 
 def make_steps(step_config: StepConfig) -> ModelSteps:

@@ -1,0 +1,265 @@
+"""Activation and finish: the verb family that leases rows and moves address spaces in and out of
+execution, atomically over every enabled pool.
+
+Activation runs these stages over every enabled pool, in order::
+
+    claim_spaces -> reserve -> restore_host -> move_fork -> private_tail
+                 -> lease_rows -> publish_tables -> publish_active
+
+Any failure (including one raised by the test-only ``fault_injector``, called as
+``fault_injector(stage, pool_kind_or_None)`` before each stage of each pool) undoes every completed
+step in reverse, leaving the store — the source checkpoint and the pending round work included —
+exactly as before.  ``restore_host`` stages the source's Host-only pages into the pending work
+(the ``reserve`` stage reserved Device pages for them); ``private_tail`` records the partial-tail
+COW copy there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..geometry import PAGE_SIZE
+from ..planning import PoolKind
+from .bundle import CheckpointHandle, SequenceHandle, _Record
+from .entitlement import pages_for_tokens
+from .errors import EntitlementError, IncompleteContinuationError, LifecycleError, PoolCapacityError
+from .rows import as_index as _int
+
+__all__ = ["ActivationVerbs", "ACTIVATION_STAGES"]
+
+ACTIVATION_STAGES: tuple[str, ...] = (
+    "claim_spaces",
+    "reserve",
+    "restore_host",
+    "move_fork",
+    "private_tail",
+    "lease_rows",
+    "publish_tables",
+    "publish_active",
+)
+"""Activation stages in order; ``lease_rows`` and ``publish_active`` are store-wide (pool ``None``)."""
+
+
+class ActivationVerbs:
+    """``activate``, ``finish`` and ``release_checkpoint`` of :class:`~ninfer_kv.store.KVStore`."""
+
+    def activate(
+        self,
+        prompt_tokens: int,
+        max_new_tokens: int = 0,
+        *,
+        source: CheckpointHandle | None = None,
+        release_source: bool = False,
+    ) -> SequenceHandle:
+        """Activate a sequence from the root or from a retained checkpoint, atomically over every pool.
+
+        Args:
+          prompt_tokens: tokens of the prompt, including the prefix the checkpoint already holds.
+          max_new_tokens: the output budget; the entitlement covers ``prompt + budget`` by default.
+          source: a reusable checkpoint to continue from (its frontier must be <= ``prompt_tokens``).
+          release_source: the caller gives the checkpoint up.  Pools where nothing else references
+            its pages *Move* them (no copy; the partial tail continues in place); otherwise the
+            checkpoint is *Forked* — full pages shared immutably, a partial tail copied into a
+            private page — and released afterwards.  With ``False`` the checkpoint survives (Fork).
+
+        Returns:
+          The new :class:`SequenceHandle`; its row is ``store.row(handle)``.
+        """
+        prompt = _int("prompt_tokens", prompt_tokens)
+        budget = _int("max_new_tokens", max_new_tokens)
+        target = prompt + budget
+        if target > self.max_context:
+            raise EntitlementError(
+                f"prompt_tokens + max_new_tokens = {target} exceeds max_context={self.max_context} "
+                f"(allowed: 0..{self.max_context})"
+            )
+        src_rec = None
+        if source is not None:
+            src_rec = self._checkpoint(source)
+            if not self._reusable(src_rec):
+                raise IncompleteContinuationError(
+                    "the checkpoint holds no state image and the model requires one: KV pages alone are not a "
+                    "reusable continuation"
+                )
+            f_main = int(self._main.spaces.committed[src_rec.slots[PoolKind.MAIN]])
+            if prompt < f_main:
+                raise ValueError(f"prompt_tokens={prompt} is below the checkpoint frontier {f_main}")
+        elif release_source:
+            raise ValueError("release_source=True needs a source checkpoint")
+        if not self._rows.free:
+            raise PoolCapacityError(f"all {self.max_concurrency} execution rows are leased")
+
+        # -- plan every pool (no state changes) --------------------------------------------------------
+        growth = self.policy.kv_lease_growth
+        min_tok, want_tok = self.policy.activation_tokens(prompt, target)
+        cap = self.logical_pages * PAGE_SIZE
+        plans = []
+        for kind, rt in self._rt.items():
+            lo = pages_for_tokens(min(cap, min_tok + rt.lead_tokens))
+            hi = pages_for_tokens(min(cap, want_tok + rt.lead_tokens))
+            src_slot = tail_slot = None
+            carried = full = partial = restore = 0
+            move = False
+            if src_rec is not None:
+                src_slot = src_rec.slots[kind]
+                c = int(rt.spaces.committed[src_slot])
+                full, partial = divmod(c, PAGE_SIZE)
+                if partial:
+                    tail_slot = int(rt.spaces.membership[src_slot, full])
+                move = release_source and (not partial or int(rt.pages.refs[tail_slot]) == 1)
+                carried = int(rt.spaces.n_blocks[src_slot]) if move else full
+                src_pages = rt.spaces.pages_of(src_slot)
+                restore = int((rt.pages.device_page[src_pages] < 0).sum())  # Host-only pages
+                if move and (rt.pages.pins[src_pages] != 0).any():
+                    raise LifecycleError(
+                        f"pool {kind.value}: the checkpoint's pages are pinned by an in-flight copy; it cannot be "
+                        f"moved now"
+                    )
+                lo = max(lo, pages_for_tokens(c))
+                hi = max(hi, lo)
+            ent = max(lo, min(hi, carried + rt.pool.available - restore)) if growth else hi
+            plans.append(
+                dict(
+                    kind=kind,
+                    rt=rt,
+                    ent=ent,
+                    reserve=ent - carried + restore,
+                    restore=restore,
+                    src=src_slot,
+                    move=move,
+                    carried=carried,
+                    carried_committed=(int(rt.spaces.committed[src_slot]) if move else full * PAGE_SIZE)
+                    if src_slot is not None
+                    else 0,
+                    tail=(tail_slot, full, partial) if (partial and not move) else None,
+                )
+            )
+
+        undo: list[Callable[[], None]] = []
+        try:
+            row = self._rows.take()
+            undo.append(lambda: self._rows.untake(row))
+            handle = self._registry.add(_Record("sequence", {p["kind"]: row for p in plans}, row=row))
+            undo.append(lambda: self._registry.undo_add(handle))
+            for p in plans:
+                self._fault("claim_spaces", p["kind"])
+                undo.append(p["rt"].claim(row, handle.id, p["ent"], target, growth))
+            for p in plans:
+                self._fault("reserve", p["kind"])
+                undo.append(p["rt"].reserve(row, p["reserve"]))
+            for p in plans:
+                self._fault("restore_host", p["kind"])
+                undo.append(self._restore_host_pages(p, row))
+            for p in plans:
+                self._fault("move_fork", p["kind"])
+                if p["src"] is not None:
+                    undo.append(p["rt"].carry(row, p["src"], p["carried"], p["carried_committed"]))
+            for p in plans:
+                self._fault("private_tail", p["kind"])
+                if p["tail"] is not None:
+                    undo.append(p["rt"].private_tail(row, *p["tail"]))
+            self._fault("lease_rows", None)
+            self._rows.lease(row, handle.id)
+            undo.append(lambda: self._rows.unlease(row))
+            for p in plans:
+                self._fault("publish_tables", p["kind"])
+                undo.append(p["rt"].publish_row(row))
+            self._fault("publish_active", None)
+        except BaseException:
+            for action in reversed(undo):
+                action()
+            raise
+        # -- commit: infallible --------------------------------------------------------------------------
+        for p in plans:
+            p["rt"].commit_activation(row, p["src"] if p["move"] else None)
+        if source is not None and release_source:
+            for p in plans:
+                if not p["move"]:
+                    p["rt"].release_inactive(p["src"])
+            self._registry.remove(source)
+        return handle
+
+    def _restore_host_pages(self, plan: dict, row: int) -> Callable[[], None]:
+        """Stage ``restore_host``: bring Host-only pages of the source back to Device replicas.
+
+        Every page of the source is needed on Device (carried pages are read by the new sequence, a
+        partial tail is the COW source), so each Host-only page gets a Device page materialized from
+        the row's reservation (the ``reserve`` stage included them), its Host extent is copied in,
+        epoch and coverage are verified, and the Device lease is published on the logical page (the
+        Host replica stays: placement Both).  Returns the exact undo of that work.
+        """
+        if not plan["restore"]:
+            return lambda: None
+        return self._host.restore_for_activation(plan["kind"], plan["src"], row)
+
+    # -- finish and release ----------------------------------------------------------------------------------------
+    def finish(
+        self,
+        handle: SequenceHandle,
+        *,
+        retain: bool = False,
+        state_image: Any = None,
+        frontiers: Mapping | None = None,
+    ) -> CheckpointHandle | None:
+        """End an active sequence: release its row, writer and unmaterialized entitlement.
+
+        With ``retain=False`` every membership is released.  With ``retain=True`` the address spaces
+        become one immutable inactive checkpoint holding ``ceil(committed / P)`` pages per pool (the
+        provisional lead is trimmed: it is never checkpoint coverage) and ``state_image``, the model's
+        opaque state token for the same frontier.  A complete continuation is required: when the
+        store ``requires_state_image`` a state image must be given, and ``frontiers`` (optional,
+        ``{pool: tokens}`` for every enabled pool) must equal each pool's committed frontier.
+
+        Returns the :class:`CheckpointHandle`, or ``None`` when released.
+        """
+        rec = self._sequence(handle)
+        if retain:
+            if self.requires_state_image and state_image is None:
+                raise IncompleteContinuationError(
+                    "retain needs the model's state image for this frontier (requires_state_image=True); "
+                    "KV pages alone are not a reusable continuation"
+                )
+            if frontiers is not None:
+                stated = {PoolKind.parse(k): v for k, v in frontiers.items()}
+                if set(stated) != set(self._rt):
+                    raise IncompleteContinuationError(
+                        f"frontiers name pools {sorted(k.value for k in stated)}; every enabled pool "
+                        f"{sorted(k.value for k in self._rt)} must be stated"
+                    )
+                for kind, f in stated.items():
+                    c = int(self._rt[kind].spaces.committed[rec.row])
+                    if f != c:
+                        raise IncompleteContinuationError(
+                            f"pool {kind.value}: checkpoint frontier {f} != committed frontier {c}; commit the "
+                            f"pool to the checkpoint frontier before retaining"
+                        )
+        elif state_image is not None or frontiers is not None:
+            raise ValueError("state_image and frontiers are only meaningful with retain=True")
+        row = rec.row
+        for rt in self._rt.values():
+            rt.check_deactivate(row, retain)
+        slots = {kind: rt.deactivate(row, retain) for kind, rt in self._rt.items()}
+        self._registry.remove(handle)
+        self._rows.release(row)
+        if retain:
+            return self._registry.add(_Record("checkpoint", slots, state_image=state_image))
+        return None
+
+    def release_checkpoint(self, handle: CheckpointHandle) -> None:
+        """Release a retained checkpoint: drop its references; pages losing their last reference
+        release their Device lease and their Host extent membership (an extent is freed with its last
+        page).  Refused while a copy pins one of its pages."""
+        rec = self._checkpoint(handle)
+        for kind, rt in self._rt.items():
+            pinned = np.flatnonzero(rt.pages.pins[rt.spaces.pages_of(rec.slots[kind])] != 0)
+            if pinned.size:
+                raise LifecycleError(
+                    f"pool {kind.value}: cannot release the checkpoint: logical blocks {pinned.tolist()} are pinned "
+                    f"by an in-flight copy"
+                )
+        for kind, rt in self._rt.items():
+            rt.release_inactive(rec.slots[kind])
+        self._registry.remove(handle)
+

@@ -1,0 +1,124 @@
+"""Host tier verbs of the store: offload (plan -> gather -> complete, or cancel), Device replica
+drop, restore, Host replica release.  The protocol itself is :mod:`ninfer_kv.store.host_replicas`."""
+
+from __future__ import annotations
+
+from .bundle import CheckpointHandle
+from .errors import LifecycleError
+from .host_replicas import HostTier, HostTransferReport, OffloadPlan
+from .summary import HostOccupancy
+
+__all__ = ["HostVerbs"]
+
+
+class HostVerbs:
+    """Host replica verbs of :class:`~ninfer_kv.store.KVStore`."""
+
+    def _tier(self, verb: str) -> HostTier:
+        if self._host is None:
+            raise LifecycleError(f"{verb} needs a Host tier; build the store with host_arena= or host_bytes=")
+        return self._host
+
+    @property
+    def host_arena(self):
+        """The :class:`~ninfer_kv.host.HostKVArena` of the Host tier, or ``None``."""
+        return None if self._host is None else self._host.arena
+
+    def plan_offload(self, handle: CheckpointHandle) -> OffloadPlan:
+        """Plan the Device -> Host copy of every page of a retained checkpoint, in every pool, that
+        has no valid Host replica yet: reserve one destination extent per pool (the whole recipe of
+        every pool is proven by ``arena.validate_plan`` first) and pin the pages.
+
+        Then gather the payload from a state that applied every round work taken so far (and the
+        next one when ``plan.min_serial`` says so) with :func:`~ninfer_kv.gather_pages` (jittable;
+        ``plan.pages`` is its argument) and finish with :meth:`complete_offload`, or give the plan
+        up with :meth:`cancel_offload`.  While planned, the pages are pinned: releasing the
+        checkpoint, dropping or releasing its replicas is refused.
+
+        Raises :class:`HostCapacityError` (a :class:`PoolCapacityError`) when the arena cannot place
+        the extents and :class:`LifecycleError` when a page is pinned by another copy; the store is
+        then unchanged.
+        """
+        rec = self._checkpoint(handle)
+        return self._tier("plan_offload").plan_offload(rec.slots, self._serial_of)
+
+    def gather_offload(self, plan: OffloadPlan, state):
+        """The payload of ``plan`` gathered from ``state`` (a jitted :func:`~ninfer_kv.gather_pages`,
+        then the Device -> Host copy started through the arena's staging memory)."""
+        from .round_work import gather_pages_jit
+
+        tier = self._tier("gather_offload")
+        if not plan.pages:
+            return state.serial, {}
+        serial, planes = gather_pages_jit(state, plan.pages)
+        planes = {k: {n: tier.arena.start_to_host(x) for n, x in p.items()} for k, p in planes.items()}
+        return serial, planes
+
+    def complete_offload(self, plan: OffloadPlan, payload) -> HostTransferReport:
+        """Copy -> verify epoch and committed coverage -> publish the Host replicas of a planned
+        offload (placement ``device`` -> ``both``; the Device replicas stay, see
+        :meth:`drop_device_replica`).
+
+        ``payload`` is ``gather_pages(state, plan.pages)`` (or :meth:`gather_offload`).  Raises
+        :class:`StaleReplicaError` when a page changed since the plan, :class:`WorkOrderError` when
+        the state had not applied the works the pages need; then the plan is rolled back (extents
+        freed, pages unpinned) and nothing is published.  Returns a :class:`HostTransferReport`.
+        """
+        return self._tier("complete_offload").complete_offload(plan, payload)
+
+    def cancel_offload(self, plan: OffloadPlan) -> None:
+        """Abandon a planned offload: free its extents and unpin its pages (full rollback)."""
+        self._tier("cancel_offload").cancel_offload(plan)
+
+    def offload_checkpoint(self, handle: CheckpointHandle, state) -> HostTransferReport:
+        """:meth:`plan_offload`, :meth:`gather_offload` from ``state`` and :meth:`complete_offload`
+        in one call (the state must have applied every round work taken so far; when a pending
+        work touches the pages, take and apply it first)."""
+        plan = self.plan_offload(handle)
+        try:
+            payload = self.gather_offload(plan, state)
+        except BaseException:
+            self.cancel_offload(plan)
+            raise
+        return self.complete_offload(plan, payload)
+
+    def drop_device_replica(self, handle: CheckpointHandle) -> int:
+        """Release the Device leases of a checkpoint whose pages all have a valid Host replica
+        (placement ``both`` -> ``host``); returns the leases released.
+
+        Rule: a page read by an active address space stays on Device; a page shared only among
+        inactive checkpoints may become Host-only (a later activation of any of them restores it).
+        Refused (:class:`LifecycleError`, nothing changed) when a page with a Device replica has no
+        valid Host replica, is pinned, or is referenced by an active address space.
+        """
+        rec = self._checkpoint(handle)
+        return self._tier("drop_device_replica").drop_device(rec.slots)
+
+    def restore_checkpoint(self, handle: CheckpointHandle, *, drop_host: bool = False) -> HostTransferReport:
+        """Host -> Device copy of the checkpoint's Host-only pages (placement ``host`` -> ``both``).
+
+        Per pool: reserve Device pages from the available pages -> copy (into the pending round work:
+        the device writes the pages in the next :func:`~ninfer_kv.apply_work`) -> verify -> publish
+        the Device leases.  The Host replicas stay unless ``drop_host=True`` (then every Host replica of the
+        checkpoint is released afterwards: placement ``device``).  Raises
+        :class:`PoolCapacityError` (nothing changed) when a pool lacks available pages.
+        """
+        rec = self._checkpoint(handle)
+        return self._tier("restore_checkpoint").restore(rec.slots, drop_host=bool(drop_host))
+
+    def release_host_replica(self, handle: CheckpointHandle) -> int:
+        """Release the Host replicas of a checkpoint's pages (placement ``both`` -> ``device``); an
+        extent is freed with its last page.  Refused (nothing changed) when a page is Host-only (its
+        Host replica is its only copy) or pinned.  Returns the replicas released."""
+        rec = self._checkpoint(handle)
+        return self._tier("release_host_replica").release_host(rec.slots)
+
+    def host_occupancy(self) -> HostOccupancy | None:
+        """The Host arena's occupancy, per-pool Host pages and the transfer counters (``None`` without
+        a Host tier)."""
+        return None if self._host is None else self._host.occupancy()
+
+    def host_counters(self) -> dict:
+        """The Host transfer counters as a dict (``offloaded_pages``, ``restored_pages``, ...)."""
+        return self.stats.to_json()
+

@@ -1,0 +1,394 @@
+"""Round work: what the device must do before the next unit reads, and the pure function doing it.
+
+The store records device work on the host as it plans it and hands it out with
+:meth:`KVStore.take_work` as one :class:`RoundWork`: a pytree of numpy arrays in bucketed, fixed
+shapes.  :func:`apply_work` applies it to a :class:`~ninfer_kv.store.device_state.KVDeviceState`;
+it is a pure function of arrays, so the caller runs it inside its own jitted step (a decode round
+is then one dispatch) or jitted alone (:func:`apply_work_jit`).
+
+Per pool a work holds
+
+* ``tables``: ``int32 (3, U)`` block-table updates ``(row, block, page)``; padding rows are ``C``
+  (dropped by the scatter);
+* ``copies``: ``int32 (3, K)`` page writes from device pages ``(src, dst, columns)``: columns
+  ``[0, columns)`` of ``src`` onto ``dst`` (partial-tail COW);
+* ``restores``: ``int32 (2, R)`` page writes from the Host payload ``(dst, columns)`` and
+  ``payload``: per plane ``(R, layers, H, P, X)`` unsigned words of the plane's width (the Host
+  replica's bytes, so any payload — NaN bit patterns included — lands byte-exactly).
+
+Padding entries have ``columns == 0`` and destination ``N`` (out of range: dropped).  Every
+destination is distinct within a work and every source reads the content the page had *before*
+the work: :class:`PageWrites` resolves a write whose source was itself written earlier in the same
+work to that earlier write's source, and a later write to a destination replaces an earlier one
+(the earlier content of a freed-and-reused page is dead), so one parallel gather-then-scatter
+equals the sequential history.  Bucketed shapes (``U``, ``K``, ``R`` from fixed ladders, ``0``
+included, where the work is skipped at trace time) bound the compilations of any step that
+applies a work: one per bucket combination.
+
+Order: ``work.serial`` is the number of works the store handed out before this one; the state's
+``serial`` must equal it.  :func:`apply_work` advances a matching serial and poisons a mismatched
+one (``POISONED``, sticky), so a skipped or repeated work is detected by
+:meth:`KVStore.check_state` (one host read of a scalar) however many steps later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..geometry import PAGE_SIZE
+from ..planning import PoolKind
+from .device_state import POISONED, KVDeviceState
+
+__all__ = [
+    "RoundWork",
+    "PoolWork",
+    "PageWrites",
+    "apply_work",
+    "apply_work_jit",
+    "gather_pages",
+    "step_work_shape",
+    "take_step_work",
+    "bucket",
+    "ladder",
+    "word_dtype",
+]
+
+_UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
+def word_dtype(dtype) -> np.dtype:
+    """The unsigned word dtype of ``dtype``'s width (the payload dtype of a plane)."""
+    return _UINT[np.dtype(dtype).itemsize]
+
+
+def ladder(first: int, factor: int, cap: int) -> tuple[int, ...]:
+    """Bucket sizes ``0, first, first * factor, ...`` up to and including ``cap``."""
+    out = [0]
+    b = first
+    while b < cap:
+        out.append(b)
+        b *= factor
+    out.append(max(cap, 0))
+    return tuple(sorted(set(out)))
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    for b in sizes:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} entries exceed the largest bucket {sizes[-1]}")
+
+
+# -- the work pytree --------------------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tables", "copies", "restores", "payload"],
+                   meta_fields=["pad_row", "pad_page"])
+@dataclasses.dataclass(frozen=True)
+class PoolWork:
+    """One pool's part of a :class:`RoundWork` (see the module docstring for the arrays).
+
+    ``pad_row`` (``C``) and ``pad_page`` (``N``) are the out-of-range padding targets.
+    """
+
+    tables: np.ndarray
+    copies: np.ndarray
+    restores: np.ndarray
+    payload: dict
+    pad_row: int = 0
+    pad_page: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.tables.shape[1] or self.copies.shape[1] or self.restores.shape[1])
+
+    def used(self) -> tuple[int, int, int]:
+        """Entries that carry work (not padding): table updates, copies, restores."""
+        return (
+            int((self.tables[0] != self.pad_row).sum()),
+            int((self.copies[2] > 0).sum()),
+            int((self.restores[1] > 0).sum()),
+        )
+
+    def pad_to(self, tables: int, copies: int, restores: int) -> "PoolWork":
+        """The same work in larger buffers (padding entries do nothing)."""
+        t, k, r = self.tables.shape[1], self.copies.shape[1], self.restores.shape[1]
+        if t > tables or k > copies or r > restores:
+            raise ValueError(f"a work of sizes ({t}, {k}, {r}) does not fit ({tables}, {copies}, {restores})")
+        out_t = self.tables
+        if tables > t:
+            out_t = np.zeros((3, tables), np.int32)
+            out_t[:, :t] = self.tables
+            out_t[0, t:] = self.pad_row
+        out_k = self.copies
+        if copies > k:
+            out_k = np.zeros((3, copies), np.int32)
+            out_k[:, :k] = self.copies
+            out_k[1, k:] = self.pad_page
+        out_r, payload = self.restores, self.payload
+        if restores > r:
+            out_r = np.zeros((2, restores), np.int32)
+            out_r[:, :r] = self.restores
+            out_r[0, r:] = self.pad_page
+            payload = {}
+            for name, x in self.payload.items():
+                y = np.zeros((restores,) + x.shape[1:], x.dtype)
+                y[:r] = x
+                payload[name] = y
+        return PoolWork(out_t, out_k, out_r, payload, self.pad_row, self.pad_page)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["serial", "pools"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RoundWork:
+    """Everything the device must do before the next unit reads (one :meth:`KVStore.take_work`)."""
+
+    serial: np.ndarray
+    pools: dict
+
+    @property
+    def empty(self) -> bool:
+        """Nothing for the device to do (the serial must still be applied: works are never skipped)."""
+        return all(p.empty for p in self.pools.values())
+
+    def counts(self) -> dict:
+        """``{PoolKind: (table updates, copies, restores)}`` in bucketed (padded) sizes."""
+        return {k: (p.tables.shape[1], p.copies.shape[1], p.restores.shape[1]) for k, p in self.pools.items()}
+
+    def fits(self, tables: int, copies: int = 0, restores: int = 0) -> bool:
+        """Whether every pool's part fits buffers of these sizes (see :meth:`pad_to`)."""
+        return all(t <= tables and k <= copies and r <= restores for t, k, r in self.counts().values())
+
+    def pad_to(self, tables: int, copies: int = 0, restores: int = 0) -> "RoundWork":
+        """The same work with every pool's buffers padded to fixed sizes, so a step that applies
+        works has one signature: a caller takes the work, applies an oversized one alone
+        (:func:`apply_work_jit`) and passes the next (empty) take padded into its step."""
+        return RoundWork(self.serial, {k: p.pad_to(tables, copies, restores) for k, p in self.pools.items()})
+
+
+# -- host side: pending page writes -------------------------------------------------------------------
+
+
+class PageWrites:
+    """Pending page writes of one pool between two takes, resolved to pre-work sources.
+
+    ``writes[dst] = (from_payload, source, columns)``: ``source`` is a device page (content before
+    the work) or an index into ``payload``.  A journal makes every change undoable
+    (:meth:`mark` / :meth:`rollback`), for activation and transfer rollbacks.
+    """
+
+    def __init__(self, layout, num_pages: int):
+        self.layout = layout
+        self.num_pages = int(num_pages)
+        self.names = tuple(layout.plane_names)
+        self.writes: dict[int, tuple[bool, int, int]] = {}
+        self.payload: list[dict] = []
+        self._journal: list[tuple[int, tuple | None]] = []
+        self.copy_buckets = ladder(8, 8, self.num_pages)
+        self.restore_buckets = ladder(1, 2, self.num_pages)
+
+    def __len__(self) -> int:
+        return len(self.writes)
+
+    def mark(self) -> tuple[int, int]:
+        return len(self._journal), len(self.payload)
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        n, m = mark
+        while len(self._journal) > n:
+            dst, prev = self._journal.pop()
+            if prev is None:
+                del self.writes[dst]
+            else:
+                self.writes[dst] = prev
+        del self.payload[m:]
+
+    def _put(self, dst: int, entry: tuple) -> None:
+        self._journal.append((dst, self.writes.get(dst)))
+        self.writes[dst] = entry
+
+    def copy(self, src: int, dst: int, columns: int) -> None:
+        """Columns ``[0, columns)`` of device page ``src`` onto ``dst`` (as the device would see them
+        after every write recorded so far)."""
+        src, dst, columns = int(src), int(dst), int(columns)
+        if columns <= 0:
+            return
+        prev = self.writes.get(src)
+        if prev is not None:  # src was written in this work: read what that write reads
+            self._put(dst, (prev[0], prev[1], min(columns, prev[2])))
+        else:
+            self._put(dst, (False, src, columns))
+
+    def restore(self, dst_ids: np.ndarray, pages: Mapping[str, np.ndarray]) -> None:
+        """Whole pages from a Host payload: ``pages[name][i]`` (``(layers, H, P, X)``) onto
+        ``dst_ids[i]``.  The payload is copied (the Host extent may be reused at once)."""
+        for i, dst in enumerate(np.asarray(dst_ids).tolist()):
+            self.payload.append({name: np.array(pages[name][i], copy=True) for name in self.names})
+            self._put(int(dst), (True, len(self.payload) - 1, PAGE_SIZE))
+
+    def touches(self, pages: np.ndarray) -> bool:
+        """Whether a pending write targets one of the device ``pages``."""
+        return bool(self.writes) and any(int(p) in self.writes for p in np.asarray(pages).tolist())
+
+    def take(self) -> tuple[np.ndarray, np.ndarray, dict]:
+        """The pending writes as bucketed ``copies``, ``restores`` and ``payload``; clears them."""
+        n_pages = self.num_pages
+        dev = [(d, s, c) for d, (p, s, c) in self.writes.items() if not p]
+        host = [(d, s, c) for d, (p, s, c) in self.writes.items() if p]
+        k = bucket(len(dev), self.copy_buckets)
+        copies = np.zeros((3, k), np.int32)
+        copies[1] = n_pages
+        if dev:
+            copies[:, : len(dev)] = np.array(dev, np.int64)[:, [1, 0, 2]].T
+        r = bucket(len(host), self.restore_buckets)
+        restores = np.zeros((2, r), np.int32)
+        restores[0] = n_pages
+        payload = {}
+        lay = self.layout
+        for spec in lay.planes:
+            payload[spec.name] = np.zeros(
+                (r, lay.num_layers, lay.num_kv_heads, lay.page_size, spec.extent), word_dtype(spec.dtype)
+            )
+        if host:
+            arr = np.array(host, np.int64)
+            restores[0, : len(host)] = arr[:, 0]
+            restores[1, : len(host)] = arr[:, 2]
+            for j, (_, s, _) in enumerate(host):
+                row = self.payload[s]
+                for name, out in payload.items():
+                    out[j] = row[name].view(out.dtype)
+        self.writes = {}
+        self.payload = []
+        self._journal = []
+        return copies, restores, payload
+
+    def snapshot(self) -> dict:
+        return {"writes": sorted(self.writes.items()), "payload": len(self.payload)}
+
+
+# -- device side ---------------------------------------------------------------------------------------
+
+
+def _words(x: jax.Array) -> jax.Array:
+    w = jnp.dtype(word_dtype(x.dtype))
+    return x if x.dtype == w else jax.lax.bitcast_convert_type(x, w)
+
+
+def _column_mask(columns: jax.Array, ndim: int, axis: int, page_size: int) -> jax.Array:
+    mask = jnp.arange(page_size, dtype=jnp.int32)[None, :] < columns[:, None]  # (U, P)
+    shape = [1] * ndim
+    shape[axis] = columns.shape[0]
+    shape[ndim - 2] = page_size
+    return mask.reshape(shape)
+
+
+def _write_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int) -> dict:
+    """Apply one pool's page writes: gather every source from the pre-work planes, then scatter."""
+    k, r = copies.shape[1], restores.shape[1]
+    if k == 0 and r == 0:
+        return planes
+    dst = jnp.concatenate([copies[1], restores[0]])
+    cols = jnp.concatenate([copies[2], restores[1]])
+    out = {}
+    for name, plane in planes.items():
+        words = _words(plane)
+        n = words.shape[axis]
+        safe_dst = jnp.clip(dst, 0, n - 1)
+        parts = []
+        if k:
+            parts.append(jnp.take(words, jnp.clip(copies[0], 0, n - 1), axis=axis))
+        if r:
+            parts.append(jnp.moveaxis(payload[name].astype(words.dtype), 0, axis))
+        src = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+        old = jnp.take(words, safe_dst, axis=axis)
+        blended = jnp.where(_column_mask(cols, words.ndim, axis, words.shape[-2]), src, old)
+        target = jnp.where(cols > 0, dst, n)  # padding: out of range, dropped
+        words = words.at[(slice(None),) * axis + (target,)].set(blended, mode="drop")
+        out[name] = words if words.dtype == plane.dtype else jax.lax.bitcast_convert_type(words, plane.dtype)
+    return out
+
+
+def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
+    """Apply one :class:`RoundWork` to the state (pure; call it inside a jitted step, donated).
+
+    Table updates are scattered into each pool's ``(C, L)`` matrix; page writes land in the
+    planes; ``serial`` advances when ``work.serial`` equals it and is poisoned otherwise.
+    """
+    if not isinstance(state, KVDeviceState):
+        raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
+    if not isinstance(work, RoundWork):
+        raise TypeError(f"work must be a RoundWork, got {type(work).__name__}")
+    if set(work.pools) != set(state.planes):
+        raise ValueError(
+            f"the work names pools {sorted(k.value for k in work.pools)}, the state holds "
+            f"{sorted(k.value for k in state.planes)}"
+        )
+    serial = jnp.asarray(state.serial, jnp.int32)
+    ok = serial == jnp.asarray(work.serial, jnp.int32)
+    new_serial = jnp.where(ok & (serial >= 0), serial + 1, jnp.int32(POISONED))
+    tables, planes = {}, {}
+    for kind, pw in work.pools.items():
+        table = state.tables[kind]
+        if pw.tables.shape[1]:
+            upd = jnp.asarray(pw.tables, jnp.int32)
+            table = table.at[upd[0], upd[1]].set(upd[2], mode="drop")
+        tables[kind] = table
+        planes[kind] = _write_pages(
+            state.planes[kind], jnp.asarray(pw.copies, jnp.int32), jnp.asarray(pw.restores, jnp.int32),
+            pw.payload, state.page_axis(kind)
+        )
+    return dataclasses.replace(state, planes=planes, tables=tables, serial=new_serial)
+
+
+apply_work_jit = jax.jit(apply_work, donate_argnums=(0,))
+"""``apply_work`` jitted alone with the state donated (when no step runs this round)."""
+
+
+def gather_pages(state: KVDeviceState, pages: Mapping) -> tuple[jax.Array, dict]:
+    """Pure, jittable gather of whole pages for an offload: ``pages = {PoolKind: int32 (B,)}``.
+
+    Returns ``(serial, {PoolKind: {plane: words (B, layers, H, P, X)}})``; ``serial`` is the
+    state's applied-work serial (the offload checks that the state saw every work it needs).
+    """
+    out = {}
+    for kind, ids in pages.items():
+        axis = state.page_axis(kind)
+        ids = jnp.asarray(ids, jnp.int32)
+        out[kind] = {
+            name: jnp.moveaxis(jnp.take(_words(x), ids, axis=axis), axis, 0)
+            for name, x in state.planes[kind].items()
+        }
+    return state.serial, out
+
+
+gather_pages_jit = jax.jit(gather_pages)
+
+
+def step_work_shape(store) -> tuple[int, int, int]:
+    """A fixed ``(table updates, copies, restores)`` shape for the work a step applies: room for
+    four table entries per execution row (a decode round maps at most one page per lane and pool),
+    no copies, no restores."""
+    cap = store.max_concurrency * store.logical_pages
+    return min(cap, max(64, 4 * store.max_concurrency)), 0, 0
+
+
+def take_step_work(store, state: KVDeviceState, shape: tuple[int, int, int] | None = None):
+    """Take ``store``'s round work for a step that applies works of one fixed ``shape``.
+
+    Returns ``(state, work)``: ``work`` padded to ``shape`` for the step to apply; a work that
+    does not fit (COW copies or Host restores after activations, a burst of table rows) is applied
+    alone first (:func:`apply_work_jit`, the returned ``state``) and the step gets the next, empty,
+    take.  So the step compiles once per shape of its own inputs, whatever the round did.
+    """
+    shape = step_work_shape(store) if shape is None else tuple(shape)
+    work = store.take_work()
+    if not work.fits(*shape):
+        state = apply_work_jit(state, work)
+        work = store.take_work()
+    return state, work.pad_to(*shape)
