@@ -266,7 +266,7 @@ def _arg_type(name: str, fn):
     return convert
 
 
-def _int_at_least(minimum: int, maximum: int | None = None):
+def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
 
     def parse(text: str) -> int:
@@ -284,7 +284,7 @@ def _int_at_least(minimum: int, maximum: int | None = None):
     return _arg_type("int", parse)
 
 
-def bounded_int(minimum: int, maximum: int):
+def bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
     """An argparse ``type=`` for integers in ``[minimum, maximum]`` (one-line errors naming the range)."""
     return _int_at_least(minimum, maximum)
 

@@ -84,12 +84,12 @@ class PlanBoundError(ValueError):
       allowed: the allowed range in words (``"an integer in [1, 8192]"``).
     """
 
-    def __init__(self, name: str, value, allowed: str, why: str = ""):
+    def __init__(self, name: str, value: object, allowed: str, why: str = ""):
         self.name, self.value, self.allowed, self.why = name, value, allowed, why
         super().__init__(f"{name}={value!r} is out of range; it must be {allowed}" + (f" ({why})" if why else ""))
 
 
-def _int_at_least(name: str, value, minimum: int, maximum: int | None = None, why: str = "") -> int:
+def _int_at_least(name: str, value: object, minimum: int, maximum: int | None = None, why: str = "") -> int:
     allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise PlanBoundError(name, value, allowed, why)

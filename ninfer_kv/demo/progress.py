@@ -58,7 +58,7 @@ class DemoProgress:
             postfix["compiled"] = f"{self.compiles} fn in {self.compile_seconds:.1f}s"
         self._bar.set_postfix(postfix, refresh=refresh)
 
-    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    def _on_event(self, event: str, duration: float, **kwargs: object) -> None:
         if event == LOWERED_EVENT:
             name = str(kwargs.get("fun_name", "a step function"))
             if name.startswith("jit(") and name.endswith(")"):
@@ -95,7 +95,9 @@ class _Silent:
         pass
 
 
-def make_progress(total: int, *, enabled: bool = True, desc: str = "serving requests", stream: TextIO | None = None):
+def make_progress(
+    total: int, *, enabled: bool = True, desc: str = "serving requests", stream: TextIO | None = None
+) -> "DemoProgress | _Silent":
     """A :class:`DemoProgress` bar over ``total`` requests; a silent stand-in when not ``enabled``."""
     if not enabled:
         return _Silent()
