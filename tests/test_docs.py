@@ -72,6 +72,9 @@ def test_docs_cite_no_missing_files(path):
     assert not re.search(r"\bDESIGN\b", text), f"{path.name} cites DESIGN.md, which the repository does not have"
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (path.parent / target).exists(), f"{path.name} links {target}, which does not exist"
+    for named in re.findall(r"`([\w.\-]+(?:/[\w.\-]+)+)`", text):  # repository paths named in backticks
+        if re.search(r"\.(py|md|ipynb|toml|cc|h)$", named):
+            assert (ROOT / named).exists(), f"{path.name} names {named}, which the repository does not have"
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if doc_script(p)], ids=lambda p: p.name)
