@@ -216,6 +216,7 @@ def test_plan_mtp_layers(capsys):
         (["demo", "--system-prompt-tokens", "100000000000"], ["--system-prompt-tokens", "[1, 65536]"]),
         (["demo", "--max-context", "100000000000"], ["--max-context", "[1, 65536]"]),
         (["demo", "--seed", "99999999999999999999999"], ["--seed", "[0, 4294967295]"]),
+        (["demo", "--host-bytes", "9e18"], ["--host-bytes 9000000000000000000", "this machine's memory"]),
         (["frobnicate"], ["'frobnicate'", "layout", "plan"]),
         ([], ["command is required"]),
     ],

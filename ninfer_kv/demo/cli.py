@@ -12,6 +12,7 @@ This module only declares arguments; everything heavy is imported when the comma
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..cli import BYTES, POSITIVE_INT, PROFILE, CommandOutput, bounded_int, register_subcommand
 
@@ -92,6 +93,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+def _physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def config_from_args(args: argparse.Namespace):
     """The :class:`~ninfer_kv.demo.run.DemoConfig` of parsed arguments (``ValueError`` on bad combinations)."""
     from ..cli import parse_bytes
@@ -109,6 +118,12 @@ def config_from_args(args: argparse.Namespace):
         if args.headroom_bytes is not None:
             raise ValueError("--headroom-bytes applies only to the automatic policy (--free-bytes)")
         capacity = ExplicitCapacity(args.kv_capacity if args.kv_capacity is not None else DEFAULT_KV_CAPACITY)
+    memory = _physical_memory()
+    if args.host_bytes is not None and memory is not None and args.host_bytes > memory:
+        raise ValueError(
+            f"--host-bytes {args.host_bytes} is out of range; it must be at most this machine's memory, "
+            f"{memory} bytes (the Host arena is allocated when the demo starts)"
+        )
     workload = WorkloadSpec(
         requests=args.requests,
         max_new_tokens=args.max_new_tokens,
