@@ -58,6 +58,8 @@ __all__ = [
     "MAX_KV_HEADS",
     "MAX_HEAD_DIM",
     "check_pool_bytes",
+    "MeshKVPlan",
+    "plan_kv_cache_mesh",
 ]
 
 TABLE_ENTRY_BYTES = 4  # int32 block-table entries
@@ -263,15 +265,42 @@ class AutomaticCapacity:
 
     @classmethod
     def from_device(cls, device=None, headroom_bytes: int = 0) -> "AutomaticCapacity":
-        """Read F from ``device.memory_stats()`` (GPU). On CPU the caller must pass F explicitly."""
-        device = device or jax.devices()[0]
-        stats = device.memory_stats() or {}
-        if "bytes_limit" not in stats:
-            raise ValueError(
-                f"device {device} reports no memory_stats(); pass AutomaticCapacity(free_bytes=...) explicitly"
-            )
-        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        """Read F from ``device.memory_stats()`` (GPU). On CPU the caller must pass F explicitly.
+
+        ``device`` may be one device, a sequence of devices, a ``jax.sharding.Mesh`` or a
+        :class:`~ninfer_kv.mesh.KVMesh`: F is then the *minimum* free memory over them (every device
+        of a mesh holds the same per-device share of the plan, so the tightest one decides).  In a
+        multi-process program only this process's devices can be read; each process then plans
+        from its own minimum, so pass the global minimum explicitly when the hosts differ.
+        """
+        devices = _devices_of(device)
+        free = None
+        for dev in devices:
+            stats = dev.memory_stats() or {}
+            if "bytes_limit" not in stats:
+                raise ValueError(
+                    f"device {dev} reports no memory_stats(); pass AutomaticCapacity(free_bytes=...) explicitly"
+                )
+            f = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            free = f if free is None else min(free, f)
         return cls(free_bytes=max(free, 0), headroom_bytes=headroom_bytes)
+
+
+def _devices_of(device) -> list:
+    """The addressable devices named by ``device`` (None: the first device)."""
+    if device is None:
+        return [jax.devices()[0]]
+    mesh = getattr(device, "mesh", device)  # a KVMesh carries a jax Mesh
+    if hasattr(mesh, "devices") and hasattr(mesh, "axis_names"):
+        devices = list(np.asarray(mesh.devices).flat)
+    elif isinstance(device, (list, tuple)):
+        devices = list(device)
+    else:
+        return [device]
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    if not local:
+        raise ValueError("none of the mesh's devices belongs to this process")
+    return local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,3 +606,148 @@ def plan_kv_cache(
     except PlanBoundError as exc:
         raise _policy_bound_error(builder, policy, m, exc) from None
     return KVPlan(builder=builder, m=m, pools=builder.pools(m), curve=builder.curve())
+
+
+# -- planning over a device mesh -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshKVPlan:
+    """A plan over a ``data x model`` device mesh (see :mod:`ninfer_kv.mesh`).
+
+    Attributes:
+      mesh: the :class:`~ninfer_kv.mesh.MeshSpec`.
+      model: the model as given (all ``H`` KV heads).
+      device: the plan of **one device**: ``H_local`` heads (``H / T``, or 1 replicated head),
+        ``C_local = C / D`` rows, ``M_local`` Main page groups; its ``B(M)`` curve is the per-device
+        curve under the sharding and its ``device_bytes`` what each device allocates.
+      shard: the plan of one **data shard** as the host bookkeeping sees it (every stored head of
+        the model axis, the same ``C_local`` and ``M_local``): one ``KVStore`` per data shard uses it.
+      single_device_bytes: ``B`` of one device holding the same total capacity and concurrency
+        unsharded (``None`` where that exceeds a one-device plan's bounds).
+    """
+
+    mesh: "object"
+    model: ModelKVConfig
+    device: KVPlan
+    shard: KVPlan
+    single_device_bytes: int | None
+
+    @property
+    def m_local(self) -> int:
+        """Main page groups per data shard."""
+        return self.device.m
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.device.max_concurrency * self.mesh.data
+
+    @property
+    def max_context(self) -> int:
+        return self.device.max_context
+
+    @property
+    def logical_pages(self) -> int:
+        return self.device.logical_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Main capacity over the whole mesh, ``D * M_local * P``."""
+        return self.mesh.data * self.device.capacity_tokens
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes each device allocates, ``B(M_local)`` of the per-device curve."""
+        return self.device.device_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes over the whole mesh, ``D * T * device_bytes``."""
+        return self.mesh.size * self.device_bytes
+
+    @property
+    def head_replication(self) -> int:
+        return self.mesh.head_replication(self.model.num_kv_heads)
+
+    def to_json(self) -> dict:
+        return {
+            "mesh": self.mesh.to_json(),
+            "kv_heads": self.model.num_kv_heads,
+            "kv_heads_per_device": self.device.pools[PoolKind.MAIN].layout.num_kv_heads,
+            "head_replication": self.head_replication,
+            "max_concurrency": self.max_concurrency,
+            "rows_per_data_shard": self.device.max_concurrency,
+            "main_pages_per_data_shard": self.m_local,
+            "capacity_tokens": self.capacity_tokens,
+            "per_device": self.device.to_json(),
+            "device_bytes": self.device_bytes,
+            "total_bytes": self.total_bytes,
+            "single_device_bytes": self.single_device_bytes,
+        }
+
+
+def plan_kv_cache_mesh(
+    model: ModelKVConfig,
+    mesh,
+    *,
+    max_context: int,
+    max_concurrency: int,
+    policy: "ExplicitCapacity | AutomaticCapacity",
+    speculative: SpeculativeConfig | None = None,
+    fixed_bytes: int = 0,
+) -> MeshKVPlan:
+    """Resolve ``policy`` for ``model`` sharded over ``mesh`` (a ``MeshSpec``, its text or a ``KVMesh``).
+
+    ``max_concurrency`` is the total ``C`` (a multiple of ``D``); ``ExplicitCapacity.kv_capacity``
+    is the total Main capacity over the data shards (each shard gets ``ceil(ceil(K / P) / D)``
+    pages); ``AutomaticCapacity.free_bytes`` and ``fixed_bytes`` are per device (take F from
+    :meth:`AutomaticCapacity.from_device` over the mesh: the minimum over its devices).
+    """
+    from .mesh import MeshSpec
+
+    spec_mesh = MeshSpec.parse(getattr(mesh, "spec", mesh))
+    speculative = speculative or SpeculativeConfig()
+    c_local = spec_mesh.local_concurrency(_int_at_least("max_concurrency", max_concurrency, 1))
+    spec_mesh.check_heads(model.num_kv_heads)
+    draft_heads = speculative.draft_kv_heads or model.num_kv_heads
+    if speculative.has_draft_full:
+        spec_mesh.check_heads(draft_heads, "draft_kv_heads")
+
+    def geometry(heads_of):
+        m = dataclasses.replace(model, num_kv_heads=heads_of(model.num_kv_heads))
+        s = speculative
+        if speculative.has_draft_full:
+            s = dataclasses.replace(speculative, draft_kv_heads=heads_of(draft_heads))
+        return m, s
+
+    dev_model, dev_spec = geometry(spec_mesh.local_heads)
+    shard_model, shard_spec = geometry(spec_mesh.stored_heads)
+    local_policy = policy
+    if isinstance(policy, ExplicitCapacity):
+        m_local = ceil_div(ceil_div(policy.kv_capacity, PAGE_SIZE), spec_mesh.data)
+        local_policy = ExplicitCapacity(m_local * PAGE_SIZE)
+    try:
+        device = plan_kv_cache(dev_model, max_context=max_context, max_concurrency=c_local, policy=local_policy,
+                               speculative=dev_spec, fixed_bytes=fixed_bytes)
+    except PlanBoundError as exc:
+        if isinstance(policy, ExplicitCapacity) and exc.name == "kv_capacity":
+            b = KVPoolSetLayout(dev_model, max_context, c_local, dev_spec, fixed_bytes)
+            d, p = spec_mesh.data, PAGE_SIZE
+            lo, hi = max(max_context, (b.m_min - 1) * d * p + 1), b.max_m() * d * p
+            raise PlanBoundError(
+                "kv_capacity", policy.kv_capacity, f"in [{lo}, {hi}] tokens",
+                f"the total over {d} data shards, each taking ceil(ceil(K/P)/D) pages in "
+                f"[M_min={b.m_min}, M_max={b.max_m()}] at max_context={max_context}, C_local={c_local}",
+            ) from None
+        raise
+    shard = plan_kv_cache(shard_model, max_context=max_context, max_concurrency=c_local,
+                          policy=ExplicitCapacity(device.m * PAGE_SIZE), speculative=shard_spec)
+    single = None
+    try:
+        one = KVPoolSetLayout(model, max_context, c_local * spec_mesh.data, speculative, fixed_bytes)
+        m_total = device.m * spec_mesh.data
+        one.check_bounds(m_total)
+        single = one.device_bytes(m_total)
+    except (PlanBoundError, ValueError):
+        single = None
+    return MeshKVPlan(mesh=spec_mesh, model=model, device=device, shard=shard, single_device_bytes=single)

@@ -1,0 +1,428 @@
+"""ShardedKVStore: one host-only KVStore per data shard of a device mesh.
+
+Each data shard ``d`` of a :class:`~ninfer_kv.mesh.KVMesh` is its own pool set: a plain
+:class:`~ninfer_kv.store.KVStore` built from the shard plan of a :class:`~ninfer_kv.planning.MeshKVPlan`,
+with its own page-ID namespace ``0 .. N_local - 1``, free capacity, reservations and
+``(C_local, L)`` block tables.  The sharded store only routes:
+
+* a sequence lives on the data shard the caller names at :meth:`activate` (the store never picks);
+  its **global row** is ``shard * C_local + local row``, which is also its row of the sharded
+  block table ``(D * C_local, L)``;
+* Move / Fork / COW happen inside the shard as in a single store; activating from a checkpoint on
+  another shard is **refused** (:class:`CrossShardError`, nothing changes): the caller activates on
+  the checkpoint's shard (``store.shard_of(checkpoint)``), or starts from the root;
+* :meth:`take_work` takes every shard's round work at once and stacks it per shard
+  (:class:`ShardedRoundWork`); :func:`~ninfer_kv.sharded_ops.sharded_apply_work` applies each
+  shard's part on its own devices inside ``shard_map``.
+
+Many processes.  The bookkeeping is deterministic Python: the same calls in the same order give the
+same page IDs, rows and works on every process.  So every process runs the same program and keeps
+the whole ``ShardedKVStore`` (all shards, a few KiB of numpy per shard); nothing is broadcast.
+:meth:`ShardedRoundWork.device_put` builds each process's part of the global work arrays from its
+own (identical) copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..planning import MeshKVPlan, PoolKind, PoolPlan
+from .bundle import CheckpointHandle, SequenceHandle
+from .device_state import POISONED, KVDeviceState
+from .errors import KVStoreError, LifecycleError, WorkOrderError
+from .round_work import PoolWork, RoundWork
+from .store import KVStore
+
+__all__ = ["ShardedKVStore", "ShardedRoundWork", "ShardedSequence", "ShardedCheckpoint", "CrossShardError"]
+
+
+class CrossShardError(KVStoreError, ValueError):
+    """An activation names a checkpoint that lives on another data shard (nothing changed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedSequence:
+    """An active sequence of a :class:`ShardedKVStore`: its data shard and the shard's handle."""
+
+    shard: int
+    handle: SequenceHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedCheckpoint:
+    """A retained checkpoint of a :class:`ShardedKVStore`: its data shard and the shard's handle."""
+
+    shard: int
+    handle: CheckpointHandle
+
+
+# -- stacked round work -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedRoundWork:
+    """Every data shard's :class:`RoundWork` of one take, stacked on a leading shard axis.
+
+    Per pool a :class:`PoolWork` whose arrays are ``tables (D, 3, U)``, ``copies (D, 3, K)``,
+    ``restores (D, 2, R)`` and ``payload[plane] (D, R, layers, H, P, X)`` (each shard's work padded
+    to the largest shard's buckets; padding does nothing).  ``serial`` is shared: every take covers
+    every shard.
+    """
+
+    serial: Any
+    pools: dict
+
+    def shard(self, d: int) -> RoundWork:
+        """Data shard ``d``'s part as a plain :class:`RoundWork` (host arrays)."""
+        pools = {}
+        for kind, pw in self.pools.items():
+            pools[kind] = PoolWork(
+                np.asarray(pw.tables[d]), np.asarray(pw.copies[d]), np.asarray(pw.restores[d]),
+                {n: np.asarray(x[d]) for n, x in pw.payload.items()}, pw.pad_row, pw.pad_page,
+            )
+        return RoundWork(np.asarray(self.serial), pools)
+
+    def counts(self) -> dict:
+        return {k: (p.tables.shape[-1], p.copies.shape[-1], p.restores.shape[-1]) for k, p in self.pools.items()}
+
+    def pad_to(self, tables: int, copies: int = 0, restores: int = 0) -> "ShardedRoundWork":
+        """Every shard's work padded to fixed sizes (one signature for a step that applies works)."""
+        d = next(iter(self.pools.values())).tables.shape[0]
+        return stack_works([self.shard(i).pad_to(tables, copies, restores) for i in range(d)])
+
+    def fits(self, tables: int, copies: int = 0, restores: int = 0) -> bool:
+        return all(t <= tables and k <= copies and r <= restores for t, k, r in self.counts().values())
+
+    def leaf_specs(self, kv_mesh) -> list:
+        """Partition specs of this work's leaves, in ``jax.tree_util.tree_flatten`` order: per-shard
+        arrays over ``data``, the payload's heads also over ``model``, the serial replicated."""
+        specs = []
+        for x in _flatten(self)[0]:
+            nd = np.ndim(x)
+            if nd == 0:
+                specs.append(kv_mesh.replicated_spec())
+            elif nd == 6:  # payload (D, R, layers, H, P, X)
+                specs.append(kv_mesh.per_shard_spec(head_axis=3, ndim=6))
+            else:
+                specs.append(kv_mesh.per_shard_spec(ndim=nd))
+        return specs
+
+    def device_put(self, kv_mesh) -> "ShardedRoundWork":
+        """The work as global ``jax.Array`` s on the mesh (each device gets only its shard's part and
+        its heads of the payload).  Works in a multi-process program: every process builds its
+        addressable shards from its own identical host copy."""
+        import jax
+
+        leaves, treedef = _flatten(self)
+        out = []
+        for x, spec in zip(leaves, self.leaf_specs(kv_mesh)):
+            if isinstance(x, jax.Array):
+                out.append(x)
+                continue
+            x = np.asarray(x)
+            out.append(jax.make_array_from_callback(x.shape, kv_mesh.sharding(spec), lambda idx, x=x: x[idx]))
+        return treedef.unflatten(out)
+
+
+def _flatten(work: ShardedRoundWork):
+    import jax
+
+    return jax.tree_util.tree_flatten(work)
+
+
+def _work_flatten(work: ShardedRoundWork):
+    # every array is a leaf, empty buckets included (their shapes are static), so the leaves never
+    # need inspecting: jit's argument records flatten through here too
+    kids, aux = [work.serial], []
+    for kind, pw in work.pools.items():
+        names = tuple(sorted(pw.payload))
+        kids += [pw.tables, pw.copies, pw.restores] + [pw.payload[n] for n in names]
+        aux.append((kind, names, pw.pad_row, pw.pad_page))
+    return kids, tuple(aux)
+
+
+def _work_unflatten(aux, kids) -> ShardedRoundWork:
+    it = iter(kids)
+    serial = next(it)
+    pools = {}
+    for kind, names, pad_row, pad_page in aux:
+        t, k, r = next(it), next(it), next(it)
+        pools[kind] = PoolWork(t, k, r, {n: next(it) for n in names}, pad_row, pad_page)
+    return ShardedRoundWork(serial, pools)
+
+
+def _register():
+    import jax
+
+    jax.tree_util.register_pytree_node(ShardedRoundWork, _work_flatten, _work_unflatten)
+
+
+_register()
+
+
+def stack_works(works: list[RoundWork]) -> ShardedRoundWork:
+    """Stack per-shard works (same pools and serial) into one :class:`ShardedRoundWork`."""
+    serials = {int(np.asarray(w.serial)) for w in works}
+    if len(serials) != 1:
+        raise WorkOrderError(f"the shards' works have different serials {sorted(serials)}")
+    pools = {}
+    for kind in works[0].pools:
+        parts = [w.pools[kind] for w in works]
+        t = max(p.tables.shape[1] for p in parts)
+        k = max(p.copies.shape[1] for p in parts)
+        r = max(p.restores.shape[1] for p in parts)
+        parts = [p.pad_to(t, k, r) for p in parts]
+        pools[kind] = PoolWork(
+            np.stack([p.tables for p in parts]), np.stack([p.copies for p in parts]),
+            np.stack([p.restores for p in parts]),
+            {n: np.stack([p.payload[n] for p in parts]) for n in parts[0].payload},
+            parts[0].pad_row, parts[0].pad_page,
+        )
+    return ShardedRoundWork(np.asarray(serials.pop(), np.int32), pools)
+
+
+# -- the store ----------------------------------------------------------------------------------------
+
+
+class ShardedKVStore:
+    """Host bookkeeping of a KV cache sharded over a ``data x model`` mesh.
+
+    Args:
+      plan: a :class:`MeshKVPlan` (``plan_kv_cache_mesh``).
+      mesh: the :class:`~ninfer_kv.mesh.KVMesh` the state lives on (its spec must equal the plan's);
+        ``None`` for bookkeeping only (no :meth:`allocate_state`).
+      host_bytes: capacity of a Host arena *per data shard* (``None``: no Host tier).
+      entitlement, requires_state_image, fault_injector: as :class:`KVStore` (every shard).
+    """
+
+    def __init__(self, plan: MeshKVPlan, mesh=None, *, entitlement=None, requires_state_image: bool = False,
+                 fault_injector=None, host_bytes: int | None = None):
+        if not isinstance(plan, MeshKVPlan):
+            raise TypeError(f"plan must be a MeshKVPlan (plan_kv_cache_mesh), got {type(plan).__name__}")
+        if mesh is not None and mesh.spec != plan.mesh:
+            raise ValueError(f"the mesh {mesh.spec} differs from the plan's mesh {plan.mesh}")
+        self.plan = plan
+        self.kv_mesh = mesh
+        self.num_shards = plan.mesh.data
+        self.rows_per_shard = plan.device.max_concurrency
+        self.max_concurrency = self.num_shards * self.rows_per_shard
+        self.max_context = plan.max_context
+        self.logical_pages = plan.logical_pages
+        self.shards: tuple[KVStore, ...] = tuple(
+            KVStore(plan.shard, entitlement=entitlement, requires_state_image=requires_state_image,
+                    fault_injector=fault_injector, host_bytes=host_bytes)
+            for _ in range(self.num_shards)
+        )
+
+    # -- shards and rows -----------------------------------------------------------------------------
+    def _shard_index(self, shard) -> int:
+        if not isinstance(shard, (int, np.integer)) or isinstance(shard, bool) or not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard={shard!r} is invalid; it must be an integer in [0, {self.num_shards - 1}]")
+        return int(shard)
+
+    def store(self, shard: int) -> KVStore:
+        """The :class:`KVStore` of data shard ``shard``."""
+        return self.shards[self._shard_index(shard)]
+
+    def shard_of(self, handle: "ShardedSequence | ShardedCheckpoint") -> int:
+        return self._local(handle)[0]
+
+    def _local(self, handle) -> tuple[int, Any]:
+        if not isinstance(handle, (ShardedSequence, ShardedCheckpoint)):
+            raise TypeError(f"expected a ShardedSequence or ShardedCheckpoint, got {type(handle).__name__}")
+        return self._shard_index(handle.shard), handle.handle
+
+    def row(self, handle: ShardedSequence) -> int:
+        """The global row: ``shard * C_local + local row``."""
+        d, h = self._local(handle)
+        return d * self.rows_per_shard + self.shards[d].row(h)
+
+    def split_rows(self, rows) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Group global rows by shard: ``[(shard, positions in rows, local rows), ...]`` (shard order)."""
+        rows = np.asarray(rows)
+        if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
+            raise ValueError(f"rows must be a 1-D integer array, got shape {rows.shape} dtype {rows.dtype}")
+        bad = (rows < 0) | (rows >= self.max_concurrency)
+        if bad.any():
+            raise ValueError(
+                f"rows[{int(np.flatnonzero(bad)[0])}]={int(rows[bad][0])} is out of range; global rows lie in "
+                f"[0, {self.max_concurrency - 1}]"
+            )
+        shard = rows // self.rows_per_shard
+        out = []
+        for d in np.unique(shard).tolist():
+            at = np.flatnonzero(shard == d)
+            out.append((d, at, (rows[at] - d * self.rows_per_shard).astype(np.int64)))
+        return out
+
+    def batch_rows(self, handles_per_shard, batch_per_shard: int) -> np.ndarray:
+        """A step's ``(D * B_local,)`` global rows: shard ``d``'s sequences fill batch slots
+        ``[d * B_local, (d + 1) * B_local)``, unused slots get the inert row ``C`` (out of range)."""
+        if len(handles_per_shard) != self.num_shards:
+            raise ValueError(f"handles_per_shard has {len(handles_per_shard)} lists, the mesh has {self.num_shards} data shards")
+        out = np.full(self.num_shards * batch_per_shard, self.max_concurrency, np.int32)
+        for d, hs in enumerate(handles_per_shard):
+            if len(hs) > batch_per_shard:
+                raise ValueError(f"shard {d} has {len(hs)} sequences, more than batch_per_shard={batch_per_shard}")
+            for i, h in enumerate(hs):
+                if self.shard_of(h) != d:
+                    raise ValueError(f"a sequence of shard {self.shard_of(h)} is listed under shard {d}")
+                out[d * batch_per_shard + i] = self.row(h)
+        return out
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def activate(self, prompt_tokens: int, max_new_tokens: int = 0, *, shard: int,
+                 source: ShardedCheckpoint | None = None, release_source: bool = False) -> ShardedSequence:
+        """Activate a sequence on data shard ``shard`` (chosen by the caller), atomically over the
+        shard's pools.  ``source`` must live on the same shard, else :class:`CrossShardError`."""
+        d = self._shard_index(shard)
+        local = None
+        if source is not None:
+            s, local = self._local(source)
+            if not isinstance(source, ShardedCheckpoint):
+                raise TypeError(f"source must be a ShardedCheckpoint, got {type(source).__name__}")
+            if s != d:
+                raise CrossShardError(
+                    f"the checkpoint lives on data shard {s}, the activation names shard {d}; pages never cross "
+                    f"shards: activate on shard {s} (store.shard_of(checkpoint)) or from the root"
+                )
+        h = self.shards[d].activate(prompt_tokens, max_new_tokens, source=local, release_source=release_source)
+        return ShardedSequence(d, h)
+
+    def finish(self, handle: ShardedSequence, *, retain: bool = False, state_image: Any = None,
+               frontiers: Mapping | None = None) -> ShardedCheckpoint | None:
+        d, h = self._local(handle)
+        ck = self.shards[d].finish(h, retain=retain, state_image=state_image, frontiers=frontiers)
+        return None if ck is None else ShardedCheckpoint(d, ck)
+
+    def release_checkpoint(self, handle: ShardedCheckpoint) -> None:
+        d, h = self._local(handle)
+        self.shards[d].release_checkpoint(h)
+
+    def checkpoint(self, handle: ShardedCheckpoint):
+        d, h = self._local(handle)
+        return self.shards[d].checkpoint(h)
+
+    # -- per-handle verbs ------------------------------------------------------------------------------
+    def ensure_mapped_to_tokens(self, handle: ShardedSequence, tokens: int, *, pool="main") -> int:
+        d, h = self._local(handle)
+        return self.shards[d].ensure_mapped_to_tokens(h, tokens, pool=pool)
+
+    def commit(self, handle: ShardedSequence, frontier: int, *, pool="main") -> None:
+        d, h = self._local(handle)
+        self.shards[d].commit(h, frontier, pool=pool)
+
+    def trim(self, handle: ShardedSequence, *, pool="main", provisional: int = 0) -> int:
+        d, h = self._local(handle)
+        return self.shards[d].trim(h, pool=pool, provisional=provisional)
+
+    def settle(self, handle: ShardedSequence, accepted_frontier: int, *, pool="main", provisional: int | None = None):
+        d, h = self._local(handle)
+        return self.shards[d].settle(h, accepted_frontier, pool=pool, provisional=provisional)
+
+    # -- vectorized row verbs (global rows) --------------------------------------------------------------
+    def _per_shard(self, verb: str, rows, *columns, pool=PoolKind.MAIN) -> int:
+        """Run a row verb per shard.  Every shard's rows are checked first (active, in range), so a
+        bad row changes nothing anywhere."""
+        groups = self.split_rows(rows)
+        cols = [None if c is None else np.asarray(c) for c in columns]
+        for c in cols:
+            if c is not None and c.shape != np.shape(rows):
+                raise ValueError(f"{verb}: a column of shape {c.shape} does not match rows of shape {np.shape(rows)}")
+        for d, _, local in groups:
+            self.shards[d]._rows.check(local)
+        total = 0
+        for d, at, local in groups:
+            args = [None if c is None else c[at] for c in cols]
+            got = getattr(self.shards[d], verb)(local, *args, pool=pool)
+            total += int(got or 0)
+        return total
+
+    def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
+        """:meth:`KVStore.map_rows` over global rows (each shard maps its own rows)."""
+        return self._per_shard("map_rows", rows, targets, pool=pool)
+
+    def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
+        self._per_shard("commit_rows", rows, frontiers, pool=pool)
+
+    def trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
+        return self._per_shard("trim_rows", rows, keep_tokens, pool=pool)
+
+    def settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
+        return self._per_shard("settle_rows", rows, accepted, provisional, pool=pool)
+
+    # -- device state and work ---------------------------------------------------------------------------
+    @property
+    def work_serial(self) -> int:
+        return self.shards[0].work_serial
+
+    def global_pools(self) -> dict[PoolKind, PoolPlan]:
+        """Every pool as one global array: ``D * N_local`` pages, ``D * C_local`` table rows, every
+        stored head."""
+        out = {}
+        for kind, p in self.plan.shard.pools.items():
+            out[kind] = PoolPlan(kind, p.layout, p.physical_pages * self.num_shards, p.logical_pages,
+                                 p.max_concurrency * self.num_shards)
+        return out
+
+    def layout(self, pool="main"):
+        """The layout each **device** holds (``H_local`` heads): build views inside ``shard_map`` with it."""
+        return self.plan.device.pools[PoolKind.parse(pool)].layout
+
+    def allocate_state(self, *, fill=None, memory_kind: str | None = None) -> KVDeviceState:
+        """A fresh sharded :class:`KVDeviceState` on the mesh: every leaf a ``NamedSharding``
+        (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data, None)``, serial
+        replicated), each device allocating only its own block.  ``memory_kind="pinned_host"`` places
+        the same specs in pinned host memory (a Host-tier copy)."""
+        import jax
+
+        if self.kv_mesh is None:
+            raise LifecycleError("this ShardedKVStore was built without a mesh; pass mesh= to allocate a state")
+        if self.work_serial:
+            raise LifecycleError(
+                f"allocate_state after {self.work_serial} round works were taken: a fresh state starts at serial 0"
+            )
+        pools = self.global_pools()
+        build = lambda: KVDeviceState.zeros(pools, fill=fill)  # noqa: E731
+        shardings = self.kv_mesh.state_shardings(jax.eval_shape(build), memory_kind=memory_kind)
+        return jax.jit(build, out_shardings=shardings)()
+
+    def take_work(self) -> ShardedRoundWork:
+        """Every shard's round work since the last take, stacked per shard (host arrays; apply with
+        :func:`~ninfer_kv.sharded_ops.sharded_apply_work` after :meth:`ShardedRoundWork.device_put`)."""
+        return stack_works([s.take_work() for s in self.shards])
+
+    def check_state(self, state: KVDeviceState) -> None:
+        """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far."""
+        if not isinstance(state, KVDeviceState):
+            raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
+        got = int(np.asarray(state.serial.addressable_data(0)))
+        if got == POISONED:
+            raise WorkOrderError("the device state is poisoned: a round work was applied out of order")
+        if got != self.work_serial:
+            raise WorkOrderError(f"the device state applied {got} round works; the store handed out {self.work_serial}")
+
+    # -- inspection ----------------------------------------------------------------------------------
+    def host_block_table(self, pool="main") -> np.ndarray:
+        """The ``(D * C_local, L)`` host mirror (each shard's rows hold that shard's page IDs)."""
+        return np.concatenate([s.host_block_table(pool) for s in self.shards])
+
+    def check_invariants(self) -> None:
+        """Every shard's invariants (pages, references, reservations, tables)."""
+        for s in self.shards:
+            s.check_invariants()
+
+    def occupancy(self, pool="main") -> list:
+        return [s.occupancy(pool) for s in self.shards]
+
+    def sequences(self) -> list[ShardedSequence]:
+        return [ShardedSequence(d, h) for d, s in enumerate(self.shards) for h in s.sequences()]
+
+    def checkpoints(self) -> list[ShardedCheckpoint]:
+        return [ShardedCheckpoint(d, h) for d, s in enumerate(self.shards) for h in s.checkpoints()]
+
+    def snapshot(self) -> list[dict]:
+        return [s.snapshot() for s in self.shards]
