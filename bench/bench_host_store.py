@@ -4,9 +4,10 @@ Default shape: a 32K-token checkpoint of a K8V4 Main pool with 16 layers, 2 KV h
 (512 pages of 823,296 B = 421.5 MB).  For contiguous and for scattered physical page IDs, each
 repetition runs the store verbs an engine under memory pressure runs::
 
-    store.offload_checkpoint(ck)          # Device -> Host, placement device -> both
+    store.offload_checkpoint(ck, state)   # plan -> gather from the state -> complete: device -> both
     store.drop_device_replica(ck)         # both -> host: the Device pages go back to the pool
-    h = store.activate(T, 64, source=ck)  # restore_host stage: Host -> Device, then Fork
+    h = store.activate(T, 64, source=ck)  # restore_host stage: the payload goes into the round work
+    state = apply_work_jit(state, store.take_work())  # ... which writes it on the device, then Fork
     store.finish(h); store.release_host_replica(ck)   # back to the starting state
 
 and times each verb (the activation until its copies completed) next to ``np.copyto`` of the same
@@ -36,7 +37,7 @@ from ninfer_kv import PagedKVStorageLayout
 from ninfer_kv.geometry import PAGE_SIZE, ceil_div
 from ninfer_kv.host import coalesce_runs
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
-from ninfer_kv.store import KVStore
+from ninfer_kv.store import KVStore, apply_work_jit
 
 BUDGET = 64  # output budget of the restoring activation
 
@@ -45,7 +46,19 @@ def _median(samples) -> float:
     return statistics.median(samples)
 
 
-def _build(args, pages: int) -> KVStore:
+class _Device:
+    """The caller's device state of one store, advanced by the store's round works."""
+
+    def __init__(self, store: KVStore):
+        self.store = store
+        self.state = store.allocate_state()
+
+    def sync(self):
+        self.state = apply_work_jit(self.state, self.store.take_work())
+        return self.state
+
+
+def _build(args, pages: int) -> tuple[KVStore, _Device]:
     """A store whose Main pool holds ``pages`` page groups, planes filled with random bytes."""
     model = ModelKVConfig(args.layers, args.heads, args.head_dim, args.profile)
     plan = plan_kv_cache(
@@ -57,13 +70,14 @@ def _build(args, pages: int) -> KVStore:
     n = ceil_div(args.tokens, PAGE_SIZE)
     host_bytes = n * plan.pools[next(iter(plan.pools))].layout.page_bytes
     store = KVStore(plan, host_bytes=host_bytes)
+    dev = _Device(store)
     rng = np.random.default_rng(0)
     planes = {}
-    for name, x in store.planes("main").items():
+    for name, x in dev.state.planes["main"].items():
         raw = rng.integers(0, 256, size=x.size * x.dtype.itemsize, dtype=np.uint8)
         planes[name] = jnp.asarray(raw.view(x.dtype).reshape(x.shape))
-    store.set_planes("main", planes)
-    return store
+    dev.state = dev.state.replace_planes("main", planes)
+    return store, dev
 
 
 def _checkpoint(store: KVStore, tokens: int, scattered: bool):
@@ -82,9 +96,9 @@ def _checkpoint(store: KVStore, tokens: int, scattered: bool):
     return store.finish(a, retain=True), other
 
 
-def _page_bytes(store: KVStore, ids: np.ndarray) -> dict:
+def _page_bytes(store: KVStore, dev: _Device, ids: np.ndarray) -> dict:
     axis = store.layout().order.page_axis
-    return {n: np.take(np.asarray(x), ids, axis=axis).view(np.uint8) for n, x in store.planes().items()}
+    return {n: np.take(np.asarray(x), ids, axis=axis).view(np.uint8) for n, x in dev.sync().planes["main"].items()}
 
 
 def run_case(args, scattered: bool, numpy_copy) -> dict:
@@ -92,27 +106,27 @@ def run_case(args, scattered: bool, numpy_copy) -> dict:
     # scattered: 2n pages for the two interleaved sequences + a few, so that after the drop only the
     # checkpoint's old (alternate) IDs are free and the restore lands on scattered IDs as well
     pages = 2 * n + 2 + 2 if scattered else 2 * n + 2
-    store = _build(args, pages)
+    store, dev = _build(args, pages)
     ck, _other = _checkpoint(store, args.tokens, scattered)
     original_ids = store.address_space(ck).physical_pages
-    want = _page_bytes(store, original_ids)
+    want = _page_bytes(store, dev, original_ids)
 
     times = {"numpy": [], "offload": [], "drop": [], "restore_activation": []}
     runs = {}
     for i in range(args.repeat + 1):  # the first repetition warms up (compilation) and checks bytes
         t_numpy = _timed(numpy_copy)
         t0 = time.perf_counter()
-        report = store.offload_checkpoint(ck)
+        report = store.offload_checkpoint(ck, dev.sync())
         t1 = time.perf_counter()
         store.drop_device_replica(ck)
         t2 = time.perf_counter()
         h = store.activate(args.tokens, BUDGET, source=ck)
-        jax.block_until_ready(store.planes())
+        jax.block_until_ready(dev.sync())
         t3 = time.perf_counter()
         restored_ids = store.address_space(ck).physical_pages
         runs = {"offload": report.runs, "restore": int(coalesce_runs(restored_ids)[0].size)}
         if i == 0:
-            got = _page_bytes(store, restored_ids)
+            got = _page_bytes(store, dev, restored_ids)
             assert all(np.array_equal(got[k], want[k]) for k in want), "restore is not byte-exact"
             del got
         else:

@@ -1,13 +1,20 @@
-"""Host bookkeeping cost of the KV store, side by side with a trivial jitted dispatch.
+"""Host bookkeeping cost of the KV store, side by side with a trivial jitted dispatch, and a decode
+step that applies the round work inside it versus a separate table publication.
 
 Decode rounds over C = 256 lanes (P = 64, mixed context lengths, so ~1/64 of the lanes cross a page
 boundary per round): the median host time of ``map_rows`` + ``commit_rows`` (the bookkeeping of one
-round) and of ``publish`` (the batched, donated table publication, itself one dispatch), each as a
+round) and of ``take_step_work`` (the round work: table entries in a fixed-shape buffer), each as a
 ratio to the dispatch time of a trivial jitted function measured in the same rounds (each round
 also dispatches it; the back-to-back figure, which a CPU client serves faster, is shown too).
-Also: an activation that forks a 32K-token checkpoint (shares 511 full pages, COW-copies a
-63-column tail: host time, and time until the copy completed), finish + retain of a 32K-token
-sequence, and fork + finish + release.
+
+Decode step: one ``paged_append`` of a token per lane over the caller's state.  "work inside" runs
+``apply_work`` in the step (one dispatch per round); "separate publication" first scatters the
+table entries with their own donated jitted dispatch and then runs the step — the shape of the
+store-owned tables before the state moved to the caller.  Both run the same rounds, interleaved.
+
+Also: an activation that forks a 32K-token checkpoint (shares 511 full pages, records a 63-column
+COW tail: host time, and time until the copy completed on the device), finish + retain of a
+32K-token sequence, and fork + finish + release.
 
     PYTHONPATH=. python bench/bench_store.py [--rounds 3000] [--lanes 256]
 """
@@ -21,8 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
-from ninfer_kv.store import KVStore
+from ninfer_kv import ops
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache
+from ninfer_kv.store import KVStore, apply_work, apply_work_jit, take_step_work
+from ninfer_kv.views import PagedKVBatchLayerView
+
+MAIN = PoolKind.MAIN
 
 P = 64
 
@@ -51,59 +62,124 @@ def build_store(lanes: int, max_context: int, head_dim: int) -> KVStore:
     return KVStore(plan)
 
 
-def decode_rounds(store: KVStore, lanes: int, rounds: int, rng) -> dict:
-    """Decode rounds; each round also dispatches a trivial jitted function, timed under the same
-    conditions (a CPU client dispatches faster back-to-back than after host work)."""
+def _lanes(store: KVStore, lanes: int, rounds: int, rng):
     lengths = rng.integers(64, 4096 - rounds // 2, size=lanes)
     handles = [store.activate(int(n), rounds + 8) for n in lengths]
     rows = np.array([store.row(h) for h in handles], np.int64)
     store.map_rows(rows, lengths)
     store.commit_rows(rows, lengths)
-    store.publish()
+    return handles, rows, lengths.astype(np.int64)
+
+
+def decode_rounds(store: KVStore, state, lanes: int, rounds: int, rng):
+    """Decode rounds; each round also dispatches a trivial jitted function, timed under the same
+    conditions (a CPU client dispatches faster back-to-back than after host work)."""
+    handles, rows, c = _lanes(store, lanes, rounds, rng)
+    state = apply_work_jit(state, store.take_work())
     trivial = jax.jit(lambda x: x + 1)
     x = trivial(jnp.zeros((8,), jnp.int32))
-    c = lengths.astype(np.int64)
-    book, pub, disp, crossings = [], [], [], []
+    book, take, disp, crossings = [], [], [], []
     for _ in range(rounds):
         nxt = c + 1
         t0 = time.perf_counter()
         new_pages = store.map_rows(rows, nxt)
         store.commit_rows(rows, nxt)
         t1 = time.perf_counter()
-        tables = store.publish()
+        state, work = take_step_work(store, state)
         t2 = time.perf_counter()
         x = trivial(x)
         t3 = time.perf_counter()
+        state = apply_work_jit(state, work)
         book.append(t1 - t0)
-        pub.append(t2 - t1)
+        take.append(t2 - t1)
         disp.append(t3 - t2)
         crossings.append(new_pages)
         c = nxt
-    jax.block_until_ready((tables, x))
+    jax.block_until_ready((state, x))
     for h in handles:
         store.finish(h)
-    return {
+    state = apply_work_jit(state, store.take_work())
+    return state, {
         "book_us": _median_us(book),
         "book_p90_us": float(np.percentile(book, 90) * 1e6),
-        "publish_us": _median_us(pub),
+        "take_us": _median_us(take),
         "dispatch_us": _median_us(disp),
         "crossings": float(np.mean(crossings)),
     }
 
 
-def fork_and_finish(store: KVStore, max_context: int, reps: int) -> dict:
+def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
+    """Seconds per decode round: the work applied inside the step vs a separate publication dispatch."""
+    layout = store.layout(MAIN)
+    h_, d_ = layout.num_kv_heads, layout.head_dim
+
+    def append(planes, tables, rows, pos, k, v):
+        view = ops.paged_append(PagedKVBatchLayerView(planes, tables, 0, layout), rows, pos, k, v,
+                                jnp.ones_like(pos))
+        return view.planes
+
+    @jax.jit
+    def _inside(state, work, rows, pos, k, v):
+        state = apply_work(state, work)
+        planes = append(state.planes[MAIN], state.tables[MAIN], rows, pos, k, v)
+        return state.replace(planes={**state.planes, MAIN: planes})
+
+    @jax.jit
+    def _publish(tables, updates):
+        return tables.at[updates[0], updates[1]].set(updates[2], mode="drop")
+
+    @jax.jit
+    def _step(planes, tables, rows, pos, k, v):
+        return append(planes, tables, rows, pos, k, v), tables
+
+    inside = jax.jit(_inside, donate_argnums=(0,))
+    publish = jax.jit(_publish, donate_argnums=(0,))
+    step = jax.jit(_step, donate_argnums=(0, 1))
+    handles, rows, c = _lanes(store, lanes, rounds, rng)
+    state = apply_work_jit(state, store.take_work())
+    planes = {n: jnp.array(x, copy=True) for n, x in state.planes[MAIN].items()}  # the separate path's own
+    tables = jnp.array(state.tables[MAIN], copy=True)
+    rows32 = rows.astype(np.int32)
+    kv = jnp.asarray(rng.standard_normal((lanes, 1, h_, d_)), jnp.float32)
+    t_in, t_sep = [], []
+    for i in range(rounds):
+        nxt = c + 1
+        store.map_rows(rows, nxt)
+        state, work = take_step_work(store, state)
+        pos = c.astype(np.int32)
+        upd = work.pools[MAIN].tables
+        t0 = time.perf_counter()
+        state = inside(state, work, rows32, pos, kv, kv)
+        jax.block_until_ready(state.serial)
+        t1 = time.perf_counter()
+        tables = publish(tables, upd)
+        planes, tables = step(planes, tables, rows32, pos, kv, kv)
+        jax.block_until_ready(tables)
+        t2 = time.perf_counter()
+        store.commit_rows(rows, nxt)
+        t_in.append(t1 - t0)
+        t_sep.append(t2 - t1)
+        c = nxt
+    for h in handles:
+        store.finish(h)
+    state = apply_work_jit(state, store.take_work())
+    return state, {"inside_us": _median_us(t_in[10:]), "separate_us": _median_us(t_sep[10:])}
+
+
+def fork_and_finish(store: KVStore, state, max_context: int, reps: int) -> dict:
     frontier = max_context - 1  # 511 full pages + a 63-column tail
     h = store.activate(frontier, 0)
     store.ensure_mapped_to_tokens(h, frontier)
     store.commit(h, frontier)
     ck = store.finish(h, retain=True)
-    store.publish()
+    state = apply_work_jit(state, store.take_work())
     fork, retain, release, sync = [], [], [], []
     for _ in range(reps + 1):
-        jax.block_until_ready(store.planes())
+        jax.block_until_ready(state)
         t0 = time.perf_counter()
         f = store.activate(frontier, 1, source=ck)
-        jax.block_until_ready(store.planes())
+        state = apply_work_jit(state, store.take_work())  # the COW copy on the device
+        jax.block_until_ready(state)
         sync.append(time.perf_counter() - t0)
         store.finish(f)
         t0 = time.perf_counter()
@@ -119,13 +195,14 @@ def fork_and_finish(store: KVStore, max_context: int, reps: int) -> dict:
         t4 = time.perf_counter()
         store.finish(g)
         t5 = time.perf_counter()
-        store.publish()
+        state = apply_work_jit(state, store.take_work())
         fork.append(t1 - t0)
         retain.append(t3 - t2)
         release.append(t5 - t4)
-    jax.block_until_ready(store.planes())
+    jax.block_until_ready(state)
     store.release_checkpoint(ck)
-    return {
+    store.check_state(state)
+    return state, {
         "fork_us": _median_us(fork[1:]),
         "fork_sync_us": _median_us(sync[1:]),
         "retain_us": _median_us(retain[1:]),
@@ -143,11 +220,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     store = build_store(args.lanes, args.max_context, args.head_dim)
-    decode_rounds(store, args.lanes, 200, rng)  # warm-up (compiles publication buckets)
-    r = decode_rounds(store, args.lanes, args.rounds, rng)
+    state = store.allocate_state()
+    state, _ = decode_rounds(store, state, args.lanes, 200, rng)  # warm-up (compiles the work buckets)
+    state, r = decode_rounds(store, state, args.lanes, args.rounds, rng)
     back_to_back = trivial_dispatch_us()
     d = r["dispatch_us"]
-    fk = fork_and_finish(store, args.max_context, args.reps)
+    state, sc = step_comparison(store, state, args.lanes, min(args.rounds, 1000), rng)
+    state, fk = fork_and_finish(store, state, args.max_context, args.reps)
     print(
         f"device: {jax.devices()[0].platform}; lanes C={args.lanes}, P={P}, rounds={args.rounds}, "
         f"mean pages materialized per round={r['crossings']:.2f} (lanes/64={args.lanes / 64:.2f})"
@@ -158,14 +237,17 @@ def main(argv=None) -> None:
         ("trivial jitted dispatch (back-to-back)", back_to_back),
         ("decode round bookkeeping (map_rows+commit_rows)", r["book_us"]),
         ("  p90", r["book_p90_us"]),
-        ("decode round table publication (1 dispatch)", r["publish_us"]),
+        ("decode round take_step_work (host)", r["take_us"]),
+        ("decode step, work applied inside (1 dispatch)", sc["inside_us"]),
+        ("decode step + separate table publication (2)", sc["separate_us"]),
         (f"activate: fork {args.max_context - 1}-token ckpt + COW (host)", fk["fork_us"]),
-        (f"activate: fork + COW, copy completed", fk["fork_sync_us"]),
+        ("activate: fork + COW, apply_work completed", fk["fork_sync_us"]),
         (f"finish + retain ({args.max_context}-token sequence)", fk["retain_us"]),
         ("fork + finish + release", fk["release_us"]),
     ]
     for name, us in rows:
         print(f"{name:<50}{us:>11.1f}{us / d:>12.2f}")
+    print(f"decode step: separate publication / work inside = {sc['separate_us'] / sc['inside_us']:.2f}x")
 
 
 if __name__ == "__main__":

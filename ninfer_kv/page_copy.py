@@ -6,12 +6,17 @@ the pool.  Columns ``>= columns[i]`` of the destination are left as they were, a
 page.  ``src``, ``dst`` and ``columns`` are int32 arrays of one fixed padded length; entries with
 ``columns[i] == 0`` are no-ops, so callers pad with zeros.
 
+The page writes here are also those of the KV store's round work (:func:`write_pages`, pure, for
+use inside a caller's jitted step; :func:`write_pages_donated`, dispatched): COW copies from device
+pages and Host restores from a payload, every source read before any destination is written.
+
 On GPU (and for integer planes) the work is one jitted function with the planes donated: it gathers
 the ``U`` source and destination pages, blends them by column and scatters the destinations back in
-place.  On the CPU backend, which has no native bf16/fp8 update ops, float planes take a per-entry
-raw-bits path (a small read-and-blend program, then an in-place update-slice of the bit-cast plane).
-Either way every byte is copied exactly (NaN payloads included), each program compiles once per
-(plane shapes, page axis, padded length), and only ``O(U)`` pages are touched, never whole planes.
+place.  On the CPU backend, which has no native bf16/fp8 update ops and copies a bit-cast plane
+that a scatter writes, float planes take a per-page raw-bits path (one read-and-blend program for
+every entry, then an in-place update-slice of the bit-cast plane per entry).  Either way every byte
+is copied exactly (NaN payloads included), each program compiles once per (plane shapes, page axis,
+padded length), and only ``O(U)`` pages are touched, never whole planes.
 """
 
 from __future__ import annotations
@@ -27,7 +32,15 @@ from jax.typing import ArrayLike
 from .layout import PagedKVStorageLayout
 from .ops.indices import int32_host_vector
 
-__all__ = ["copy_page_columns", "page_axis_of", "compiled_variants"]
+__all__ = [
+    "copy_page_columns",
+    "page_axis_of",
+    "compiled_variants",
+    "blended_pages",
+    "write_pages",
+    "write_pages_donated",
+    "word_dtype",
+]
 
 
 def page_axis_of(layout: PagedKVStorageLayout) -> int:
@@ -35,70 +48,98 @@ def page_axis_of(layout: PagedKVStorageLayout) -> int:
     return layout.order.page_axis
 
 
-_UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_UINT_OF_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 
-def _mask(columns, page_size: int, ndim: int, page_axis: int, u: int):
-    """(U, P) column mask reshaped to broadcast against pages gathered along ``page_axis``."""
-    mask = jnp.arange(page_size, dtype=jnp.int32)[None, :] < columns[:, None]
+def word_dtype(dtype) -> np.dtype:
+    """The unsigned word dtype of ``dtype``'s width (pages move as raw bits)."""
+    return _UINT_OF_SIZE[np.dtype(dtype).itemsize]
+
+
+def _words(x: jax.Array) -> jax.Array:
+    w = jnp.dtype(word_dtype(x.dtype))
+    return x if x.dtype == w else jax.lax.bitcast_convert_type(x, w)
+
+
+def _from_words(words: jax.Array, dtype) -> jax.Array:
+    return words if words.dtype == dtype else jax.lax.bitcast_convert_type(words, dtype)
+
+
+def _column_mask(columns: jax.Array, ndim: int, axis: int, page_size: int) -> jax.Array:
+    mask = jnp.arange(page_size, dtype=jnp.int32)[None, :] < columns[:, None]  # (U, P)
     shape = [1] * ndim
-    shape[page_axis] = u
+    shape[axis] = columns.shape[0]
     shape[ndim - 2] = page_size
     return mask.reshape(shape)
 
 
-@functools.partial(jax.jit, static_argnames=("page_axis",), donate_argnums=(0,))
-def _copy_columns(planes, src, dst, columns, *, page_axis: int):
-    """Batched: gather U source/destination pages, blend, scatter in place (native dtypes)."""
-    out = {}
-    u = src.shape[0]
-    active = columns > 0
-    for name, x in planes.items():
-        n_pages = x.shape[page_axis]
-        s = jnp.take(x, jnp.where(active, src, 0), axis=page_axis)
-        d = jnp.take(x, jnp.where(active, dst, 0), axis=page_axis)
-        blended = jnp.where(_mask(columns, x.shape[-2], x.ndim, page_axis, u), s, d)
-        target = jnp.where(active, dst, n_pages)  # inactive entries scatter out of range: dropped
-        out[name] = x.at[(slice(None),) * page_axis + (target,)].set(blended, mode="drop")
-    return out
+def blended_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int):
+    """Every page write's final destination page, read before any write lands (pure).
 
-
-def _bits(x):
-    bits = _UINT_OF_SIZE[jnp.dtype(x.dtype).itemsize]
-    return x if x.dtype == bits else jax.lax.bitcast_convert_type(x, bits)
-
-
-@functools.partial(jax.jit, static_argnames=("page_axis",))
-def _blend_page(planes, entry, *, page_axis: int):
-    """One entry ``(src, dst, columns)``: the destination page with columns ``[0, columns)`` taken
-    from ``src``, as raw bits."""
-    src, dst, columns = entry[0], entry[1], entry[2]
-    out = {}
-    for name, x in planes.items():
-        s = _bits(jax.lax.dynamic_slice_in_dim(x, src, 1, axis=page_axis))
-        d = _bits(jax.lax.dynamic_slice_in_dim(x, dst, 1, axis=page_axis))
-        out[name] = jnp.where(_mask(columns[None], x.shape[-2], x.ndim, page_axis, 1), s, d)
-    return out
-
-
-@functools.partial(jax.jit, static_argnames=("page_axis",), donate_argnums=(0,))
-def _write_page(planes, pages, entry, *, page_axis: int):
-    """One entry: write a page of raw bits at ``entry[1]`` into the donated planes (in place)."""
-    dst = entry[1]
+    ``copies``: int32 ``(3, K)`` ``(src, dst, columns)``; ``restores``: int32 ``(2, R)``
+    ``(dst, columns)`` with ``payload[plane]`` words ``(R, layers, H, P, X)``.  Returns per plane the
+    ``K + R`` blended pages (words, along ``axis``: columns ``< columns`` from the source, the rest
+    from the destination) and the destinations (``-1`` for padding entries, ``columns == 0``).
+    """
+    k, r = copies.shape[1], restores.shape[1]
+    dst = jnp.concatenate([copies[1], restores[0]])
+    cols = jnp.concatenate([copies[2], restores[1]])
     out = {}
     for name, plane in planes.items():
-        x = jax.lax.dynamic_update_slice_in_dim(_bits(plane), pages[name], dst, axis=page_axis)
-        out[name] = x if x.dtype == plane.dtype else jax.lax.bitcast_convert_type(x, plane.dtype)
+        words = _words(plane)
+        n = words.shape[axis]
+        parts = []
+        if k:
+            parts.append(jnp.take(words, jnp.clip(copies[0], 0, n - 1), axis=axis))
+        if r:
+            parts.append(jnp.moveaxis(jnp.asarray(payload[name]).astype(words.dtype), 0, axis))
+        src = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+        old = jnp.take(words, jnp.clip(dst, 0, n - 1), axis=axis)
+        out[name] = jnp.where(_column_mask(cols, words.ndim, axis, words.shape[-2]), src, old)
+    return out, jnp.where(cols > 0, dst, -1)
+
+
+def write_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int) -> dict:
+    """Pure: apply the page writes (see :func:`blended_pages`) with one batched scatter per plane.
+
+    On accelerators the scatter updates donated planes in place; on XLA's CPU backend a scatter into
+    a float plane is not kept in place (the plane is copied), which :func:`write_pages_donated`
+    avoids.
+    """
+    if copies.shape[1] == 0 and restores.shape[1] == 0:
+        return planes
+    blended, dst = blended_pages(planes, copies, restores, payload, axis)
+    out = {}
+    for name, plane in planes.items():
+        words = _words(plane)
+        target = jnp.where(dst >= 0, dst, words.shape[axis])  # padding: out of range, dropped
+        words = words.at[(slice(None),) * axis + (target,)].set(blended[name], mode="drop")
+        out[name] = _from_words(words, plane.dtype)
     return out
 
 
-def _cpu_float(planes) -> bool:
-    """Whether the planes need the per-entry raw-bits path.
+_write_pages_jit = jax.jit(write_pages, static_argnames=("axis",), donate_argnums=(0,))
+_blended_jit = jax.jit(blended_pages, static_argnames=("axis",))
 
-    XLA's CPU backend has no native bf16 / fp8 scatter or update-slice: it widens the whole plane to
-    f32 and back (a pass over the plane that also rewrites NaN payloads).  There each entry is read
-    and blended as raw bits by one small program and written by an in-place update-slice of the
-    bit-cast plane.  GPU backends update these dtypes natively, in place, in one batched program.
+
+@functools.partial(jax.jit, static_argnames=("axis",), donate_argnums=(0,))
+def _write_entry(planes, blended, entry, *, axis):
+    """Write page ``entry[0]`` of ``blended`` at page ``entry[1]`` of the donated planes: one
+    update-slice per program, which XLA's CPU backend keeps in place."""
+    out = {}
+    for name, plane in planes.items():
+        page = jax.lax.dynamic_slice_in_dim(blended[name], entry[0], 1, axis=axis)
+        words = jax.lax.dynamic_update_slice_in_dim(_words(plane), page, entry[1], axis=axis)
+        out[name] = _from_words(words, plane.dtype)
+    return out
+
+
+def cpu_float(planes) -> bool:
+    """Whether the planes need the per-page path of :func:`write_pages_donated`.
+
+    XLA's CPU backend has no native bf16 / fp8 scatter, and it copies a bit-cast plane that a
+    scatter or a chain of updates writes; one update-slice of a bit-cast plane per program stays in
+    place.  GPU backends update every dtype natively, in place, in one batched program.
     """
     for x in planes.values():
         if not jnp.issubdtype(x.dtype, jnp.integer) and "cpu" in {d.platform for d in x.devices()}:
@@ -106,9 +147,28 @@ def _cpu_float(planes) -> bool:
     return False
 
 
+def write_pages_donated(planes: dict, copies, restores, payload, axis: int) -> dict:
+    """:func:`write_pages` as dispatched programs with the planes donated, in place on every backend:
+    one batched program, or on CPU float planes one read-only program forming every destination
+    page and one update-slice program per written page."""
+    if not cpu_float(planes):
+        return _write_pages_jit(planes, copies, restores, payload, axis=axis)
+    cols = np.concatenate([np.asarray(copies)[2], np.asarray(restores)[1]])
+    active = np.flatnonzero(cols > 0)
+    if not active.size:
+        return dict(planes)
+    targets = np.concatenate([np.asarray(copies)[1], np.asarray(restores)[0]])
+    blended, _ = _blended_jit(planes, copies, restores, payload, axis=axis)
+    planes = dict(planes)
+    for i in active.tolist():
+        entry = np.array([i, targets[i]], np.int32)  # fresh: never mutated after the dispatch
+        planes = _write_entry(planes, blended, entry, axis=axis)
+    return planes
+
+
 def compiled_variants() -> int:
     """Compiled programs behind :func:`copy_page_columns` so far (for compile-count tests)."""
-    return _copy_columns._cache_size() + _blend_page._cache_size() + _write_page._cache_size()
+    return _write_pages_jit._cache_size() + _blended_jit._cache_size() + _write_entry._cache_size()
 
 
 def _host_int32(name: str, values) -> np.ndarray:
@@ -165,11 +225,6 @@ def copy_page_columns(
         raise ValueError(f"active destination pages must be distinct, got {d}")
     if set(d) & set(src[active].tolist()):
         raise ValueError("an active destination page is also an active source page")
-    planes = dict(planes)
-    if _cpu_float(planes):
-        for i in np.flatnonzero(active).tolist():
-            entry = np.array([src[i], dst[i], columns[i]], np.int32)  # fresh: never mutated after use
-            pages = _blend_page(planes, entry, page_axis=axis)
-            planes = _write_page(planes, pages, entry, page_axis=axis)
-        return planes
-    return _copy_columns(planes, src, dst, columns, page_axis=axis)
+    copies = np.stack([src, dst, columns])
+    restores = np.zeros((2, 0), np.int32)
+    return write_pages_donated(dict(planes), copies, restores, {}, axis)

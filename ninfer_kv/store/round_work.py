@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..geometry import PAGE_SIZE
+from ..page_copy import _words, cpu_float, word_dtype, write_pages, write_pages_donated
 from ..planning import PoolKind
 from .device_state import POISONED, KVDeviceState
 
@@ -58,14 +59,6 @@ __all__ = [
     "ladder",
     "word_dtype",
 ]
-
-_UINT = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
-
-
-def word_dtype(dtype) -> np.dtype:
-    """The unsigned word dtype of ``dtype``'s width (the payload dtype of a plane)."""
-    return _UINT[np.dtype(dtype).itemsize]
-
 
 def ladder(first: int, factor: int, cap: int) -> tuple[int, ...]:
     """Bucket sizes ``0, first, first * factor, ...`` up to and including ``cap``."""
@@ -88,13 +81,13 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
 # -- the work pytree --------------------------------------------------------------------------------
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["tables", "copies", "restores", "payload"],
-                   meta_fields=["pad_row", "pad_page"])
 @dataclasses.dataclass(frozen=True)
 class PoolWork:
     """One pool's part of a :class:`RoundWork` (see the module docstring for the arrays).
 
-    ``pad_row`` (``C``) and ``pad_page`` (``N``) are the out-of-range padding targets.
+    ``pad_row`` (``C``) and ``pad_page`` (``N``) are the out-of-range padding targets.  As a pytree
+    its leaves are the non-empty arrays only (an empty bucket is part of the static structure), so
+    a decode round's work is its table updates and nothing else to transfer.
     """
 
     tables: np.ndarray
@@ -115,6 +108,11 @@ class PoolWork:
             int((self.copies[2] > 0).sum()),
             int((self.restores[1] > 0).sum()),
         )
+
+    def without_page_writes(self) -> "PoolWork":
+        payload = {n: np.zeros((0,) + x.shape[1:], x.dtype) for n, x in self.payload.items()}
+        return PoolWork(self.tables, np.zeros((3, 0), np.int32), np.zeros((2, 0), np.int32), payload,
+                        self.pad_row, self.pad_page)
 
     def pad_to(self, tables: int, copies: int, restores: int) -> "PoolWork":
         """The same work in larger buffers (padding entries do nothing)."""
@@ -144,6 +142,25 @@ class PoolWork:
         return PoolWork(out_t, out_k, out_r, payload, self.pad_row, self.pad_page)
 
 
+def _pool_work_flatten(pw: PoolWork):
+    arrays = [("tables", pw.tables), ("copies", pw.copies), ("restores", pw.restores)]
+    arrays += [(f"payload/{n}", x) for n, x in sorted(pw.payload.items())]
+    kids = [x for _, x in arrays if x.size]
+    spec = tuple((name, tuple(x.shape), np.dtype(x.dtype).str, bool(x.size)) for name, x in arrays)
+    return kids, (pw.pad_row, pw.pad_page, spec)
+
+
+def _pool_work_unflatten(aux, kids) -> PoolWork:
+    pad_row, pad_page, spec = aux
+    it = iter(kids)
+    vals = {name: next(it) if present else np.zeros(shape, np.dtype(dt)) for name, shape, dt, present in spec}
+    payload = {name[len("payload/"):]: v for name, v in vals.items() if name.startswith("payload/")}
+    return PoolWork(vals["tables"], vals["copies"], vals["restores"], payload, pad_row, pad_page)
+
+
+jax.tree_util.register_pytree_node(PoolWork, _pool_work_flatten, _pool_work_unflatten)
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["serial", "pools"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class RoundWork:
@@ -164,6 +181,10 @@ class RoundWork:
     def fits(self, tables: int, copies: int = 0, restores: int = 0) -> bool:
         """Whether every pool's part fits buffers of these sizes (see :meth:`pad_to`)."""
         return all(t <= tables and k <= copies and r <= restores for t, k, r in self.counts().values())
+
+    def without_page_writes(self) -> "RoundWork":
+        """The table updates and the serial of this work, its page writes removed."""
+        return RoundWork(self.serial, {k: p.without_page_writes() for k, p in self.pools.items()})
 
     def pad_to(self, tables: int, copies: int = 0, restores: int = 0) -> "RoundWork":
         """The same work with every pool's buffers padded to fixed sizes, so a step that applies
@@ -275,45 +296,6 @@ class PageWrites:
 # -- device side ---------------------------------------------------------------------------------------
 
 
-def _words(x: jax.Array) -> jax.Array:
-    w = jnp.dtype(word_dtype(x.dtype))
-    return x if x.dtype == w else jax.lax.bitcast_convert_type(x, w)
-
-
-def _column_mask(columns: jax.Array, ndim: int, axis: int, page_size: int) -> jax.Array:
-    mask = jnp.arange(page_size, dtype=jnp.int32)[None, :] < columns[:, None]  # (U, P)
-    shape = [1] * ndim
-    shape[axis] = columns.shape[0]
-    shape[ndim - 2] = page_size
-    return mask.reshape(shape)
-
-
-def _write_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int) -> dict:
-    """Apply one pool's page writes: gather every source from the pre-work planes, then scatter."""
-    k, r = copies.shape[1], restores.shape[1]
-    if k == 0 and r == 0:
-        return planes
-    dst = jnp.concatenate([copies[1], restores[0]])
-    cols = jnp.concatenate([copies[2], restores[1]])
-    out = {}
-    for name, plane in planes.items():
-        words = _words(plane)
-        n = words.shape[axis]
-        safe_dst = jnp.clip(dst, 0, n - 1)
-        parts = []
-        if k:
-            parts.append(jnp.take(words, jnp.clip(copies[0], 0, n - 1), axis=axis))
-        if r:
-            parts.append(jnp.moveaxis(payload[name].astype(words.dtype), 0, axis))
-        src = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
-        old = jnp.take(words, safe_dst, axis=axis)
-        blended = jnp.where(_column_mask(cols, words.ndim, axis, words.shape[-2]), src, old)
-        target = jnp.where(cols > 0, dst, n)  # padding: out of range, dropped
-        words = words.at[(slice(None),) * axis + (target,)].set(blended, mode="drop")
-        out[name] = words if words.dtype == plane.dtype else jax.lax.bitcast_convert_type(words, plane.dtype)
-    return out
-
-
 def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     """Apply one :class:`RoundWork` to the state (pure; call it inside a jitted step, donated).
 
@@ -339,15 +321,33 @@ def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
             upd = jnp.asarray(pw.tables, jnp.int32)
             table = table.at[upd[0], upd[1]].set(upd[2], mode="drop")
         tables[kind] = table
-        planes[kind] = _write_pages(
+        planes[kind] = write_pages(
             state.planes[kind], jnp.asarray(pw.copies, jnp.int32), jnp.asarray(pw.restores, jnp.int32),
             pw.payload, state.page_axis(kind)
         )
     return dataclasses.replace(state, planes=planes, tables=tables, serial=new_serial)
 
 
-apply_work_jit = jax.jit(apply_work, donate_argnums=(0,))
-"""``apply_work`` jitted alone with the state donated (when no step runs this round)."""
+_apply_work_jit = jax.jit(apply_work, donate_argnums=(0,))
+
+
+def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
+    """:func:`apply_work` run alone, the state donated (when no step applies this work).
+
+    One jitted program; except on the CPU backend with page writes into float planes, where a
+    scatter is not kept in place by XLA (the whole plane would be copied): there the page writes run
+    as in-place per-page programs (:func:`~ninfer_kv.page_copy.write_pages_donated`), then the table
+    updates and the serial as one program.  Same result either way.
+    """
+    writes = [k for k, p in work.pools.items() if p.copies.shape[1] or p.restores.shape[1]]
+    if not writes or not any(cpu_float(state.planes[k]) for k in writes):
+        return _apply_work_jit(state, work)
+    planes = dict(state.planes)
+    for kind in writes:
+        pw = work.pools[kind]
+        planes[kind] = write_pages_donated(planes[kind], pw.copies, pw.restores, pw.payload, state.page_axis(kind))
+    state = dataclasses.replace(state, planes=planes)
+    return _apply_work_jit(state, work.without_page_writes())
 
 
 def gather_pages(state: KVDeviceState, pages: Mapping) -> tuple[jax.Array, dict]:
@@ -372,10 +372,11 @@ gather_pages_jit = jax.jit(gather_pages)
 
 def step_work_shape(store) -> tuple[int, int, int]:
     """A fixed ``(table updates, copies, restores)`` shape for the work a step applies: room for
-    four table entries per execution row (a decode round maps at most one page per lane and pool),
-    no copies, no restores."""
+    table entries of half the execution rows (at least 64; a decode round maps a page only for
+    the lanes crossing a page boundary, about one in 64), no copies, no restores.  A larger work is
+    applied alone by :func:`take_step_work` (a scatter's cost grows with its buffer on a CPU)."""
     cap = store.max_concurrency * store.logical_pages
-    return min(cap, max(64, 4 * store.max_concurrency)), 0, 0
+    return min(cap, max(64, store.max_concurrency // 2)), 0, 0
 
 
 def take_step_work(store, state: KVDeviceState, shape: tuple[int, int, int] | None = None):

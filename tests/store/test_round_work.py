@@ -274,5 +274,8 @@ def test_work_pytree_structure_is_fixed_per_store():
     h = store.activate(100, 0)
     store.ensure_mapped_to_tokens(h, 100)
     b = store.take_work()
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    cap = store.max_concurrency * store.logical_pages
+    assert jax.tree_util.tree_structure(a.pad_to(cap)) == jax.tree_util.tree_structure(b.pad_to(cap))
     assert dataclasses.is_dataclass(a) and set(a.pools) == {MAIN, PoolKind.MTP}
+    # a decode round's work transfers its table updates and the serial, nothing else
+    assert len(jax.tree_util.tree_leaves(b.pad_to(cap))) == 1 + 2
