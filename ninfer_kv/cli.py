@@ -485,6 +485,18 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     )
     spec.add_argument("--draft-kv-heads", type=POSITIVE_INT, metavar="H", help="Draft Full KV heads (default --kv-heads)")
     spec.add_argument("--draft-head-dim", type=POSITIVE_INT, metavar="D", help="Draft Full head dim (default --head-dim)")
+    mesh = p.add_argument_group("device mesh")
+    mesh.add_argument(
+        "--mesh", type=_arg_type("mesh", _mesh), metavar="data=D,model=T",
+        help="plan per device over a D x T mesh (KV heads over model, rows and pages over data); "
+        "--max-concurrency and --kv-capacity are totals, --free-bytes and --fixed-bytes per device",
+    )
+
+
+def _mesh(text: str):
+    from .mesh import MeshSpec
+
+    return MeshSpec.parse(text)
 
 
 _MTP_FLAGS = ("draft_window", "mtp_layers")
@@ -541,6 +553,8 @@ def _run_plan(args: argparse.Namespace) -> CommandOutput:
         policy = AutomaticCapacity(free_bytes=args.free_bytes, headroom_bytes=args.headroom_bytes or 0)
         policy_json = {"kind": "automatic", "free_bytes": policy.free_bytes, "headroom_bytes": policy.headroom_bytes}
     model = ModelKVConfig(args.layers, args.kv_heads, args.head_dim, args.profile)
+    if args.mesh is not None:
+        return _run_mesh_plan(args, model, policy, policy_json, speculative)
     plan = plan_kv_cache(
         model,
         max_context=args.max_context,
@@ -556,6 +570,44 @@ def _run_plan(args: argparse.Namespace) -> CommandOutput:
     note = _dflash_note(speculative)
     data["notes"] = [note] if note else []
     return CommandOutput(data=data, text=_plan_text(plan, speculative, policy_json))
+
+
+def _run_mesh_plan(args, model, policy, policy_json: dict, speculative) -> CommandOutput:
+    from .planning import plan_kv_cache_mesh
+
+    mp = plan_kv_cache_mesh(model, args.mesh, max_context=args.max_context, max_concurrency=args.max_concurrency,
+                            policy=policy, speculative=speculative, fixed_bytes=args.fixed_bytes)
+    data = mp.to_json() | {"policy": policy_json}
+    dev = mp.device
+    per_device = _plan_text(dev, dev.builder.speculative, _local_policy_json(policy_json, mp))
+    spec = mp.mesh
+    lines = ["KV plan over a device mesh"]
+    heads = mp.device.pools[next(iter(mp.device.pools))].layout.num_kv_heads
+    rep = mp.head_replication
+    head_text = f"{model.num_kv_heads} / {spec.model} = {heads} per device" if rep == 1 else (
+        f"{model.num_kv_heads} < {spec.model}: each head stored {rep} times, {heads} per device "
+        f"(the planes cost {rep}x the unreplicated cache)")
+    single = mp.single_device_bytes
+    lines += _kv_lines([
+        ("mesh", f"{spec} ({spec.size} devices)"),
+        ("KV heads", head_text),
+        ("rows", f"C = {_n(mp.max_concurrency)} = {spec.data} data shards x {_n(dev.max_concurrency)} rows"),
+        ("Main pages", f"{_n(mp.m_local)} per data shard (own page IDs), {_n(mp.m_local * spec.data)} in total"),
+        ("Main capacity", f"{_n(mp.capacity_tokens)} tokens over the mesh"),
+        ("per device", _bytes(mp.device_bytes)),
+        ("total", f"{_bytes(mp.total_bytes)} = {spec.size} devices x per device"),
+        ("one device", "beyond a single device's bounds" if single is None else
+         f"{_bytes(single)} for the same capacity unsharded (per device / one device = "
+         f"{mp.device_bytes / single:.4f})"),
+    ])
+    lines += ["", "per device (one data shard's rows and pages, this device's heads)", "", per_device]
+    return CommandOutput(data=data, text="\n".join(lines))
+
+
+def _local_policy_json(policy_json: dict, mp) -> dict:
+    if policy_json["kind"] == "explicit":
+        return {"kind": "explicit", "kv_capacity": mp.device.capacity_tokens}
+    return policy_json
 
 
 def _plan_text(plan, speculative, policy_json: dict) -> str:
@@ -671,6 +723,7 @@ PARAMETER_FLAGS: dict[str, str] = {
     "draft_full_layers": "--draft-full-layers",
     "draft_kv_heads": "--draft-kv-heads",
     "draft_head_dim": "--draft-head-dim",
+    "mesh": "--mesh",
 }
 """Library parameter names and the flags that set them (errors from the library speak in flags)."""
 

@@ -36,8 +36,10 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def _shard_map(kv_mesh: KVMesh, fn, in_specs, out_specs):
-    return jax.shard_map(fn, mesh=kv_mesh.mesh, in_specs=in_specs, out_specs=out_specs)
+def _shard_map(kv_mesh: KVMesh, fn, in_specs, out_specs, *, kernels: bool = False):
+    # kernels=True: the body may call Pallas kernels, whose output shapes carry no varying-axes
+    # annotation; the specs still say exactly how every output is split
+    return jax.shard_map(fn, mesh=kv_mesh.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not kernels)
 
 
 def local_rows(kv_mesh: KVMesh, rows: jax.Array, rows_per_shard: int) -> jax.Array:
@@ -110,7 +112,7 @@ def sharded_paged_append(
     fn = _shard_map(
         kv_mesh, local,
         (plane_specs, kv_mesh.table_spec(), PartitionSpec(), rows_spec, rows_spec, kv_spec, kv_spec, rows_spec),
-        plane_specs,
+        plane_specs, kernels=True,
     )
     new = fn(planes, state.tables[kind], jnp.asarray(layer, jnp.int32), jnp.asarray(table_rows, jnp.int32),
              jnp.asarray(positions, jnp.int32), k, v, jnp.asarray(valid, jnp.int32))
@@ -150,7 +152,7 @@ def sharded_paged_attention(
     fn = _shard_map(
         kv_mesh, local,
         (plane_specs, kv_mesh.table_spec(), PartitionSpec(), q_spec, rows_spec, rows_spec, rows_spec),
-        q_spec,
+        q_spec, kernels=True,
     )
     return fn(state.planes[kind], state.tables[kind], jnp.asarray(layer, jnp.int32), q,
               jnp.asarray(table_rows, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(kv_lens, jnp.int32))

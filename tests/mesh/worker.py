@@ -1,0 +1,279 @@
+"""Mesh checks run in a subprocess with 8 forced host devices (the rest of the suite keeps one).
+
+``python worker.py CHECK`` runs one named check and exits 0 when every assertion held; each check
+covers several meshes so that one process (one JAX start) does a whole family.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ninfer_kv import PagedKVBatchLayerView, PagedKVStorageLayout, ops  # noqa: E402
+from ninfer_kv.mesh import KVMesh  # noqa: E402
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache_mesh  # noqa: E402
+from ninfer_kv.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention  # noqa: E402
+from ninfer_kv.store import KVDeviceState, KVStore, apply_work_jit  # noqa: E402
+from ninfer_kv.store.sharded import CrossShardError, ShardedKVStore  # noqa: E402
+
+PROFILES = ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4")
+ORDERS = ("page-major", "head-major")
+D_HEAD = 64
+T_TOK = 80  # tokens per row: one full page and a partial one
+
+
+def _bits(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
+
+
+def _same(a, b, what: str) -> None:
+    x, y = _bits(a), _bits(b)
+    if x.shape != y.shape or not np.array_equal(x, y):
+        fa, fb = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        bad = np.argwhere(~((fa == fb) | (np.isnan(fa) & np.isnan(fb))))
+        raise AssertionError(f"{what}: sharded result differs from one device at {bad[:4].tolist()} "
+                             f"({bad.shape[0]} entries, max |diff| {np.nanmax(np.abs(fa - fb))})")
+
+
+def _deep_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
+
+
+def _global_state(kv_mesh, layout, n_pages: int, tables: np.ndarray):
+    planes = layout.allocate(n_pages, fill=float("nan"))
+    kind = PoolKind.MAIN
+    state = KVDeviceState(planes={kind: planes}, tables={kind: jnp.asarray(tables)}, serial=jnp.zeros((), jnp.int32),
+                          page_axes=((kind, layout.order.page_axis),))
+    return jax.device_put(state, kv_mesh.state_shardings(state))
+
+
+def ops_equal(spec: str, heads: int, impls: tuple[str, ...], profiles=PROFILES) -> int:
+    """Append + attention for every profile and order on ``spec``: bit-equal to one device."""
+    kv_mesh = KVMesh(spec)
+    dd, tt = kv_mesh.data, kv_mesh.model
+    stored = max(heads, tt)
+    rep = stored // heads
+    n_local, c_local, logical = 4, 2, 2
+    rng = np.random.default_rng(dd * 10 + tt)
+    # each shard: its own page IDs in random order, unused entries poisoned out of range
+    local = np.stack([rng.permutation(n_local)[: c_local * logical].reshape(c_local, logical) for _ in range(dd)])
+    tables_local = local.reshape(dd * c_local, logical).astype(np.int32)
+    tables_single = (local + (np.arange(dd) * n_local)[:, None, None]).reshape(dd * c_local, logical).astype(np.int32)
+    b_local = 2
+    rows = np.array([d * c_local + i for d in range(dd) for i in (1, 0)], np.int32)
+    valid = rng.integers(1, T_TOK + 1, size=dd * b_local).astype(np.int32)
+    valid[0] = T_TOK
+    pos = np.zeros(dd * b_local, np.int32)
+    hq = 2 * stored
+    k = rng.standard_normal((dd * b_local, T_TOK, heads, D_HEAD)).astype(np.float32)
+    v = rng.standard_normal((dd * b_local, T_TOK, heads, D_HEAD)).astype(np.float32)
+    q = rng.standard_normal((dd * b_local, T_TOK, hq, D_HEAD)).astype(np.float32)
+    checks = 0
+    for profile in profiles:
+        for order in ORDERS:
+            lay_local = PagedKVStorageLayout(profile, 1, stored // tt, D_HEAD, order)
+            lay_stored = PagedKVStorageLayout(profile, 1, stored, D_HEAD, order)
+            lay_single = PagedKVStorageLayout(profile, 1, heads, D_HEAD, order)
+            for impl in impls:
+                state = _global_state(kv_mesh, lay_stored, dd * n_local, tables_local)
+
+                @jax.jit
+                def sharded(state, rows, pos, valid, q, k, v):
+                    state = sharded_paged_append(kv_mesh, state, 0, lay_local, rows, pos, k, v, valid, impl=impl)
+                    out = sharded_paged_attention(kv_mesh, q, state, 0, lay_local, rows, pos, valid, impl=impl)
+                    return state, out
+
+                @jax.jit
+                def single(planes, table, rows, pos, valid, q, k, v):
+                    view = PagedKVBatchLayerView(planes, table, 0, lay_single)
+                    view = ops.paged_append(view, rows, pos, k, v, valid, impl=impl)
+                    return view.planes, ops.paged_attention(q, view, rows, pos, valid, impl=impl)
+
+                s_state, s_out = sharded(state, rows, pos, valid, q, k, v)
+                planes1 = lay_single.allocate(dd * n_local, fill=float("nan"))
+                rows1 = rows  # the same global rows index the single device's (D * C_local, L) table
+                p1, o1 = single(planes1, jnp.asarray(tables_single), rows1, pos, valid,
+                                q[:, :, :: 1], k, v)
+                # GQA: query head j reads KV head j // (hq / heads) on one device; the sharded run's
+                # stored head j // (hq / stored) is a copy of that same head
+                if impl == "reference":  # XLA's CPU dot tiles by shape: float32 sums may round differently
+                    np.testing.assert_allclose(np.asarray(s_out), np.asarray(o1), rtol=1e-5, atol=1e-6,
+                                               err_msg=f"{spec} {profile} {order} reference attention")
+                else:
+                    _same(s_out, o1, f"{spec} {profile} {order} {impl} attention")
+                head_axis = lay_stored.order.head_axis
+                for name, plane in s_state.planes[PoolKind.MAIN].items():
+                    got = np.take(np.asarray(plane), np.arange(0, stored, rep), axis=head_axis)
+                    _same(got, p1[name], f"{spec} {profile} {order} {impl} plane {name}")
+                checks += 1
+    return checks
+
+
+def hlo_no_collectives() -> int:
+    """A sharded decode step (apply_work + append + attention, FFI and reference) compiles to HLO
+    with no all-gather / all-reduce / all-to-all / collective-permute."""
+    n = 0
+    for spec in ("data=2,model=4", "data=8,model=1", "data=1,model=8"):
+        kv_mesh = KVMesh(spec)
+        plan = plan_kv_cache_mesh(ModelKVConfig(2, 8, D_HEAD, "k8v4"), kv_mesh, max_context=128,
+                                  max_concurrency=2 * kv_mesh.data, policy=ExplicitCapacity(256 * kv_mesh.data))
+        store = ShardedKVStore(plan, kv_mesh)
+        state = store.allocate_state()
+        work = store.take_work().pad_to(4, 8, 1).device_put(kv_mesh)
+        lay = store.layout()
+        b = 2 * kv_mesh.data
+        for impl in ("ffi", "reference"):
+            def step(state, work, rows, pos, q, k, v):
+                state = sharded_apply_work(kv_mesh, state, work)
+                ones = jnp.ones_like(pos)
+                state = sharded_paged_append(kv_mesh, state, 1, lay, rows, pos, k, v, ones, impl=impl)
+                return state, sharded_paged_attention(kv_mesh, q, state, 1, lay, rows, pos, pos + 1, impl=impl)
+
+            i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+            tok = lambda h: jax.ShapeDtypeStruct((b, 1, h, D_HEAD), jnp.float32)  # noqa: E731
+            text = jax.jit(step, donate_argnums=0).lower(state, work, i32, i32, tok(16), tok(8), tok(8)).compile().as_text()
+            for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+                if op in text:
+                    raise AssertionError(f"{spec} {impl}: the compiled sharded step contains {op}")
+            if impl == "ffi" and "custom-call" not in text:
+                raise AssertionError(f"{spec}: no FFI custom call in the compiled step")
+            n += 1
+    return n
+
+
+def pallas_cuda_lowering() -> int:
+    """The Pallas kernels cross-lower for CUDA inside shard_map (2x4 mesh of host devices)."""
+    import functools
+
+    import pallas_kernels as pk
+    from ninfer_kv.ops.dispatch import OpImpl, register_impl
+
+    triton = functools.partial  # the kernels with interpret=False: the Triton lowering, not the interpreter
+    register_impl("pallas-triton", lambda: OpImpl(
+        "pallas-triton", triton(pk.paged_append, interpret=False), triton(pk.paged_attention, interpret=False),
+        triton(pk.cyclic_append, interpret=False), triton(pk.cyclic_attention, interpret=False)), replace=True)
+    kv_mesh = KVMesh("data=2,model=4")
+    n = 0
+    for profile in ("bf16", "k8v4"):
+        lay_local = PagedKVStorageLayout(profile, 1, 1, D_HEAD)
+        lay_stored = PagedKVStorageLayout(profile, 1, 4, D_HEAD)
+        planes = {k: jax.ShapeDtypeStruct(s, lay_stored.plane_dtypes()[k]) for k, s in lay_stored.plane_shapes(8).items()}
+        kind = PoolKind.MAIN
+        state = KVDeviceState({kind: planes}, {kind: jax.ShapeDtypeStruct((4, 2), jnp.int32)},
+                              jax.ShapeDtypeStruct((), jnp.int32), ((kind, 1),))
+
+        def step(state, rows, pos, q, k):
+            state = sharded_paged_append(kv_mesh, state, 0, lay_local, rows, pos, k, k, pos + 1, impl="pallas-triton")
+            return sharded_paged_attention(kv_mesh, q, state, 0, lay_local, rows, pos, pos + 1, impl="pallas-triton")
+
+        i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
+        tok = lambda h: jax.ShapeDtypeStruct((4, 1, h, D_HEAD), jnp.bfloat16)  # noqa: E731
+        shardings = kv_mesh.state_shardings(state)
+        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)
+        text = jax.jit(step).trace(state, i32, i32, tok(8), tok(4)).lower(lowering_platforms=("cuda",)).as_text()
+        if text.count("__gpu$xla.gpu.triton") < 2:
+            raise AssertionError(f"{profile}: the CUDA lowering lacks the Triton append and attention kernels")
+        if "manual" not in text:
+            raise AssertionError(f"{profile}: the CUDA lowering is not a shard_map (manual) program")
+        n += 1
+    return n
+
+
+def store_verbs() -> int:
+    """ShardedKVStore through the verbs on 2x4 and 8x1: per-shard invariants, shard-local page IDs,
+    refusal of a cross-shard activation (nothing changes), sharded work applied per shard equals
+    each shard's own single-device work."""
+    n = 0
+    for spec in ("data=2,model=4", "data=8,model=1"):
+        kv_mesh = KVMesh(spec)
+        dd = kv_mesh.data
+        plan = plan_kv_cache_mesh(ModelKVConfig(1, 4, D_HEAD, "int8-g64"), kv_mesh, max_context=256,
+                                  max_concurrency=2 * dd, policy=ExplicitCapacity(512 * dd))
+        store = ShardedKVStore(plan, kv_mesh)
+        state = store.allocate_state(fill=float("nan"))
+        twins = [KVStore(plan.shard) for _ in range(dd)]  # one device per shard, same calls
+        twin_states = [t.allocate_state(fill=float("nan")) for t in twins]
+        seqs = []
+        for d in range(dd):
+            h = store.activate(100, 20, shard=d)
+            seqs.append(h)
+            twins[d].activate(100, 20)
+        rows = np.array([store.row(h) for h in seqs], np.int64)
+        assert sorted(set((rows // store.rows_per_shard).tolist())) == list(range(dd))
+        store.map_rows(rows, np.full(dd, 100))
+        store.commit_rows(rows, np.full(dd, 100))
+        for d in range(dd):
+            r = np.array([twins[d].row(twins[d].sequences()[0])])
+            twins[d].map_rows(r, [100])
+            twins[d].commit_rows(r, [100])
+        ck = store.finish(seqs[0], retain=True)
+        tck = twins[0].finish(twins[0].sequences()[0], retain=True)
+        if dd > 1:
+            before = store.snapshot()
+            try:
+                store.activate(100, 10, shard=1, source=ck)
+            except CrossShardError:
+                pass
+            else:
+                raise AssertionError("a cross-shard activation was accepted")
+            assert _deep_equal(store.snapshot(), before), "a refused cross-shard activation changed the store"
+        fork = store.activate(100, 10, shard=0, source=ck)  # COW of the 36-token tail within shard 0
+        twins[0].activate(100, 10, source=tck)
+        store.check_invariants()
+        work = store.take_work()
+        for d in range(dd):  # every shard's page IDs are its own: 0 .. N_local - 1
+            tab = store.host_block_table()[d * store.rows_per_shard:(d + 1) * store.rows_per_shard]
+            used = tab[tab < plan.shard.pools[PoolKind.MAIN].physical_pages]
+            assert used.size and used.max() < plan.shard.pools[PoolKind.MAIN].physical_pages
+        state = jax.jit(lambda s, w: sharded_apply_work(kv_mesh, s, w))(state, work.device_put(kv_mesh))
+        store.check_state(state)
+        for d in range(dd):
+            tw = twins[d].take_work()
+            twin_states[d] = apply_work_jit(twin_states[d], tw)
+            got = np.asarray(state.tables[PoolKind.MAIN])[d * store.rows_per_shard:(d + 1) * store.rows_per_shard]
+            _same(got, twin_states[d].tables[PoolKind.MAIN], f"{spec} shard {d} table")
+            for name, plane in state.planes[PoolKind.MAIN].items():
+                n_loc = plane.shape[1] // dd
+                _same(np.asarray(plane)[:, d * n_loc:(d + 1) * n_loc], twin_states[d].planes[PoolKind.MAIN][name],
+                      f"{spec} shard {d} plane {name}")
+        store.finish(fork)
+        store.release_checkpoint(ck)
+        for h in seqs[1:]:
+            store.finish(h)
+        store.check_invariants()
+        n += 1
+    return n
+
+
+FAST = ("bf16", "k8v4")
+CHECKS = {
+    # default run: every profile and both orders through the FFI on 2x4; the other meshes, the
+    # reference and replicated heads on two profiles
+    "ops_fast": lambda: (ops_equal("data=2,model=4", 4, ("ffi",)) + ops_equal("data=8,model=1", 2, ("ffi",), ("k8v4",))
+                         + ops_equal("data=1,model=8", 8, ("ffi",), ("k8v4",)) + ops_equal("data=2,model=4", 2, ("ffi",), ("bf16",))
+                         + ops_equal("data=2,model=4", 4, ("reference",), ("k8v4",))),
+    # slow: every profile, order, implementation and mesh
+    "ops_all": lambda: sum(ops_equal(m, h, ("reference", "ffi")) for m, h in
+                           (("data=8,model=1", 2), ("data=1,model=8", 8), ("data=2,model=4", 4), ("data=2,model=4", 2))),
+    "hlo": hlo_no_collectives,
+    "pallas_cuda": pallas_cuda_lowering,
+    "store": store_verbs,
+}
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    print(f"{name}: {CHECKS[name]()} checks passed")
