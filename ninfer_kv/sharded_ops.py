@@ -157,3 +157,23 @@ def sharded_paged_attention(
     return fn(state.planes[kind], state.tables[kind], jnp.asarray(layer, jnp.int32), q,
               jnp.asarray(table_rows, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(kv_lens, jnp.int32))
 
+
+
+def sharded_gather_pages(kv_mesh: KVMesh, state: KVDeviceState, pages: dict) -> tuple[jax.Array, dict]:
+    """Per-shard :func:`~ninfer_kv.gather_pages`: ``pages = {PoolKind: int32 (D, B)}`` (row ``d``:
+    shard ``d``'s local page IDs).  Returns ``(serial, {PoolKind: {plane: words (D, B, layers, H, P, X)}})``
+    split like the planes (data on axis 0, heads on axis 3): each device gathers its own pages."""
+    from .store.round_work import gather_pages
+
+    state_specs = kv_mesh.state_specs(state)
+    kinds = tuple(PoolKind.parse(k) for k in pages)
+    ids = [jnp.asarray(pages[k], jnp.int32) for k in pages]
+    word_spec = kv_mesh.per_shard_spec(head_axis=3, ndim=6)
+    out_specs = {k: {n: word_spec for n in state.planes[k]} for k in kinds}
+
+    def local(st, ids):
+        _, out = gather_pages(st, {k: x[0] for k, x in zip(kinds, ids)})
+        return {k: {n: x[None] for n, x in p.items()} for k, p in out.items()}
+
+    fn = _shard_map(kv_mesh, local, (state_specs, [kv_mesh.per_shard_spec(ndim=2)] * len(ids)), out_specs)
+    return state.serial, fn(state, ids)

@@ -405,6 +405,65 @@ class ShardedKVStore:
         if got != self.work_serial:
             raise WorkOrderError(f"the device state applied {got} round works; the store handed out {self.work_serial}")
 
+    # -- Host tier (one arena per data shard) ------------------------------------------------------------
+    def gather_offload(self, shard: int, plan, state) -> tuple:
+        """Shard ``shard``'s offload payload for ``plan`` (from that shard's :meth:`KVStore.plan_offload`):
+        every device gathers its own pages and heads inside ``shard_map``; the pages then move to
+        the host through the same specs in ``pinned_host`` memory on a GPU (directly on a CPU,
+        where pinned host memory is ordinary memory).  Needs the shard's devices addressable by
+        this process."""
+        import jax
+
+        from ..sharded_ops import sharded_gather_pages
+
+        d = self._shard_index(shard)
+        serial = np.asarray(state.serial.addressable_data(0))
+        if not plan.pages:
+            return serial, {}
+        stacked = {}
+        for kind, ids in plan.pages.items():
+            rows = np.zeros((self.num_shards, len(ids)), np.int32)
+            rows[d] = ids
+            stacked[kind] = rows
+        _, words = jax.jit(lambda s, p: sharded_gather_pages(self.kv_mesh, s, p))(state, stacked)
+        pinned = self.kv_mesh.devices[0].platform in ("gpu", "cuda", "rocm")
+        payload = {}
+        for kind, planes in words.items():
+            payload[kind] = {}
+            for name, x in planes.items():
+                if pinned:
+                    x = jax.device_put(x, self.kv_mesh.sharding(x.sharding.spec, memory_kind="pinned_host"))
+                if not x.is_fully_addressable:
+                    raise LifecycleError("a Host offload needs every device of the shard in this process")
+                payload[kind][name] = np.asarray(x[d])
+        return serial, payload
+
+    def offload_checkpoint(self, handle: ShardedCheckpoint, state):
+        """Plan, gather (per device) and complete the Host offload of a checkpoint on its shard's
+        arena; rolled back fully on any failure.  Returns the shard's ``HostTransferReport``."""
+        d, h = self._local(handle)
+        store = self.shards[d]
+        plan = store.plan_offload(h)
+        try:
+            payload = self.gather_offload(d, plan, state)
+        except BaseException:
+            store.cancel_offload(plan)
+            raise
+        return store.complete_offload(plan, payload)
+
+    def drop_device_replica(self, handle: ShardedCheckpoint) -> int:
+        d, h = self._local(handle)
+        return self.shards[d].drop_device_replica(h)
+
+    def restore_checkpoint(self, handle: ShardedCheckpoint, *, drop_host: bool = False):
+        """Host -> Device on the checkpoint's own shard (the pages land with the next work)."""
+        d, h = self._local(handle)
+        return self.shards[d].restore_checkpoint(h, drop_host=drop_host)
+
+    def release_host_replica(self, handle: ShardedCheckpoint) -> int:
+        d, h = self._local(handle)
+        return self.shards[d].release_host_replica(h)
+
     # -- inspection ----------------------------------------------------------------------------------
     def host_block_table(self, pool="main") -> np.ndarray:
         """The ``(D * C_local, L)`` host mirror (each shard's rows hold that shard's page IDs)."""

@@ -41,3 +41,7 @@ def test_pallas_kernels_cross_lower_for_cuda_under_shard_map():
 
 def test_sharded_store_verbs_per_shard():
     assert "2 checks passed" in _run("store")
+
+
+def test_host_tier_per_shard_offload_restore():
+    assert "1 checks passed" in _run("host")

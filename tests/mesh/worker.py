@@ -258,6 +258,51 @@ def store_verbs() -> int:
     return n
 
 
+def host_tier() -> int:
+    """2x4: a checkpoint on shard 1 offloaded (each device gathers its own pages and heads), its
+    Device replica dropped, reactivated on shard 1 (restored from the Host arena through the next
+    work): the restored pages equal the originals bit for bit; a Host-memory copy of the state has
+    the same specs in ``pinned_host`` memory."""
+    kv_mesh = KVMesh("data=2,model=4")
+    plan = plan_kv_cache_mesh(ModelKVConfig(1, 4, D_HEAD, "k8v4"), kv_mesh, max_context=256, max_concurrency=4,
+                              policy=ExplicitCapacity(1024))
+    store = ShardedKVStore(plan, kv_mesh, host_bytes=1 << 20)
+    state = store.allocate_state(fill=float("nan"))
+    host_copy = ShardedKVStore(plan, kv_mesh).allocate_state(memory_kind="pinned_host")
+    for x, y in zip(jax.tree.leaves(host_copy), jax.tree.leaves(state)):
+        assert x.sharding.memory_kind == "pinned_host" and x.sharding.spec == y.sharding.spec
+    del host_copy
+    lay = store.layout()
+    h = store.activate(100, 0, shard=1)
+    rows = store.batch_rows([[], [h]], 1)
+    store.map_rows(rows[1:], [100])
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((2, 100, 4, D_HEAD)).astype(np.float32)
+    step = jax.jit(lambda s, w, r, kk: sharded_paged_append(
+        kv_mesh, sharded_apply_work(kv_mesh, s, w), 0, lay, r, jnp.zeros(2, jnp.int32), kk, kk,
+        jnp.array([0, 100], jnp.int32), impl="ffi"))
+    state = step(state, store.take_work().device_put(kv_mesh), rows, k)
+    store.commit_rows(rows[1:], [100])
+    old_ids = store.host_block_table()[rows[1], :2]
+    n_loc = plan.shard.pools[PoolKind.MAIN].physical_pages
+    before = {n: np.asarray(x)[:, n_loc + old_ids] for n, x in state.planes[PoolKind.MAIN].items()}
+    ck = store.finish(h, retain=True)
+    report = store.offload_checkpoint(ck, state)
+    assert store.drop_device_replica(ck) == 2, report
+    assert store.checkpoint(ck).placement == "host"
+    h2 = store.activate(100, 0, shard=1, source=ck, release_source=True)
+    work = store.take_work()
+    assert work.counts()[PoolKind.MAIN][2] >= 2  # the two pages come back as restores
+    state = jax.jit(lambda s, w: sharded_apply_work(kv_mesh, s, w))(state, work.device_put(kv_mesh))
+    store.check_state(state)
+    new_ids = store.host_block_table()[store.row(h2), :2]
+    for n, x in state.planes[PoolKind.MAIN].items():
+        _same(np.asarray(x)[:, n_loc + new_ids], before[n], f"restored plane {n}")
+    store.finish(h2)
+    store.check_invariants()
+    return 1
+
+
 FAST = ("bf16", "k8v4")
 CHECKS = {
     # default run: every profile and both orders through the FFI on 2x4; the other meshes, the
@@ -271,6 +316,7 @@ CHECKS = {
     "hlo": hlo_no_collectives,
     "pallas_cuda": pallas_cuda_lowering,
     "store": store_verbs,
+    "host": host_tier,
 }
 
 
