@@ -57,6 +57,16 @@ from .store import (
     take_step_work,
 )
 
+from .mesh import KVMesh, MeshSpec
+from .planning import MeshKVPlan, plan_kv_cache_mesh
+from .store.sharded import CrossShardError, ShardedCheckpoint, ShardedKVStore, ShardedRoundWork, ShardedSequence
+from .sharded_ops import (
+    sharded_apply_work,
+    sharded_gather_pages,
+    sharded_paged_append,
+    sharded_paged_attention,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -116,4 +126,17 @@ __all__ = [
     "StaleReplicaError",
     "RowError",
     "WorkOrderError",
+    "MeshSpec",
+    "KVMesh",
+    "MeshKVPlan",
+    "plan_kv_cache_mesh",
+    "ShardedKVStore",
+    "ShardedRoundWork",
+    "ShardedSequence",
+    "ShardedCheckpoint",
+    "CrossShardError",
+    "sharded_apply_work",
+    "sharded_gather_pages",
+    "sharded_paged_append",
+    "sharded_paged_attention",
 ]

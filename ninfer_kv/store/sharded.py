@@ -32,6 +32,7 @@ import numpy as np
 from ..planning import MeshKVPlan, PoolKind, PoolPlan
 from .bundle import CheckpointHandle, SequenceHandle
 from .device_state import POISONED, KVDeviceState
+from .entitlement import RoundGrant
 from .errors import KVStoreError, LifecycleError, WorkOrderError
 from .round_work import PoolWork, RoundWork
 from .store import KVStore
@@ -353,6 +354,27 @@ class ShardedKVStore:
 
     def settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
         return self._per_shard("settle_rows", rows, accepted, provisional, pool=pool)
+
+    def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:
+        """:meth:`KVStore.round_boundary` per shard over global rows (default: every active row);
+        the grant's ``rows`` are global, in the order given."""
+        if rows is None:
+            rows = np.array([d * self.rows_per_shard + r for d, s in enumerate(self.shards) for r in s.active_rows()],
+                            np.int64)
+        rows = np.asarray(rows)
+        groups = self.split_rows(rows)
+        for d, _, local in groups:
+            self.shards[d]._rows.check(local)
+        covered = np.zeros(rows.shape, np.int64)
+        limited = np.zeros(rows.shape, bool)
+        granted = {k: np.zeros(rows.shape, np.int64) for k in self.plan.shard.pools}
+        for d, at, local in groups:
+            g = self.shards[d].round_boundary(local, step_tokens=step_tokens)
+            covered[at], limited[at] = g.covered_tokens, g.length_limited
+            for k, v in g.granted_pages.items():
+                granted[k][at] = v
+        return RoundGrant(rows=rows.astype(np.int64), covered_tokens=covered, length_limited=limited,
+                          granted_pages=granted)
 
     # -- device state and work ---------------------------------------------------------------------------
     @property

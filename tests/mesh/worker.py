@@ -148,8 +148,13 @@ def hlo_no_collectives() -> int:
             for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
                 if op in text:
                     raise AssertionError(f"{spec} {impl}: the compiled sharded step contains {op}")
-            if impl == "ffi" and "custom-call" not in text:
-                raise AssertionError(f"{spec}: no FFI custom call in the compiled step")
+            if impl == "ffi":  # every FFI call sees one device's block of the planes
+                calls = [ln for ln in text.splitlines() if "custom-call(" in ln]
+                n_loc = plan.shard.pools[PoolKind.MAIN].physical_pages
+                local = f"[2,{n_loc},{8 // kv_mesh.model},64,"
+                glob = f"[2,{n_loc * kv_mesh.data},8,64,"
+                if not any(local in ln for ln in calls) or any(glob in ln for ln in calls):
+                    raise AssertionError(f"{spec}: the FFI calls do not run on per-device blocks of the planes")
             n += 1
     return n
 
@@ -230,6 +235,26 @@ def store_verbs() -> int:
             else:
                 raise AssertionError("a cross-shard activation was accepted")
             assert _deep_equal(store.snapshot(), before), "a refused cross-shard activation changed the store"
+        # atomic activation: a failure at any stage on any shard leaves every shard as it was
+        armed = {}
+
+        def inject(stage, pool, armed=armed):
+            if armed.get("stage") == stage:
+                raise RuntimeError(f"injected at {stage}")
+
+        for sh in store.shards:
+            sh.fault_injector = inject
+        for stage in ("reserve", "private_tail", "publish_tables", "publish_active"):
+            before = store.snapshot()
+            armed["stage"] = stage
+            try:
+                store.activate(100, 10, shard=0, source=ck)
+            except RuntimeError:
+                pass
+            else:
+                raise AssertionError(f"the fault at {stage} did not fire")
+            armed.clear()
+            assert _deep_equal(store.snapshot(), before), f"a failed activation at {stage} changed the store"
         fork = store.activate(100, 10, shard=0, source=ck)  # COW of the 36-token tail within shard 0
         twins[0].activate(100, 10, source=tck)
         store.check_invariants()
@@ -249,6 +274,21 @@ def store_verbs() -> int:
                 n_loc = plane.shape[1] // dd
                 _same(np.asarray(plane)[:, d * n_loc:(d + 1) * n_loc], twin_states[d].planes[PoolKind.MAIN][name],
                       f"{spec} shard {d} plane {name}")
+        # decode verbs over global rows of every shard: round boundary, map, settle (trim the rejected tail)
+        live = [fork] + seqs[1:]
+        grows = np.array([store.row(h) for h in live])
+        grant = store.round_boundary(grows, step_tokens=4)
+        assert np.array_equal(grant.rows, grows) and not grant.length_limited.any()
+        store.map_rows(grows, np.full(len(live), 104))
+        store.settle_rows(grows, np.full(len(live), 101), np.full(len(live), 101))
+        store.check_invariants()
+        try:
+            store.map_rows(np.array([grows[0], grows[0]]), [105, 105])  # a row twice: nothing changes anywhere
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a duplicated row was accepted")
+        store.check_invariants()
         store.finish(fork)
         store.release_checkpoint(ck)
         for h in seqs[1:]:
