@@ -1,27 +1,49 @@
 """GPU check of the Pallas kernels: correctness against the reference, then decode and append speed.
 
-On a CUDA device (one run of a few minutes; results are printed as they come, as markdown):
+One run of a few minutes on a CUDA device; results print as they come, as markdown.  Every
+section has its own time budget (``--budget SECTION=SECONDS``); a section stops starting new work
+when its budget is spent, so one slow section cannot starve the next.  Sections, in order:
 
-1. Correctness, small shapes, every profile and both plane orders: paged append (planes compared
-   byte for byte with the reference append; the design allows a GPU one code step at rounding
-   boundaries, so the share of identical bytes is printed and must be >= 99.9%), decode attention
-   with a context split, chunk attention, cyclic append and attention, each against the float32
-   reference (bfloat16 queries: atol = rtol = 2e-2).
-2. Memory bandwidth of the device: a large jnp elementwise copy (``x + 1``), bytes read + written.
-3. Decode attention, B = 64 rows, H = 8 KV heads, Hq = 32, D = 128, contexts 8K and 32K, pages in
-   a random physical order, BF16 and K8V4, both orders: median time, bytes of K/V planes read
-   (codes and scales of every visible key), achieved GB/s and its share of the copy bandwidth,
-   side by side with the JAX peer kernel (``jax.experimental.pallas.ops.gpu.paged_attention``,
-   BF16, head-major pages, default tuning) on the same data; plus a few tuning variants.
-4. Append: decode (B = 64, T = 1) and chunk (B = 8, T = 256) appends, donated and in place.
+``setup``
+    ``impl="auto"`` resolves to Pallas on the GPU (and an ``auto`` op call gives the bits of the
+    direct kernel call); HBM bandwidth baselines: an elementwise copy (``x + 1``, read + write)
+    and a read-only reduction (``sum(x)``).
+``decode``
+    Decode attention, B = 64 rows, H = 8 KV heads, Hq = 32, D = 128, contexts 32K first, then 8K;
+    BF16 and K8V4, both plane orders, pages in random physical order, page content a hash of the
+    page ID (an address bug reads wrong bytes); N back-to-back calls timed with one wait; the
+    timed call's output checked against the float32 reference on rows holding high page IDs.
+``peer``
+    ``jax.experimental.pallas.ops.gpu.paged_attention`` on the same BF16 head-major data, swept
+    over ``pages_per_compute_block`` {1, 2, 4} and ``k_splits``; every setting printed, the best
+    reported next to ours, its output checked against ours.
+``large``
+    A K8V4 pool with H = 8, D = 128 and 40000 pages: its FP8 key plane is 2.44 GiB of 1-byte codes
+    (2.6e9 elements: past 2**31, inside the range where the Triton lowering would use 32-bit
+    offsets).  Rows read pages on both sides of element 2**31; an append writes tokens into pages
+    past it (compared token by token), then decode attention is timed and checked.
+``correctness``
+    Small shapes, every profile and both plane orders: paged append with bfloat16 and float32 K/V
+    (only the written tokens are compared with the CPU reference bits: codes within one code step
+    as DESIGN allows, scales exact, every other byte identical to the plane before the append),
+    decode with a context split and chunk attention with bfloat16 and float32 queries, GQA G = 8
+    at D = 64 and D = 256, cyclic append and attention.
+``append``
+    Decode (B = 64, T = 1) and chunk (B = 8, T = 256) appends, bfloat16 and float32 K/V, planes
+    donated: N back-to-back calls timed with one wait; the written tokens checked after the run;
+    donation must keep the plane buffers (same device pointers before and after).
 
-``--cpu-smoke`` runs section 1 only, with tiny shapes, in Pallas interpret mode on the CPU.
+Attention outputs are compared with ``max |out - ref| / (1 + |ref|) <= 2e-2`` (bfloat16 products
+and outputs).  The exit status is 1 when any check failed.
+
+``--cpu-smoke`` runs every section with tiny shapes in Pallas interpret mode on the CPU (codes
+must then be bit-identical; numbers are meaningless).
 
 Usage::
 
-    PYTHONPATH=. python bench/gpu_check.py                    # CUDA device
-    PYTHONPATH=. python bench/gpu_check.py --cpu-smoke        # CPU, interpret mode, correctness only
-    PYTHONPATH=. python bench/gpu_check.py --cpu-smoke --profiles k8v4 --orders head-major
+    PYTHONPATH=. python bench/gpu_check.py                      # CUDA device
+    PYTHONPATH=. python bench/gpu_check.py --cpu-smoke          # CPU rehearsal of every section
+    PYTHONPATH=. python bench/gpu_check.py --sections decode peer --budget decode=60
 """
 
 from __future__ import annotations
@@ -30,7 +52,6 @@ import argparse
 import dataclasses
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -43,6 +64,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from ninfer_kv import codecs  # noqa: E402
+from ninfer_kv.geometry import PlaneOrder  # noqa: E402
 from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops.reference import (  # noqa: E402
     cyclic_append_reference,
@@ -50,14 +73,15 @@ from ninfer_kv.ops.reference import (  # noqa: E402
     paged_append_reference,
     paged_attention_reference,
 )
-from ninfer_kv.profiles import KVProfile  # noqa: E402
+from ninfer_kv.profiles import KVCodec, KVProfile  # noqa: E402
 from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView  # noqa: E402
 
 PAGE = 64
 PROFILES = [p.value for p in KVProfile]
 ORDERS = ["page-major", "head-major"]
+SECTIONS = ("setup", "decode", "peer", "large", "correctness", "append")
+DEFAULT_BUDGET = {"setup": 20, "decode": 110, "peer": 60, "large": 60, "correctness": 80, "append": 50}
 ATTN_TOL = 2e-2
-APPEND_MIN_IDENTICAL = 0.999
 
 
 def log(line: str = "") -> None:
@@ -70,154 +94,570 @@ def short_error(exc: BaseException) -> str:
     return f"ERROR {type(exc).__name__}: {first[:150]}".replace("|", "/")
 
 
-class Deadline:
-    def __init__(self, seconds: float):
-        self.start = time.perf_counter()
-        self.seconds = seconds
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Problem sizes of one run (the GPU run, or the tiny CPU rehearsal)."""
+
+    bandwidth_elems: int = 1 << 30  # float32 elements of the bandwidth probes (4 GiB)
+    batch: int = 64
+    kv_heads: int = 8
+    q_heads: int = 32
+    head_dim: int = 128
+    contexts: tuple = (32768, 8192)  # 32K first
+    decode_cases: tuple = tuple((p, o) for p in ("bf16", "k8v4") for o in ORDERS)
+    decode_variants: bool = True  # tuning variants of ours at the first context
+    peer_sweep: tuple = tuple((ppcb, s) for ppcb in (1, 2, 4) for s in (1, 2, 4, 8, 16))  # (ppcb, k_splits)
+    large_pages: int = 40000  # K8V4, H = 8, D = 128: the FP8 key plane is 2.44 GiB
+    large_batch: int = 16
+    large_context: int = 32768
+    append_shapes: tuple = ((64, 1), (8, 256))
+    append_cases: tuple = tuple((p, o, dt) for p in ("bf16", "k8v4") for o in ORDERS for dt in ("bfloat16", "float32"))
+    append_context: int = 8192
+    iters: int = 50
+    small_head_dim: int = 128
+    small_gqa: tuple = ((8, 64), (8, 256))  # (G, D) extra correctness cases
+    gqa_q_dtypes: tuple = ("bfloat16", "float32")
+    smoke: bool = False
+
+
+# The CPU rehearsal runs every code path once with the fewest distinct kernels (each one costs an
+# interpret-mode compilation): one decode case (the peer's), two peer settings, one append per
+# K/V dtype.
+SMOKE = Shapes(
+    bandwidth_elems=1 << 12, batch=2, kv_heads=2, q_heads=8, head_dim=64, contexts=(256,),
+    decode_cases=(("bf16", "head-major"),), decode_variants=False, peer_sweep=((1, 2), (2, 1)), large_pages=24,
+    large_batch=2, large_context=256, append_shapes=((2, 3),),
+    append_cases=(("bf16", "page-major", "bfloat16"), ("bf16", "page-major", "float32")), append_context=256,
+    iters=2, small_head_dim=64, small_gqa=((8, 64),), gqa_q_dtypes=("float32",), smoke=True,
+)
+
+
+class Section:
+    """A budgeted section: ``left()`` seconds remain; ``has(s)`` says whether ``s`` more fit."""
+
+    def __init__(self, name: str, seconds: float):
+        self.name, self.seconds, self.start = name, seconds, time.perf_counter()
+        self.skipped: list[str] = []
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.start)
+
+    def has(self, seconds: float, what: str) -> bool:
+        if self.left() >= seconds:
+            return True
+        self.skipped.append(what)
+        return False
+
+
+class Checks:
+    """Counts failures and prints one markdown row per check."""
+
+    def __init__(self):
+        self.failures = 0
+        self.passed = 0
+
+    def header(self) -> None:
+        log("| check | profile | order | metric | value | result |")
+        log("|---|---|---|---|---|---|")
+
+    def row(self, check, profile, order, metric, value, ok: bool) -> None:
+        self.failures += 0 if ok else 1
+        self.passed += 1 if ok else 0
+        log(f"| {check} | {profile} | {order} | {metric} | {value} | {'PASS' if ok else 'FAIL'} |")
+
+    def error(self, check, profile, order, exc) -> None:
+        self.row(check, profile, order, "exception", short_error(exc), False)
+        traceback.print_exc(file=sys.stdout)
 
 
 # -- pools -----------------------------------------------------------------------------------------
 
 
-def _random_bits(key, shape, dtype):
-    """Finite random values of any plane dtype, made from integer bits (no float32 temporaries)."""
+def _hash32(x: jax.Array) -> jax.Array:
+    """A uint32 -> uint32 mixing function (elementwise, fuses into whatever produces ``x``)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _finite_from_bits(h: jax.Array, dtype, scale_plane: bool) -> jax.Array:
+    """Finite values of a plane dtype from hash bits (bf16 |x| in [2^-7, 2); e4m3fn never NaN)."""
     dtype = jnp.dtype(dtype)
-    if dtype == jnp.bfloat16:  # sign | exponent in [120, 127] | mantissa: |x| in [2^-7, 2)
-        r = jax.random.bits(key, shape, jnp.uint16)
+    if dtype == jnp.bfloat16:
+        r = h.astype(jnp.uint16)
         bits = (r & jnp.uint16(0x807F)) | ((jnp.uint16(120) + ((r >> 7) & jnp.uint16(7))) << 7)
         return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-    r = jax.random.bits(key, shape, jnp.uint8)
-    if dtype == jnp.float8_e4m3fn:  # clear the top exponent bit: never NaN
+    r = h.astype(jnp.uint8)
+    if dtype == jnp.float8_e4m3fn:
         return jax.lax.bitcast_convert_type(r & jnp.uint8(0xBF), jnp.float8_e4m3fn)
+    if scale_plane:  # NVFP4 scale bytes: moderate positive e4m3 values
+        r = (r & jnp.uint8(0x0F)) | jnp.uint8(0x30)
     return jax.lax.bitcast_convert_type(r, dtype)
 
 
-def random_planes(layout: PagedKVStorageLayout, num_pages: int, seed: int) -> dict:
-    """Finite random planes: at most 256 random pages, repeated along the page axis (cheap to make)."""
+def hashed_planes(layout: PagedKVStorageLayout, num_pages: int, seed: int) -> dict:
+    """Finite planes whose every byte is a hash of (page ID, layer, head, column, lane, seed).
+
+    Made on the device by one fused elementwise computation per plane (nothing but the plane is
+    allocated), so two pages never hold the same bytes and a wrong page address reads wrong data.
+    """
     axis = layout.order.page_axis
-    base_pages = min(num_pages, 256)
     out = {}
     for i, (name, shape) in enumerate(layout.plane_shapes(num_pages).items()):
         dtype = layout.plane_dtypes()[name]
-        base_shape = shape[:axis] + (base_pages,) + shape[axis + 1:]
-        reps = -(-num_pages // base_pages)
 
         @jax.jit
-        def make(key, base_shape=base_shape, dtype=dtype, reps=reps, shape=shape, name=name):
-            base = _random_bits(key, base_shape, dtype)
-            if name.endswith("_scale") and jnp.dtype(dtype) == jnp.uint8:  # NVFP4 scales: moderate e4m3
-                base = (base & jnp.uint8(0x0F)) | jnp.uint8(0x30)
-            full = jnp.concatenate([base] * reps, axis=axis) if reps > 1 else base
-            return jax.lax.slice_in_dim(full, 0, shape[axis], axis=axis)
+        def make(shape=shape, dtype=dtype, name=name, salt=seed * 16 + i):
+            inner = jnp.zeros(shape, jnp.uint32)
+            for dim in range(len(shape)):
+                if dim != axis:
+                    inner = inner * jnp.uint32(shape[dim]) + jax.lax.broadcasted_iota(jnp.uint32, shape, dim)
+            page = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+            h = _hash32(_hash32(inner + jnp.uint32((salt * 0x01000193) & 0xFFFFFFFF)) ^ (page * jnp.uint32(0x9E3779B9)))
+            return _finite_from_bits(h, dtype, name.endswith("_scale"))
 
-        out[name] = make(jax.random.key(seed * 16 + i))
+        out[name] = make()
     return out
 
 
-def shuffled_tables(rs, bsz: int, blocks: int, spare_rows: int = 2):
-    """Block tables (B + spare, blocks) over a random permutation of B * blocks pages, rows shuffled."""
-    n_pages = bsz * blocks
-    phys = rs.permutation(n_pages).astype(np.int32)
-    table = np.zeros((bsz + spare_rows, blocks), np.int32)
+def shuffled_tables(rs, bsz: int, blocks: int, n_pages: int, spare_rows: int = 2):
+    """Block tables ``(B + spare, blocks)``: distinct random pages of ``[0, n_pages)``, rows shuffled.
+
+    The pages are the highest ``B * blocks`` page IDs of the pool in random order, so a pool with
+    spare pages puts every row's data near the end of the planes (past 2**31 elements in the
+    ``large`` case).  Unused table rows and entries hold out-of-range IDs (never read).
+    """
+    need = bsz * blocks
+    phys = (n_pages - need + rs.permutation(need)).astype(np.int32)
+    table = np.full((bsz + spare_rows, blocks), -1, np.int32)
     rows = rs.permutation(bsz + spare_rows)[:bsz].astype(np.int32)
     for b in range(bsz):
         table[rows[b]] = phys[b * blocks : (b + 1) * blocks]
-    return jnp.asarray(table), jnp.asarray(rows), n_pages
+    return table, rows
 
 
-def small_pool(profile, order, *, head_dim, kv_heads, kv_lens, seed):
-    """A small pool holding kv_lens[b] reference-encoded tokens per row (one layer of two is used)."""
+def reference_pool(profile, order, *, head_dim, kv_heads, kv_lens, seed, num_layers=2):
+    """A small NaN-filled pool holding ``kv_lens[b]`` reference-encoded tokens per row in layer 1."""
     rs = np.random.RandomState(seed)
     bsz = len(kv_lens)
     blocks = -(-max(kv_lens) // PAGE) + 2
-    table, rows, n_pages = shuffled_tables(rs, bsz, blocks)
-    lay = PagedKVStorageLayout(profile, 2, kv_heads, head_dim, order)
-    view = PagedKVBatchLayerView(lay.allocate(n_pages + 2, fill=float("nan")), table, 1, lay)
+    n_pages = bsz * blocks + 3
+    table, rows = shuffled_tables(rs, bsz, blocks, n_pages - 3)
+    lay = PagedKVStorageLayout(profile, num_layers, kv_heads, head_dim, order)
+    view = PagedKVBatchLayerView(lay.allocate(n_pages, fill=float("nan")), jnp.asarray(table), 1, lay)
     t = max(kv_lens)
     k = jax.random.normal(jax.random.key(seed + 1), (bsz, t, kv_heads, head_dim), jnp.float32)
     v = jax.random.normal(jax.random.key(seed + 2), (bsz, t, kv_heads, head_dim), jnp.float32)
     zeros = jnp.zeros((bsz,), jnp.int32)
-    view = jax.jit(paged_append_reference)(view, rows, zeros, k, v, jnp.asarray(kv_lens, jnp.int32))
+    view = jax.jit(paged_append_reference)(view, jnp.asarray(rows), zeros, k, v, jnp.asarray(kv_lens, jnp.int32))
     return view, rows
 
 
-# -- section 1: correctness ------------------------------------------------------------------------
+# -- comparisons -----------------------------------------------------------------------------------
 
 
-def _identical_share(got: dict, want: dict) -> float:
-    same = total = 0
-    for name in want:
-        g = np.asarray(got[name]).view(np.uint8)
-        w = np.asarray(want[name]).view(np.uint8)
-        same += int((g == w).sum())
-        total += g.size
-    return same / total
-
-
-def _max_err(got, want) -> float:
+def max_rel_err(got, want) -> float:
     g = np.asarray(jnp.asarray(got, jnp.float32))
     w = np.asarray(jnp.asarray(want, jnp.float32))
     if not np.isfinite(g).all():
         return float("inf")
-    return float(np.max(np.abs(g - w) / (1.0 + np.abs(w))))
+    return float(np.max(np.abs(g - w) / (1.0 + np.abs(w)))) if g.size else 0.0
 
 
-def correctness(profiles, orders, *, smoke: bool) -> int:
-    """Print one markdown row per check; return the number of failures."""
-    d, h, g = (64, 2, 4) if smoke else (128, 2, 4)
-    kv_lens = [70, 0, 130] if smoke else [100, 0, 200, 64]
-    chunk = 16 if smoke else 64
-    exact_append = smoke  # on a CPU every path must produce the same bytes
-    failures = 0
-    log("| check | profile | order | metric | value | result |")
-    log("|---|---|---|---|---|---|")
+def written_tokens(table, rows, positions, valid, t_len: int, n_pages: int):
+    """``(b, t, page, column)`` of every token an append writes (numpy, by the op's rules)."""
+    out = []
+    c_rows, width = table.shape
+    for b, row in enumerate(rows):
+        if not 0 <= row < c_rows:
+            continue
+        for t in range(min(int(valid[b]), t_len)):
+            p = int(positions[b]) + t
+            if 0 <= p < width * PAGE and 0 <= table[row, p // PAGE] < n_pages:
+                out.append((b, t, int(table[row, p // PAGE]), p % PAGE))
+    return np.asarray(out, np.int64).reshape(-1, 4)
 
-    def row(check, profile, order, metric, value, ok):
-        nonlocal failures
-        failures += 0 if ok else 1
-        log(f"| {check} | {profile} | {order} | {metric} | {value} | {'PASS' if ok else 'FAIL'} |")
 
+def _uint_view(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+@jax.jit
+def _changed_rows(before, after):
+    """bool ``before != after`` on the raw bits, reduced over the lane axis."""
+    return jnp.any(_uint_view(before) != _uint_view(after), axis=-1)
+
+
+def _gather_tokens(plane, layer: int, order: PlaneOrder, pages, cols) -> np.ndarray:
+    """Raw values ``(n, H, X)`` of the given (page, column) tokens of one layer (host numpy)."""
+    pages, cols = jnp.asarray(pages, jnp.int32), jnp.asarray(cols, jnp.int32)
+    # Advanced indices separated by a slice: the index dimension comes first, (n, H, X) either way.
+    x = plane[layer, pages, :, cols] if order is PlaneOrder.PAGE_MAJOR else plane[layer, :, pages, cols]
+    return np.asarray(_uint_view(x))
+
+
+def _code_steps(codec: KVCodec, got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Distance in code steps between two code arrays of ``codec`` (raw unsigned bits)."""
+    if codec is KVCodec.INT8_G64:
+        return np.abs(got.view(np.int8).astype(np.int32) - want.view(np.int8).astype(np.int32))
+
+    def ordered(bits, sign_bit, mag_mask):
+        mag = (bits & mag_mask).astype(np.int64)
+        return np.where(bits & sign_bit, -mag, mag)
+
+    if codec is KVCodec.NVFP4_G16:
+        lo = np.abs(ordered(got & 0xF, 0x8, 0x7) - ordered(want & 0xF, 0x8, 0x7))
+        hi = np.abs(ordered(got >> 4, 0x8, 0x7) - ordered(want >> 4, 0x8, 0x7))
+        return np.maximum(lo, hi)
+    if codec is KVCodec.FP8_E4M3FN_ROW:
+        return np.abs(ordered(got, 0x80, 0x7F) - ordered(want, 0x80, 0x7F))
+    return np.abs(ordered(got.astype(np.int64), 0x8000, 0x7FFF) - ordered(want.astype(np.int64), 0x8000, 0x7FFF))
+
+
+_CPU = jax.devices("cpu")[0]
+_encode_cpu = jax.jit(codecs.encode_kv, static_argnums=0)
+
+
+def compare_append(view_before, view_after, table, rows, positions, valid, k, v, *, exact: bool) -> tuple[bool, str]:
+    """Compare an append by its written tokens; returns (ok, description).
+
+    Written tokens: codes within one code step of the CPU reference encoding (``exact``: equal),
+    scales equal; every other byte of every plane equal to the plane before the append.
+    """
+    lay = view_before.layout
+    n_pages = view_before.num_pages
+    t_len = k.shape[1]
+    tok = written_tokens(np.asarray(table), np.asarray(rows), np.asarray(positions), np.asarray(valid), t_len, n_pages)
+    layer = int(view_before.layer)
+    want = {}
+    if len(tok):
+        sel = (jnp.asarray(tok[:, 0]), jnp.asarray(tok[:, 1]))
+        k_cpu = jax.device_put(np.asarray(jnp.asarray(k)[sel].astype(jnp.float32)), _CPU)
+        v_cpu = jax.device_put(np.asarray(jnp.asarray(v)[sel].astype(jnp.float32)), _CPU)
+        want = {n: np.asarray(_uint_view(a)) for n, a in _encode_cpu(lay.profile, k_cpu, v_cpu).items()}
+    untouched = steps_max = inexact = total = 0
+    scale_bad = 0
+    for spec in lay.profile.planes(lay.head_dim):
+        name = spec.name
+        changed = np.array(_changed_rows(view_before.planes[name], view_after.planes[name]))  # (L, ., ., P)
+        if len(tok):
+            if lay.order is PlaneOrder.PAGE_MAJOR:
+                changed[layer, tok[:, 2], :, tok[:, 3]] = False
+            else:
+                changed[layer, :, tok[:, 2], tok[:, 3]] = False
+        untouched += int(changed.sum())
+        if not len(tok):
+            continue
+        got = _gather_tokens(view_after.planes[name], layer, lay.order, tok[:, 2], tok[:, 3])
+        if spec.role == "scale":
+            scale_bad += int(np.sum(got != want[name]))
+        else:
+            steps = _code_steps(spec.codec, got, want[name])
+            steps_max = max(steps_max, int(steps.max()))
+            inexact += int(np.sum(steps > 0))
+            total += steps.size
+    limit = 0 if exact else 1
+    ok = untouched == 0 and scale_bad == 0 and steps_max <= limit and len(tok) > 0
+    desc = (f"{len(tok)} tokens; codes exact {1 - inexact / max(total, 1):.6f}, max step {steps_max}; "
+            f"scales differing {scale_bad}; other bytes changed {untouched}")
+    return ok, desc
+
+
+def check_attention_rows(out, q, view, rows, positions, kv_lens, sel, sm_scale=None) -> float:
+    """Max relative error of ``out[sel]`` against the float32 reference on those rows."""
+    sel = np.asarray(sel)
+    want = jax.jit(paged_attention_reference, static_argnames=("sm_scale",))(
+        q[sel], view, jnp.asarray(np.asarray(rows)[sel]), jnp.asarray(np.asarray(positions)[sel]),
+        jnp.asarray(np.asarray(kv_lens)[sel]), sm_scale=sm_scale,
+    )
+    return max_rel_err(out[sel], want)
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+
+def timed(fn, *args, iters: int):
+    """Seconds per call of ``iters`` back-to-back calls with one wait (after a warm-up); returns (s, out)."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters, out
+
+
+def _planes_bytes_read(profile: str, bsz: int, ctx: int, kv_heads: int, head_dim: int) -> int:
+    return bsz * ctx * kv_heads * KVProfile.parse(profile).token_head_bytes(head_dim)
+
+
+# -- sections --------------------------------------------------------------------------------------
+
+
+def section_setup(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    from ninfer_kv import ops
+    from ninfer_kv.ops import dispatch
+
+    checks.header()
+    chosen = dispatch.resolve_impl("auto", platform="gpu").name
+    checks.row("impl='auto' on a GPU", "-", "-", "resolves to", chosen, chosen == "pallas")
+    if not shapes.smoke:
+        here = dispatch.resolve_impl("auto").name
+        checks.row("impl='auto' here", "-", "-", "resolves to", here, here == "pallas")
+        view, rows = reference_pool("k8v4", "page-major", head_dim=128, kv_heads=2, kv_lens=[100, 200], seed=5)
+        q = jax.random.normal(jax.random.key(3), (2, 1, 8, 128), jnp.bfloat16)
+        args = (q, view, jnp.asarray(rows), jnp.array([99, 199], jnp.int32), jnp.array([100, 200], jnp.int32))
+        auto = jax.jit(ops.paged_attention)(*args)
+        direct = jax.jit(pk.paged_attention)(*args)
+        same = bool(np.array_equal(np.asarray(auto).view(np.uint16), np.asarray(direct).view(np.uint16)))
+        checks.row("auto op call", "k8v4", "page-major", "bits equal to pallas_kernels", same, same)
+    n = shapes.bandwidth_elems
+    x = jnp.ones((n,), jnp.float32)
+    iters = max(2, shapes.iters // 5)
+    t_copy, _ = timed(jax.jit(lambda a: a + 1.0), x, iters=iters)
+    t_read, _ = timed(jax.jit(lambda a: jnp.sum(a)), x, iters=iters)
+    del x
+    state["copy_bw"] = 2 * n * 4 / t_copy
+    state["read_bw"] = n * 4 / t_read
+    log("")
+    log(f"HBM bandwidth over {n * 4 / 2**30:.3g} GiB: copy (x + 1, read + write) {state['copy_bw'] / 1e9:.0f} GB/s; "
+        f"read-only (sum) {state['read_bw'] / 1e9:.0f} GB/s")
+
+
+def _bw_cols(nbytes: int, seconds: float, state: dict) -> str:
+    gbs = nbytes / seconds
+    return (f"{seconds * 1e6:.0f} | {nbytes / 1e9:.3g} | {gbs / 1e9:.0f} | {100 * gbs / state['read_bw']:.0f}% | "
+            f"{100 * gbs / state['copy_bw']:.0f}%")
+
+
+_BW_HEADER = ("| kernel | profile | order | context | config | time (us) | K/V bytes read (GB) | GB/s | "
+              "% of read BW | % of copy BW | max rel err | result |")
+
+
+def _decode_problem(shapes, profile, order, ctx, n_pages, rs, bsz, seed):
+    blocks = ctx // PAGE
+    table, rows = shuffled_tables(rs, bsz, blocks, n_pages)
+    lay = PagedKVStorageLayout(profile, 1, shapes.kv_heads, shapes.head_dim, order)
+    view = PagedKVBatchLayerView(hashed_planes(lay, n_pages, seed), jnp.asarray(table), 0, lay)
+    q = jax.random.normal(jax.random.key(seed), (bsz, 1, shapes.q_heads, shapes.head_dim), jnp.bfloat16)
+    lens = np.full((bsz,), ctx, np.int32)
+    lens[-1] = ctx - 37  # a frontier inside a page
+    return view, table, rows, q, jnp.asarray(lens - 1), jnp.asarray(lens)
+
+
+def _check_rows(table, rows, bsz, n_pages, elements_per_page):
+    """Rows to check: the first, the last, and the one with the most pages past 2**31 elements."""
+    high = [(int(np.sum(table[r] * elements_per_page >= 2**31)), b) for b, r in enumerate(rows)]
+    best = max(high)[1]
+    return sorted({0, bsz - 1, best})
+
+
+def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    bsz, h, hq, d = shapes.batch, shapes.kv_heads, shapes.q_heads, shapes.head_dim
+    log(f"B={bsz}, H={h}, Hq={hq}, D={d}, one query per row, {shapes.iters} back-to-back calls per timing.")
+    log("")
+    log(_BW_HEADER)
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rs = np.random.RandomState(0)
+    for ctx in shapes.contexts:
+        for profile, order in shapes.decode_cases:
+            if not sec.has(15, f"{profile} {order} {ctx}"):
+                continue
+            try:
+                n_pages = bsz * ctx // PAGE
+                view, table, rows, q, pos, lens = _decode_problem(shapes, profile, order, ctx, n_pages, rs, bsz, ctx)
+                nbytes = _planes_bytes_read(profile, bsz, ctx, h, d)
+                configs = [("default", None)]
+                if shapes.decode_variants and profile == "bf16" and order == "page-major" and ctx == shapes.contexts[0]:
+                    configs += [(f"k_splits={s}", pk.PagedAttentionConfig(k_splits=s)) for s in (4, 16)]
+                    configs += [("block_k=128", pk.PagedAttentionConfig(block_k=128)),
+                                ("num_warps=8", pk.PagedAttentionConfig(num_warps=8)),
+                                ("num_stages=3", pk.PagedAttentionConfig(num_stages=3))]
+                for label, cfg in configs:
+                    if not sec.has(5, f"{profile} {order} {ctx} {label}"):
+                        break
+                    fn = jax.jit(lambda q, v, r, p, n, cfg=cfg: pk.paged_attention(q, v, r, p, n, config=cfg))
+                    seconds, out = timed(fn, q, view, jnp.asarray(rows), pos, lens, iters=shapes.iters)
+                    r = (cfg or pk.PagedAttentionConfig()).resolve(
+                        num_queries=1, group=hq // h, head_dim=d, batch=bsz, kv_heads=h, max_keys=ctx)
+                    sel = _check_rows(table, rows, bsz, n_pages, h * PAGE * d)
+                    err = check_attention_rows(out, q, view, rows, pos, lens, sel)
+                    ok = err <= ATTN_TOL
+                    checks.failures += 0 if ok else 1
+                    desc = f"{label} (q{r.block_q} k{r.block_k} s{r.k_splits} w{r.num_warps})"
+                    log(f"| ours | {profile} | {order} | {ctx} | {desc} | {_bw_cols(nbytes, seconds, state)} | "
+                        f"{err:.1e} | {'PASS' if ok else 'FAIL'} |")
+                    state.setdefault("ours", {})[(profile, order, ctx, label)] = seconds
+                if profile == "bf16" and order == "head-major":
+                    state.setdefault("peer_inputs", {})[ctx] = (view, table, rows, q, pos, lens)
+                del view
+            except Exception as exc:
+                checks.failures += 1
+                log(f"| ours | {profile} | {order} | {ctx} | {short_error(exc)} |  |  |  |  |  |  | FAIL |")
+                traceback.print_exc(file=sys.stdout)
+
+
+def section_peer(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as peer
+    except Exception as exc:  # the Triton peer may be gone in newer JAX
+        log(f"(JAX peer unavailable: {type(exc).__name__}: {exc})")
+        return
+    interpret = jax.default_backend() == "cpu"
+    h, d = shapes.kv_heads, shapes.head_dim
+    log("BF16, head-major pages (the peer's layout: one layer's `(H, N, 64, D)` slice), same data as `decode`; "
+        "the peer has no score scale, so ours runs with sm_scale=1 for the comparison.")
+    log("")
+    log(_BW_HEADER)
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for ctx, (view, table, rows, q, pos, lens) in state.get("peer_inputs", {}).items():
+        bsz = q.shape[0]
+        n_pages = view.num_pages
+        k_pages = view.planes["k"][0]
+        v_pages = view.planes["v"][0]
+        per_row = jnp.asarray(table[rows])
+        blocks = per_row.shape[1]
+        nbytes = _planes_bytes_read("bf16", bsz, ctx, h, d)
+        ours = jax.jit(lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, sm_scale=1.0))(
+            q, view, jnp.asarray(rows), pos, lens)
+        best = None
+        for ppcb, splits in shapes.peer_sweep:
+            if blocks % (ppcb * splits):
+                continue
+            if not sec.has(5, f"peer ppcb={ppcb} k_splits={splits} {ctx}"):
+                continue
+            try:
+                fn = jax.jit(lambda q, k, v, t, n, ppcb=ppcb, splits=splits: peer.paged_attention(
+                    q, k, v, t, n, pages_per_compute_block=ppcb, k_splits=splits, interpret=interpret))
+                seconds, out = timed(fn, q[:, 0], k_pages, v_pages, per_row, lens, iters=shapes.iters)
+                err = max_rel_err(out, ours[:, 0])
+                ok = err <= ATTN_TOL
+                checks.failures += 0 if ok else 1
+                log(f"| JAX peer | bf16 | head-major | {ctx} | ppcb={ppcb} k_splits={splits} | "
+                    f"{_bw_cols(nbytes, seconds, state)} | {err:.1e} vs ours | {'PASS' if ok else 'FAIL'} |")
+                if best is None or seconds < best[0]:
+                    best = (seconds, ppcb, splits)
+            except Exception as exc:
+                checks.failures += 1
+                log(f"| JAX peer | bf16 | head-major | {ctx} | ppcb={ppcb} k_splits={splits} | "
+                    f"{short_error(exc)} |  |  |  |  |  | FAIL |")
+        ours_s = state.get("ours", {}).get(("bf16", "head-major", ctx, "default"))
+        if best is not None and ours_s is not None:
+            state.setdefault("notes", []).append(
+                f"{ctx} context, BF16 head-major: ours {ours_s * 1e6:.0f} us, best JAX peer {best[0] * 1e6:.0f} us "
+                f"(ppcb={best[1]}, k_splits={best[2]}): ours / peer = {ours_s / best[0]:.2f}")
+        del k_pages, v_pages
+    state.pop("peer_inputs", None)
+
+
+def section_large(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    h, d, n_pages = 8 if not shapes.smoke else shapes.kv_heads, 128 if not shapes.smoke else shapes.head_dim, \
+        shapes.large_pages
+    bsz, ctx = shapes.large_batch, shapes.large_context
+    lay = PagedKVStorageLayout("k8v4", 1, h, d, "page-major")
+    per_page = h * PAGE * d  # FP8 key elements per page
+    key_elems = n_pages * per_page
+    log(f"K8V4 page-major, H={h}, D={d}, N={n_pages} pages: FP8 key plane {key_elems / 2**30:.2f} GiB "
+        f"({key_elems:.3g} elements; element 2**31 is page {2**31 / per_page:.0f}). B={bsz}, context {ctx}.")
+    log("")
+    checks.header()
+    rs = np.random.RandomState(3)
+    blocks = ctx // PAGE
+    # Rows over a random permutation of the whole pool: pages on both sides of element 2**31.
+    phys = rs.permutation(n_pages)[: bsz * blocks].astype(np.int32)
+    table = np.full((bsz + 1, blocks), -1, np.int32)
+    rows = rs.permutation(bsz + 1)[:bsz].astype(np.int32)
+    for b in range(bsz):
+        table[rows[b]] = phys[b * blocks : (b + 1) * blocks]
+    view = PagedKVBatchLayerView(hashed_planes(lay, n_pages, 11), jnp.asarray(table), 0, lay)
+    high = int(np.sum(phys * per_page >= 2**31))
+    log(f"({high} of {len(phys)} table pages lie past element 2**31)")
+    try:
+        # Append one token per row at a position whose page is the row's highest page ID.
+        pos = np.array([int(np.argmax(table[r])) * PAGE + 17 for r in rows], np.int32)
+        k = jax.random.normal(jax.random.key(1), (bsz, 1, h, d), jnp.float32)
+        v = jax.random.normal(jax.random.key(2), (bsz, 1, h, d), jnp.float32)
+        valid = jnp.ones((bsz,), jnp.int32)
+        after = jax.jit(pk.paged_append)(view, jnp.asarray(rows), jnp.asarray(pos), k, v, valid)
+        ok, desc = compare_append(view, after, table, rows, pos, valid, k, v, exact=shapes.smoke)
+        checks.row("append into high pages", "k8v4", "page-major", "written tokens", desc, ok)
+        view = after
+        del after
+        if sec.has(10, "large decode"):
+            q = jax.random.normal(jax.random.key(4), (bsz, 1, 4 * h, d), jnp.bfloat16)
+            lens = jnp.full((bsz,), ctx, jnp.int32)
+            seconds, out = timed(jax.jit(pk.paged_attention), q, view, jnp.asarray(rows), lens - 1, lens,
+                                 iters=shapes.iters)
+            sel = _check_rows(table, rows, bsz, n_pages, per_page)
+            err = check_attention_rows(out, q, view, rows, lens - 1, lens, sel)
+            nbytes = _planes_bytes_read("k8v4", bsz, ctx, h, d)
+            checks.row("decode over high pages", "k8v4", "page-major", "max rel err / time / GB/s",
+                       f"{err:.1e} / {seconds * 1e6:.0f} us / {nbytes / seconds / 1e9:.0f}", err <= ATTN_TOL)
+    except Exception as exc:
+        checks.error("large pool", "k8v4", "page-major", exc)
+    del view
+
+
+def section_correctness(sec: Section, shapes: Shapes, checks: Checks, state: dict, profiles, orders) -> None:
+    d, h, g = shapes.small_head_dim, 2, 4
+    kv_lens = [70, 0, 130] if shapes.smoke else [100, 0, 200, 64]
+    chunk = 16 if shapes.smoke else 64
+    checks.header()
     append = jax.jit(pk.paged_append)
-    append_ref = jax.jit(paged_append_reference)
     attn = jax.jit(pk.paged_attention, static_argnames=("config",))
     attn_ref = jax.jit(paged_attention_reference)
     bsz = len(kv_lens)
     lens = jnp.asarray(kv_lens, jnp.int32)
     for i, profile in enumerate(profiles):
-        for order in orders:
+        for j, order in enumerate(orders):
+            if not sec.has(5, f"{profile} {order}"):
+                continue
             try:
-                view, rows = small_pool(profile, order, head_dim=d, kv_heads=h, kv_lens=kv_lens, seed=i)
-                k = jax.random.normal(jax.random.key(10 + i), (bsz, 5, h, d), jnp.bfloat16)
-                v = jax.random.normal(jax.random.key(20 + i), (bsz, 5, h, d), jnp.bfloat16)
+                view, rows = reference_pool(profile, order, head_dim=d, kv_heads=h, kv_lens=kv_lens, seed=i)
+                in_dtype = jnp.float32 if (i + j) % 2 else jnp.bfloat16
+                k = jax.random.normal(jax.random.key(10 + i), (bsz, 5, h, d), in_dtype)
+                v = jax.random.normal(jax.random.key(20 + i), (bsz, 5, h, d), in_dtype)
                 valid = jnp.asarray([5, 0] + [3] * (bsz - 2), jnp.int32)
-                args = (view, rows, lens, k, v, valid)
-                share = _identical_share(append(*args).planes, append_ref(*args).planes)
-                need = 1.0 if exact_append else APPEND_MIN_IDENTICAL
-                row("paged append", profile, order, "identical bytes", f"{share:.6f}", share >= need)
-
+                after = append(view, jnp.asarray(rows), lens, k, v, valid)
+                ok, desc = compare_append(view, after, view.block_tables, rows, lens, valid, k, v, exact=shapes.smoke)
+                checks.row(f"paged append ({jnp.dtype(in_dtype).name} K/V)", profile, order, "written tokens", desc, ok)
+                q_dtype = jnp.bfloat16 if (i + j) % 2 else jnp.float32
                 for name, t, cfg in (
                     ("decode (2 splits)", 1, pk.PagedAttentionConfig(k_splits=2)),
                     (f"chunk T={chunk}", chunk, pk.PagedAttentionConfig()),
                 ):
-                    q = jax.random.normal(jax.random.key(30 + i + t), (bsz, t, h * g, d), jnp.bfloat16)
+                    q = jax.random.normal(jax.random.key(30 + i + t), (bsz, t, h * g, d), q_dtype)
                     pos = jnp.maximum(lens - t, 0)
-                    err = _max_err(attn(q, view, rows, pos, lens, config=cfg), attn_ref(q, view, rows, pos, lens))
-                    row(name, profile, order, "max abs err / (1 + abs ref)", f"{err:.2e}", err <= ATTN_TOL)
-            except Exception as exc:  # keep going: report and count
-                row("paged", profile, order, "exception", short_error(exc), False)
-                traceback.print_exc(file=sys.stdout)
+                    err = max_rel_err(attn(q, view, jnp.asarray(rows), pos, lens, config=cfg),
+                                      attn_ref(q, view, jnp.asarray(rows), pos, lens))
+                    checks.row(f"{name}, {jnp.dtype(q_dtype).name} q", profile, order, "max rel err", f"{err:.2e}",
+                               err <= ATTN_TOL)
+            except Exception as exc:
+                checks.error("paged", profile, order, exc)
+        if sec.has(5, f"cyclic {profile}"):
+            try:
+                _cyclic_check(profile, d, h, g, i, checks, exact=shapes.smoke)
+            except Exception as exc:
+                checks.error("cyclic", profile, "-", exc)
+    gqa_profile = "k8v4" if "k8v4" in profiles else profiles[0]
+    for gg, dd in shapes.small_gqa:  # GQA 8 at the smallest and largest common head dims
+        if not sec.has(5, f"G={gg} D={dd}"):
+            continue
         try:
-            _cyclic_check(profile, d, h, g, i, row)
+            view, rows = reference_pool(gqa_profile, "head-major", head_dim=dd, kv_heads=1, kv_lens=kv_lens, seed=9)
+            for q_dtype in shapes.gqa_q_dtypes:
+                q = jax.random.normal(jax.random.key(dd), (bsz, 1, gg, dd), q_dtype)
+                err = max_rel_err(attn(q, view, jnp.asarray(rows), lens - 1, lens, config=None),
+                                  attn_ref(q, view, jnp.asarray(rows), lens - 1, lens))
+                checks.row(f"decode G={gg} D={dd}, {q_dtype} q", gqa_profile, "head-major", "max rel err",
+                           f"{err:.2e}", err <= ATTN_TOL)
         except Exception as exc:
-            row("cyclic", profile, "-", "exception", short_error(exc), False)
-            traceback.print_exc(file=sys.stdout)
-    return failures
+            checks.error(f"G={gg} D={dd}", gqa_profile, "head-major", exc)
 
 
-def _cyclic_check(profile, d, h, g, seed, row) -> None:
+def _cyclic_check(profile, d, h, g, seed, checks: Checks, *, exact: bool) -> None:
     lay = CyclicKVLayout(profile, 2, 4, h, d, window=32, slots=40)
     view = CyclicKVCacheLayerView(lay.allocate(fill=float("nan")), 1, lay)
     rows = jnp.array([3, 0, 1], jnp.int32)
@@ -227,240 +667,156 @@ def _cyclic_check(profile, d, h, g, seed, row) -> None:
     lens = jnp.array([50, 0, 37], jnp.int32)
     got = jax.jit(pk.cyclic_append)(view, rows, zeros, k, v, lens)
     want = jax.jit(cyclic_append_reference)(view, rows, zeros, k, v, lens)
-    share = _identical_share(got.planes, want.planes)
-    row("cyclic append", profile, "-", "identical bytes", f"{share:.6f}", share >= APPEND_MIN_IDENTICAL)
+    same, steps = 0, 0
+    for spec in lay.profile.planes(d):
+        gb, wb = np.asarray(_uint_view(got.planes[spec.name])), np.asarray(_uint_view(want.planes[spec.name]))
+        if spec.role == "scale" or exact:
+            same += int(np.sum(gb != wb))
+        else:
+            steps = max(steps, int(_code_steps(spec.codec, gb, wb).max()))
+    checks.row("cyclic append", profile, "-", "scales (and exact codes) differing / max code step",
+               f"{same} / {steps}", same == 0 and steps <= 1)
     q = jax.random.normal(jax.random.key(60 + seed), (3, 4, h * g, d), jnp.bfloat16)
     pos = jnp.maximum(lens - 4, 0)
-    err = _max_err(
-        jax.jit(pk.cyclic_attention)(q, want, rows, pos, lens),
-        jax.jit(cyclic_attention_reference)(q, want, rows, pos, lens),
-    )
-    row("cyclic attention T=4", profile, "-", "max abs err / (1 + abs ref)", f"{err:.2e}", err <= ATTN_TOL)
+    err = max_rel_err(jax.jit(pk.cyclic_attention)(q, want, rows, pos, lens),
+                      jax.jit(cyclic_attention_reference)(q, want, rows, pos, lens))
+    checks.row("cyclic attention T=4", profile, "-", "max rel err", f"{err:.2e}", err <= ATTN_TOL)
 
 
-# -- sections 2-4: timing --------------------------------------------------------------------------
+def _buffer_pointers(planes: dict) -> dict:
+    return {n: p.unsafe_buffer_pointer() for n, p in planes.items()}
 
 
-def timed(fn, *args, iters: int = 20, warmup: int = 2) -> float:
-    """Median seconds per call (each call waited for)."""
-    out = None
-    for _ in range(warmup):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-@dataclasses.dataclass(frozen=True)
-class TimingShapes:
-    """Problem sizes of the timing sections (the GPU run, or a tiny CPU rehearsal of the code)."""
-
-    copy_elems: int = 1 << 30  # float32 elements of the bandwidth probe (4 GiB)
-    batch: int = 64
-    kv_heads: int = 8
-    q_heads: int = 32
-    head_dim: int = 128
-    contexts: tuple = (8192, 32768)
-    sweep_context: int = 32768
-    append_shapes: tuple = ((64, 1), (8, 256))
-    append_context: int = 8192
-    iters: int = 20
-
-
-REHEARSAL = TimingShapes(
-    copy_elems=1 << 16, batch=2, kv_heads=2, q_heads=8, head_dim=64, contexts=(128, 256), sweep_context=256,
-    append_shapes=((2, 1), (1, 16)), append_context=128, iters=2,
-)
-
-
-def copy_bandwidth(shapes: TimingShapes) -> float:
-    """Bytes/s of a large elementwise copy (read + write counted)."""
-    x = jnp.ones((shapes.copy_elems,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    t = timed(f, x, iters=10)
-    del x
-    return 2 * shapes.copy_elems * 4 / t
-
-
-def decode_timing(copy_bw: float, deadline: Deadline, shapes: TimingShapes) -> None:
-    bsz, h, hq, d = shapes.batch, shapes.kv_heads, shapes.q_heads, shapes.head_dim
-    log("")
-    log(f"Decode attention: B={bsz}, H={h}, Hq={hq}, D={d}, one query per row, pages in random physical order.")
-    log(f"Copy bandwidth (x + 1 over {shapes.copy_elems * 4 / 2**30:.3g} GiB, read + write): {copy_bw / 1e9:.0f} GB/s")
-    log("")
-    log("| kernel | profile | order | context | config | time (us) | K/V bytes read (GB) | GB/s | % of copy BW |")
-    log("|---|---|---|---|---|---|---|---|---|")
-    try:
-        from jax.experimental.pallas.ops.gpu import paged_attention as peer
-    except Exception as exc:  # the Triton peer may be gone in newer JAX
-        peer = None
-        log(f"(JAX peer unavailable: {type(exc).__name__}: {exc})")
-
-    def report(kernel, profile, order, ctx, cfg, seconds, nbytes):
-        gbs = nbytes / seconds / 1e9
-        log(f"| {kernel} | {profile} | {order} | {ctx} | {cfg} | {seconds * 1e6:.0f} | {nbytes / 1e9:.2f} | "
-            f"{gbs:.0f} | {100 * gbs * 1e9 / copy_bw:.0f}% |")
-
-    rs = np.random.RandomState(0)
-    notes = []
-    try:
-        _decode_rows(shapes, rs, peer, report, notes, deadline)
-    finally:
-        log("")
-        for note in notes:
-            log(note)
-
-
-def _decode_rows(shapes, rs, peer, report, notes, deadline) -> None:
-    bsz, h, hq, d = shapes.batch, shapes.kv_heads, shapes.q_heads, shapes.head_dim
-    interpret = jax.default_backend() == "cpu"
-    for ctx in shapes.contexts:
-        for profile in ("bf16", "k8v4"):
-            for order in ORDERS:
-                if deadline.left() < 20:
-                    log(f"(time budget spent: skipped {profile} {order} {ctx} and later)")
-                    return
-                try:
-                    blocks = ctx // PAGE
-                    table, rows, n_pages = shuffled_tables(rs, bsz, blocks)
-                    lay = PagedKVStorageLayout(profile, 1, h, d, order)
-                    view = PagedKVBatchLayerView(random_planes(lay, n_pages, seed=ctx), table, 0, lay)
-                    q = jax.random.normal(jax.random.key(1), (bsz, 1, hq, d), jnp.bfloat16) * 0.1
-                    lens = jnp.full((bsz,), ctx, jnp.int32)
-                    pos = lens - 1
-                    nbytes = bsz * ctx * h * KVProfile.parse(profile).token_head_bytes(d)
-                    configs = [("default", None)]
-                    if profile == "bf16" and order == "page-major" and ctx == shapes.sweep_context:
-                        configs += [
-                            ("block_k=128", pk.PagedAttentionConfig(block_k=128)),
-                            ("k_splits=2", pk.PagedAttentionConfig(k_splits=2)),
-                            ("k_splits=4", pk.PagedAttentionConfig(k_splits=4)),
-                            ("num_warps=8", pk.PagedAttentionConfig(num_warps=8)),
-                            ("num_stages=3", pk.PagedAttentionConfig(num_stages=3)),
-                        ]
-                    ours_out = None
-                    for label, cfg in configs:
-                        fn = jax.jit(lambda q, v, r, p, n, cfg=cfg: pk.paged_attention(q, v, r, p, n, config=cfg))
-                        seconds = timed(fn, q, view, rows, pos, lens, iters=shapes.iters)
-                        resolved = (cfg or pk.PagedAttentionConfig()).resolve(
-                            num_queries=1, group=hq // h, head_dim=d, batch=bsz, kv_heads=h, max_keys=blocks * PAGE
-                        )
-                        r = resolved
-                        desc = f"{label} (q{r.block_q} k{r.block_k} s{r.k_splits} w{r.num_warps})"
-                        report("ours", profile, order, ctx, desc, seconds, nbytes)
-                        if ours_out is None:
-                            ours_out = fn(q, view, rows, pos, lens)
-                    if peer is not None and profile == "bf16" and order == "head-major":
-                        k_pages = view.planes["k"].reshape(h, n_pages, PAGE, d)
-                        v_pages = view.planes["v"].reshape(h, n_pages, PAGE, d)
-                        per_row = table[rows]
-                        splits = math.gcd(16, blocks)  # its default, where the table width allows it
-                        fn = jax.jit(lambda q, k, v, t, n: peer.paged_attention(
-                            q, k, v, t, n, k_splits=splits, pages_per_compute_block=min(8, blocks // splits),
-                            interpret=interpret))
-                        seconds = timed(fn, q[:, 0], k_pages, v_pages, per_row, lens, iters=shapes.iters)
-                        report("JAX peer", profile, order, ctx, f"block_h16 ppcb{min(8, blocks // splits)} "
-                               f"k_splits{splits}", seconds, nbytes)
-                        peer_out = fn(q[:, 0], k_pages, v_pages, per_row, lens)
-                        ours_scaled = jax.jit(
-                            lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, sm_scale=1.0)
-                        )(q, view, rows, pos, lens)
-                        notes.append(f"ours vs JAX peer, {ctx} context, same inputs (sm_scale=1): max |diff| / "
-                                     f"(1 + |peer|) = {_max_err(ours_scaled[:, 0], peer_out):.2e}")
-                        del k_pages, v_pages
-                    del view
-                except Exception as exc:
-                    log(f"| ours | {profile} | {order} | {ctx} | {short_error(exc)} |  |  |  |  |")
-                    traceback.print_exc(file=sys.stdout)
-
-
-def append_timing(deadline: Deadline, shapes: TimingShapes) -> None:
+def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
     h, d = shapes.kv_heads, shapes.head_dim
+    log(f"Quantize + write in place, planes donated, {shapes.iters} back-to-back calls per timing; pages in random "
+        "physical order.")
     log("")
-    log("Append (quantize + write in place, planes donated), pages in random physical order.")
-    log("")
-    log("| profile | order | B x T | time per call (us) | tokens/s | bytes written/s (GB/s) |")
-    log("|---|---|---|---|---|---|")
+    log("| profile | order | B x T | K/V dtype | time per call (us) | tokens/s | bytes written (GB/s) | "
+        "written tokens | donation kept buffers | result |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     rs = np.random.RandomState(1)
-    for profile in ("bf16", "k8v4"):
-        for order in ORDERS:
-            for bsz, t in shapes.append_shapes:
-                if deadline.left() < 10:
-                    log("(time budget spent: skipped the remaining appends)")
-                    return
-                try:
-                    blocks = shapes.append_context // PAGE
-                    table, rows, n_pages = shuffled_tables(rs, bsz, blocks)
-                    lay = PagedKVStorageLayout(profile, 1, h, d, order)
-                    view = PagedKVBatchLayerView(random_planes(lay, n_pages, seed=7), table, 0, lay)
-                    k = jax.random.normal(jax.random.key(2), (bsz, t, h, d), jnp.bfloat16)
-                    pos = jnp.full((bsz,), 1000, jnp.int32)
-                    valid = jnp.full((bsz,), t, jnp.int32)
-                    fn = jax.jit(pk.paged_append, donate_argnums=(0,))
-                    for _ in range(2):
-                        view = fn(view, rows, pos, k, k, valid)
-                    jax.block_until_ready(view.planes)
-                    iters = 25 * shapes.iters // 10
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        view = fn(view, rows, pos, k, k, valid)
-                    jax.block_until_ready(view.planes)
-                    seconds = (time.perf_counter() - t0) / iters
-                    tokens = bsz * t
-                    written = tokens * h * KVProfile.parse(profile).token_head_bytes(d)
-                    log(f"| {profile} | {order} | {bsz} x {t} | {seconds * 1e6:.1f} | {tokens / seconds:.3g} | "
-                        f"{written / seconds / 1e9:.2f} |")
-                    del view
-                except Exception as exc:
-                    log(f"| {profile} | {order} | {bsz} x {t} | {short_error(exc)} |  |  |")
-                    traceback.print_exc(file=sys.stdout)
+    fn = jax.jit(pk.paged_append, donate_argnums=(0,))
+    for bsz, t in shapes.append_shapes:
+        for profile, order, dt in shapes.append_cases:
+            in_dtype = jnp.dtype(dt)
+            if not sec.has(8, f"{profile} {order} {bsz}x{t} {dt}"):
+                continue
+            try:
+                blocks = shapes.append_context // PAGE
+                n_pages = bsz * blocks
+                table, rows = shuffled_tables(rs, bsz, blocks, n_pages)
+                lay = PagedKVStorageLayout(profile, 1, h, d, order)
+                view = PagedKVBatchLayerView(hashed_planes(lay, n_pages, 7), jnp.asarray(table), 0, lay)
+                before = jax.tree_util.tree_map(jnp.copy, view.planes)
+                k = jax.random.normal(jax.random.key(2), (bsz, t, h, d), in_dtype)
+                v = jax.random.normal(jax.random.key(3), (bsz, t, h, d), in_dtype)
+                pos = jnp.asarray(rs.randint(0, shapes.append_context - t, bsz).astype(np.int32))
+                valid = jnp.full((bsz,), t, jnp.int32)
+                rows_j = jnp.asarray(rows)
+                view = fn(view, rows_j, pos, k, v, valid)  # compile and warm up
+                jax.block_until_ready(view.planes)
+                pointers = _buffer_pointers(view.planes)
+                t0 = time.perf_counter()
+                for _ in range(shapes.iters):
+                    view = fn(view, rows_j, pos, k, v, valid)
+                jax.block_until_ready(view.planes)
+                seconds = (time.perf_counter() - t0) / shapes.iters
+                kept = _buffer_pointers(view.planes) == pointers
+                base = PagedKVBatchLayerView(before, view.block_tables, 0, lay)
+                ok, desc = compare_append(base, view, table, rows, pos, valid, k, v, exact=shapes.smoke)
+                ok = ok and kept
+                checks.failures += 0 if ok else 1
+                tokens = bsz * t
+                written = tokens * h * KVProfile.parse(profile).token_head_bytes(d)
+                log(f"| {profile} | {order} | {bsz} x {t} | {dt} | {seconds * 1e6:.1f} | {tokens / seconds:.3g} | "
+                    f"{written / seconds / 1e9:.2f} | {desc} | {kept} | {'PASS' if ok else 'FAIL'} |")
+                del view, before, base
+            except Exception as exc:
+                checks.failures += 1
+                log(f"| {profile} | {order} | {bsz} x {t} | {dt} | {short_error(exc)} |  |  |  |  | FAIL |")
+                traceback.print_exc(file=sys.stdout)
+
+
+_TITLES = {
+    "setup": "Setup: implementation choice and HBM bandwidth",
+    "decode": "Decode attention",
+    "peer": "JAX peer kernel (pages_per_compute_block x k_splits sweep)",
+    "large": "A 1-byte plane of 2-4 GiB (offsets past 2**31 elements)",
+    "correctness": "Correctness against the reference, small shapes",
+    "append": "Append",
+}
+
+
+def _parse_budgets(items, smoke: bool) -> dict:
+    """Per-section budgets; the CPU rehearsal has none unless given (it must run every path)."""
+    budget = {name: (math.inf if smoke else seconds) for name, seconds in DEFAULT_BUDGET.items()}
+    for item in items or ():
+        name, _, seconds = item.partition("=")
+        if name not in budget or not seconds:
+            raise SystemExit(f"--budget {item!r}: expected SECTION=SECONDS with SECTION one of {', '.join(SECTIONS)}")
+        budget[name] = float(seconds)
+    return budget
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, correctness only, interpret mode")
-    parser.add_argument("--profiles", nargs="+", default=PROFILES, choices=PROFILES)
-    parser.add_argument("--orders", nargs="+", default=ORDERS, choices=ORDERS)
-    parser.add_argument("--budget-s", type=float, default=230.0, help="stop starting timing work after this")
-    parser.add_argument("--skip-timing", action="store_true")
-    parser.add_argument("--rehearse-timing", action="store_true",
-                        help="with --cpu-smoke: also run the timing code with tiny shapes (numbers meaningless)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, every section")
+    parser.add_argument("--profiles", nargs="+", default=PROFILES, choices=PROFILES, help="for `correctness`")
+    parser.add_argument("--orders", nargs="+", default=ORDERS, choices=ORDERS, help="for `correctness`")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--budget", nargs="*", metavar="SECTION=SECONDS", help="per-section time budgets")
     args = parser.parse_args(argv)
-    deadline = Deadline(args.budget_s)
+    budget = _parse_budgets(args.budget, args.cpu_smoke)
+    shapes = SMOKE if args.cpu_smoke else Shapes()
 
     backend = jax.default_backend()
+    start = time.perf_counter()
     log(f"# Pallas kernel check on {backend}: {jax.devices()[0].device_kind} (jax {jax.__version__})")
     if backend == "cpu" and not args.cpu_smoke:
-        log("No GPU: run with --cpu-smoke for the interpret-mode correctness check.")
+        log("No GPU: run with --cpu-smoke for the interpret-mode rehearsal.")
         return 2
+    if args.cpu_smoke:
+        log("(CPU rehearsal, Pallas interpret mode, tiny shapes: the numbers are meaningless)")
+    checks = Checks()
+    state: dict = {"copy_bw": float("nan"), "read_bw": float("nan")}
+    order = [s for s in SECTIONS if s in args.sections]
+    if "setup" not in order and ("decode" in order or "peer" in order):
+        order.insert(0, "setup")  # the bandwidth baselines are the denominators
+    if "peer" in order and "decode" not in order:
+        order.insert(order.index("peer"), "decode")  # the peer reuses decode's pools
+    for name in order:
+        sec = Section(name, budget[name])
+        log("")
+        log(f"## {_TITLES[name]} (budget {budget[name]:.0f} s)" if math.isfinite(budget[name]) else f"## {_TITLES[name]}")
+        log("")
+        try:
+            if name == "setup":
+                section_setup(sec, shapes, checks, state)
+            elif name == "decode":
+                section_decode(sec, shapes, checks, state)
+            elif name == "peer":
+                section_peer(sec, shapes, checks, state)
+            elif name == "large":
+                section_large(sec, shapes, checks, state)
+            elif name == "correctness":
+                section_correctness(sec, shapes, checks, state, args.profiles, args.orders)
+            else:
+                section_append(sec, shapes, checks, state)
+        except Exception as exc:
+            checks.failures += 1
+            log(f"section {name} failed: {short_error(exc)}")
+            traceback.print_exc(file=sys.stdout)
+        log("")
+        if sec.skipped:
+            log(f"(budget spent: skipped {'; '.join(sec.skipped)})")
+        log(f"({name}: {time.perf_counter() - sec.start:.0f} s)")
+    for note in state.get("notes", []):
+        log(note)
     log("")
-    log("## Correctness against the reference" + (" (interpret mode)" if backend == "cpu" else ""))
-    log("")
-    t0 = time.perf_counter()
-    failures = correctness(args.profiles, args.orders, smoke=args.cpu_smoke)
-    log("")
-    log(f"{failures} failing checks ({time.perf_counter() - t0:.0f} s)")
-    if args.skip_timing or (args.cpu_smoke and not args.rehearse_timing):
-        return 1 if failures else 0
-    shapes = REHEARSAL if args.cpu_smoke else TimingShapes()
-    log("")
-    log("## Timing" + (" (rehearsal with tiny shapes: numbers are meaningless)" if args.cpu_smoke else ""))
-    try:
-        bw = copy_bandwidth(shapes)
-        decode_timing(bw, deadline, shapes)
-    except Exception:
-        traceback.print_exc(file=sys.stdout)
-    try:
-        append_timing(deadline, shapes)
-    except Exception:
-        traceback.print_exc(file=sys.stdout)
-    log("")
-    log(f"total {time.perf_counter() - deadline.start:.0f} s")
-    return 1 if failures else 0
+    log(f"{checks.failures} failing checks, {checks.passed} passing table checks "
+        f"({time.perf_counter() - start:.0f} s)")
+    return 1 if checks.failures else 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ default JAX backend is the CPU).  Inputs are assumed validated by :mod:`ninfer_k
   kernel, dequantize in the kernel and run an online softmax in float32; decode splits the context
   over several programs (flash decoding) and merges them with a small combine step.
 
+Every head dim the profiles accept (up to 512) runs: tiles are padded to a power of two and
+masked.  Planes of >= 2**31 elements are addressed with 64-bit offsets
+(:mod:`pallas_kernels.addressing`).  Out-of-range rows, table entries and positions under ``jit``
+and non-finite K/V follow the rules of :mod:`ninfer_kv.ops` and :mod:`ninfer_kv.codecs`.
+
 Kernel backends sit behind :mod:`pallas_kernels.backends` (today: Triton).
 """
 

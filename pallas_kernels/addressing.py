@@ -86,7 +86,7 @@ def check_plane_addressing(planes: dict, *, interpret: bool) -> None:
     """
     if interpret or install_wide_offsets():
         return
-    for name, plane in planes.items():  # pragma: no cover - only without a known lowering
+    for name, plane in planes.items():
         elements = math.prod(plane.shape)
         nbytes = elements * jnp.dtype(plane.dtype).itemsize
         if elements >= I32_ELEMENTS and nbytes <= _LOWERING_I64_BYTES:

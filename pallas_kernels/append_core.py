@@ -8,8 +8,9 @@ and scales into the output planes.  Where a token goes is decided by an *address
 * ``index(cols)``: the plane indexer of those tokens for the given lanes (an int32 ``(1, n)`` row
   gives a ``(block_t, n)`` tile, an int32 scalar gives one lane per token, ``(block_t,)``).
 
-Tokens with ``write`` false are never stored (masked stores; their addresses are out of range so
-that the interpreter's scatter drops them too).  Quantization repeats the float32 arithmetic of
+Tokens with ``write`` false are never stored (masked stores).  Their addresses name a safe page on
+a GPU and an out-of-range one in the interpreter, whose scatter then drops them instead of racing
+with a written token.  Quantization repeats the float32 arithmetic of
 :mod:`ninfer_kv.codecs` on whole tiles (see :mod:`pallas_kernels.codec_tiles`).
 
 :func:`run_append` is the public-op body (config check, head-dim limit, backend dispatch) and
@@ -204,7 +205,7 @@ def append_call(
         b, tile, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         row = rows_ref[b]
         row_ok = (row >= 0) & (row < row_limit)
-        n_valid = jnp.where(row_ok, valid_ref[b], 0)
+        n_valid = jnp.where(row_ok, jnp.clip(valid_ref[b], 0, t_len), 0)  # valid is clipped to [0, T]
         address = make_address(layer_ref[0], jnp.where(row_ok, row, 0), pos_ref[b], n_valid, h, *table_refs)
         quantize_and_store(
             profile, d, t_len, cfg.block_t, b=b, h=h, t0=tile * cfg.block_t,

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from ninfer_kv import codecs
 from ninfer_kv.profiles import KVCodec
 
+from .config import next_pow2
+
 __all__ = [
     "Cols",
     "and_masks",
@@ -52,7 +54,7 @@ _F32 = jnp.float32
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
     """The smallest power of two >= ``max(n, floor)``."""
-    return 1 << max(0, max(int(n), int(floor)) - 1).bit_length()
+    return next_pow2(max(int(n), int(floor)))
 
 
 @dataclasses.dataclass(frozen=True)

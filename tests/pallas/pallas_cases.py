@@ -18,11 +18,20 @@ import numpy as np
 
 from ninfer_kv import codecs
 from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.ops.reference import cyclic_append_reference
+from ninfer_kv.ops.reference import attention_over_keys, cyclic_append_reference
 from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
 
 PROFILES = ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4")
 ORDERS = ("page-major", "head-major")
+# The default-run cases: every profile, both plane orders, head dims that are not powers of two
+# (padded tiles); the slow sweeps take every profile x order.
+DEFAULT_CASES = (
+    ("bf16", "page-major", 80),
+    ("int8-g64", "head-major", 192),
+    ("fp8-e4m3fn-row256", "page-major", 96),
+    ("nvfp4-g16", "head-major", 80),
+    ("k8v4", "page-major", 64),
+)
 NUM_LAYERS = 2
 LAYER = 1
 PAGE = 64
@@ -34,6 +43,8 @@ TOL = {jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5), jnp.dtype(jnp.bfloat1
 
 
 _encode = jax.jit(codecs.encode_kv, static_argnums=0)
+_decode = jax.jit(codecs.decode_kv, static_argnums=0)
+_attention_over_keys = jax.jit(attention_over_keys, static_argnums=4)
 
 
 def poisoned(shape, dtype) -> jax.Array:
@@ -180,8 +191,6 @@ def expected_paged_attention(q, view: PagedKVBatchLayerView, table_rows, positio
     Row ``b`` with ``table_rows[b]`` outside ``[0, C)`` sees no key; a block whose table entry is
     outside ``[0, N)`` is invisible; ``kv_lens`` is clipped to ``[0, L * 64]``.
     """
-    from ninfer_kv.ops.reference import attention_over_keys
-
     lay = view.layout
     table = np.asarray(view.block_tables)
     c_rows, width = table.shape
@@ -197,7 +206,7 @@ def expected_paged_attention(q, view: PagedKVBatchLayerView, table_rows, positio
         x = layer[pages]  # (B, L, H, P, X)
         bsz, nblk, h, p, ext = x.shape
         gathered[name] = jnp.asarray(np.transpose(x, (0, 2, 1, 3, 4)).reshape(bsz, h, nblk * p, ext))
-    k, v = codecs.decode_kv(lay.profile, gathered)
+    k, v = _decode(lay.profile, gathered)
     d = q.shape[-1]
     j = np.arange(width * PAGE)
     kv_eff = np.clip(np.asarray(kv_lens), 0, width * PAGE) * row_ok
@@ -205,4 +214,4 @@ def expected_paged_attention(q, view: PagedKVBatchLayerView, table_rows, positio
     visible = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_eff[:, None, None])
     visible &= np.repeat(page_ok, PAGE, axis=1)[:, None, :]
     scale = (1.0 / d**0.5) if sm_scale is None else sm_scale
-    return attention_over_keys(q, k, v, jnp.asarray(visible), scale).astype(q.dtype)
+    return _attention_over_keys(q, k, v, jnp.asarray(visible), float(scale)).astype(q.dtype)

@@ -48,12 +48,18 @@ def _tokens(t, heads, dtype=jnp.bfloat16, head_dim=D):
     return jax.ShapeDtypeStruct((B, t, heads, head_dim), dtype)
 
 
-@pytest.mark.parametrize("order", pc.ORDERS)
-@pytest.mark.parametrize("profile", pc.PROFILES)
-def test_paged_kernels_lower_for_cuda(profile, order):
-    view = _paged_view(profile, order)
+_ALL_PAIRS = [(p, o, D) for p in pc.PROFILES for o in pc.ORDERS if (p, o, D) not in pc.DEFAULT_CASES]
+
+
+@pytest.mark.parametrize(
+    "profile,order,head_dim",
+    list(pc.DEFAULT_CASES) + [pytest.param(*c, marks=pytest.mark.slow) for c in _ALL_PAIRS],
+)
+def test_paged_kernels_lower_for_cuda(profile, order, head_dim):
+    view = _paged_view(profile, order, head_dim)
     append = lambda v, r, p, k, vv, n: pk.paged_append(v, r, p, k, vv, n, interpret=False)  # noqa: E731
-    text = _lower(append, view, _I32, _I32, _tokens(5, H, jnp.float32), _tokens(5, H, jnp.float32), _I32).as_text()
+    kv = _tokens(5, H, jnp.float32, head_dim)
+    text = _lower(append, view, _I32, _I32, kv, kv, _I32).as_text()
     assert "__gpu$xla.gpu.triton" in text
     n_planes = len(view.layout.plane_names)
     assert len(re.findall(r"output_operand_aliases", text)) >= 1
@@ -65,11 +71,11 @@ def test_paged_kernels_lower_for_cuda(profile, order):
     ]
     for t, cfg in variants:
         attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, config=cfg, interpret=False)  # noqa: E731
-        text = _lower(attn, _tokens(t, H * G), view, _I32, _I32, _I32).as_text()
+        text = _lower(attn, _tokens(t, H * G, head_dim=head_dim), view, _I32, _I32, _I32).as_text()
         assert "__gpu$xla.gpu.triton" in text
 
 
-@pytest.mark.parametrize("profile", pc.PROFILES)
+@pytest.mark.parametrize("profile", [p if p == "k8v4" else pytest.param(p, marks=pytest.mark.slow) for p in pc.PROFILES])
 def test_cyclic_kernels_lower_for_cuda(profile):
     view = _cyclic_view(profile)
     append = lambda v, r, p, k, vv, n: pk.cyclic_append(v, r, p, k, vv, n, interpret=False)  # noqa: E731
@@ -81,8 +87,9 @@ def test_cyclic_kernels_lower_for_cuda(profile):
 
 @pytest.mark.parametrize(
     "profile,order,head_dim",
-    [("bf16", "page-major", 80), ("fp8-e4m3fn-row256", "head-major", 96), ("k8v4", "page-major", 160),
-     ("int8-g64", "head-major", 192), ("nvfp4-g16", "page-major", 16), ("k8v4", "head-major", 256)],
+    [("nvfp4-g16", "page-major", 16), ("k8v4", "head-major", 256), ("fp8-e4m3fn-row256", "head-major", 8)]
+    + [pytest.param(*c, marks=pytest.mark.slow) for c in [("bf16", "page-major", 96), ("nvfp4-g16", "head-major", 160),
+                                                          ("int8-g64", "page-major", 320)]],
 )
 def test_head_dims_lower_for_cuda(profile, order, head_dim):
     view = _paged_view(profile, order, head_dim)
@@ -225,3 +232,15 @@ def test_the_check_sees_32_bit_offsets_without_the_wide_offset_rule(monkeypatch)
     modules = _triton_modules(monkeypatch, attn, _tokens(1, 32), view, _I32, _I32, _I32)
     with pytest.raises(AssertionError, match=re.escape("takes i{32} offsets")):
         _assert_wide_offsets(modules)
+
+
+def test_without_a_known_offset_rule_large_one_byte_planes_are_refused(monkeypatch):
+    from pallas_kernels import addressing
+
+    monkeypatch.setattr(addressing, "install_wide_offsets", lambda: False)
+    view = _paged_view("k8v4", "page-major", 128, **_BIG)
+    attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, interpret=False)  # noqa: E731
+    with pytest.raises(ValueError, match=r"plane 'k' of shape \(1, 40000, 8, 64, 128\) .* 2\*\*31 elements"):
+        _lower(attn, _tokens(1, 32), view, _I32, _I32, _I32)
+    small = _paged_view("k8v4", "page-major", 128)
+    _lower(attn, _tokens(1, H * G), small, _I32, _I32, _I32)  # small planes still lower

@@ -18,6 +18,7 @@ import pallas_kernels as pk
 from ninfer_kv.ops.reference import paged_attention_reference
 
 
+@pytest.mark.slow  # the CPU rehearsal of bench/gpu_check.py compares the peer with ours in the default run
 @pytest.mark.parametrize("group,k_splits", [(4, 2)])
 def test_bf16_head_major_decode_matches_jax_peer(group, k_splits):
     kv_heads, head_dim = 2, 128
