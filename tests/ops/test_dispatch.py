@@ -122,7 +122,7 @@ def test_loader_missing_a_function_is_unavailable():
         OpImpl.from_module("partial", partial)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "ffi"])
+@pytest.mark.parametrize("impl", [pytest.param("pallas", marks=pytest.mark.slow), "ffi"])  # Pallas: tests/pallas
 def test_kernel_impl_matches_reference_when_available(impl):
     if impl not in dispatch.available_impls():
         pytest.skip(f"implementation {impl!r} is not available here")

@@ -55,7 +55,7 @@ def _inputs(rng, batch):
     return [jnp.asarray(x) for x in host]
 
 
-@pytest.mark.parametrize("impl", ["reference", "ffi", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "ffi", pytest.param("pallas", marks=pytest.mark.slow)])  # interpret mode is slow
 def test_step_compiles_once_across_page_ids_rows_positions_lengths_and_layers(impl):
     if impl not in dispatch.available_impls():
         pytest.skip(f"implementation {impl!r} is not available here")

@@ -22,6 +22,9 @@ from .cases import P, expected_paged_append, make_cyclic_case, make_paged_case, 
 PROFILES = list(KVProfile)
 ORDERS = list(PlaneOrder)
 GROUP_T = list(itertools.product((1, 4, 8), (1, 3, 64)))  # all 9 (GQA group, T) pairs
+# Run by default: bf16/head T=3, int8/head D=128 GQA 4, nvfp4/page GQA 8, k8v4/page T=64 bf16 q
+# (every codec, both orders, T = 1, 3, 64, groups 1, 4, 8); the other six are marked slow.
+DEFAULT_ATTENTION_CASES = (1, 3, 6, 8)
 
 
 def _attention_cases():
@@ -33,7 +36,9 @@ def _attention_cases():
             group, t = GROUP_T[k % 9]
             head_dim = 128 if k % 4 == 3 else 64
             q_dtype = "bfloat16" if k % 3 == 2 else "float32"
-            out.append(pytest.param(profile, order, group, t, head_dim, q_dtype, id=f"{profile.value}-{order.value}-g{group}-t{t}-d{head_dim}-{q_dtype}"))
+            marks = () if k in DEFAULT_ATTENTION_CASES else (pytest.mark.slow,)
+            out.append(pytest.param(profile, order, group, t, head_dim, q_dtype, marks=marks,
+                                    id=f"{profile.value}-{order.value}-g{group}-t{t}-d{head_dim}-{q_dtype}"))
     return out
 
 
@@ -93,8 +98,13 @@ def _append_planes(planes, tables, layer, rows, pos, k, v, valid, *, layout):
 _append = jax.jit(_append_planes, static_argnames="layout", donate_argnums=0)  # planes donated: in place
 
 
-@pytest.mark.parametrize("order", ORDERS, ids=lambda o: o.value)
-@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
+_DEFAULT_APPEND = {("bf16", "head-major"), ("int8-g64", "page-major"), ("nvfp4-g16", "head-major"), ("k8v4", "page-major")}
+
+
+@pytest.mark.parametrize("profile,order", [
+    pytest.param(p, o, id=f"{p.value}-{o.value}", marks=() if (p.value, o.value) in _DEFAULT_APPEND else (pytest.mark.slow,))
+    for p in PROFILES for o in ORDERS
+])
 def test_paged_append_writes_exactly_the_codes(profile, order):
     t = 3 if profile in (KVProfile.BF16, KVProfile.NVFP4_G16, KVProfile.K8V4) else 64
     cap = 3 * P
@@ -175,7 +185,7 @@ def test_single_sequence_view_matches_batch_row():
 # -- cyclic --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("profile", ["bf16", "k8v4", "int8-g64"])
+@pytest.mark.parametrize("profile", [pytest.param("bf16", marks=pytest.mark.slow), "k8v4", pytest.param("int8-g64", marks=pytest.mark.slow)])
 def test_cyclic_attention_matches_numpy(profile):
     window, t = 24, 3
     slots = window + t - 1

@@ -29,7 +29,9 @@ def _temp_bytes(impl: str, layout: PagedKVStorageLayout, logical_pages: int) -> 
 
 
 @pytest.mark.parametrize(
-    "profile,order", [("k8v4", "page-major"), ("bf16", "head-major")], ids=["k8v4-page-major", "bf16-head-major"]
+    "profile,order",
+    [("k8v4", "page-major"), pytest.param("bf16", "head-major", marks=pytest.mark.slow)],
+    ids=["k8v4-page-major", "bf16-head-major"],
 )
 @pytest.mark.parametrize("impl", ["auto", "ffi", "pallas", "reference"])
 def test_decode_step_temp_memory_does_not_grow_with_context(impl, profile, order):
