@@ -3,12 +3,16 @@
 Decode attention (one layer, B rows of one context length, pages in random physical order):
 
 * achieved bandwidth = bytes of K/V data and scales the visible keys occupy (plus q and out) /
-  median time per call, reported as a fraction of this machine's memory bandwidth measured in the
-  same run;
-* memory bandwidth = a large numpy copy (src -> dst, 2 x the size of L3-busting buffers), counted
+  median time per call, reported as a fraction of two memory bandwidths measured in the same run:
+* copy bandwidth = a large numpy copy (src -> dst, 2 x the size of L3-busting buffers), counted
   as bytes read + bytes written = 2 x the buffer size per copy (write-allocate traffic not
-  counted), run on every hardware thread at once (each thread copies its own slice) and on one
-  thread; the larger figure is the denominator;
+  counted), run on every FFI thread at once (each thread copies its own slice) and on one
+  thread; the larger figure is the denominator of "of copy BW";
+* read bandwidth = the same buffer read once (summed) by the FFI library's own threads, one
+  contiguous slice each, and by one thread; the larger figure is the denominator of "of read BW"
+  (attention only reads, so this is the ceiling it could reach);
+* the instruction-set level in use (``NINFER_KV_FFI_ISA`` forces one, e.g. ``avx2`` on an
+  AVX-512 machine) is printed in the header;
 * speed-up over the jnp reference (``ninfer_kv.ops.reference``, jitted, XLA CPU) on the same data;
 * "cores used": CPU seconds the process consumed per wall second during the FFI calls (2.0 = both
   cores of a 2-core machine); below the thread count means other work on the machine took CPU.
@@ -21,6 +25,7 @@ Usage::
 
     PYTHONPATH=. python bench/bench_ffi.py                 # the full table (needs ~4 GiB free)
     PYTHONPATH=. python bench/bench_ffi.py --contexts 4096 --profiles bf16 --quick
+    NINFER_KV_FFI_ISA=avx2 PYTHONPATH=. python bench/bench_ffi.py --contexts 32768   # the AVX2 level
 """
 
 from __future__ import annotations
@@ -70,6 +75,17 @@ def memory_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
             t.join()
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
+
+
+def read_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
+    """Best bytes/s of reading nbytes once: the FFI threads (one slice each) or one Python thread."""
+    buf = np.ones(nbytes // 8, np.uint64)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ffi_ops._stream_read(buf, threads)
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best
 
 
 # -- pool contents ---------------------------------------------------------------------------------
@@ -123,7 +139,7 @@ def timed(fn, args, repeats: int) -> tuple[float, float]:
 # -- decode attention ------------------------------------------------------------------------------
 
 
-def bench_attention(profile: str, context: int, args, rng, bandwidth: float) -> dict:
+def bench_attention(profile: str, context: int, args, rng, bandwidth: float, read_bw: float) -> dict:
     b, h, g, d = args.batch, args.kv_heads, args.gqa, args.head_dim
     lay = PagedKVStorageLayout(profile, 1, h, d, "page-major")
     pages_per_row = context // PAGE
@@ -154,6 +170,7 @@ def bench_attention(profile: str, context: int, args, rng, bandwidth: float) -> 
         "ms": t_ffi * 1e3,
         "gbps": moved / t_ffi / 1e9,
         "frac": moved / t_ffi / bandwidth,
+        "read_frac": moved / t_ffi / read_bw,
         "cores": cores,
         "ref_ms": None if t_ref is None else t_ref * 1e3,
         "speedup": None if t_ref is None else t_ref / t_ffi,
@@ -202,7 +219,7 @@ def bench_append(profile: str, args, rng) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    p.add_argument("--profiles", nargs="+", default=["bf16", "k8v4"])
+    p.add_argument("--profiles", nargs="+", default=["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"])
     p.add_argument("--append-profiles", nargs="+", default=["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -223,27 +240,39 @@ def main() -> None:
     bw_all = memory_bandwidth(args.copy_mib << 20, 5, threads)
     bw_one = memory_bandwidth(args.copy_mib << 20, 5, 1)
     bandwidth = max(bw_all, bw_one)
+    rd_all = read_bandwidth(args.copy_mib << 20, 5, threads)
+    rd_one = read_bandwidth(args.copy_mib << 20, 5, 1)
+    read_bw = max(rd_all, rd_one)
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, FFI threads {threads}, library {ffi_ops.library_path()}")
+    print(ffi_ops.info().summary())
     print(f"load average before the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(
-        f"memory bandwidth (numpy copy of {args.copy_mib} MiB, read + write): {bw_all / 1e9:.1f} GB/s on "
+        f"copy bandwidth (numpy copy of {args.copy_mib} MiB, read + write): {bw_all / 1e9:.1f} GB/s on "
         f"{threads} threads, {bw_one / 1e9:.1f} GB/s on 1 thread; denominator {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"read bandwidth (one pass over {args.copy_mib} MiB): {rd_all / 1e9:.1f} GB/s on {threads} threads, "
+        f"{rd_one / 1e9:.1f} GB/s on 1 thread; denominator {read_bw / 1e9:.1f} GB/s"
     )
     print()
     print(
         f"decode attention: B={args.batch}, H={args.kv_heads}, GQA {args.gqa}, D={args.head_dim}, T=1, "
         f"one layer, pages in random physical order"
     )
-    print("| profile | context | FFI ms | FFI GB/s | of memory BW | cores used | GB per CPU-second | jnp ref ms | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| profile | context | FFI ms | FFI GB/s | of copy BW | of read BW | cores used | GB per CPU-second "
+        "| jnp ref ms | speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for ctx in args.contexts:
         for prof in args.profiles:
-            r = bench_attention(prof, ctx, args, rng, bandwidth)
+            r = bench_attention(prof, ctx, args, rng, bandwidth, read_bw)
             ref = "-" if r["ref_ms"] is None else f"{r['ref_ms']:.2f}"
             spd = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
             print(
-                f"| {prof} | {ctx} | {r['ms']:.2f} | {r['gbps']:.1f} | {100 * r['frac']:.0f}% | {r['cores']:.2f} "
-                f"| {r['gbps'] / max(r['cores'], 1e-9):.1f} | {ref} | {spd} |",
+                f"| {prof} | {ctx} | {r['ms']:.2f} | {r['gbps']:.1f} | {100 * r['frac']:.0f}% "
+                f"| {100 * r['read_frac']:.0f}% | {r['cores']:.2f} | {r['gbps'] / max(r['cores'], 1e-9):.1f} "
+                f"| {ref} | {spd} |",
                 flush=True,
             )
     print()

@@ -274,6 +274,20 @@ def info() -> FFIInfo:
     )
 
 
+def _stream_read(buf: np.ndarray, threads: int = 0) -> int:
+    """Reads a contiguous host array once in ``threads`` slices on the kernel threads (0: one slice
+    per thread, 1: the calling thread alone); returns a checksum.
+
+    The read-only streaming counterpart of a memory copy, for the bandwidth figures of
+    ``bench/bench_ffi.py``.
+    """
+    lib = _require()
+    buf = np.ascontiguousarray(buf)
+    lib.NinferKvFfiStreamRead.restype = ctypes.c_uint64
+    lib.NinferKvFfiStreamRead.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
+    return int(lib.NinferKvFfiStreamRead(buf.ctypes.data, buf.nbytes, threads))
+
+
 def _require() -> ctypes.CDLL:
     if _LIBRARY.lib is None:
         raise FFIUnavailableError(_LIBRARY.error or "the ninfer_kv FFI library is unavailable")

@@ -1,6 +1,8 @@
 // Library-level entry points: the exported handler symbols (forwarded to the instruction-set
 // level chosen at load, dispatch.h) and the functions ninfer_kv/ffi_ops.py reads through ctypes.
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "dispatch.h"
@@ -29,22 +31,17 @@ extern "C" {
 
 #define NINFER_KV_EXPORT __attribute__((visibility("default")))
 
-NINFER_KV_EXPORT XLA_FFI_Error* NinferKvPagedAppend(XLA_FFI_CallFrame* f) {
-  const auto* t = Table();
-  return t ? t->paged_append(f) : Refused(f);
-}
-NINFER_KV_EXPORT XLA_FFI_Error* NinferKvPagedAttention(XLA_FFI_CallFrame* f) {
-  const auto* t = Table();
-  return t ? t->paged_attention(f) : Refused(f);
-}
-NINFER_KV_EXPORT XLA_FFI_Error* NinferKvCyclicAppend(XLA_FFI_CallFrame* f) {
-  const auto* t = Table();
-  return t ? t->cyclic_append(f) : Refused(f);
-}
-NINFER_KV_EXPORT XLA_FFI_Error* NinferKvCyclicAttention(XLA_FFI_CallFrame* f) {
-  const auto* t = Table();
-  return t ? t->cyclic_attention(f) : Refused(f);
-}
+// An exported handler symbol that forwards to the level in use.
+#define NINFER_KV_FORWARD(symbol, field)                                \
+  NINFER_KV_EXPORT XLA_FFI_Error* symbol(XLA_FFI_CallFrame* f) {        \
+    const auto* t = Table();                                            \
+    return t ? t->field(f) : Refused(f);                                \
+  }
+NINFER_KV_FORWARD(NinferKvPagedAppend, paged_append)
+NINFER_KV_FORWARD(NinferKvPagedAttention, paged_attention)
+NINFER_KV_FORWARD(NinferKvCyclicAppend, cyclic_append)
+NINFER_KV_FORWARD(NinferKvCyclicAttention, cyclic_attention)
+#undef NINFER_KV_FORWARD
 
 // The operand/attribute contract version of the handlers (see kAbiVersion).
 NINFER_KV_EXPORT int NinferKvFfiAbiVersion() { return ninfer_kv_ffi::kAbiVersion; }
@@ -72,6 +69,31 @@ NINFER_KV_EXPORT const char* NinferKvFfiCpuFeatures() { return ninfer_kv_ffi::Se
 NINFER_KV_EXPORT int NinferKvFfiVectorWidth() {
   const auto* t = Table();
   return t ? t->vector_width : 0;
+}
+
+// Reads `bytes` bytes at `data` once, in `slices` contiguous slices on the pool (<= 0: one per
+// pool thread; 1: the calling thread alone), and returns a checksum of them (for the
+// read-bandwidth figure of bench/bench_ffi.py).
+NINFER_KV_EXPORT uint64_t NinferKvFfiStreamRead(const void* data, int64_t bytes, int32_t slice_count) {
+  const uint64_t* words = static_cast<const uint64_t*>(data);
+  const int64_t n = bytes / 8;
+  const int64_t slices = slice_count > 0 ? slice_count : ninfer_kv_ffi::PoolThreads();
+  std::vector<uint64_t> sums(static_cast<size_t>(slices), 0);
+  ninfer_kv_ffi::ParallelFor(slices, [&](int64_t i) {
+    const int64_t lo = n * i / slices, hi = n * (i + 1) / slices;
+    uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = lo;
+    for (; j + 8 <= hi; j += 8) {
+      for (int k = 0; k < 8; ++k) acc[k] += words[j + k];
+    }
+    for (; j < hi; ++j) acc[0] += words[j];
+    uint64_t total = 0;
+    for (uint64_t a : acc) total += a;
+    sums[static_cast<size_t>(i)] = total;
+  });
+  uint64_t total = 0;
+  for (uint64_t x : sums) total += x;
+  return total;
 }
 
 }  // extern "C"

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from ninfer_kv import ffi_ops
 from ninfer_kv.layout import PagedKVStorageLayout
@@ -22,6 +23,16 @@ from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatch
 P = 64
 PROFILES = ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4")
 ORDERS = ("page-major", "head-major")
+
+# (profile, order) pairs of the default run: every profile once, both orders; the other pairs run
+# with -m slow.
+DEFAULT_PAIRS = (
+    ("bf16", "page-major"),
+    ("int8-g64", "head-major"),
+    ("fp8-e4m3fn-row256", "page-major"),
+    ("nvfp4-g16", "head-major"),
+    ("k8v4", "page-major"),
+)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -36,6 +47,20 @@ ffi_cyclic_append = jax.jit(ffi_ops.cyclic_append)
 ref_cyclic_append = jax.jit(reference.cyclic_append_reference)
 ffi_cyclic_attention = jax.jit(ffi_ops.cyclic_attention, static_argnames="sm_scale")
 ref_cyclic_attention = jax.jit(reference.cyclic_attention_reference, static_argnames="sm_scale")
+
+
+def sweep(values, default) -> list:
+    """``values`` as pytest parameters; those not in ``default`` are marked slow (``-m slow``)."""
+    out = []
+    for v in values:
+        args = v if isinstance(v, tuple) else (v,)
+        out.append(pytest.param(*args) if v in default else pytest.param(*args, marks=pytest.mark.slow))
+    return out
+
+
+def profile_order_pairs() -> list:
+    """Every (profile, order) pair; DEFAULT_PAIRS run by default."""
+    return sweep([(p, o) for p in PROFILES for o in ORDERS], DEFAULT_PAIRS)
 
 
 def raw_bytes(x) -> np.ndarray:

@@ -60,11 +60,14 @@ def inputs() -> dict[str, np.ndarray]:
     return {"k": k, "v": v, "odd_k": odd_k, "odd_v": odd_v, "bf_k": bf_k, "bf_v": bf_v, "q": q}
 
 
-def _append(lay, k, v) -> dict[str, np.ndarray]:
+_append_call = jax.jit(ffi_ops.paged_append)
+_attention = jax.jit(ffi_ops.paged_attention)
+
+
+def _append(lay, k, v) -> dict:
     planes = lay.allocate(TABLE.max() + 1)
     view = PagedKVBatchLayerView(planes, jnp.asarray(TABLE), 0, lay)
-    out = jax.jit(ffi_ops.paged_append)(view, TABLE_ROWS, POSITIONS, jnp.asarray(k), jnp.asarray(v), VALID)
-    return {name: np.asarray(x) for name, x in out.planes.items()}
+    return _append_call(view, TABLE_ROWS, POSITIONS, jnp.asarray(k), jnp.asarray(v), VALID).planes
 
 
 def main(path: str) -> None:
@@ -77,12 +80,11 @@ def main(path: str) -> None:
         lay = PagedKVStorageLayout(profile, 1, H, D, "page-major")
         runs = {"odd": (x["odd_k"], x["odd_v"]), "bf": (x["bf_k"], x["bf_v"]), "clean": (x["k"], x["v"])}
         for run, (k, v) in runs.items():
-            for name, plane in _append(lay, k, v).items():
-                saved[f"{profile}/{run}/{name}"] = plane.view(np.uint8)
-        planes = lay.allocate(TABLE.max() + 1)
-        view = PagedKVBatchLayerView(planes, jnp.asarray(TABLE), 0, lay)
-        view = jax.jit(ffi_ops.paged_append)(view, TABLE_ROWS, POSITIONS, jnp.asarray(x["k"]), jnp.asarray(x["v"]), VALID)
-        out = jax.jit(ffi_ops.paged_attention)(jnp.asarray(x["q"]), view, TABLE_ROWS, Q_POSITIONS, KV_LENS)
+            planes = _append(lay, k, v)
+            for name, plane in planes.items():
+                saved[f"{profile}/{run}/{name}"] = np.asarray(plane).view(np.uint8)
+        view = PagedKVBatchLayerView(planes, jnp.asarray(TABLE), 0, lay)  # the clean pool
+        out = _attention(jnp.asarray(x["q"]), view, TABLE_ROWS, Q_POSITIONS, KV_LENS)
         saved[f"{profile}/attention"] = np.asarray(out)
     np.savez(path, **saved)
 

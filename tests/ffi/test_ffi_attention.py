@@ -11,16 +11,16 @@ import pytest
 from ninfer_kv import ffi_ops
 
 from .ffi_cases import (
-    ORDERS,
-    PROFILES,
     assert_close_to_reference,
     cyclic_state,
     cyclic_view,
     ffi_cyclic_attention,
     ffi_paged_attention,
     paged_state,
+    profile_order_pairs,
     ref_cyclic_attention,
     ref_paged_attention,
+    sweep,
 )
 
 pytestmark = pytest.mark.skipif(not ffi_ops.is_available(), reason=f"FFI library unavailable: {ffi_ops.load_error()}")
@@ -38,8 +38,7 @@ def _run_paged(state, q, positions, kv_lens=None, sm_scale=None, layer=None):
     return ffi_paged_attention(*args, sm_scale=sm_scale), ref_paged_attention(*args, sm_scale=sm_scale)
 
 
-@pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize(("profile", "order"), profile_order_pairs())
 def test_paged_attention_matches_reference(profile, order):
     """Shuffled pages and table rows, a zero-length row, mid-page frontiers, a chunk of T = 3."""
     rng = np.random.default_rng(abs(hash((profile, order))) % 2**32)
@@ -52,8 +51,9 @@ def test_paged_attention_matches_reference(profile, order):
     np.testing.assert_array_equal(np.asarray(out)[1], 0.0)  # no visible key -> zeros
 
 
-@pytest.mark.parametrize("t", [1, 3, 64])
-@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize(
+    ("gqa", "t"), sweep([(g, t) for g in (1, 4, 8) for t in (1, 3, 64)], ((1, 1), (4, 3), (8, 64), (4, 1)))
+)
 def test_paged_attention_gqa_and_query_lengths(gqa, t):
     rng = np.random.default_rng(100 * gqa + t)
     kv_lens = [200, 65, 1]
@@ -113,7 +113,7 @@ def test_paged_attention_handler_rejects_bad_operands():
         ).block_until_ready()
 
 
-@pytest.mark.parametrize("profile", ["bf16", "k8v4", "int8-g64"])
+@pytest.mark.parametrize("profile", sweep(["bf16", "k8v4", "int8-g64"], ("k8v4", "int8-g64")))
 def test_cyclic_attention_matches_reference(profile):
     rng = np.random.default_rng(23)
     lay, planes = cyclic_state(profile, rows=4, window=20, slots=24, heads=2, rng=rng)

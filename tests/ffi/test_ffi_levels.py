@@ -177,15 +177,11 @@ def test_attention_agrees_with_the_oracle_on_every_level(results, profile):
         assert_close_to_reference(saved[f"{profile}/attention"], want)
 
 
-def _probe_import(level: str) -> str:
-    code = (
-        "import ninfer_kv.ffi_ops as f, jax.numpy as jnp\n"
-        "print(f.is_available()); print(f.load_error())\n"
-        "try:\n    f.info()\nexcept f.FFIUnavailableError as e:\n    print('raised', e)\n"
-    )
-    res = subprocess.run([sys.executable, "-c", code], env=_env(level), capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    return res.stdout
+_IMPORT_PROBE = (
+    "import ninfer_kv.ffi_ops as f\n"
+    "print(f.is_available()); print(f.load_error())\n"
+    "try:\n    f.info()\nexcept f.FFIUnavailableError as e:\n    print('raised', e)\n"
+)
 
 
 def test_levels_that_cannot_run_are_refused_with_a_clear_error():
@@ -195,8 +191,14 @@ def test_levels_that_cannot_run_are_refused_with_a_clear_error():
     for level in info.compiled:
         if level not in info.supported:  # only on CPUs that lack a compiled-in level
             cases[level] = "is refused: this CPU lacks"
+    procs = {
+        level: subprocess.Popen([sys.executable, "-c", _IMPORT_PROBE], env=_env(level), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        for level in cases
+    }
     for level, why in cases.items():
-        out = _probe_import(level)
+        out, err = procs[level].communicate(timeout=120)
+        assert procs[level].returncode == 0, err
         assert out.startswith("False\n"), out
         assert f"NINFER_KV_FFI_ISA={level} {why}" in out, out
         assert ",".join(info.supported if "lacks" in why else info.compiled) in out, out
