@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .round_work import bucket, ladder
+from .round_work import bucket
 
 __all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS"]
 

@@ -426,7 +426,7 @@ class HostTier:
             job.extent = extent
             job.ids = pg.device_page[job.slots].copy()
             job.id_gens = pg.device_gen[job.slots].copy()
-            pg.pins[job.slots] += 1
+            pg.pin(job.slots)
             b = bucket(job.slots.size, ladder(1, 2, job.rt.pool.capacity))
             ids = np.zeros(b, np.int32)
             ids[: job.slots.size] = job.ids
@@ -540,8 +540,7 @@ class HostTier:
         for rt, sel in plans:
             pg = rt.pages
             rt.pool.release(pg.device_page[sel], pg.device_gen[sel])
-            pg.device_page[sel] = -1
-            pg.device_gen[sel] = 0
+            pg.clear_device(sel)
             released += int(sel.size)
         self.stats.dropped_device_pages += released
         return released
@@ -564,8 +563,7 @@ class HostTier:
 
     def _publish_restored(self, job: _Job) -> None:
         pg = job.rt.pages
-        pg.device_page[job.slots] = job.ids
-        pg.device_gen[job.slots] = job.id_gens
+        pg.set_device(job.slots, job.ids, job.id_gens)
         job.rt.unpin(job.slots)
         self.stats.restored_pages += job.report.pages
         self.stats.restored_bytes += job.report.bytes
@@ -594,7 +592,7 @@ class HostTier:
                     job.ids, job.id_gens = job.rt.pool.acquire(job.slots.size)
                     taken.append(job)
                 for job in jobs:
-                    job.rt.pages.pins[job.slots] += 1
+                    job.rt.pages.pin(job.slots)
                     pinned.append(job)
                 for job in jobs:
                     self.fault("restore_copy", job.kind)
@@ -634,7 +632,7 @@ class HostTier:
             raise InvariantError(f"pool {kind.value}: a Host-only page has no valid Host replica")
         rt = job.rt
         job.ids, job.id_gens = rt.pool.materialize(row, job.slots.size)
-        pg.pins[job.slots] += 1
+        pg.pin(job.slots)
         mark = rt.writes.mark()
         try:
             self.fault("restore_copy", kind)
@@ -651,8 +649,7 @@ class HostTier:
 
         def undo():
             rt.writes.rollback(mark)
-            pg.device_page[job.slots] = -1
-            pg.device_gen[job.slots] = 0
+            pg.clear_device(job.slots)
             rt.pool.undo_materialize(row, job.ids)
             stats.restored_pages -= job.report.pages
             stats.restored_bytes -= job.report.bytes

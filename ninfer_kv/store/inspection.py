@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planning import PoolKind
 from .errors import InvariantError
 from .summary import PoolOccupancy, StoreMemorySummary
 

@@ -212,6 +212,25 @@ class LogicalPageTable:
         self._stack[self._top : self._top + k] = slots[::-1]
         self._top += k
 
+    # -- transitions of the Device replica and the transaction pins ---------------------------------
+    def set_device(self, slots: np.ndarray, pages: np.ndarray, generations: np.ndarray) -> None:
+        """Publish Device leases ``(pages, generations)`` as the Device replicas of ``slots``."""
+        self.device_page[slots] = pages
+        self.device_gen[slots] = generations
+
+    def clear_device(self, slots: np.ndarray) -> None:
+        """Drop the Device replicas of ``slots`` (their leases are released by the caller)."""
+        self.device_page[slots] = -1
+        self.device_gen[slots] = 0
+
+    def pin(self, slots: np.ndarray) -> None:
+        """One transaction pin more on each page (a copy in flight reads or writes it)."""
+        self.pins[slots] += 1
+
+    def drop_pin(self, slots: np.ndarray) -> None:
+        """One transaction pin less on each page (the release of a dead page is the runtime's)."""
+        self.pins[slots] -= 1
+
     def host_valid(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
         """Per page: whether its Host replica exists and is valid for the first ``columns`` columns."""
         return (self.host_page[slots] >= 0) & (self.host_epoch[slots] == self.epoch[slots]) & (

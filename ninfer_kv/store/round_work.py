@@ -43,7 +43,6 @@ import numpy as np
 
 from ..geometry import PAGE_SIZE
 from ..page_copy import _words, cpu_float, word_dtype, write_pages, write_pages_donated
-from ..planning import PoolKind
 from .device_state import POISONED, KVDeviceState
 
 __all__ = [

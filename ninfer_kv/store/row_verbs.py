@@ -18,7 +18,6 @@ from .entitlement import RoundGrant, pages_for_tokens
 from .errors import LifecycleError
 from .rows import as_index as _int
 from .rows import as_index_vector as _vec
-from .runtime import PoolRuntime
 
 __all__ = ["RowVerbs"]
 
@@ -77,7 +76,7 @@ class RowVerbs:
         rows = self._handle_row(handle)
         accepted_frontier = _int("accepted_frontier", accepted_frontier)
         keep = accepted_frontier if provisional is None else _int("provisional", provisional)
-        self._settle(self._runtime(pool), rows, np.array([accepted_frontier], np.int64), np.array([keep], np.int64))
+        self._runtime(pool).settle_rows(rows, np.array([accepted_frontier], np.int64), np.array([keep], np.int64))
 
     # -- vectorized row verbs (decode rounds) ------------------------------------------------------------------
     def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
@@ -111,17 +110,7 @@ class RowVerbs:
         accepted = _vec("accepted", accepted)
         keep = accepted if provisional is None else _vec("provisional", provisional)
         _same_length(rows, accepted=accepted, provisional=keep)
-        return self._settle(rt, rows, accepted, keep)
-
-    @staticmethod
-    def _settle(rt: PoolRuntime, rows: np.ndarray, accepted: np.ndarray, keep: np.ndarray) -> int:
-        saved = rt.spaces.committed[rows]
-        rt.commit_rows(rows, accepted)
-        try:
-            return rt.trim_rows(rows, keep)
-        except BaseException:  # a refused trim (pinned pages) leaves the frontiers as they were
-            rt.spaces.committed[rows] = saved
-            raise
+        return rt.settle_rows(rows, accepted, keep)
 
     def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:
         """Grow ``kv_lease_growth`` entitlements at a decode-round boundary (vectorized).

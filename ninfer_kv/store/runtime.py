@@ -174,6 +174,17 @@ class PoolRuntime:
         self.table.write(owner, blocks, 0)
         return k
 
+    def settle_rows(self, rows: np.ndarray, accepted: np.ndarray, keep_tokens: np.ndarray) -> int:
+        """Commit ``accepted`` frontiers, then trim to ``max(accepted, keep_tokens)``; all or nothing
+        (a refused trim leaves the frontiers as they were).  Returns pages trimmed."""
+        saved = self.spaces.committed[rows]
+        self.commit_rows(rows, accepted)
+        try:
+            return self.trim_rows(rows, keep_tokens)
+        except BaseException:
+            self.spaces.committed[rows] = saved
+            raise
+
     def truncate_row(self, row: int, frontier: int, keep_tokens: int) -> None:
         """Withdraw committed tokens ``[frontier, committed)`` and trim (validated by the caller)."""
         sp, pg = self.spaces, self.pages
@@ -201,7 +212,7 @@ class PoolRuntime:
     def unpin(self, slots: np.ndarray) -> None:
         """Drop a transaction pin; pages left with no reference and no pin are released."""
         pg = self.pages
-        pg.pins[slots] -= 1
+        pg.drop_pin(slots)
         dead = slots[(pg.pins[slots] == 0) & (pg.refs[slots] == 0) & pg.live[slots]]
         if dead.size:
             self._release_dead(dead)
@@ -215,8 +226,7 @@ class PoolRuntime:
             self.pool.release(dev, pg.device_gen[dead])
         elif on.any():
             self.pool.release(dev[on], pg.device_gen[dead][on])
-        pg.device_page[dead] = -1
-        pg.device_gen[dead] = 0
+        pg.clear_device(dead)
         pg.writer[dead] = -1
         hosted = dead[pg.host_page[dead] >= 0]
         if hosted.size:

@@ -13,7 +13,6 @@ from ninfer_kv.store import (
     LifecycleError,
     PoolCapacityError,
     apply_work,
-    take_step_work,
 )
 
 from .helpers import tiny_plan
