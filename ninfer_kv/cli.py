@@ -591,7 +591,7 @@ def _run_mesh_plan(args, model, policy, policy_json: dict, speculative) -> Comma
     lines += _kv_lines([
         ("mesh", f"{spec} ({spec.size} devices)"),
         ("KV heads", head_text),
-        ("rows", f"C = {_n(mp.max_concurrency)} = {spec.data} data shards x {_n(dev.max_concurrency)} rows"),
+        ("rows", f"C = {_n(mp.max_concurrency)} = {spec.data} data shard(s) x {_n(dev.max_concurrency)} rows"),
         ("Main pages", f"{_n(mp.m_local)} per data shard (own page IDs), {_n(mp.m_local * spec.data)} in total"),
         ("Main capacity", f"{_n(mp.capacity_tokens)} tokens over the mesh"),
         ("per device", _bytes(mp.device_bytes)),
