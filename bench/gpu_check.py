@@ -80,7 +80,7 @@ PAGE = 64
 PROFILES = [p.value for p in KVProfile]
 ORDERS = ["page-major", "head-major"]
 SECTIONS = ("setup", "decode", "peer", "large", "correctness", "append")
-DEFAULT_BUDGET = {"setup": 20, "decode": 110, "peer": 60, "large": 60, "correctness": 80, "append": 50}
+DEFAULT_BUDGET = {"setup": 20, "decode": 150, "peer": 60, "large": 60, "correctness": 90, "append": 60}
 ATTN_TOL = 2e-2
 
 
@@ -316,8 +316,15 @@ def _code_steps(codec: KVCodec, got: np.ndarray, want: np.ndarray) -> np.ndarray
     return np.abs(ordered(got.astype(np.int64), 0x8000, 0x7FFF) - ordered(want.astype(np.int64), 0x8000, 0x7FFF))
 
 
-_CPU = jax.devices("cpu")[0]
 _encode_cpu = jax.jit(codecs.encode_kv, static_argnums=0)
+
+
+def _cpu_device():
+    """The CPU device for reference bits (``None`` when ``JAX_PLATFORMS`` hides the CPU backend)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
 
 
 def compare_append(view_before, view_after, table, rows, positions, valid, k, v, *, exact: bool) -> tuple[bool, str]:
@@ -334,8 +341,9 @@ def compare_append(view_before, view_after, table, rows, positions, valid, k, v,
     want = {}
     if len(tok):
         sel = (jnp.asarray(tok[:, 0]), jnp.asarray(tok[:, 1]))
-        k_cpu = jax.device_put(np.asarray(jnp.asarray(k)[sel].astype(jnp.float32)), _CPU)
-        v_cpu = jax.device_put(np.asarray(jnp.asarray(v)[sel].astype(jnp.float32)), _CPU)
+        cpu = _cpu_device()  # without one the reference encoding runs on the default device
+        k_cpu = jax.device_put(np.asarray(jnp.asarray(k)[sel].astype(jnp.float32)), cpu)
+        v_cpu = jax.device_put(np.asarray(jnp.asarray(v)[sel].astype(jnp.float32)), cpu)
         want = {n: np.asarray(_uint_view(a)) for n, a in _encode_cpu(lay.profile, k_cpu, v_cpu).items()}
     untouched = steps_max = inexact = total = 0
     scale_bad = 0
@@ -778,6 +786,8 @@ def main(argv=None) -> int:
         return 2
     if args.cpu_smoke:
         log("(CPU rehearsal, Pallas interpret mode, tiny shapes: the numbers are meaningless)")
+    elif _cpu_device() is None:
+        log("(no CPU backend in JAX_PLATFORMS: append reference bits come from the default device)")
     checks = Checks()
     state: dict = {"copy_bw": float("nan"), "read_bw": float("nan")}
     order = [s for s in SECTIONS if s in args.sections]
