@@ -212,7 +212,7 @@ def test_cyclic_rows_outside_the_state_are_inert_under_jit(impl):
 @pytest.mark.parametrize("impl", [
     "reference",
     pytest.param("ffi", marks=pytest.mark.xfail(reason="the FFI cyclic append keeps the last slots of an unclipped valid")),
-    pytest.param("pallas", marks=pytest.mark.xfail(reason="the Pallas cyclic append keeps the last slots of an unclipped valid")),
+    "pallas",
 ])
 def test_cyclic_valid_beyond_t_is_clipped_under_jit(impl):
     """valid = 9 > T = 3 writes the row's 3 tokens (the 'last slots survive' rule uses clip(valid, 0, T))."""
