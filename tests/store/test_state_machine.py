@@ -488,7 +488,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 SETTINGS = settings(
     max_examples=200,
-    stateful_step_count=30,
+    stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
