@@ -212,6 +212,7 @@ class ShardedKVStore:
         self.max_concurrency = self.num_shards * self.rows_per_shard
         self.max_context = plan.max_context
         self.logical_pages = plan.logical_pages
+        self._apply_alone = None
         self.shards: tuple[KVStore, ...] = tuple(
             KVStore(plan.shard, entitlement=entitlement, requires_state_image=requires_state_image,
                     fault_injector=fault_injector, host_bytes=host_bytes)
@@ -325,35 +326,67 @@ class ShardedKVStore:
         return self.shards[d].settle(h, accepted_frontier, pool=pool, provisional=provisional)
 
     # -- vectorized row verbs (global rows) --------------------------------------------------------------
-    def _per_shard(self, verb: str, rows, *columns, pool=PoolKind.MAIN) -> int:
-        """Run a row verb per shard.  Every shard's rows are checked first (active, in range), so a
-        bad row changes nothing anywhere."""
+    def _per_shard(self, verb: str, rows, *columns, pool=PoolKind.MAIN, precheck=None) -> int:
+        """Run a row verb per shard.  Every shard's rows are checked first (active, in range, none
+        twice), then ``precheck(shard, local rows, columns)`` on every shard (it raises, changing
+        nothing, where that shard's part would fail), so a refused call changes no shard."""
         groups = self.split_rows(rows)
         cols = [None if c is None else np.asarray(c) for c in columns]
         for c in cols:
             if c is not None and c.shape != np.shape(rows):
                 raise ValueError(f"{verb}: a column of shape {c.shape} does not match rows of shape {np.shape(rows)}")
-        for d, _, local in groups:
-            self.shards[d]._rows.check(local)
-        total = 0
+        parts = []
         for d, at, local in groups:
-            args = [None if c is None else c[at] for c in cols]
+            self.shards[d]._rows.check(local)
+            parts.append((d, local, [None if c is None else c[at] for c in cols]))
+        if precheck is not None:
+            for d, local, args in parts:
+                precheck(d, local, args)
+        total = 0
+        for d, local, args in parts:
             got = getattr(self.shards[d], verb)(local, *args, pool=pool)
             total += int(got or 0)
         return total
 
+    def _check_map(self, pool):
+        def check(d, local, args):
+            rt = self.shards[d]._runtime(pool)
+            targets = np.asarray(args[0])
+            if not np.issubdtype(targets.dtype, np.integer) or (targets < 0).any():
+                self.shards[d].map_rows(local, targets, pool=pool)  # raises its own error, changes nothing
+            need = (targets.astype(np.int64) + self.plan.shard.builder.page_size - 1) // self.plan.shard.builder.page_size
+            over = (targets > rt.spaces.mapped[local]) & (need > rt.spaces.ent_pages[local])
+            if over.any():
+                self.shards[d].map_rows(local, targets, pool=pool)  # the entitlement error, nothing changed
+        return check
+
+    def _check_commit(self, pool):
+        def check(d, local, args):
+            frontiers = np.asarray(args[0])
+            if not np.issubdtype(frontiers.dtype, np.integer):
+                raise ValueError(f"frontiers must be integers, got dtype {frontiers.dtype}")
+            self.shards[d]._runtime(pool).check_commit(local, frontiers.astype(np.int64))
+        return check
+
     def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
-        """:meth:`KVStore.map_rows` over global rows (each shard maps its own rows)."""
-        return self._per_shard("map_rows", rows, targets, pool=pool)
+        """:meth:`KVStore.map_rows` over global rows (each shard maps its own rows); a target beyond
+        a row's entitlement on any shard refuses the whole call, no shard changed."""
+        return self._per_shard("map_rows", rows, targets, pool=pool, precheck=self._check_map(pool))
 
     def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
-        self._per_shard("commit_rows", rows, frontiers, pool=pool)
+        """:meth:`KVStore.commit_rows` over global rows; every shard's frontiers are checked first."""
+        self._per_shard("commit_rows", rows, frontiers, pool=pool, precheck=self._check_commit(pool))
 
     def trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
+        """:meth:`KVStore.trim_rows` over global rows (a trim refused by pinned pages is refused by
+        that shard; shards before it in shard order are already trimmed)."""
         return self._per_shard("trim_rows", rows, keep_tokens, pool=pool)
 
     def settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
-        return self._per_shard("settle_rows", rows, accepted, provisional, pool=pool)
+        """:meth:`KVStore.settle_rows` over global rows; every shard's accepted frontiers are
+        checked first."""
+        return self._per_shard("settle_rows", rows, accepted, provisional, pool=pool,
+                               precheck=self._check_commit(pool))
 
     def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:
         """:meth:`KVStore.round_boundary` per shard over global rows (default: every active row);
@@ -416,6 +449,24 @@ class ShardedKVStore:
         """Every shard's round work since the last take, stacked per shard (host arrays; apply with
         :func:`~ninfer_kv.sharded_ops.sharded_apply_work` after :meth:`ShardedRoundWork.device_put`)."""
         return stack_works([s.take_work() for s in self.shards])
+
+    def take_step_work(self, state: KVDeviceState, shape: tuple[int, int, int] | None = None):
+        """The sharded :func:`~ninfer_kv.take_step_work`: ``(state, work)`` with ``work`` padded to
+        one fixed ``shape`` (global arrays on the mesh) for a step that applies works; a work that does
+        not fit is applied alone first (jitted, per shard) and the step gets the next, empty, take."""
+        import jax
+
+        from ..sharded_ops import sharded_apply_work
+        from .round_work import step_work_shape
+
+        shape = step_work_shape(self.shards[0]) if shape is None else tuple(shape)
+        work = self.take_work()
+        if not work.fits(*shape):
+            if self._apply_alone is None:
+                self._apply_alone = jax.jit(lambda s, w: sharded_apply_work(self.kv_mesh, s, w), donate_argnums=0)
+            state = self._apply_alone(state, work.device_put(self.kv_mesh))
+            work = self.take_work()
+        return state, work.pad_to(*shape).device_put(self.kv_mesh)
 
     def check_state(self, state: KVDeviceState) -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far."""

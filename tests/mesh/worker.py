@@ -21,6 +21,7 @@ from ninfer_kv.mesh import KVMesh  # noqa: E402
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache_mesh  # noqa: E402
 from ninfer_kv.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention  # noqa: E402
 from ninfer_kv.store import KVDeviceState, KVStore, apply_work_jit  # noqa: E402
+from ninfer_kv.store.errors import KVStoreError  # noqa: E402
 from ninfer_kv.store.sharded import CrossShardError, ShardedKVStore  # noqa: E402
 
 PROFILES = ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4")
@@ -258,12 +259,13 @@ def store_verbs() -> int:
         fork = store.activate(100, 10, shard=0, source=ck)  # COW of the 36-token tail within shard 0
         twins[0].activate(100, 10, source=tck)
         store.check_invariants()
-        work = store.take_work()
+        state, work = store.take_step_work(state, (4, 0, 0))  # the fork's COW copy is applied alone first
+        assert work.counts()[PoolKind.MAIN] == (4, 0, 0)
         for d in range(dd):  # every shard's page IDs are its own: 0 .. N_local - 1
             tab = store.host_block_table()[d * store.rows_per_shard:(d + 1) * store.rows_per_shard]
             used = tab[tab < plan.shard.pools[PoolKind.MAIN].physical_pages]
             assert used.size and used.max() < plan.shard.pools[PoolKind.MAIN].physical_pages
-        state = jax.jit(lambda s, w: sharded_apply_work(kv_mesh, s, w))(state, work.device_put(kv_mesh))
+        state = jax.jit(lambda s, w: sharded_apply_work(kv_mesh, s, w))(state, work)
         store.check_state(state)
         for d in range(dd):
             tw = twins[d].take_work()
@@ -282,6 +284,18 @@ def store_verbs() -> int:
         store.map_rows(grows, np.full(len(live), 104))
         store.settle_rows(grows, np.full(len(live), 101), np.full(len(live), 101))
         store.check_invariants()
+        if dd > 1:  # the last shard's part is refused: the whole call is, no shard changed
+            for verb, vals in (("map_rows", [110] * (len(live) - 1) + [10**6]),
+                               ("commit_rows", [101] * (len(live) - 1) + [10**6]),
+                               ("settle_rows", [101] * (len(live) - 1) + [50])):
+                before = store.snapshot()
+                try:
+                    getattr(store, verb)(grows, np.array(vals))
+                except (ValueError, KVStoreError):
+                    pass
+                else:
+                    raise AssertionError(f"{verb} accepted a bad value on the last shard")
+                assert _deep_equal(store.snapshot(), before), f"a refused {verb} changed a shard"
         try:
             store.map_rows(np.array([grows[0], grows[0]]), [105, 105])  # a row twice: nothing changes anywhere
         except ValueError:
