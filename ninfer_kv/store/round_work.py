@@ -141,18 +141,23 @@ class PoolWork:
         return PoolWork(out_t, out_k, out_r, payload, self.pad_row, self.pad_page)
 
 
+def _empty(x) -> bool:
+    """An empty numpy buffer: static structure, not a leaf (any other leaf object is kept)."""
+    return isinstance(x, np.ndarray) and x.size == 0
+
+
 def _pool_work_flatten(pw: PoolWork):
     arrays = [("tables", pw.tables), ("copies", pw.copies), ("restores", pw.restores)]
     arrays += [(f"payload/{n}", x) for n, x in sorted(pw.payload.items())]
-    kids = [x for _, x in arrays if x.size]
-    spec = tuple((name, tuple(x.shape), np.dtype(x.dtype).str, bool(x.size)) for name, x in arrays)
+    kids = [x for _, x in arrays if not _empty(x)]
+    spec = tuple((name, (tuple(x.shape), x.dtype.str) if _empty(x) else None) for name, x in arrays)
     return kids, (pw.pad_row, pw.pad_page, spec)
 
 
 def _pool_work_unflatten(aux, kids) -> PoolWork:
     pad_row, pad_page, spec = aux
     it = iter(kids)
-    vals = {name: next(it) if present else np.zeros(shape, np.dtype(dt)) for name, shape, dt, present in spec}
+    vals = {name: next(it) if empty is None else np.zeros(empty[0], np.dtype(empty[1])) for name, empty in spec}
     payload = {name[len("payload/"):]: v for name, v in vals.items() if name.startswith("payload/")}
     return PoolWork(vals["tables"], vals["copies"], vals["restores"], payload, pad_row, pad_page)
 

@@ -279,3 +279,8 @@ def test_work_pytree_structure_is_fixed_per_store():
     assert dataclasses.is_dataclass(a) and set(a.pools) == {MAIN, PoolKind.MTP}
     # a decode round's work transfers its table updates and the serial, nothing else
     assert len(jax.tree_util.tree_leaves(b.pad_to(cap))) == 1 + 2
+    # ahead-of-time lowering and compilation see the same structure
+    state = KVDeviceState.zeros(store.pool_plans)
+    state = apply_work_jit(state, a)
+    compiled = jax.jit(apply_work).lower(state, b).compile()
+    assert compiled(state, b).host_serial() == 2
