@@ -230,11 +230,13 @@ struct Decoder<Codec::kFp8Row> {
     static constexpr bool kKeyScaled = true;
     const uint8_t* d = nullptr;
     float s = 0.0f;
+    VFloat s256 = {};
     bool nan = false;
     Row() = default;
-    Row(const uint8_t* data, const float* scales, bool has_nan) : d(data), s(scales[0]), nan(has_nan) {}
+    Row(const uint8_t* data, const float* scales, bool has_nan)
+        : d(data), s(scales[0]), s256(Splat(scales[0] * 256.0f)), nan(has_nan) {}
     VFloat Exact(int c) const { return E4m3fnLanes(LoadU8AsU32(d + kVL * c)) * Splat(s); }
-    VFloat Chunk(int c) const { return nan ? Exact(c) : KeyChunk(c) * Splat(s * 256.0f); }
+    VFloat Chunk(int c) const { return nan ? Exact(c) : KeyChunk(c) * s256; }
     void Chunk2(int c, VFloat* out) const {
       if (nan) {
         out[0] = Exact(c);
@@ -242,8 +244,8 @@ struct Decoder<Codec::kFp8Row> {
         return;
       }
       KeyChunk2(c, out);
-      out[0] *= Splat(s * 256.0f);
-      out[1] *= Splat(s * 256.0f);
+      out[0] *= s256;
+      out[1] *= s256;
     }
     VFloat KeyChunk(int c) const { return E4m3fnScaledLanes(d + kVL * c); }
     void KeyChunk2(int c, VFloat* out) const {
