@@ -25,11 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .geometry import PlaneOrder
+
+if TYPE_CHECKING:  # pragma: no cover
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from .store.device_state import KVDeviceState
 
 __all__ = ["MeshSpec", "KVMesh", "parse_mesh"]
 
@@ -194,7 +200,7 @@ class KVMesh:
         return list(self.mesh.devices.flat)
 
     # -- partition specs ------------------------------------------------------------------------
-    def plane_spec(self, order: "PlaneOrder | str"):
+    def plane_spec(self, order: "PlaneOrder | str") -> "PartitionSpec":
         """Spec of a stacked plane (data and scale planes alike)."""
         from jax.sharding import PartitionSpec as P
 
@@ -203,18 +209,18 @@ class KVMesh:
             return P(None, self.data_axis, self.model_axis, None, None)
         return P(None, self.model_axis, self.data_axis, None, None)
 
-    def table_spec(self):
+    def table_spec(self) -> "PartitionSpec":
         """Spec of an ``int32 (D * C_local, L)`` block table: rows over data, replicated over model."""
         from jax.sharding import PartitionSpec as P
 
         return P(self.data_axis, None)
 
-    def replicated_spec(self):
+    def replicated_spec(self) -> "PartitionSpec":
         from jax.sharding import PartitionSpec as P
 
         return P()
 
-    def per_shard_spec(self, head_axis: int | None = None, ndim: int = 1):
+    def per_shard_spec(self, head_axis: int | None = None, ndim: int = 1) -> "PartitionSpec":
         """Spec of an array stacked per data shard on axis 0 (``head_axis``: also split over model)."""
         from jax.sharding import PartitionSpec as P
 
@@ -223,7 +229,7 @@ class KVMesh:
             parts[head_axis] = self.model_axis
         return P(*parts)
 
-    def sharding(self, spec, memory_kind: str | None = None):
+    def sharding(self, spec: "PartitionSpec", memory_kind: str | None = None) -> "NamedSharding":
         """``NamedSharding(mesh, spec)`` (``memory_kind="pinned_host"`` for the Host tier)."""
         from jax.sharding import NamedSharding
 
@@ -231,16 +237,17 @@ class KVMesh:
             return NamedSharding(self.mesh, spec)
         return NamedSharding(self.mesh, spec, memory_kind=memory_kind)
 
-    def state_specs(self, state):
+    def state_specs(self, state: "KVDeviceState") -> "KVDeviceState":
         """A :class:`~ninfer_kv.store.KVDeviceState` of partition specs matching ``state``."""
         planes = {}
         for kind, pool in state.planes.items():
-            order = PlaneOrder.PAGE_MAJOR if state.page_axis(kind) == PlaneOrder.PAGE_MAJOR.page_axis else PlaneOrder.HEAD_MAJOR
+            page_major = state.page_axis(kind) == PlaneOrder.PAGE_MAJOR.page_axis
+            order = PlaneOrder.PAGE_MAJOR if page_major else PlaneOrder.HEAD_MAJOR
             planes[kind] = {name: self.plane_spec(order) for name in pool}
         tables = {kind: self.table_spec() for kind in state.tables}
         return state.replace(planes=planes, tables=tables, serial=self.replicated_spec())
 
-    def state_shardings(self, state, memory_kind: str | None = None):
+    def state_shardings(self, state: "KVDeviceState", memory_kind: str | None = None) -> "KVDeviceState":
         """The ``NamedSharding`` of every leaf of ``state`` (``memory_kind``: e.g. ``"pinned_host"``)."""
         import jax
         from jax.sharding import PartitionSpec
@@ -251,7 +258,7 @@ class KVMesh:
         )
 
     # -- inside shard_map ----------------------------------------------------------------------
-    def data_index(self):
+    def data_index(self) -> "jax.Array":
         """This device's data shard (inside ``shard_map``)."""
         import jax
 

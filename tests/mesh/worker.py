@@ -157,6 +157,16 @@ def hlo_no_collectives() -> int:
                 if not any(local in ln for ln in calls) or any(glob in ln for ln in calls):
                     raise AssertionError(f"{spec}: the FFI calls do not run on per-device blocks of the planes")
             n += 1
+        # the check can fail: the same attention on the sharded planes *outside* shard_map gathers them
+        glob = plan.shard.pools[PoolKind.MAIN].layout
+
+        def unsharded(state, rows, pos, q):
+            view = PagedKVBatchLayerView(state.planes[PoolKind.MAIN], state.tables[PoolKind.MAIN], 1, glob)
+            return ops.paged_attention(q, view, rows, pos, pos + 1, impl="ffi")
+
+        text = jax.jit(unsharded).lower(state, i32, i32, tok(16)).compile().as_text()
+        if "all-gather" not in text and "all-to-all" not in text and "collective-permute" not in text:
+            raise AssertionError(f"{spec}: an FFI call outside shard_map did not gather its sharded inputs")
     return n
 
 
