@@ -64,11 +64,12 @@ inline void ScoreTile(const float* q, int ld, const typename KDec::Row* krows, i
   for (int i = 0; i < MB * JB; ++i) acc[i] = Splat(0.0f);
   int c = 0;
   for (; c + 2 <= nchunks; c += 2) {  // chunk pairs (decoded together where a level can)
-    for (int jj = 0; jj < JB; ++jj) {
-      VFloat kv[2];
-      krows[jj].KeyChunk2(c, kv);
-      for (int h = 0; h < 2; ++h) {
-        for (int mm = 0; mm < MB; ++mm) acc[mm * JB + jj] += Load(q + mm * ld + (c + h) * kVL) * kv[h];
+    VFloat kv[JB][2];
+    for (int jj = 0; jj < JB; ++jj) krows[jj].KeyChunk2(c, kv[jj]);
+    for (int h = 0; h < 2; ++h) {
+      for (int mm = 0; mm < MB; ++mm) {
+        const VFloat qv = Load(q + mm * ld + (c + h) * kVL);  // each q chunk loaded once per tile
+        for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] += qv * kv[jj][h];
       }
     }
   }
