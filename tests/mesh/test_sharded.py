@@ -11,37 +11,46 @@ WORKER = Path(__file__).with_name("worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(check: str, timeout: int = 240) -> str:
+def _run(*checks: str, timeout: int = 240) -> str:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(WORKER), check], capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([sys.executable, str(WORKER), *checks], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def family():
+    """The store, Host, HLO and lowering checks in one subprocess (one JAX start)."""
+    return _run("hlo", "pallas_cuda", "store", "host")
+
+
+def _passed(out: str, check: str, count: int) -> None:
+    assert f"{check}: {count} checks passed" in out, out[-6000:]
 
 
 def test_ops_bit_equal_to_one_device():
-    """2x4: every profile, both orders (FFI, bit-equal codes and outputs); 8x1, 1x8, replicated heads
+    """2x4, 8x1, 1x8: every profile, both orders (FFI, bit-equal codes and outputs); replicated heads
     and the reference on fewer profiles."""
-    assert "checks passed" in _run("ops_fast")
+    _passed(_run("ops_fast"), "ops_fast", 36)
 
 
 @pytest.mark.slow
 def test_ops_bit_equal_every_profile_every_mesh():
-    assert "checks passed" in _run("ops_all", timeout=900)
+    _passed(_run("ops_all", timeout=900), "ops_all", 80)
 
 
-def test_compiled_sharded_step_has_no_collectives():
-    assert "6 checks passed" in _run("hlo")
+def test_compiled_sharded_step_has_no_collectives(family):
+    _passed(family, "hlo", 6)
 
 
-def test_pallas_kernels_cross_lower_for_cuda_under_shard_map():
-    assert "2 checks passed" in _run("pallas_cuda")
+def test_pallas_kernels_cross_lower_for_cuda_under_shard_map(family):
+    _passed(family, "pallas_cuda", 2)
 
 
-def test_sharded_store_verbs_per_shard():
-    assert "2 checks passed" in _run("store")
+def test_sharded_store_verbs_per_shard(family):
+    _passed(family, "store", 2)
 
 
-def test_host_tier_per_shard_offload_restore():
-    assert "1 checks passed" in _run("host")
+def test_host_tier_per_shard_offload_restore(family):
+    _passed(family, "host", 1)
