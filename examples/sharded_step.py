@@ -45,7 +45,7 @@ def main(argv=None) -> str:
     plan = plan_kv_cache_mesh(ModelKVConfig(num_layers=2, num_kv_heads=8, head_dim=64, profile="k8v4"), mesh,
                               max_context=512, max_concurrency=8, policy=ExplicitCapacity(kv_capacity=4096))
     store = ShardedKVStore(plan, mesh)                         # one host-only KVStore per data shard
-    state = store.allocate_state()                             # planes P(None, data, model), tables P(data, None)
+    state = store.allocate_state()                             # planes P(None, data, model), tables P(data)
     layout = store.layout("main")                              # what one device holds: 8 / model heads
 
     @jax.jit

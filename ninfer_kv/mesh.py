@@ -13,7 +13,7 @@ Sharding rules (``D`` data shards, ``T`` model shards, ``H`` KV heads):
   ``T`` heads, one per device, and cost ``T / H`` times the bytes of the unreplicated cache;
 * the page axis is split over the data axis: each data shard is its own pool with its own page
   IDs ``0 .. N_local - 1``;
-* block tables ``(D * C_local, L)`` are split by row over the data axis and replicated over the
+* block tables ``(D * C_local, L)`` (``P(data)``) are split by row over the data axis and replicated over the
   model axis (each device of a data shard reads the same table); the applied-work serial is
   replicated.
 
@@ -210,10 +210,12 @@ class KVMesh:
         return P(None, self.model_axis, self.data_axis, None, None)
 
     def table_spec(self) -> "PartitionSpec":
-        """Spec of an ``int32 (D * C_local, L)`` block table: rows over data, replicated over model."""
+        """Spec of an ``int32 (D * C_local, L)`` block table: rows over data, replicated over model
+        (``P(data)``, written without the trailing ``None`` as ``shard_map`` returns it, so a
+        state that went through a step has the same jit signature as a fresh one)."""
         from jax.sharding import PartitionSpec as P
 
-        return P(self.data_axis, None)
+        return P(self.data_axis)
 
     def replicated_spec(self) -> "PartitionSpec":
         from jax.sharding import PartitionSpec as P

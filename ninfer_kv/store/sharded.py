@@ -429,7 +429,7 @@ class ShardedKVStore:
 
     def allocate_state(self, *, fill=None, memory_kind: str | None = None) -> KVDeviceState:
         """A fresh sharded :class:`KVDeviceState` on the mesh: every leaf a ``NamedSharding``
-        (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data, None)``, serial
+        (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data)``, serial
         replicated), each device allocating only its own block.  ``memory_kind="pinned_host"`` places
         the same specs in pinned host memory (a Host-tier copy)."""
         import jax

@@ -97,3 +97,24 @@ def test_cli_plan_mesh(capsys):
     assert "per device" in text and f"{plan.device_bytes:,} B" in text
     assert main(argv[:-1] + ["data=3,model=4"]) == 2
     assert "--max-concurrency 16 does not split over the data axis of size 3" in capsys.readouterr().err
+
+
+def test_backend_pools_split_like_main():
+    from ninfer_kv.planning import SpeculativeConfig
+    from ninfer_kv.store.sharded import ShardedKVStore
+
+    spec = SpeculativeConfig(backend="dflash", draft_full_layers=2, draft_kv_heads=2)
+    plan = plan_kv_cache_mesh(MODEL, "data=2,model=4", max_context=1024, max_concurrency=8,
+                              policy=ExplicitCapacity(8192), speculative=spec)
+    draft = plan.device.pools[PoolKind.DRAFT_FULL].layout
+    assert draft.order.value == "head-major" and draft.num_kv_heads == 1  # 2 heads < 4: replicated
+    assert plan.shard.pools[PoolKind.DRAFT_FULL].layout.num_kv_heads == 4
+    pools = ShardedKVStore(plan).global_pools()
+    assert pools[PoolKind.DRAFT_FULL].physical_pages == 2 * plan.m_local
+    assert pools[PoolKind.MAIN].table_shape == (8, plan.logical_pages)
+    mtp = plan_kv_cache_mesh(MODEL, "data=2,model=4", max_context=1024, max_concurrency=8,
+                             policy=ExplicitCapacity(8192), speculative=SpeculativeConfig(backend="mtp", draft_window=4))
+    assert mtp.device.pools[PoolKind.MTP].physical_pages == mtp.m_local + 4  # C_local * ceil((K-1)/P)
+    with pytest.raises(ValueError, match="draft_kv_heads=3"):
+        plan_kv_cache_mesh(MODEL, "data=2,model=4", max_context=1024, max_concurrency=8, policy=ExplicitCapacity(8192),
+                           speculative=SpeculativeConfig(backend="dflash", draft_full_layers=1, draft_kv_heads=3))

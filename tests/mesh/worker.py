@@ -345,8 +345,8 @@ def host_tier() -> int:
     k = rng.standard_normal((2, 100, 4, D_HEAD)).astype(np.float32)
     step = jax.jit(lambda s, w, r, kk: sharded_paged_append(
         kv_mesh, sharded_apply_work(kv_mesh, s, w), 0, lay, r, jnp.zeros(2, jnp.int32), kk, kk,
-        jnp.array([0, 100], jnp.int32), impl="ffi"))
-    state = step(state, store.take_work().device_put(kv_mesh), rows, k)
+        jnp.where(r < store.max_concurrency, 100, 0).astype(jnp.int32), impl="ffi"))
+    state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows, k)
     store.commit_rows(rows[1:], [100])
     old_ids = store.host_block_table()[rows[1], :2]
     n_loc = plan.shard.pools[PoolKind.MAIN].physical_pages
@@ -355,6 +355,14 @@ def host_tier() -> int:
     report = store.offload_checkpoint(ck, state)
     assert store.drop_device_replica(ck) == 2, report
     assert store.checkpoint(ck).placement == "host"
+    # one compilation whatever the page IDs: a second sequence on the other shard, same shapes
+    h_other = store.activate(100, 0, shard=0)
+    rows0 = store.batch_rows([[h_other], []], 1)
+    store.map_rows(rows0[:1], [100])
+    state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows0, k)
+    store.commit_rows(rows0[:1], [100])
+    assert step._cache_size() == 1, "the sharded step recompiled for other page IDs"
+    store.finish(h_other)
     h2 = store.activate(100, 0, shard=1, source=ck, release_source=True)
     work = store.take_work()
     assert work.counts()[PoolKind.MAIN][2] >= 2  # the two pages come back as restores
