@@ -7,8 +7,8 @@
 //                           planes...) -> out (B, T, Hq, D)
 //   attributes: k_codec, v_codec; window (s32 >= 1) and sm_scale (f32) for attention.
 //
-// Append writes token t < valid[b] at slot (positions[b] + t) mod slots when the position is
-// >= 0 and among the last `slots` positions the call writes for that row (earlier ones would be
+// Append writes token t < clip(valid[b], 0, T) at slot (positions[b] + t) mod slots when the
+// position is >= 0 and among the last `slots` positions the call writes for that row (earlier ones would be
 // overwritten in the same call); a row index outside [0, rows) or a layer outside
 // [0, num_layers) writes nothing.  Attention returns zeros for a row index outside [0, rows)
 // and clamps the layer; query
@@ -105,9 +105,10 @@ ffi::Error CyclicAppendImpl(ffi::Buffer<ffi::S32, 1> rows, ffi::Buffer<ffi::S32,
   const int64_t T = in.queries;
   ForEachItem(in.batch * T, in.heads * in.head_dim, [&](int64_t item) {
     const int64_t b = item / T, t = item % T;
-    if (t >= val[b]) return;
+    const int64_t vb = Clamp64(val[b], 0, T);  // valid is clipped to [0, T]
+    if (t >= vb) return;
     const int64_t p = static_cast<int64_t>(pos[b]) + t;
-    const int64_t last = static_cast<int64_t>(pos[b]) + val[b] - 1;
+    const int64_t last = static_cast<int64_t>(pos[b]) + vb - 1;
     if (p < 0 || p <= last - geo.slots) return;
     const int64_t row = rw[b];
     if (row < 0 || row >= geo.rows) return;

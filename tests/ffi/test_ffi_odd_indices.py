@@ -5,7 +5,7 @@
 * a block-table entry outside [0, N), negative included: append drops that block's tokens,
   attention masks its keys exactly like keys beyond kv_lens;
 * positions outside [0, L * 64) are dropped by append; attention clips kv_lens to [0, L * 64] and a
-  query at a negative position sees no key; valid is clipped to [0, T].
+  query at a negative position sees no key; valid is clipped to [0, T] (paged and cyclic).
 
 Expected values come from the numpy oracle (``tests/ops/np_codecs.py``), not from the reference.
 """
@@ -159,6 +159,13 @@ def test_cyclic_rows_outside_the_state_are_inert(profile):
     out = ffi_cyclic_append(view, bad_rows, jnp.asarray([0, 0, 0]), jnp.asarray(k), jnp.asarray(k), jnp.asarray([0, 4, 0]))
     for name in planes:  # rows -1 and 3 write nothing (row 1 has valid 0)
         np.testing.assert_array_equal(raw_bytes(out.planes[name]), raw_bytes(planes[name]), err_msg=name)
+    # valid above T (and above the ring size) is clipped to T: the same planes as valid = T
+    one = jnp.asarray([1])
+    full = ffi_cyclic_append(view, one, jnp.asarray([0]), jnp.asarray(k[:1]), jnp.asarray(k[:1]), jnp.asarray([4]))
+    over = ffi_cyclic_append(view, one, jnp.asarray([0]), jnp.asarray(k[:1]), jnp.asarray(k[:1]), jnp.asarray([100]))
+    for name in planes:
+        np.testing.assert_array_equal(raw_bytes(over.planes[name]), raw_bytes(full.planes[name]), err_msg=name)
+        assert not np.array_equal(raw_bytes(full.planes[name]), raw_bytes(planes[name])), name
     q = rng.standard_normal((3, 1, 4 * H, D)).astype(np.float32)
     att = np.asarray(ffi_cyclic_attention(jnp.asarray(q), view, bad_rows, jnp.asarray([40, 40, 40]),
                                           jnp.asarray([41, 41, 41])))
