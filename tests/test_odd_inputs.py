@@ -209,11 +209,7 @@ def test_cyclic_rows_outside_the_state_are_inert_under_jit(impl):
     assert np.isfinite(out[[1, 3]]).all()
 
 
-@pytest.mark.parametrize("impl", [
-    "reference",
-    pytest.param("ffi", marks=pytest.mark.xfail(reason="the FFI cyclic append keeps the last slots of an unclipped valid")),
-    "pallas",
-])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_cyclic_valid_beyond_t_is_clipped_under_jit(impl):
     """valid = 9 > T = 3 writes the row's 3 tokens (the 'last slots survive' rule uses clip(valid, 0, T))."""
     impl = _impl(impl)
