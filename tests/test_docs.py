@@ -26,7 +26,13 @@ _FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.S | re.M)
 _FOOTER = textwrap.dedent(
     """
     import resource as _resource, sys as _sys
-    _peak = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss * (1 if _sys.platform == "darwin" else 1024)
+    # VmHWM is this process image's own peak; ru_maxrss also keeps the peak of the process that
+    # forked it across exec (pytest's, when the suite has grown large).
+    try:
+        with open("/proc/self/status") as _f:
+            _peak = next(int(l.split()[1]) * 1024 for l in _f if l.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        _peak = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss * (1 if _sys.platform == "darwin" else 1024)
     print(f"__peak_rss_bytes__={_peak}")
     """
 )
