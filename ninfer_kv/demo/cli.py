@@ -5,6 +5,7 @@ Examples::
     ninfer-kv demo                                  # 32 requests, small model, BF16, memory pressure
     ninfer-kv demo --backend mtp --draft-window 3   # MTP speculative decoding
     ninfer-kv demo --profile k8v4 --kv-lease-growth --json
+    ninfer-kv demo --mesh data=2,model=4 --impl ffi --json   # 8 devices (forced host devices on a CPU)
 
 This module only declares arguments; everything heavy is imported when the command runs.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ..cli import BYTES, POSITIVE_INT, PROFILE, CommandOutput, bounded_int, register_subcommand
 
@@ -64,6 +66,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                        help="KV profile: bf16 (default), int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4")
     model.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
                        help="op implementation: auto (Pallas on GPU, FFI on CPU; default), pallas, ffi, reference")
+    model.add_argument("--mesh", type=_mesh, default=None, metavar="data=D,model=T",
+                       help="serve over a D x T device mesh: each request on a data shard (chosen by the scheduler), "
+                            "the KV heads split over the model axis, planes never gathered; on a CPU D*T host devices "
+                            "are forced before JAX starts; --max-concurrency and --kv-capacity are totals over the "
+                            "data shards, --host-bytes per data shard; --backend off only (default: one device)")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--backend", type=_choice("backend", _BACKENDS), default="off", help="off (default) or mtp")
     spec.add_argument("--draft-window", type=POSITIVE_INT, metavar="K",
@@ -91,6 +98,40 @@ def configure(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--no-dense-check", action="store_true", help="skip the dense recomputation after the run")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _mesh(text: str):
+    from ..mesh import MeshSpec
+
+    try:
+        return MeshSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_FORCE_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def ensure_devices(count: int) -> None:
+    """Make ``count`` devices available for a mesh: before JAX's backends start, force ``count``
+    host devices (``XLA_FLAGS``; no effect on a GPU); afterwards, ``ValueError`` unless the
+    process already has ``count`` devices."""
+    started = False
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        started = xla_bridge.backends_are_initialized()
+    if not started:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_FORCE_DEVICES)]
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_FORCE_DEVICES}={count}"])
+    import jax
+
+    have = len(jax.devices())
+    if have < count:
+        raise ValueError(
+            f"--mesh needs {count} devices, JAX started with {have}; on a CPU run it in a fresh process (or set "
+            f"XLA_FLAGS={_FORCE_DEVICES}={count} before JAX starts)"
+        )
 
 
 def _physical_memory() -> int | None:
@@ -147,6 +188,7 @@ def config_from_args(args: argparse.Namespace):
         fixed_bytes=args.fixed_bytes,
         seed=args.seed,
         dense_check=not args.no_dense_check,
+        mesh=args.mesh,
     )
 
 
@@ -155,6 +197,8 @@ def run(args: argparse.Namespace) -> CommandOutput:
     from .run import run_demo, validate
 
     config = config_from_args(args)
+    if config.mesh is not None:
+        ensure_devices(config.mesh.size)
     validate(config)  # plan and workload errors surface as one-line usage errors, before any compile
     result = run_demo(config, progress=not args.no_progress)
     return CommandOutput(data=result.to_json(), text=result.table())

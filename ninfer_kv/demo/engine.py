@@ -172,8 +172,11 @@ class ModelEngine:
                 f"the largest batch bucket {max(self.buckets)} is below max_concurrency={store.max_concurrency}"
             )
         self.stats = UnitStats()
-        self.state: KVDeviceState = store.allocate_state()
+        self.state: KVDeviceState = self._allocate_state()
         self.work_shape = step_work_shape(store)
+
+    def _allocate_state(self) -> KVDeviceState:
+        return self.store.allocate_state()
 
     def _step_work(self):
         """The round work for the next step, padded to :attr:`work_shape` (an oversized one is

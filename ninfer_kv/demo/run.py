@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import time
 import warnings
 
@@ -17,7 +19,9 @@ from ..planning import (
     ModelKVConfig,
     SpeculativeConfig,
     plan_kv_cache,
+    plan_kv_cache_mesh,
 )
+from ..mesh import KVMesh, MeshSpec
 from ..profiles import KVProfile
 from ..store import EntitlementPolicy, KVStore
 from ..models.qwen_tiny import IMPLS, ModelConfig, ModelSteps, StepConfig, init_params, make_steps
@@ -30,7 +34,7 @@ from .requests import WorkloadSpec, make_workload
 from .scheduler import Scheduler, check_workload_fits
 from .summary import DemoResult
 
-__all__ = ["DemoConfig", "MODELS", "BACKENDS", "run_demo", "validate", "demo_buckets", "build_store"]
+__all__ = ["DemoConfig", "MODELS", "BACKENDS", "run_demo", "validate", "demo_buckets", "build_store", "tokens_digest"]
 
 MODELS = {
     "tiny": dict(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=256),
@@ -80,6 +84,9 @@ class DemoConfig:
       fixed_bytes: the fixed part of ``B(M)``.
       seed: weights seed (the workload has its own seed).
       dense_check: recompute every request densely after the run.
+      mesh: serve over a ``data x model`` device mesh (:mod:`ninfer_kv.demo.mesh_run`; main model
+        only), or ``None`` for one device.  ``max_concurrency`` and ``kv_capacity`` are totals over
+        the data shards, ``host_bytes`` is per data shard.
     """
 
     workload: WorkloadSpec = WorkloadSpec()
@@ -97,6 +104,7 @@ class DemoConfig:
     fixed_bytes: int = 0
     seed: int = 0
     dense_check: bool = True
+    mesh: MeshSpec | None = None
 
     def __post_init__(self):
         if not isinstance(self.workload, WorkloadSpec):
@@ -118,6 +126,23 @@ class DemoConfig:
         if not isinstance(self.capacity, (ExplicitCapacity, AutomaticCapacity)):
             raise TypeError(f"capacity must be ExplicitCapacity or AutomaticCapacity, got {type(self.capacity).__name__}")
         self.model_config.kv_config(self.profile)  # head dim vs profile: a clear ValueError early
+        if self.mesh is not None:
+            object.__setattr__(self, "mesh", MeshSpec.parse(self.mesh))
+            if self.backend != "off":
+                raise ValueError(f"backend={self.backend!r} runs on one device only; with mesh={self.mesh} "
+                                 "the backend must be 'off'")
+            self.mesh.local_concurrency(self.max_concurrency)
+            h, t = self.model_config.num_kv_heads, self.mesh.model
+            if h % t and t % h:
+                raise ValueError(
+                    f"model {self.model!r} has {h} KV heads; they do not fit the model axis of size {t}: it must "
+                    f"divide {h} or be a multiple of it"
+                )
+            if self.model_config.num_heads % self.mesh.model:
+                raise ValueError(
+                    f"the model's {self.model_config.num_heads} query heads do not split over the model axis of "
+                    f"size {self.mesh.model}"
+                )
 
     @property
     def model_config(self) -> ModelConfig:
@@ -217,16 +242,91 @@ def validate(config: DemoConfig):
     requests = make_workload(config.workload, model.vocab_size)
     lead = config.draft_window - 1 if config.backend == "mtp" else 0
     check_workload_fits(requests, config.max_context, ceil_div(config.max_context, PAGE_SIZE), lead)
-    plan = plan_kv_cache(
-        ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile),
-        max_context=config.max_context,
-        max_concurrency=config.max_concurrency,
-        policy=config.capacity,
-        speculative=config.speculative,
-        fixed_bytes=config.fixed_bytes,
-    )
+    kv = ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile)
+    common = dict(max_context=config.max_context, max_concurrency=config.max_concurrency, policy=config.capacity,
+                  speculative=config.speculative, fixed_bytes=config.fixed_bytes)
+    plan = plan_kv_cache(kv, **common) if config.mesh is None else plan_kv_cache_mesh(kv, config.mesh, **common)
     _resolved_impl(config.impl)
     return plan, requests
+
+
+def tokens_digest(records) -> str:
+    """sha256 hex of every request's generated tokens in request order: the UTF-8 bytes of the
+    compact JSON list ``[[request id, [token, ...]], ...]``."""
+    doc = [[int(r.request.id), [int(t) for t in r.generated]] for r in sorted(records, key=lambda r: r.request.id)]
+    return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class _Served:
+    """What the serving part of a run produced (one device or a mesh)."""
+
+    records: list
+    scheduler: object  # SchedulerStats (summed over data shards)
+    units: object  # UnitStats
+    pressure: object  # PressureStats
+    host_tier: bool
+    offloaded: int
+    restored: int
+    leaked_pages: int
+    leaked_extents: int
+    pool_pages: dict
+    compiles: dict
+
+
+def _unit_compiles(after: dict, before: dict) -> dict[str, int]:
+    compiles: dict[str, int] = {}  # per unit (a state step counts for the unit it runs)
+    for name, n in after.items():
+        unit = name.removesuffix("_state")
+        compiles[unit] = compiles.get(unit, 0) + n - before.get(name, 0)
+    return compiles
+
+
+def _serve_single(config: DemoConfig, plan, requests, params, fingerprint: str, on_finish, begin) -> _Served:
+    store = build_store(config, plan)
+    steps = _steps(config.step_config)
+    compiles_before = steps.compiles()
+    engine = ModelEngine(steps, params, store, fingerprint)
+    cache = PrefixCache(store, engine.flushed_state)
+    begin()
+    scheduler = Scheduler(engine, cache, requests, on_finish=on_finish)
+    records = scheduler.run()
+    jax.block_until_ready(engine.state)
+    store.check_state(engine.state)  # every round work applied once, in order
+    offloaded, restored = host_page_counters(store)
+    leaked_pages, leaked_extents = _leaks(store, cache)
+    return _Served(records, scheduler.stats, engine.stats, cache.stats, cache.host_tier, offloaded, restored,
+                   leaked_pages, leaked_extents, {k.value: store.pool(k).capacity for k in store.pool_kinds},
+                   _unit_compiles(steps.compiles(), compiles_before))
+
+
+def _serve_mesh(config: DemoConfig, plan, requests, params, fingerprint: str, on_finish, begin) -> _Served:
+    from .mesh_run import merge_pressure_stats, merge_scheduler_stats, merge_unit_stats, serve_mesh
+
+    kv_mesh = KVMesh(config.mesh)
+    local = demo_buckets(config.mesh.local_concurrency(config.max_concurrency))
+    policy = EntitlementPolicy(kv_lease_growth=config.kv_lease_growth, window_tokens=config.lease_window_tokens,
+                               cushion_tokens=config.lease_cushion_tokens)
+    served = serve_mesh(plan, kv_mesh, config.step_config, local, params, fingerprint, requests,
+                        entitlement=policy, host_bytes=config.host_bytes or None, on_finish=on_finish,
+                        before_serve=lambda steps: begin())
+    counters = [host_page_counters(e.store) for e in served.engines]
+    leaks = [_leaks(e.store, c) for e, c in zip(served.engines, served.caches)]
+    pool_pages: dict[str, int] = {}
+    for e in served.engines:
+        for k in e.store.pool_kinds:
+            pool_pages[k.value] = pool_pages.get(k.value, 0) + e.store.pool(k).capacity
+    return _Served(
+        served.records,
+        merge_scheduler_stats([s.stats for s in served.schedulers]),
+        merge_unit_stats([e.stats for e in served.engines]),
+        merge_pressure_stats([c.stats for c in served.caches]),
+        served.caches[0].host_tier,
+        sum(c[0] for c in counters), sum(c[1] for c in counters),
+        sum(x[0] for x in leaks), sum(x[1] for x in leaks),
+        pool_pages,
+        _unit_compiles(served.steps.compiles(), {}),
+    )
 
 
 def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> DemoResult:
@@ -235,43 +335,35 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
     model = config.model_config
     params, calibration = _params(model, config.seed)
     impl = _resolved_impl(config.impl)
-    store = build_store(config, plan)
-    steps = _steps(config.step_config)
-    compiles_before = steps.compiles()
-    engine = ModelEngine(steps, params, store, model_fingerprint(model, config.seed, config.profile.value))
-    cache = PrefixCache(store, engine.flushed_state)
+    fingerprint = model_fingerprint(model, config.seed, config.profile.value)
     bar = make_progress(len(requests), enabled=progress)
     generated = 0
-    compile_start = _CompileClock.read()
-    start = time.perf_counter()
+    clock = {"compile": _CompileClock.read(), "start": time.perf_counter()}
+
+    def begin():
+        clock["compile"], clock["start"] = _CompileClock.read(), time.perf_counter()
 
     def on_finish(record):
         nonlocal generated
         generated += int(record.generated.size)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - clock["start"]
         bar.update(1, tokens=generated, tok_s=f"{generated / max(elapsed, 1e-9):.0f}")
 
-    scheduler = Scheduler(engine, cache, requests, on_finish=on_finish)
+    serve = _serve_single if config.mesh is None else _serve_mesh
     try:
-        records = scheduler.run()
-        jax.block_until_ready(engine.state)
-        store.check_state(engine.state)  # every round work applied once, in order
+        served = serve(config, plan, requests, params, fingerprint, on_finish, begin)
     finally:
         bar.close()
-    serve_seconds = time.perf_counter() - start
-    compile_seconds = _CompileClock.read() - compile_start
-    offloaded, restored = host_page_counters(store)
-    leaked_pages, leaked_extents = _leaks(store, cache)
+    serve_seconds = time.perf_counter() - clock["start"]
+    compile_seconds = _CompileClock.read() - clock["compile"]
+    records = served.records
 
     dense = None
     if config.dense_check:
         dense = check_dense(params, model, config.profile, records)
-    compiles: dict[str, int] = {}  # per unit (a state step counts for the unit it runs)
-    for name, n in steps.compiles().items():
-        unit = name.removesuffix("_state")
-        compiles[unit] = compiles.get(unit, 0) + n - compiles_before.get(name, 0)
-    st = scheduler.stats
-    es = engine.stats
+    compiles = served.compiles
+    st = served.scheduler
+    es = served.units
     finish_reasons: dict[str, int] = {}
     for r in records:
         finish_reasons[r.finish_reason] = finish_reasons.get(r.finish_reason, 0) + 1
@@ -290,18 +382,18 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
         "prefix_hits": st.prefix_hits,
         "prefix_tokens_reused": st.prefix_tokens_reused,
         "prefix_jobs": st.prefix_jobs,
-        "offloaded_pages": offloaded,
-        "restored_pages": restored,
-        "evictions": dataclasses.asdict(cache.stats),
-        "host_tier": cache.host_tier,
+        "offloaded_pages": served.offloaded,
+        "restored_pages": served.restored,
+        "evictions": dataclasses.asdict(served.pressure),
+        "host_tier": served.host_tier,
         "peak_host_bytes": st.peak_host_bytes,
         "compiles": compiles,
         "buckets": {name: sorted(b) for name, b in es.buckets.items()},
         "units": dict(es.units),
         "peak_pages": dict(st.peak_pages),
-        "pool_pages": {k.value: store.pool(k).capacity for k in store.pool_kinds},
-        "leaked_pages": leaked_pages,
-        "leaked_host_extents": leaked_extents,
+        "pool_pages": served.pool_pages,
+        "leaked_pages": served.leaked_pages,
+        "leaked_host_extents": served.leaked_extents,
         "finish_reasons": finish_reasons,
         "bounded_completions": st.bounded_completions,
         "lease_pages_granted": st.lease_pages_granted,
@@ -315,6 +407,8 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
         "backend": config.backend,
         "kv_lease_growth": config.kv_lease_growth,
         "device": jax.devices()[0].platform,
+        "mesh": None if config.mesh is None else {"data": config.mesh.data, "model": config.mesh.model},
+        "tokens_digest": tokens_digest(records),
         "model": {
             "name": config.model,
             "layers": model.num_layers,

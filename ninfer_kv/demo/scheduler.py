@@ -144,23 +144,32 @@ class Scheduler:
     # -- main loop --------------------------------------------------------------------------------------
     def run(self) -> list[RequestRecord]:
         """Serve every request; returns the records in completion order."""
-        while self.queue or self.lanes:
-            self.round += 1
-            self._admit()
-            if not self.lanes:
-                head = self.queue[0].request
-                raise RuntimeError(
-                    f"request {head.id} ({head.total_tokens} tokens) cannot be activated on an idle store: "
-                    f"{self.store.pool('main').available} of {self.store.pool('main').capacity} Main pages are "
-                    f"available; raise --kv-capacity"
-                )
-            self._prefill()
-            self._retain_prefixes()
-            self._decode()
-            self._finish_done()
-            self._sample()
-        self.stats.rounds = self.round
+        while self.busy:
+            self.step_round()
         return self.records
+
+    @property
+    def busy(self) -> bool:
+        """Requests are waiting or being served."""
+        return bool(self.queue or self.lanes)
+
+    def step_round(self) -> None:
+        """One scheduling round: admit, prefill a chunk, retain finished prefixes, decode, finish."""
+        self.round += 1
+        self._admit()
+        if not self.lanes:
+            head = self.queue[0].request
+            raise RuntimeError(
+                f"request {head.id} ({head.total_tokens} tokens) cannot be activated on an idle store: "
+                f"{self.store.pool('main').available} of {self.store.pool('main').capacity} Main pages are "
+                f"available; raise --kv-capacity"
+            )
+        self._prefill()
+        self._retain_prefixes()
+        self._decode()
+        self._finish_done()
+        self._sample()
+        self.stats.rounds = self.round
 
     def _batches(self, lanes: list[Lane]):
         for i in range(0, len(lanes), self.max_batch):

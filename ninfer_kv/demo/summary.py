@@ -20,8 +20,13 @@ JSON keys (every key is present; ``null`` where it does not apply):
   ``buckets`` (per step function: the batch buckets it ran in), ``units`` (calls per step);
 * ``mtp`` (backend mtp: ``draft_window``, ``head_calibration_agreement``, ``rounds``,
   ``drafts_verified``, ``drafts_accepted``, ``acceptance_rate``, ``tokens_per_round``);
-* setup: ``profile``, ``impl`` (resolved), ``backend``, ``device``, ``model``, ``plan`` (the
-  ``ninfer-kv plan`` JSON of the store's plan), ``seed``, ``workload_seed``.
+* ``tokens_digest``: sha256 hex of every request's generated tokens in request order (the UTF-8
+  bytes of the compact JSON ``[[request id, [token, ...]], ...]``): equal for equal outputs, so a
+  mesh run and a one-device run with the same ``--seed`` can be compared;
+* setup: ``profile``, ``impl`` (resolved), ``backend``, ``device``, ``mesh`` (``{"data": D, "model": T}``
+  with ``--mesh``, else ``null``), ``model``, ``plan`` (the ``ninfer-kv plan`` JSON of the store's
+  plan; with a mesh the mesh plan, its ``per_device`` part one device's), ``seed``, ``workload_seed``.
+  With a mesh the counters and ``pool_pages`` are summed over the data shards.
 """
 
 from __future__ import annotations
@@ -92,14 +97,17 @@ class DemoResult:
         width = max(len(k) for k, _ in pairs)
         lines += [f"  {k.ljust(width)}  {v}" for k, v in pairs]
         plan = d["plan"]
+        per_device = plan.get("per_device", plan)  # a mesh plan: page sizes of one device's pools
         rows = [
             [pool, f"{d['pool_pages'][pool]:,}", f"{d['peak_pages'][pool]:,}", format_bytes(p["page_bytes"]), format_bytes(p["bytes"])]
-            for pool, p in plan["pools"].items()
+            for pool, p in per_device["pools"].items()
         ]
         lines += [
             "",
-            f"KV memory (up to {plan['max_context']:,} tokens per request, {plan['max_concurrency']} requests at once, "
-            f"pages of {plan['page_size']} tokens)",
+            f"KV memory (up to {per_device['max_context']:,} tokens per request, {plan['max_concurrency']} requests at once, "
+            f"pages of {per_device['page_size']} tokens"
+            + (f"; mesh data={d['mesh']['data']},model={d['mesh']['model']}: pages summed over the data shards, "
+               "bytes of one device" if d.get("mesh") else "") + ")",
             render_table(["cache", "pages", "most in use", "bytes per page", "total"], rows, right=(1, 2, 3, 4)),
             "",
             "step functions (compiled once per batch size)",

@@ -36,6 +36,11 @@ def test_demo_is_registered():
         (["--max-context", "128"], "--max-context is 128"),
         (["--free-bytes", "1KiB"], "--free-bytes 1024 is too small"),
         (["--max-concurrency", "0"], "--max-concurrency"),
+        (["--mesh", "data=x"], "mesh 'data=x' is invalid"),
+        (["--mesh", "rows=2"], "write it as data=D,model=T"),
+        (["--mesh", "data=3"], "does not split over the data axis of size 3"),
+        (["--mesh", "model=3"], "2 KV heads; they do not fit the model axis of size 3"),
+        (["--mesh", "data=2", "--backend", "mtp"], "runs on one device only"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv, needle, capsys):

@@ -155,6 +155,19 @@ def test_same_tokens_under_other_schedules(bf16_run):
     for a, b in zip(bf16_run.records, other.records):
         assert a.request.id == b.request.id
         np.testing.assert_array_equal(a.generated, b.generated)
+    assert other["tokens_digest"] == bf16_run["tokens_digest"]
+
+
+def test_tokens_digest_is_sha256_of_the_tokens_in_request_order(bf16_run):
+    import hashlib
+    import json
+
+    doc = [[r.request.id, r.generated.tolist()] for r in bf16_run.records]
+    assert [r for r, _ in doc] == sorted(r for r, _ in doc)
+    want = hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+    assert bf16_run["tokens_digest"] == want and bf16_run["mesh"] is None
+    doc[0][1][0] ^= 1  # one token differs: another digest
+    assert hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest() != want
 
 
 def test_config_rejects_bad_values():
@@ -166,6 +179,12 @@ def test_config_rejects_bad_values():
         DemoConfig(impl="cuda")
     with pytest.raises(ValueError, match="host_bytes"):
         DemoConfig(host_bytes=-1)
+    with pytest.raises(ValueError, match="runs on one device only"):
+        DemoConfig(backend="mtp", mesh="data=2")
+    with pytest.raises(ValueError, match="max_concurrency=8 does not split"):
+        DemoConfig(mesh="data=3")
+    with pytest.raises(ValueError, match="2 KV heads; they do not fit the model axis of size 3"):
+        DemoConfig(mesh="model=3")
 
 
 @pytest.mark.skipif(not HOST_TIER, reason="the store has no Host tier yet")
