@@ -74,12 +74,19 @@ def main(argv=None) -> None:
     k = rng.standard_normal((args.batch, 1, hh, args.head_dim)).astype(np.float32)
     one = np.ones(args.batch, np.int32)
 
+    # Each layer's attention output feeds the next layer's K/V, as in a model.  Without that
+    # dependency XLA may order a layer's in-place append before the previous layer's attention
+    # read, and must then copy the whole planes to keep that read intact.
+    def next_kv(x, out):
+        return x + out[:, :, : x.shape[2]].astype(x.dtype)
+
     def sharded(state, pos):
-        outs = []
+        x = k
         for layer in range(args.layers):
-            state = sharded_paged_append(mesh, state, layer, lay_dev, rows, pos, k, k, one, impl=args.impl)
-            outs.append(sharded_paged_attention(mesh, q, state, layer, lay_dev, rows, pos, pos + 1, impl=args.impl))
-        return state, outs
+            state = sharded_paged_append(mesh, state, layer, lay_dev, rows, pos, x, x, one, impl=args.impl)
+            out = sharded_paged_attention(mesh, q, state, layer, lay_dev, rows, pos, pos + 1, impl=args.impl)
+            x = next_kv(x, out)
+        return state, out
 
     dev0 = jax.devices()[0]
     lay_single = PagedKVStorageLayout(args.profile, args.layers, hh, args.head_dim)
@@ -87,16 +94,22 @@ def main(argv=None) -> None:
     single_tab = jax.device_put(jnp.asarray(tables_single), dev0)
 
     def single(planes, pos):
-        outs = []
+        x = k
         for layer in range(args.layers):
             view = PagedKVBatchLayerView(planes, single_tab, layer, lay_single)
-            view = ops.paged_append(view, rows, pos, k, k, one, impl=args.impl)
+            view = ops.paged_append(view, rows, pos, x, x, one, impl=args.impl)
             planes = view.planes
-            outs.append(ops.paged_attention(q, view, rows, pos, pos + 1, impl=args.impl))
-        return planes, outs
+            out = ops.paged_attention(q, view, rows, pos, pos + 1, impl=args.impl)
+            x = next_kv(x, out)
+        return planes, out
 
     f_sharded = jax.jit(sharded, donate_argnums=0)
     f_single = jax.jit(single, donate_argnums=0)
+    pos_spec = np.full(args.batch, args.context, np.int32)
+    for name, fn, carry in (("one device", f_single, single_planes), ("mesh", f_sharded, state)):
+        hlo = fn.lower(carry, pos_spec).compile().as_text()
+        copies = sum(1 for line in hlo.splitlines() if " copy(" in line and "[" in line)
+        print(f"  {name}: {copies} copy instructions in the compiled step")
     pos0 = np.full(args.batch, args.context, np.int32)
 
     # interleaved: each round times one step of each program, so load from elsewhere on the
