@@ -28,13 +28,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import StaleHandleError
+from ..geometry import PAGE_SIZE
+from .errors import InvariantError, StaleHandleError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .logical_page import LogicalKVPage
     from .runtime import PoolRuntime
 
 __all__ = ["AddressSpaceTable", "KVAddressSpace"]
+
+_SHIFT = PAGE_SIZE.bit_length() - 1
 
 
 class AddressSpaceTable:
@@ -108,6 +111,85 @@ class AddressSpaceTable:
             self.generation[slot] += 1
         if slot >= self.rows:
             self._free_inactive.append(slot)
+
+    # -- transitions --------------------------------------------------------------------------------------
+    def append_blocks(
+        self, rows: np.ndarray, owner: np.ndarray, blocks: np.ndarray, slots: np.ndarray, need: np.ndarray
+    ) -> None:
+        """Map pages ``slots`` at ``(owner, blocks)``; ``rows`` then hold ``need`` blocks (mapped == blocks * P)."""
+        self.membership[owner, blocks] = slots
+        self.n_blocks[rows] = need
+        self.mapped[rows] = need << _SHIFT
+
+    def drop_blocks(self, rows: np.ndarray, owner: np.ndarray, blocks: np.ndarray, keep: np.ndarray) -> None:
+        """Unmap ``(owner, blocks)``; rows ``rows`` then hold ``keep`` blocks (entries beyond are -1)."""
+        self.membership[owner, blocks] = -1
+        self.n_blocks[rows] = keep
+        self.mapped[rows] = keep << _SHIFT
+
+    def set_committed(self, rows, frontiers) -> None:
+        """Set committed frontiers (callers keep ``protected <= committed <= mapped``)."""
+        self.committed[rows] = frontiers
+
+    def claim(self, row: int, bundle: int, ent_pages: int, target: int, growth: bool) -> None:
+        """Make the free row slot ``row`` live (empty membership) with its entitlement; undone by ``clear``."""
+        if self.live[row]:
+            raise InvariantError(f"pool {self.pool}: row slot {row} is already in use")
+        self.live[row] = True
+        self.ent_pages[row] = ent_pages
+        self.target[row] = target
+        self.growth[row] = growth
+        self.bundle[row] = bundle
+
+    def set_prefix(self, row: int, slots: np.ndarray, committed: int) -> None:
+        """Give the empty ``row`` the membership ``slots`` (mapped == len * P) and frontier ``committed``."""
+        blocks = slots.size
+        self.membership[row, :blocks] = slots
+        self.n_blocks[row] = blocks
+        self.mapped[row] = blocks * PAGE_SIZE
+        self.committed[row] = committed
+
+    def clear_prefix(self, row: int, blocks: int) -> None:
+        """Exact inverse of :meth:`set_prefix` with ``blocks`` pages: ``row`` is empty again."""
+        self.membership[row, :blocks] = -1
+        self.n_blocks[row] = 0
+        self.mapped[row] = 0
+        self.committed[row] = 0
+
+    def push_tail(self, row: int, block: int, slot: int, committed: int) -> None:
+        """Map ``slot`` as the last block ``block`` of ``row`` and set its frontier to ``committed``."""
+        self.membership[row, block] = slot
+        self.n_blocks[row] = block + 1
+        self.mapped[row] = (block + 1) * PAGE_SIZE
+        self.committed[row] = committed
+
+    def pop_tail(self, row: int, block: int) -> None:
+        """Inverse of :meth:`push_tail`: ``row`` ends at ``block`` blocks, committed up to its end."""
+        self.membership[row, block] = -1
+        self.n_blocks[row] = block
+        self.mapped[row] = block * PAGE_SIZE
+        self.committed[row] = block * PAGE_SIZE
+
+    def activate(self, row: int, protected: int) -> None:
+        """Mark ``row`` active with checkpoint-protected frontier ``protected`` (<= committed)."""
+        self.protected[row] = protected
+        self.active[row] = True
+
+    def retain(self, row: int) -> int:
+        """Copy ``row`` into a fresh inactive slot (protected == committed: a checkpoint is immutable)."""
+        s = self.alloc_inactive()
+        self.live[s] = True
+        self.membership[s] = self.membership[row]
+        self.n_blocks[s] = self.n_blocks[row]
+        self.mapped[s] = self.mapped[row]
+        self.committed[s] = self.committed[row]
+        self.protected[s] = self.committed[row]
+        self.bundle[s] = self.bundle[row]
+        return s
+
+    def add_entitlement(self, rows: np.ndarray, pages: np.ndarray) -> None:
+        """Raise entitlements of distinct ``rows`` by ``pages`` (the caller reserved them)."""
+        self.ent_pages[rows] += pages
 
     def check(self, slot: int, generation: int) -> int:
         if not 0 <= slot < self.capacity or not self.live[slot] or self.generation[slot] != generation:

@@ -166,30 +166,19 @@ class PoolHostReplicas:
 
     def attach(self, slots: np.ndarray, extent: HostExtent, epochs: np.ndarray, coverages: np.ndarray) -> None:
         """Publish pages ``0..len(slots)-1`` of ``extent`` as the Host replicas of ``slots`` (infallible)."""
-        pg = self.rt.pages
-        pg.host_page[slots] = np.arange(slots.size)
-        pg.host_epoch[slots] = epochs
-        pg.host_coverage[slots] = coverages
-        for s in slots.tolist():
-            pg.host_extent[s] = extent
+        self.rt.pages.publish_host_replicas(slots, extent, epochs, coverages)
         self.users[extent] = self.users.get(extent, 0) + int(slots.size)
 
     def detach(self, slots: np.ndarray) -> None:
         """Drop the Host replicas of ``slots``; an extent whose last page goes is freed (infallible)."""
-        pg = self.rt.pages
         users = self.users
-        for s in slots.tolist():
-            extent = pg.host_extent[s]
-            pg.host_extent[s] = None
+        for extent in self.rt.pages.clear_host_replicas(slots):
             left = users[extent] - 1
             if left:
                 users[extent] = left
             else:
                 del users[extent]
                 self.arena.free(extent)
-        pg.host_page[slots] = -1
-        pg.host_epoch[slots] = 0
-        pg.host_coverage[slots] = 0
 
     def occupancy(self) -> HostPoolOccupancy:
         pg = self.rt.pages

@@ -231,6 +231,88 @@ class LogicalPageTable:
         """One transaction pin less on each page (the release of a dead page is the runtime's)."""
         self.pins[slots] -= 1
 
+    # -- transitions of references, writers and content ----------------------------------------------
+    def add_refs(self, slots: np.ndarray, *, active: bool) -> None:
+        """One address-space reference more on each page (and one active reference if ``active``)."""
+        self.refs[slots] += 1
+        if active:
+            self.active_refs[slots] += 1
+
+    def unref(self, slots: np.ndarray, *, active: bool) -> None:
+        """Exact inverse of :meth:`add_refs` (never releases: the pages stay referenced elsewhere)."""
+        self.refs[slots] -= 1
+        if active:
+            self.active_refs[slots] -= 1
+
+    def drop_refs(self, slots: np.ndarray) -> np.ndarray:
+        """One reference less on each page; returns the pages left with no reference and no pin."""
+        self.refs[slots] -= 1
+        dead = slots[self.refs[slots] == 0]
+        return dead[self.pins[dead] == 0]
+
+    def drop_active_refs(self, slots: np.ndarray) -> None:
+        """One active reference less on each page (its address space left execution)."""
+        self.active_refs[slots] -= 1
+
+    def retire_source(self, slots: np.ndarray) -> None:
+        """A moved checkpoint lets go of ``slots``: pages now held only once lose their protection."""
+        self.refs[slots] -= 1
+        sole = slots[self.refs[slots] == 1]
+        self.protected[sole] = 0
+
+    def set_writer(self, slots: np.ndarray, row: int, blocks: np.ndarray) -> None:
+        """Row ``row`` writes ``slots`` at ``blocks`` (committed columns derive from its frontier)."""
+        self.writer[slots] = row
+        self.writer_block[slots] = blocks
+
+    def release_writer(self, slots: np.ndarray, committed: np.ndarray) -> None:
+        """The writer lets go: store the derived ``committed`` columns, no writer left."""
+        self.committed[slots] = committed
+        self.writer[slots] = -1
+        self.writer_block[slots] = 0
+
+    def clear_writer(self, slots: np.ndarray) -> None:
+        """Dead pages lose their writer (before they are reclaimed)."""
+        self.writer[slots] = -1
+
+    def protect_committed(self, slots: np.ndarray) -> None:
+        """Protected columns cover at least the stored committed ones (a checkpoint now holds them)."""
+        self.protected[slots] = np.maximum(self.protected[slots], self.committed[slots])
+
+    def bump_epoch(self, slots: np.ndarray) -> None:
+        """Committed columns of distinct ``slots`` were withdrawn: their content epoch advances."""
+        self.epoch[slots] += 1
+
+    def drop_private(self, slots: np.ndarray) -> None:
+        """Reclaim trimmed private pages whose Device leases the caller dematerialized."""
+        self.device_page[slots] = -1
+        self.refs[slots] = 0
+        self.active_refs[slots] = 0
+        self.writer[slots] = -1
+        self.reclaim(slots)
+
+    # -- transitions of the Host replica ------------------------------------------------------------
+    def publish_host_replicas(self, slots: np.ndarray, extent, epochs: np.ndarray, coverages: np.ndarray) -> None:
+        """Page ``i`` of ``extent`` becomes the Host replica ``(epochs[i], coverages[i])`` of ``slots[i]``."""
+        self.host_page[slots] = np.arange(slots.size)
+        self.host_epoch[slots] = epochs
+        self.host_coverage[slots] = coverages
+        extents = self.host_extent
+        for s in slots.tolist():
+            extents[s] = extent
+
+    def clear_host_replicas(self, slots: np.ndarray) -> list:
+        """Drop the Host replicas of ``slots``; returns their former extents, in order of ``slots``."""
+        extents = self.host_extent
+        old = []
+        for s in slots.tolist():
+            old.append(extents[s])
+            extents[s] = None
+        self.host_page[slots] = -1
+        self.host_epoch[slots] = 0
+        self.host_coverage[slots] = 0
+        return old
+
     def host_valid(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
         """Per page: whether its Host replica exists and is valid for the first ``columns`` columns."""
         return (self.host_page[slots] >= 0) & (self.host_epoch[slots] == self.epoch[slots]) & (

@@ -104,9 +104,7 @@ class PoolRuntime:
             owner = np.repeat(r, counts)
             blocks = np.arange(k) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(have, counts)
         slots = self.pages.create(ids, gens, owner, blocks)
-        sp.membership[owner, blocks] = slots
-        sp.n_blocks[r] = need
-        sp.mapped[r] = need << _SHIFT
+        sp.append_blocks(r, owner, blocks, slots, need)
         self.table.write(owner, blocks, ids)
         return k
 
@@ -133,7 +131,7 @@ class PoolRuntime:
         """Advance committed frontiers of distinct active rows after a successful unit (within the
         mapped extent)."""
         self.check_commit(rows, frontiers)
-        self.spaces.committed[rows] = frontiers
+        self.spaces.set_committed(rows, frontiers)
 
     def trim_rows(self, rows: np.ndarray, keep_tokens: np.ndarray) -> int:
         """Keep ``ceil(max(committed, keep_tokens) / P)`` pages per row; returns pages trimmed.
@@ -163,14 +161,8 @@ class PoolRuntime:
         if (pg.refs[slots] != 1).any() or (pg.writer[slots] != owner).any():
             raise InvariantError(f"pool {self.kind.value}: trimming a page this row does not own privately")
         self.pool.dematerialize_many(pg.device_page[slots], pg.device_gen[slots], owner)
-        pg.device_page[slots] = -1
-        pg.refs[slots] = 0
-        pg.active_refs[slots] = 0
-        pg.writer[slots] = -1
-        pg.reclaim(slots)
-        sp.membership[owner, blocks] = -1
-        sp.n_blocks[r] = kb
-        sp.mapped[r] = kb << _SHIFT
+        pg.drop_private(slots)
+        sp.drop_blocks(r, owner, blocks, kb)
         self.table.write(owner, blocks, 0)
         return k
 
@@ -182,7 +174,7 @@ class PoolRuntime:
         try:
             return self.trim_rows(rows, keep_tokens)
         except BaseException:
-            self.spaces.committed[rows] = saved
+            self.spaces.set_committed(rows, saved)
             raise
 
     def truncate_row(self, row: int, frontier: int, keep_tokens: int) -> None:
@@ -193,8 +185,8 @@ class PoolRuntime:
             first = frontier >> _SHIFT
             last = min(int(sp.n_blocks[row]), -(-old // PAGE_SIZE))
             if last > first:
-                pg.epoch[sp.membership[row, first:last]] += 1
-        sp.committed[row] = frontier
+                pg.bump_epoch(sp.membership[row, first:last])
+        sp.set_committed(row, frontier)
         self.trim_rows(np.array([row]), np.array([keep_tokens], np.int64))
 
     # -- references ---------------------------------------------------------------------------------------
@@ -202,10 +194,7 @@ class PoolRuntime:
         """Remove one address-space reference from each page; release and reclaim unreferenced ones."""
         if slots.size == 0:
             return
-        pg = self.pages
-        pg.refs[slots] -= 1
-        dead = slots[pg.refs[slots] == 0]
-        dead = dead[pg.pins[dead] == 0]
+        dead = self.pages.drop_refs(slots)
         if dead.size:
             self._release_dead(dead)
 
@@ -227,7 +216,7 @@ class PoolRuntime:
         elif on.any():
             self.pool.release(dev[on], pg.device_gen[dead][on])
         pg.clear_device(dead)
-        pg.writer[dead] = -1
+        pg.clear_writer(dead)
         hosted = dead[pg.host_page[dead] >= 0]
         if hosted.size:
             self.host.detach(hosted)
@@ -236,13 +225,7 @@ class PoolRuntime:
     # -- activation pieces (each returns its exact undo) ----------------------------------------------------
     def claim(self, row: int, bundle: int, ent_pages: int, target: int, growth: bool) -> Undo:
         sp = self.spaces
-        if sp.live[row]:
-            raise InvariantError(f"pool {self.kind.value}: row slot {row} is already in use")
-        sp.live[row] = True
-        sp.ent_pages[row] = ent_pages
-        sp.target[row] = target
-        sp.growth[row] = growth
-        sp.bundle[row] = bundle
+        sp.claim(row, bundle, ent_pages, target, growth)
         return lambda: sp.clear(row, bump=False)
 
     def reserve(self, row: int, count: int) -> Undo:
@@ -253,20 +236,12 @@ class PoolRuntime:
         """Reference the first ``blocks`` pages of inactive space ``src`` from ``row`` (Move or Fork)."""
         sp, pg = self.spaces, self.pages
         slots = sp.membership[src, :blocks].copy()
-        sp.membership[row, :blocks] = slots
-        sp.n_blocks[row] = blocks
-        sp.mapped[row] = blocks * PAGE_SIZE
-        sp.committed[row] = committed
-        pg.refs[slots] += 1
-        pg.active_refs[slots] += 1
+        sp.set_prefix(row, slots, committed)
+        pg.add_refs(slots, active=True)
 
         def undo():
-            pg.refs[slots] -= 1
-            pg.active_refs[slots] -= 1
-            sp.membership[row, :blocks] = -1
-            sp.n_blocks[row] = 0
-            sp.mapped[row] = 0
-            sp.committed[row] = 0
+            pg.unref(slots, active=True)
+            sp.clear_prefix(row, blocks)
 
         return undo
 
@@ -280,17 +255,11 @@ class PoolRuntime:
         slot = self.pages.create(ids, gens, row, block)
         mark = self.writes.mark()
         self.writes.copy(pg.device_page[src_page_slot], ids[0], columns)
-        sp.membership[row, block] = slot[0]
-        sp.n_blocks[row] = block + 1
-        sp.mapped[row] = (block + 1) * PAGE_SIZE
-        sp.committed[row] = block * PAGE_SIZE + columns
+        sp.push_tail(row, block, slot[0], block * PAGE_SIZE + columns)
 
         def undo():
             self.writes.rollback(mark)
-            sp.membership[row, block] = -1
-            sp.n_blocks[row] = block
-            sp.mapped[row] = block * PAGE_SIZE
-            sp.committed[row] = block * PAGE_SIZE
+            sp.pop_tail(row, block)
             self.pages.discard(slot)
             self.pool.undo_materialize(row, ids)
 
@@ -307,21 +276,18 @@ class PoolRuntime:
         sp, pg = self.spaces, self.pages
         if moved_from is not None:
             src_slots = sp.pages_of(moved_from).copy()
-            pg.refs[src_slots] -= 1
-            sole = src_slots[pg.refs[src_slots] == 1]
-            pg.protected[sole] = 0  # no surviving checkpoint needs these columns any more
+            pg.retire_source(src_slots)  # no surviving checkpoint needs columns of pages it held alone
             sp.clear(moved_from, bump=True)
         slots = sp.pages_of(row)
         shared = np.flatnonzero(pg.refs[slots] > 1)
         protected_blocks = int(shared[-1]) + 1 if shared.size else 0
-        sp.protected[row] = min(protected_blocks * PAGE_SIZE, int(sp.committed[row]))
+        protected = min(protected_blocks * PAGE_SIZE, int(sp.committed[row]))
         own = slots[protected_blocks:]
         hosted = own[pg.host_page[own] >= 0]
         if hosted.size:  # a writable page keeps no Host replica: its content is about to move on
             self.host.detach(hosted)
-        pg.writer[own] = row
-        pg.writer_block[own] = np.arange(protected_blocks, slots.size)
-        sp.active[row] = True
+        pg.set_writer(own, row, np.arange(protected_blocks, slots.size))
+        sp.activate(row, protected)
 
     # -- deactivation -----------------------------------------------------------------------------------------
     def check_deactivate(self, row: int, retain: bool) -> None:
@@ -349,24 +315,16 @@ class PoolRuntime:
         self.pool.release_reservation(row)
         slots = sp.pages_of(row).copy()
         own = slots[pg.writer[slots] == row]
-        pg.committed[own] = np.clip(int(sp.committed[row]) - pg.writer_block[own] * PAGE_SIZE, 0, PAGE_SIZE)
-        pg.writer[own] = -1
-        pg.writer_block[own] = 0
-        pg.active_refs[slots] -= 1
+        columns = np.clip(int(sp.committed[row]) - pg.writer_block[own] * PAGE_SIZE, 0, PAGE_SIZE)
+        pg.release_writer(own, columns)
+        pg.drop_active_refs(slots)
         self.table.clear_row(row)
         if not retain:
             sp.clear(row, bump=True)
             self.drop_references(slots)
             return None
-        s = sp.alloc_inactive()
-        sp.live[s] = True
-        sp.membership[s] = sp.membership[row]
-        sp.n_blocks[s] = sp.n_blocks[row]
-        sp.mapped[s] = sp.mapped[row]
-        sp.committed[s] = sp.committed[row]
-        sp.protected[s] = sp.committed[row]
-        sp.bundle[s] = sp.bundle[row]
-        pg.protected[slots] = np.maximum(pg.protected[slots], pg.committed[slots])
+        s = sp.retain(row)
+        pg.protect_committed(slots)
         sp.clear(row, bump=True)
         return s
 
@@ -387,7 +345,7 @@ class PoolRuntime:
         g = granted > 0
         if g.any():
             self.pool.reserve_many(rows[g], granted[g])
-            sp.ent_pages[rows[g]] += granted[g]
+            sp.add_entitlement(rows[g], granted[g])
         return granted
 
     # -- checks ---------------------------------------------------------------------------------------------------
