@@ -25,16 +25,22 @@ class Prefetcher {
   int64_t total_lines() const { return total_lines_; }
   // Issues up to `lines` more cache-line prefetches (into L2).
   void Issue(int64_t lines) {
-    while (lines > 0 && idx_ < n_) {
-      if (off_ >= bytes_[idx_]) {
-        ++idx_;
-        off_ = 0;
-        continue;
+    // The cursor lives in locals while issuing: kept in the object, every line would wait on
+    // the store and reload of the previous one.
+    int idx = idx_;
+    int64_t off = off_;
+    while (lines > 0 && idx < n_) {
+      const uint8_t* p = ptr_[idx];
+      const int64_t end = std::min(bytes_[idx], off + 64 * lines);
+      lines -= (end - off + 63) / 64;
+      for (; off < end; off += 64) __builtin_prefetch(p + off, 0, 2);
+      if (off >= bytes_[idx]) {
+        ++idx;
+        off = 0;
       }
-      __builtin_prefetch(ptr_[idx_] + off_, 0, 2);
-      off_ += 64;
-      --lines;
     }
+    idx_ = idx;
+    off_ = off;
   }
   void IssueAll() { Issue(total_lines_); }
 
@@ -55,43 +61,55 @@ constexpr int kAccRegs = 16;  // vector accumulators a kernel keeps in registers
 constexpr int kAccRegs = 8;  // (of 16)
 #endif
 
-// s[mm * lds + jj] = q_mm . k_jj for MB query rows and JB keys (MB * JB == kVL accumulators),
-// reduced with one transposed reduction tree.
+#define NINFER_KV_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// s[mm * lds + jj] = q_mm . k_(j0 + jj) for MB query rows and JB keys (MB * JB == kVL
+// accumulators, kept in registers), reduced with one transposed reduction tree.  Key slots past
+// cnt repeat the last key (never read past the run).
 template <class KDec, int MB, int JB>
-inline void ScoreTile(const float* q, int ld, const typename KDec::Row* krows, int nchunks, float* s, int lds) {
+NINFER_KV_ALWAYS_INLINE void ScoreTile(const float* q, int ld, const PreparedRows& k, int j0, int cnt, int nchunks,
+                                       float* s, int lds) {
   static_assert(MB * JB == kVL, "a score tile has exactly kVL accumulators");
+  typename KDec::Row krows[JB];
+  for (int jj = 0; jj < JB; ++jj) krows[jj] = k.template At<KDec>(std::min(j0 + jj, cnt - 1));
   VFloat acc[MB * JB];
-  for (int i = 0; i < MB * JB; ++i) acc[i] = Splat(0.0f);
+  for (int i = 0; i < MB * JB; ++i) acc[i] = VFloat{};
   int c = 0;
-  for (; c + 2 <= nchunks; c += 2) {  // chunk pairs (decoded together where a level can)
-    VFloat kv[JB][2];
-    for (int jj = 0; jj < JB; ++jj) krows[jj].KeyChunk2(c, kv[jj]);
-    for (int h = 0; h < 2; ++h) {
-      for (int mm = 0; mm < MB; ++mm) {
-        const VFloat qv = Load(q + mm * ld + (c + h) * kVL);  // each q chunk loaded once per tile
-        for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] += qv * kv[jj][h];
+  if (KDec::Row::kPairs) {
+    for (; c + 2 <= nchunks; c += 2) {  // chunk pairs, decoded together
+      VFloat kv[JB][2];
+      for (int jj = 0; jj < JB; ++jj) krows[jj].KeyChunk2(c, kv[jj]);
+      for (int h = 0; h < 2; ++h) {
+        for (int mm = 0; mm < MB; ++mm) {
+          const VFloat qv = Load(q + mm * ld + (c + h) * kVL);  // each q chunk loaded once per tile
+          for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] += qv * kv[jj][h];
+        }
       }
     }
   }
+  // One chunk at a time: JB decoded chunks and one q chunk live next to the MB * JB
+  // accumulators, so every load feeds JB or MB FMAs.
   for (; c < nchunks; ++c) {
-    for (int jj = 0; jj < JB; ++jj) {
-      const VFloat kv = krows[jj].KeyChunk(c);
-      for (int mm = 0; mm < MB; ++mm) acc[mm * JB + jj] += Load(q + mm * ld + c * kVL) * kv;
+    VFloat kv[JB];
+    for (int jj = 0; jj < JB; ++jj) kv[jj] = krows[jj].KeyChunk(c);
+    for (int mm = 0; mm < MB; ++mm) {
+      const VFloat qv = Load(q + mm * ld + c * kVL);
+      for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] += qv * kv[jj];
     }
   }
-  float tmp[kVL];
   VFloat r = ReduceTranspose(acc);
   if (KDec::Row::kKeyScaled) {
     VFloat f;
     for (int i = 0; i < kVL; ++i) f[i] = krows[i % JB].KeyScale();
     r *= f;
   }
-  Store(tmp, r);
-  for (int mm = 0; mm < MB; ++mm) std::memcpy(s + mm * lds, tmp + mm * JB, JB * sizeof(float));
+  for (int mm = 0; mm < MB; ++mm) {
+    for (int jj = 0; jj < JB; ++jj) s[mm * lds + jj] = r[mm * JB + jj];
+  }
 }
 
 // Scores of `rows` query rows (q padded to a multiple of MB with zero rows) against keys
-// [0, cnt) of `k`; a tile's key slots past cnt repeat the last key (never read past the run).
+// [0, cnt) of `k`.
 template <class KDec, int MB, int JB>
 void ScoreRun(const float* q, int rows, int ld, const PreparedRows& k, int cnt, float* s, int lds, Prefetcher* pf) {
   const int nchunks = ld / kVL;
@@ -99,11 +117,9 @@ void ScoreRun(const float* q, int rows, int ld, const PreparedRows& k, int cnt, 
   const int64_t per_tile = (pf->total_lines() + tiles - 1) / std::max<int64_t>(tiles, 1);
   for (int j0 = 0; j0 < cnt; j0 += JB) {
     pf->Issue(per_tile);
-    typename KDec::Row krows[JB];
-    for (int jj = 0; jj < JB; ++jj) krows[jj] = k.template At<KDec>(std::min(j0 + jj, cnt - 1));
     for (int m0 = 0; m0 < rows; m0 += MB) {
-      ScoreTile<KDec, MB, JB>(q + static_cast<int64_t>(m0) * ld, ld, krows, nchunks, s + static_cast<int64_t>(m0) * lds + j0,
-                              lds);
+      ScoreTile<KDec, MB, JB>(q + static_cast<int64_t>(m0) * ld, ld, k, j0, cnt, nchunks,
+                              s + static_cast<int64_t>(m0) * lds + j0, lds);
     }
   }
 }
@@ -127,13 +143,16 @@ void Scores(const float* q, int rows, int ld, const PreparedRows& k, int cnt, fl
 // arithmetically; rows with one common range have no such keys).
 template <class VDec, int W, int R, bool kSkipZero>
 inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRows& v, int c0, float* const* o) {
+  const float* pr[R];
   VFloat acc[R][W];
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    pr[r] = p[r];
     for (int w = 0; w < W; ++w) acc[r][w] = Load(o[r] + (c0 + w) * kVL);
+  }
   for (int j = a; j < b; ++j) {
     if (kSkipZero) {
       bool any = false;
-      for (int r = 0; r < R; ++r) any |= p[r][j] != 0.0f;
+      for (int r = 0; r < R; ++r) any |= pr[r][j] != 0.0f;
       if (!any) continue;
     }
     const typename VDec::Row row = v.template At<VDec>(j);
@@ -144,8 +163,8 @@ inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRo
     }
     for (int w = w0; w < W; ++w) vv[w] = row.Chunk(c0 + w);
     for (int r = 0; r < R; ++r) {
-      const VFloat pr = Splat(p[r][j]);
-      for (int w = 0; w < W; ++w) acc[r][w] += pr * vv[w];
+      const VFloat pj = Splat(pr[r][j]);
+      for (int w = 0; w < W; ++w) acc[r][w] += pj * vv[w];
     }
   }
   for (int r = 0; r < R; ++r)
@@ -348,7 +367,13 @@ void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const
   switch (v.codec) {                                                                                           \
     case Codec::kBF16: FoldRun<Decoder<KC>, Decoder<Codec::kBF16>>(kp, vp, ja, cnt, &pf); break;        \
     case Codec::kInt8G64: FoldRun<Decoder<KC>, Decoder<Codec::kInt8G64>>(kp, vp, ja, cnt, &pf); break;  \
-    case Codec::kFp8Row: FoldRun<Decoder<KC>, Decoder<Codec::kFp8Row>>(kp, vp, ja, cnt, &pf); break;    \
+    case Codec::kFp8Row:                                                                                       \
+      if (vp.any_nan) {                                                                                        \
+        FoldRun<Decoder<KC>, Fp8ExactDecoder>(kp, vp, ja, cnt, &pf);                                           \
+      } else {                                                                                                 \
+        FoldRun<Decoder<KC>, Decoder<Codec::kFp8Row>>(kp, vp, ja, cnt, &pf);                                   \
+      }                                                                                                        \
+      break;                                                                                                   \
     case Codec::kNvfp4G16: FoldRun<Decoder<KC>, Decoder<Codec::kNvfp4G16>>(kp, vp, ja, cnt, &pf); break; \
   }
   switch (k.codec) {

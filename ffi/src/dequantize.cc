@@ -148,9 +148,20 @@ PreparedRows PrepareRows(const RowSource& src, int cnt, int head_dim, AlignedFlo
       out.scales = f;
       out.groups = groups;
       if (src.codec == Codec::kFp8Row) {
-        nan->resize(static_cast<size_t>(cnt));
-        for (int j = 0; j < cnt; ++j) (*nan)[j] = HasE4m3Nan(src.data + j * src.data_stride, head_dim) ? 1 : 0;
-        out.nan = nan->data();
+        // One scan over the run's codes (tokens are contiguous when the stride is the head dim);
+        // per-token flags only for a run that holds a NaN code at all.
+        const bool contiguous = src.data_stride == head_dim;
+        bool any = !contiguous || HasE4m3Nan(src.data, cnt * head_dim);
+        if (any) {
+          nan->resize(static_cast<size_t>(cnt));
+          any = false;
+          for (int j = 0; j < cnt; ++j) {
+            (*nan)[j] = HasE4m3Nan(src.data + j * src.data_stride, head_dim) ? 1 : 0;
+            any |= (*nan)[j] != 0;
+          }
+        }
+        out.nan = any ? nan->data() : nullptr;
+        out.any_nan = any;
       }
       return out;
     }

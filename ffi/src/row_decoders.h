@@ -124,7 +124,7 @@ inline bool HasE4m3Nan(const uint8_t* p, int n) {
 // kVL e4m3fn codes -> float32 values times 2^-8, exactly: the sign-extended byte shifted left by
 // 7 (with bit 14 cleared) is the float16 with the same sign, exponent field and mantissa, whose
 // value is the e4m3fn value times 2^-8 (subnormals included); the hardware float16 conversion is
-// exact.  NaN codes come out as +-1.875 * 2^-8 (callers check rows for NaN codes).
+// exact.  NaN codes come out as +-1.875 (what 480 would give; callers check runs for NaN codes).
 inline VFloat E4m3fnScaledLanes(const uint8_t* p) {
 #if defined(__AVX512F__)
   __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -183,6 +183,7 @@ inline void E4m3fnScaled16(const uint8_t* p, VFloat* out) {
 template <class R>
 struct RowOps {
   static constexpr bool kKeyScaled = false;
+  static constexpr bool kPairs = false;  // whether Chunk2 / KeyChunk2 decode two chunks at once
   void Chunk2(int c, VFloat* out) const {
     out[0] = Self().Chunk(c);
     out[1] = Self().Chunk(c + 1);
@@ -223,27 +224,24 @@ template <>
 struct Decoder<Codec::kFp8Row> {
   // A row's values are code * s, computed as (code * 2^-8) * (s * 2^8): the same product (both
   // factors are exact, and s * 2^8 is finite for every scale amax / 448 can produce).  Keys leave
-  // the factor s * 2^8 to the finished dot product (KeyScale).  A value row holding a NaN code
-  // takes the exact integer path, so the NaN lands where the reference has it; a key row holding
-  // one has a NaN dot product, which KeyScale() = NaN gives.
+  // the factor s * 2^8 to the finished dot product (KeyScale); a key row holding a NaN code has a
+  // NaN dot product, which KeyScale() = NaN gives.  Chunk / Chunk2 assume the row holds no NaN
+  // code (the float16 form turns those into finite values): value runs that hold one use
+  // Fp8ExactDecoder instead.
   struct Row : RowOps<Row> {
     static constexpr bool kKeyScaled = true;
+#if defined(NINFER_KV_PAIR_DECODERS)
+    static constexpr bool kPairs = true;
+#endif
     const uint8_t* d = nullptr;
     float s = 0.0f;
-    VFloat s256 = {};
     bool nan = false;
     Row() = default;
-    Row(const uint8_t* data, const float* scales, bool has_nan)
-        : d(data), s(scales[0]), s256(Splat(scales[0] * 256.0f)), nan(has_nan) {}
-    VFloat Exact(int c) const { return E4m3fnLanes(LoadU8AsU32(d + kVL * c)) * Splat(s); }
-    VFloat Chunk(int c) const { return nan ? Exact(c) : KeyChunk(c) * s256; }
+    Row(const uint8_t* data, const float* scales, bool has_nan) : d(data), s(scales[0]), nan(has_nan) {}
+    VFloat Chunk(int c) const { return KeyChunk(c) * Splat(s * 256.0f); }
     void Chunk2(int c, VFloat* out) const {
-      if (nan) {
-        out[0] = Exact(c);
-        out[1] = Exact(c + 1);
-        return;
-      }
       KeyChunk2(c, out);
+      const VFloat s256 = Splat(s * 256.0f);
       out[0] *= s256;
       out[1] *= s256;
     }
@@ -260,12 +258,27 @@ struct Decoder<Codec::kFp8Row> {
   };
 };
 
+// FP8 value rows of a run that holds a NaN code: the exact integer decode, so every NaN lands
+// where the reference has it.
+struct Fp8ExactDecoder {
+  struct Row : RowOps<Row> {
+    const uint8_t* d = nullptr;
+    float s = 0.0f;
+    Row() = default;
+    Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales[0]) {}
+    VFloat Chunk(int c) const { return E4m3fnLanes(LoadU8AsU32(d + kVL * c)) * Splat(s); }
+  };
+};
+
 template <>
 struct Decoder<Codec::kNvfp4G16> {
   struct Row : RowOps<Row> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
     Row() = default;
+#if defined(NINFER_KV_PAIR_DECODERS)
+    static constexpr bool kPairs = true;
+#endif
     Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
     VFloat Chunk(int c) const { return E2m1Packed(d + (kVL / 2) * c) * Splat(s[(c * kVL) / 16]); }
     void Chunk2(int c, VFloat* out) const {
@@ -300,7 +313,8 @@ struct PreparedRows {
   int64_t stride = 0;             // bytes per token of the codes
   const float* scales = nullptr;  // `groups` floats per token (null for BF16)
   int groups = 0;
-  const uint8_t* nan = nullptr;   // per-token NaN-code flags (FP8), else null
+  const uint8_t* nan = nullptr;   // per-token NaN-code flags (FP8 runs holding one), else null
+  bool any_nan = false;           // whether some token of the run holds a NaN code (FP8)
 
   template <class Dec>
   typename Dec::Row At(int64_t j) const {

@@ -101,6 +101,32 @@ def test_paged_attention_ignores_kv_len_beyond_the_table():
     assert_close_to_reference(out, ref)
 
 
+def test_paged_attention_fp8_nan_codes_match_reference():
+    """Raw e4m3fn NaN codes (0x7F, 0xFF) in value and key rows, as a hand-edited plane holds them.
+
+    A value NaN lands in exactly its column of the rows that see its key (the run takes the exact
+    decode); a key NaN turns the rows that see it into NaN; every other output is unaffected.
+    """
+    rng = np.random.default_rng(31)
+    state = paged_state("fp8-e4m3fn-row256", "page-major", kv_lens=[100, 70, 64], rng=rng)
+    layer = state.layer
+    bt, tr = state.block_tables, state.table_rows
+    codes = state.planes["v"].view(np.uint8)
+    codes[layer, bt[tr[0], 1], 0, 10, 5] = 0x7F  # batch row 0, key 74, head 0, column 5
+    codes[layer, bt[tr[1], 0], 1, 3, 60] = 0xFF  # batch row 1, key 3, head 1, column 60
+    state.planes["k"].view(np.uint8)[layer, bt[tr[2], 0], 1, 20, 9] = 0x7F  # batch row 2, key 20, head 1
+    q = rng.standard_normal((3, 2, 8, 64)).astype(np.float32)
+    positions = [80, 69, 63]  # row 0's first query (position 80) sees key 74; both see it
+    out, ref = _run_paged(state, q, positions)
+    out, ref = np.asarray(out), np.asarray(ref)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(out[0, :, 0:4, 5]).all() and not np.isnan(out[0, :, 0:4, 4]).any()
+    assert np.isnan(out[1, :, 4:8, 60]).all() and not np.isnan(out[1, :, 0:4]).any()
+    assert np.isnan(out[2, :, 4:8]).all() and not np.isnan(out[2, :, 0:4]).any()
+    finite = ~np.isnan(ref)
+    assert_close_to_reference(out[finite], ref[finite])
+
+
 def test_paged_attention_handler_rejects_bad_operands():
     """Malformed operands reach the handler only through a direct ffi_call; it errors, not crashes."""
     call = jax.ffi.ffi_call("ninfer_kv_paged_attention", jax.ShapeDtypeStruct((2, 64), jnp.float32))
