@@ -44,6 +44,13 @@ inline __m128i E2m1F16High() {
                        static_cast<char>(0xBC), static_cast<char>(0xBE), static_cast<char>(0xC0), static_cast<char>(0xC2),
                        static_cast<char>(0xC4), static_cast<char>(0xC6));
 }
+#elif defined(NINFER_KV_NEON)
+// The same table for tbl.
+inline uint8x16_t E2m1F16High() {
+  static constexpr uint8_t kHigh[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+                                        0x80, 0xB8, 0xBC, 0xBE, 0xC0, 0xC2, 0xC4, 0xC6};
+  return vld1q_u8(kHigh);
+}
 #endif
 
 // kVL / 2 packed bytes -> kVL e2m1 values (element 2i: low nibble of byte i).
@@ -86,6 +93,18 @@ inline VFloat E2m1Packed(const uint8_t* p) {
   VFloat r;
   std::memcpy(&r, &v, sizeof r);
   return r;
+#elif defined(NINFER_KV_NEON)
+  // As on AVX2: the nibbles in element order index the float16 high-byte table (tbl), and the
+  // widening shift by 8 makes the float16 values (exact in float32).
+  uint32_t four;
+  std::memcpy(&four, p, 4);
+  const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(four));
+  const uint8x8_t nib = vzip1_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4));
+  const float16x8_t h = vreinterpretq_f16_u16(vshll_n_u8(vqtbl1_u8(E2m1F16High(), nib), 8));
+  const float32x4_t v[2] = {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+  VFloat r;
+  std::memcpy(&r, v, sizeof r);
+  return r;
 #else
   VUInt c;
   for (int i = 0; i < kVL; ++i) c[i] = (p[i / 2] >> ((i & 1) * 4)) & 15u;
@@ -103,6 +122,12 @@ inline bool HasE4m3Nan(const uint8_t* p, int n) {
     const __m512i b = _mm512_and_si512(_mm512_loadu_si512(p + i), mask);
     if (_mm512_cmpeq_epi8_mask(b, mask) != 0) return true;
   }
+#elif defined(NINFER_KV_NEON)
+  // 16 bytes per compare, one horizontal max per row (rows are short).
+  const uint8x16_t mask = vdupq_n_u8(0x7F);
+  uint8x16_t hit = vdupq_n_u8(0);
+  for (; i + 16 <= n; i += 16) hit = vorrq_u8(hit, vceqq_u8(vandq_u8(vld1q_u8(p + i), mask), mask));
+  if (vmaxvq_u8(hit) != 0) return true;
 #endif
   typedef uint8_t VB __attribute__((vector_size(32)));
   typedef int8_t VM __attribute__((vector_size(32)));
@@ -140,6 +165,16 @@ inline VFloat E4m3fnScaledLanes(const uint8_t* p) {
   VFloat r;
   std::memcpy(&r, &f, sizeof r);
   return r;
+#elif defined(NINFER_KV_NEON)
+  // The float16 trick above.  fcvtl reads float16 subnormals exactly whatever the kernels'
+  // flush-to-zero mode (FPCR.FZ covers single and double precision; conversions ignore FZ16).
+  int16x8_t w = vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(p)));
+  w = vandq_s16(vshlq_n_s16(w, 7), vdupq_n_s16(static_cast<int16_t>(0xBFFF)));
+  const float16x8_t h = vreinterpretq_f16_s16(w);
+  const float32x4_t f[2] = {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+  VFloat r;
+  std::memcpy(&r, f, sizeof r);
+  return r;
 #else
   return E4m3fnLanes(LoadU8AsU32(p)) * Splat(0.00390625f);
 #endif
@@ -169,6 +204,32 @@ inline void E4m3fnScaled16(const uint8_t* p, VFloat* out) {
   const __m256 z = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
   std::memcpy(&out[0], &a, sizeof a);
   std::memcpy(&out[1], &z, sizeof z);
+}
+#define NINFER_KV_PAIR_DECODERS 1
+#elif defined(NINFER_KV_NEON)
+// Two-vector (16 value) forms of the NEON decoders above (kVL == 8).
+
+// 8 packed bytes -> 16 e2m1 values.
+inline void E2m1Packed16(const uint8_t* p, VFloat* out) {
+  const uint8x8_t b = vld1_u8(p);
+  const uint8x8_t lo = vand_u8(b, vdup_n_u8(0x0F)), hi = vshr_n_u8(b, 4);
+  const uint8x16_t t = vqtbl1q_u8(E2m1F16High(), vcombine_u8(vzip1_u8(lo, hi), vzip2_u8(lo, hi)));
+  const float16x8_t a = vreinterpretq_f16_u16(vshll_n_u8(vget_low_u8(t), 8));
+  const float16x8_t z = vreinterpretq_f16_u16(vshll_high_n_u8(t, 8));
+  const float32x4_t f[4] = {vcvt_f32_f16(vget_low_f16(a)), vcvt_high_f32_f16(a), vcvt_f32_f16(vget_low_f16(z)),
+                            vcvt_high_f32_f16(z)};
+  std::memcpy(out, f, 2 * sizeof(VFloat));
+}
+
+// 16 e4m3fn codes -> their values times 2^-8 (NaN codes as in E4m3fnScaledLanes).
+inline void E4m3fnScaled16(const uint8_t* p, VFloat* out) {
+  const int8x16_t b = vld1q_s8(reinterpret_cast<const int8_t*>(p));
+  const int16x8_t keep = vdupq_n_s16(static_cast<int16_t>(0xBFFF));
+  const float16x8_t a = vreinterpretq_f16_s16(vandq_s16(vshlq_n_s16(vmovl_s8(vget_low_s8(b)), 7), keep));
+  const float16x8_t z = vreinterpretq_f16_s16(vandq_s16(vshlq_n_s16(vmovl_high_s8(b), 7), keep));
+  const float32x4_t f[4] = {vcvt_f32_f16(vget_low_f16(a)), vcvt_high_f32_f16(a), vcvt_f32_f16(vget_low_f16(z)),
+                            vcvt_high_f32_f16(z)};
+  std::memcpy(out, f, 2 * sizeof(VFloat));
 }
 #define NINFER_KV_PAIR_DECODERS 1
 #endif

@@ -13,6 +13,11 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(__ARM_BIG_ENDIAN)
+// AArch64 NEON intrinsics (little-endian only: memcpy between NEON and vector-extension types
+// then keeps the lane order).  A VFloat (kVL = 8) is two q registers.
+#include <arm_neon.h>
+#define NINFER_KV_NEON 1
 #endif
 
 NINFER_KV_NAMESPACE_BEGIN
@@ -71,6 +76,10 @@ inline VUInt LoadU8AsU32(const uint8_t* p) {
 #elif defined(__AVX2__)
   const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   std::memcpy(&r, &w, sizeof r);
+#elif defined(NINFER_KV_NEON)
+  const uint16x8_t h = vmovl_u8(vld1_u8(p));
+  const uint32x4_t w[2] = {vmovl_u16(vget_low_u16(h)), vmovl_high_u16(h)};
+  std::memcpy(&r, w, sizeof r);
 #else
   for (int i = 0; i < kVL; ++i) r[i] = p[i];
 #endif
@@ -85,6 +94,10 @@ inline VInt LoadI8AsI32(const uint8_t* p) {
 #elif defined(__AVX2__)
   const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   std::memcpy(&r, &w, sizeof r);
+#elif defined(NINFER_KV_NEON)
+  const int16x8_t h = vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(p)));
+  const int32x4_t w[2] = {vmovl_s16(vget_low_s16(h)), vmovl_high_s16(h)};
+  std::memcpy(&r, w, sizeof r);
 #else
   for (int i = 0; i < kVL; ++i) r[i] = static_cast<int8_t>(p[i]);
 #endif
@@ -99,6 +112,11 @@ inline VUInt LoadU16AsU32(const uint8_t* p) {
 #elif defined(__AVX2__)
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   std::memcpy(&r, &w, sizeof r);
+#elif defined(NINFER_KV_NEON)
+  // vld1q_u8 (no alignment, unlike a uint16_t pointer); the bytes are little-endian words.
+  const uint16x8_t h = vreinterpretq_u16_u8(vld1q_u8(p));
+  const uint32x4_t w[2] = {vmovl_u16(vget_low_u16(h)), vmovl_high_u16(h)};
+  std::memcpy(&r, w, sizeof r);
 #else
   for (int i = 0; i < kVL; ++i) {
     uint16_t x;

@@ -95,6 +95,10 @@ inline void StoreLanesU8(uint8_t* p, VUInt v) {
   __m512i w;
   std::memcpy(&w, &v, sizeof w);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(w));
+#elif defined(NINFER_KV_NEON)
+  uint32x4_t w[2];
+  std::memcpy(w, &v, sizeof w);
+  vst1_u8(p, vmovn_u16(vcombine_u16(vmovn_u32(w[0]), vmovn_u32(w[1]))));
 #else
   for (int i = 0; i < kVL; ++i) p[i] = static_cast<uint8_t>(v[i]);
 #endif
@@ -105,6 +109,10 @@ inline void StoreLanesU16(uint8_t* p, VUInt v) {
   __m512i w;
   std::memcpy(&w, &v, sizeof w);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(w));
+#elif defined(NINFER_KV_NEON)
+  uint32x4_t w[2];
+  std::memcpy(w, &v, sizeof w);
+  vst1q_u8(p, vreinterpretq_u8_u16(vcombine_u16(vmovn_u32(w[0]), vmovn_u32(w[1]))));
 #else
   for (int i = 0; i < kVL; ++i) {
     const uint16_t h = static_cast<uint16_t>(v[i]);
