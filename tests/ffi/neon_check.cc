@@ -470,15 +470,29 @@ void CheckRowDecoder(const Tokens& t, long* count) {
   std::vector<uint8_t> nan;
   const PreparedRows pr = PrepareRows(t.Source(), t.n, t.d, &scales, &nan);
   const int nchunks = t.d / kVL;
+  bool any_nan = false;
   for (int j = 0; j < t.n; ++j) {
     const typename Decoder<C>::Row row = pr.template At<Decoder<C>>(j);
     bool row_nan = false;
     for (int i = 0; i < t.d && C == Codec::kFp8Row; ++i) row_nan |= (t.data[j * t.data_stride + i] & 0x7Fu) == 0x7Fu;
-    if (C == Codec::kFp8Row && (nan[j] != 0) != row_nan) Fail("PrepareRows NaN flag, token " + std::to_string(j));
+    any_nan |= row_nan;
+    // Per-token flags exist only for a run that holds a NaN code.
+    const bool flagged = pr.nan != nullptr && pr.nan[j] != 0;
+    if (C == Codec::kFp8Row && flagged != row_nan) Fail("PrepareRows NaN flag, token " + std::to_string(j));
+    // An FP8 value row holding a NaN code is decoded by Fp8ExactDecoder (Decoder's value form
+    // assumes none); its value lanes must match the reference exactly, NaNs included.
+    const bool use_exact = C == Codec::kFp8Row && row_nan;
+    const Fp8ExactDecoder::Row exact = use_exact ? pr.template At<Fp8ExactDecoder>(j) : Fp8ExactDecoder::Row();
     for (int c = 0; c < nchunks; ++c) {
-      const VFloat v = row.Chunk(c);
+      const VFloat v = use_exact ? exact.Chunk(c) : row.Chunk(c);
       VFloat pair[2] = {};
-      if ((c & 1) == 0 && c + 1 < nchunks) row.Chunk2(c, pair);
+      if ((c & 1) == 0 && c + 1 < nchunks) {
+        if (use_exact) {
+          exact.Chunk2(c, pair);
+        } else {
+          row.Chunk2(c, pair);
+        }
+      }
       const VFloat key = row.KeyChunk(c);
       VFloat key_pair[2] = {};
       if ((c & 1) == 0 && c + 1 < nchunks) row.KeyChunk2(c, key_pair);
@@ -504,6 +518,7 @@ void CheckRowDecoder(const Tokens& t, long* count) {
         }
       }
     }
+    if (C == Codec::kFp8Row && j + 1 == t.n && pr.any_nan != any_nan) Fail("PrepareRows any_nan flag");
     if (Decoder<C>::Row::kKeyScaled) {
       uint16_t sb;
       std::memcpy(&sb, t.scale.data() + j * t.scale_stride, 2);
