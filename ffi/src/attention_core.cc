@@ -141,7 +141,9 @@ void Scores(const float* q, int rows, int ld, const PreparedRows& k, int cnt, fl
 // kSkipZero: skip keys whose probability is zero in every row (needed when the rows' visible
 // ranges differ, so that a key one row sees never meets another row's zero probability
 // arithmetically; rows with one common range have no such keys).
-template <class VDec, int W, int R, bool kSkipZero>
+// kFold: p_r holds the probabilities times the V scale of the block's group (FoldScales), and the
+// rows are decoded unscaled (RawChunk): one multiply per key and row instead of one per chunk.
+template <class VDec, int W, int R, bool kSkipZero, bool kFold>
 inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRows& v, int c0, float* const* o) {
   const float* pr[R];
   VFloat acc[R][W];
@@ -159,9 +161,15 @@ inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRo
     VFloat vv[W];
     int w0 = 0;
     if ((c0 & 1) == 0) {
-      for (; w0 + 2 <= W; w0 += 2) row.Chunk2(c0 + w0, vv + w0);
+      for (; w0 + 2 <= W; w0 += 2) {
+        if (kFold) {
+          row.RawChunk2(c0 + w0, vv + w0);
+        } else {
+          row.Chunk2(c0 + w0, vv + w0);
+        }
+      }
     }
-    for (int w = w0; w < W; ++w) vv[w] = row.Chunk(c0 + w);
+    for (int w = w0; w < W; ++w) vv[w] = kFold ? row.RawChunk(c0 + w) : row.Chunk(c0 + w);
     for (int r = 0; r < R; ++r) {
       const VFloat pj = Splat(pr[r][j]);
       for (int w = 0; w < W; ++w) acc[r][w] += pj * vv[w];
@@ -171,30 +179,50 @@ inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRo
     for (int w = 0; w < W; ++w) Store(o[r] + (c0 + w) * kVL, acc[r][w]);
 }
 
+// Chunks of V accumulated per pass for R rows (their accumulators fill the register file).
+template <int R>
+constexpr int PassChunks() {
+  return std::min(8, std::max(1, kAccRegs / R));
+}
+
+// Whether R rows take the folded form for VDec: every pass's chunks lie in one scale group.
+template <class VDec, int R>
+constexpr bool Folds() {
+  return VDec::Row::kScaleGroup > 0 && VDec::Row::kScaleGroup % (PassChunks<R>() * kVL) == 0;
+}
+
+// w: when Folds<VDec, R>(), the folded weights of the R rows for scale group 0, group g's at
+// w[r] + g * wstride.
 template <class VDec, int R, bool kSkipZero>
-void AccumulateRowsW(const float* const* p, int a, int b, const PreparedRows& v, int nchunks, float* const* o) {
-  constexpr int kW = std::min(8, std::max(1, kAccRegs / R));
+void AccumulateRowsW(const float* const* p, const float* const* w, int64_t wstride, int a, int b, const PreparedRows& v,
+                     int nchunks, float* const* o) {
+  constexpr int kW = PassChunks<R>();
+  constexpr bool kFold = Folds<VDec, R>();
   for (int c0 = 0; c0 < nchunks; c0 += kW) {
+    const float* pw[R];
+    for (int r = 0; r < R; ++r) {
+      pw[r] = kFold ? w[r] + (c0 * kVL / std::max(VDec::Row::kScaleGroup, 1)) * wstride : p[r];
+    }
     switch (std::min(kW, nchunks - c0)) {
-      case 1: AccumulateTile<VDec, 1, R, kSkipZero>(p, a, b, v, c0, o); break;
-      case 2: AccumulateTile<VDec, (kW >= 2 ? 2 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
-      case 3: AccumulateTile<VDec, (kW >= 3 ? 3 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
-      case 4: AccumulateTile<VDec, (kW >= 4 ? 4 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
-      case 5: AccumulateTile<VDec, (kW >= 5 ? 5 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
-      case 6: AccumulateTile<VDec, (kW >= 6 ? 6 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
-      case 7: AccumulateTile<VDec, (kW >= 7 ? 7 : 1), R, kSkipZero>(p, a, b, v, c0, o); break;
-      default: AccumulateTile<VDec, kW, R, kSkipZero>(p, a, b, v, c0, o); break;
+      case 1: AccumulateTile<VDec, 1, R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
+      case 2: AccumulateTile<VDec, (kW >= 2 ? 2 : 1), R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
+      case 3: AccumulateTile<VDec, (kW >= 3 ? 3 : 1), R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
+      case 4: AccumulateTile<VDec, (kW >= 4 ? 4 : 1), R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
+      case 5: AccumulateTile<VDec, (kW >= 5 ? 5 : 1), R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
+      case 6: AccumulateTile<VDec, (kW >= 6 ? 6 : 1), R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
+      case 7: AccumulateTile<VDec, (kW >= 7 ? 7 : 1), R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
+      default: AccumulateTile<VDec, kW, R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
     }
   }
 }
 
 template <class VDec, int R>
-void AccumulateRows(const float* const* p, int a, int b, bool same_range, const PreparedRows& v, int nchunks,
-                    float* const* o) {
+void AccumulateRows(const float* const* p, const float* const* w, int64_t wstride, int a, int b, bool same_range,
+                    const PreparedRows& v, int nchunks, float* const* o) {
   if (same_range) {
-    AccumulateRowsW<VDec, R, false>(p, a, b, v, nchunks, o);
+    AccumulateRowsW<VDec, R, false>(p, w, wstride, a, b, v, nchunks, o);
   } else {
-    AccumulateRowsW<VDec, R, true>(p, a, b, v, nchunks, o);
+    AccumulateRowsW<VDec, R, true>(p, w, wstride, a, b, v, nchunks, o);
   }
 }
 
@@ -292,32 +320,59 @@ bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
   return any;
 }
 
+// w_[(g * rows_padded_ + m) * sld_ + j] = p_m[j] * (scale of V group g of key j), for every row
+// that sees a key and every group, when a pass of some row count folds VDec's scales; returns
+// whether it did.
+template <class VDec>
+bool AttentionAccumulator::FoldScales(const PreparedRows& v, int cnt) {
+  if (!(Folds<VDec, 1>() || Folds<VDec, 2>() || Folds<VDec, 3>() || Folds<VDec, 4>())) return false;
+  const int groups = std::max(v.groups, 1);
+  const int span = static_cast<int>(RoundUp(cnt, kVL));
+  w_ = wbuf_.Get(static_cast<size_t>(groups) * rows_padded_ * sld_);
+  float* scale = kscratch_.Get(static_cast<size_t>(sld_));
+  for (int g = 0; g < groups; ++g) {
+    for (int j = 0; j < cnt; ++j) scale[j] = VDec::Row::GroupScale(v.scales + static_cast<int64_t>(j) * v.groups, g);
+    for (int j = cnt; j < span; ++j) scale[j] = 0.0f;
+    for (int m = 0; m < rows_; ++m) {
+      if (seg_a_[m] >= seg_b_[m]) continue;
+      const float* p = s_ + static_cast<int64_t>(m) * sld_;
+      float* w = w_ + (static_cast<int64_t>(g) * rows_padded_ + m) * sld_;
+      for (int j = 0; j < span; j += kVL) Store(w + j, Load(p + j) * Load(scale + j));
+    }
+  }
+  return true;
+}
+
 template <class KDec, class VDec>
 void AttentionAccumulator::FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf) {
   Scores<KDec>(q_, rows_, ld_, k, cnt, s_, sld_, pf);
   pf->IssueAll();
   if (!UpdateSoftmax(ja, cnt)) return;
+  FoldScales<VDec>(v, cnt);
+  const int64_t wstride = static_cast<int64_t>(rows_padded_) * sld_;
   const int nchunks = ld_ / kVL;
   int group[4];
   int ng = 0;
   auto flush = [&]() {
     if (ng == 0) return;
     const float* p[4];
+    const float* w[4];
     float* o[4];
     int a = cnt, b = 0;
     bool same = true;
     for (int i = 0; i < ng; ++i) {
       p[i] = s_ + static_cast<int64_t>(group[i]) * sld_;
+      w[i] = w_ + static_cast<int64_t>(group[i]) * sld_;  // read only when the pass folds
       o[i] = o_ + static_cast<int64_t>(group[i]) * ld_;
       a = std::min(a, seg_a_[group[i]]);
       b = std::max(b, seg_b_[group[i]]);
       same &= seg_a_[group[i]] == seg_a_[group[0]] && seg_b_[group[i]] == seg_b_[group[0]];
     }
     switch (ng) {
-      case 1: AccumulateRows<VDec, 1>(p, a, b, same, v, nchunks, o); break;
-      case 2: AccumulateRows<VDec, 2>(p, a, b, same, v, nchunks, o); break;
-      case 3: AccumulateRows<VDec, 3>(p, a, b, same, v, nchunks, o); break;
-      default: AccumulateRows<VDec, 4>(p, a, b, same, v, nchunks, o); break;
+      case 1: AccumulateRows<VDec, 1>(p, w, wstride, a, b, same, v, nchunks, o); break;
+      case 2: AccumulateRows<VDec, 2>(p, w, wstride, a, b, same, v, nchunks, o); break;
+      case 3: AccumulateRows<VDec, 3>(p, w, wstride, a, b, same, v, nchunks, o); break;
+      default: AccumulateRows<VDec, 4>(p, w, wstride, a, b, same, v, nchunks, o); break;
     }
     ng = 0;
   };

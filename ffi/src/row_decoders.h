@@ -252,6 +252,13 @@ struct RowOps {
   VFloat KeyChunk(int c) const { return Self().Chunk(c); }
   void KeyChunk2(int c, VFloat* out) const { Self().Chunk2(c, out); }
   float KeyScale() const { return 1.0f; }
+  // The unscaled form for value passes that fold the scales into the probabilities: with
+  // kScaleGroup > 0, Chunk(c) == RawChunk(c) * GroupScale(c * kVL / kScaleGroup) up to rounding
+  // of the product (kScaleGroup: elements per scale; 0: no such form).
+  static constexpr int kScaleGroup = 0;
+  VFloat RawChunk(int c) const { return Self().Chunk(c); }
+  void RawChunk2(int c, VFloat* out) const { Self().Chunk2(c, out); }
+  static float GroupScale(const float*, int) { return 1.0f; }
 
  private:
   const R& Self() const { return static_cast<const R&>(*this); }
@@ -276,8 +283,15 @@ struct Decoder<Codec::kInt8G64> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
     Row() = default;
+    static constexpr int kScaleGroup = 64;
     Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
-    VFloat Chunk(int c) const { return ToFloat(LoadI8AsI32(d + kVL * c)) * Splat(s[(c * kVL) / 64]); }
+    VFloat Chunk(int c) const { return RawChunk(c) * Splat(s[(c * kVL) / 64]); }
+    VFloat RawChunk(int c) const { return ToFloat(LoadI8AsI32(d + kVL * c)); }
+    void RawChunk2(int c, VFloat* out) const {
+      out[0] = RawChunk(c);
+      out[1] = RawChunk(c + 1);
+    }
+    static float GroupScale(const float* scales, int g) { return scales[g]; }
   };
 };
 
@@ -316,6 +330,11 @@ struct Decoder<Codec::kFp8Row> {
 #endif
     }
     float KeyScale() const { return nan ? BitsFloat(0x7FC00000u) : s * 256.0f; }
+    // One scale per row: the raw form is the key form (code * 2^-8), its factor s * 2^8.
+    static constexpr int kScaleGroup = 1 << 30;
+    VFloat RawChunk(int c) const { return KeyChunk(c); }
+    void RawChunk2(int c, VFloat* out) const { KeyChunk2(c, out); }
+    static float GroupScale(const float* scales, int) { return scales[0] * 256.0f; }
   };
 };
 
@@ -341,6 +360,8 @@ struct Decoder<Codec::kNvfp4G16> {
     static constexpr bool kPairs = true;
 #endif
     Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
+    // No folded form: with a scale per 16 elements, the folded probabilities (one row per group)
+    // cost more than the multiplies they save.
     VFloat Chunk(int c) const { return E2m1Packed(d + (kVL / 2) * c) * Splat(s[(c * kVL) / 16]); }
     void Chunk2(int c, VFloat* out) const {
 #if defined(NINFER_KV_PAIR_DECODERS)
