@@ -310,9 +310,11 @@ struct Decoder<Codec::kFp8Row> {
 #endif
     const uint8_t* d = nullptr;
     float s = 0.0f;
-    bool nan = false;
+    // 32 bits, not bool: a Row is then two aligned words with no padding, which the compiler
+    // copies without overlapping partial stores and loads (those stall store forwarding).
+    uint32_t nan = 0;
     Row() = default;
-    Row(const uint8_t* data, const float* scales, bool has_nan) : d(data), s(scales[0]), nan(has_nan) {}
+    Row(const uint8_t* data, const float* scales, bool has_nan) : d(data), s(scales[0]), nan(has_nan ? 1u : 0u) {}
     VFloat Chunk(int c) const { return KeyChunk(c) * Splat(s * 256.0f); }
     void Chunk2(int c, VFloat* out) const {
       KeyChunk2(c, out);
@@ -329,7 +331,7 @@ struct Decoder<Codec::kFp8Row> {
       out[1] = KeyChunk(c + 1);
 #endif
     }
-    float KeyScale() const { return nan ? BitsFloat(0x7FC00000u) : s * 256.0f; }
+    float KeyScale() const { return nan != 0 ? BitsFloat(0x7FC00000u) : s * 256.0f; }
     // One scale per row: the raw form is the key form (code * 2^-8), its factor s * 2^8.
     static constexpr int kScaleGroup = 1 << 30;
     VFloat RawChunk(int c) const { return KeyChunk(c); }
