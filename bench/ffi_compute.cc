@@ -1,0 +1,135 @@
+// Compute-only benchmark of the CPU attention kernel (AttentionAccumulator::Fold), next to the
+// machine's measured multiply-add peak.  Built and run by bench/bench_ffi_compute.py, once per
+// instruction-set level, from the same sources and flags as the library.
+//
+// One task of `rows` query rows (a GQA group) folds `keys` keys of head dim 128, cycling over 8
+// pages of 64 tokens that stay in L2, so memory bandwidth plays no part: what is left is the
+// arithmetic and the instructions around it.  Decode attention needs 2 * rows * 128 multiply-adds
+// per key (scores and values); "of FMA peak" is that count over the peak measured here by a loop
+// of independent multiply-adds of the same vector width.
+//
+// Usage: ffi_compute <k codec> <v codec> [rows] [repeats]    (codecs: 0 BF16, 1 INT8-G64,
+//        ffi_compute peak                                     2 FP8-row, 3 NVFP4-G16)
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "attention_core.h"
+#include "common.h"
+#include "simd.h"
+
+using namespace ninfer_kv_ffi;
+
+namespace {
+
+double Seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// Multiply-adds per second of one thread: 10 independent accumulator chains of kVL lanes, each
+// step a fused multiply-add per chain (the asm statement keeps the chains in registers and stops
+// the compiler from folding steps).
+double PeakFmaLanesPerSecond() {
+  VFloat a0 = Splat(1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0;
+  const VFloat m = Splat(0.999999f), c = Splat(1e-7f);
+  const long steps = 20000000;
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = Seconds();
+    for (long s = 0; s < steps; ++s) {
+      a0 = a0 * m + c, a1 = a1 * m + c, a2 = a2 * m + c, a3 = a3 * m + c, a4 = a4 * m + c;
+      a5 = a5 * m + c, a6 = a6 * m + c, a7 = a7 * m + c, a8 = a8 * m + c, a9 = a9 * m + c;
+#if defined(__AVX512F__)
+      __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9));
+#elif defined(__AVX__)
+      __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9));
+#else
+#error "ffi_compute measures the AVX levels"
+#endif
+    }
+    best = std::min(best, Seconds() - t0);
+  }
+  const VFloat sum = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9;
+  if (sum[0] == 12345.0f) std::puts("");  // keeps the chains alive
+  return 10.0 * kVL * steps / best;
+}
+
+// Random valid codes and scales of `pages` pages of 64 tokens for codec c (head dim d).
+RowSource MakePlane(int c, int d, int pages, std::mt19937& rng, std::vector<uint8_t>* data, std::vector<uint8_t>* sc) {
+  const CodecPlanes cp = PlanesOf(static_cast<Codec>(c), d);
+  data->resize(static_cast<size_t>(pages) * 64 * cp.data_extent * cp.data_itemsize);
+  for (auto& x : *data) x = static_cast<uint8_t>(rng());
+  if (c == 0) {  // bfloat16 of magnitude about 1
+    for (size_t i = 1; i < data->size(); i += 2) (*data)[i] = static_cast<uint8_t>(0x3F | ((rng() & 1) << 7));
+  }
+  if (c == 2) {  // no e4m3fn NaN codes
+    for (auto& x : *data) x = ((x & 0x7F) == 0x7F) ? 0x10 : x;
+  }
+  const int scale_bytes = cp.scale_extent * cp.scale_itemsize;
+  sc->resize(static_cast<size_t>(pages) * 64 * std::max(scale_bytes, 1));
+  for (size_t i = 0; i < sc->size(); ++i) {
+    // NVFP4: e4m3fn scales in [2^-3, 2); bfloat16 scales: high byte 0x3C (about 2^-7)
+    (*sc)[i] = static_cast<uint8_t>(c == 3 ? 0x20 + (rng() & 0x1F) : ((i & 1) ? 0x3C : rng()));
+  }
+  return RowSource{static_cast<Codec>(c), data->data(), scale_bytes ? sc->data() : nullptr,
+                   static_cast<int64_t>(cp.data_extent) * cp.data_itemsize, scale_bytes};
+}
+
+RowSource AtPage(RowSource r, int page) {
+  r.data += static_cast<int64_t>(page) * 64 * r.data_stride;
+  if (r.scale) r.scale += static_cast<int64_t>(page) * 64 * r.scale_stride;
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc >= 2 && std::strcmp(argv[1], "peak") == 0) {
+    std::printf("%.4g\n", PeakFmaLanesPerSecond());
+    return 0;
+  }
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s <k codec> <v codec> [rows] [repeats] | %s peak\n", argv[0], argv[0]);
+    return 2;
+  }
+  const int kc = std::atoi(argv[1]), vc = std::atoi(argv[2]);
+  const int rows = argc > 3 ? std::atoi(argv[3]) : 4;
+  const int repeats = argc > 4 ? std::atoi(argv[4]) : 30;
+  if (!ValidCodec(kc) || !ValidCodec(vc) || rows < 1 || rows > 64 || repeats < 1) {
+    std::fprintf(stderr, "codecs must be 0..3, rows 1..64, repeats >= 1\n");
+    return 2;
+  }
+  constexpr int kD = 128, kPages = 8;
+  constexpr int64_t kKeys = 32768;
+  std::mt19937 rng(1);
+  std::vector<uint8_t> kd, ks, vd, vs;
+  const RowSource k = MakePlane(kc, kD, kPages, rng, &kd, &ks);
+  const RowSource v = MakePlane(vc, kD, kPages, rng, &vd, &vs);
+  ScopedFlushDenormal flush;
+  AttentionAccumulator acc;
+  double best = 1e30;
+  float check = 0.0f;
+  for (int rep = 0; rep < repeats; ++rep) {
+    acc.Begin(rows, kD, 64, 0.088f);
+    for (int m = 0; m < rows; ++m) {
+      float* q = acc.QueryRow(m);
+      for (int i = 0; i < kD; ++i) q[i] = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
+      acc.SetVisible(m, 0, kKeys - 1);
+    }
+    const double t0 = Seconds();
+    for (int64_t j = 0; j < kKeys; j += 64) {
+      const int page = static_cast<int>((j / 64) % kPages), next = static_cast<int>((j / 64 + 1) % kPages);
+      const KVRunSource run{AtPage(k, page), AtPage(v, page)}, pf{AtPage(k, next), AtPage(v, next)};
+      acc.Fold(run, j, 64, &pf);
+    }
+    best = std::min(best, Seconds() - t0);
+    float out[kD];
+    acc.Output(0, out);
+    check += out[0];
+  }
+  const double lanes = 2.0 * rows * kD * kKeys;  // multiply-add lanes of the task
+  std::printf("%.3f %.4g %g\n", best / kKeys * 1e9, lanes / best, check);
+  return 0;
+}
