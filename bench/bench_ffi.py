@@ -11,6 +11,8 @@ Decode attention (one layer, B rows of one context length, pages in random physi
 * read bandwidth = the same buffer read once (summed) by the FFI library's own threads, one
   contiguous slice each, and by one thread; the larger figure is the denominator of "of read BW"
   (attention only reads, so this is the ceiling it could reach);
+* whether the planes can sit on transparent huge pages (numpy's baseline buffers do; XLA's only
+  with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` when THP is in ``madvise`` mode);
 * the instruction-set level in use (``NINFER_KV_FFI_ISA`` forces one, e.g. ``avx2`` on an
   AVX-512 machine) is printed in the header;
 * speed-up over the jnp reference (``ninfer_kv.ops.reference``, jitted, XLA CPU) on the same data;
@@ -87,6 +89,33 @@ def read_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
         ffi_ops._stream_read(buf, threads)
         best = min(best, time.perf_counter() - t0)
     return buf.nbytes / best
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def huge_page_note() -> str:
+    """Whether XLA's buffers (the planes) land on transparent huge pages in this process.
+
+    With THP in ``madvise`` mode, numpy asks for huge pages for its large arrays (the bandwidth
+    baselines above) but XLA's CPU allocator does not, so the planes use 4 KiB pages and every page
+    of a run costs a TLB walk, unless glibc is told to ask (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``).
+    Checked by allocating a 64 MiB XLA buffer and reading the process's huge-page total.
+    """
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().split("[")[1].split("]")[0]
+        before = _anon_huge_kib()
+        probe = jax.block_until_ready(jnp.ones((16 << 20,), jnp.float32))
+        on_huge = _anon_huge_kib() - before >= 32 << 10
+        del probe
+    except (OSError, IndexError, ValueError):
+        return "transparent huge pages: unknown on this system"
+    tunables = os.environ.get("GLIBC_TUNABLES", "") or "(unset)"
+    return (f"transparent huge pages: {mode}; GLIBC_TUNABLES={tunables}; "
+            f"XLA buffers (the planes) on huge pages: {'yes' if on_huge else 'no'}")
 
 
 # -- pool contents ---------------------------------------------------------------------------------
@@ -254,6 +283,7 @@ def main() -> None:
     print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, FFI threads {threads}, library {ffi_ops.library_path()}")
     print(ffi_ops.info().summary())
     print(f"load average before the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(huge_page_note())
     print(
         f"copy bandwidth (numpy copy of {args.copy_mib} MiB, read + write): {bw_all / 1e9:.1f} GB/s on "
         f"{threads} threads, {bw_one / 1e9:.1f} GB/s on 1 thread; denominator {bandwidth / 1e9:.1f} GB/s"
