@@ -61,8 +61,6 @@ constexpr int kAccRegs = 16;  // vector accumulators a kernel keeps in registers
 constexpr int kAccRegs = 8;  // (of 16)
 #endif
 
-#define NINFER_KV_ALWAYS_INLINE inline __attribute__((always_inline))
-
 // s[mm * lds + jj] = q_mm . k_(j0 + jj) for MB query rows and JB keys (MB * JB == kVL
 // accumulators, kept in registers), reduced with one transposed reduction tree.  Key slots past
 // cnt repeat the last key (never read past the run).
@@ -75,7 +73,7 @@ NINFER_KV_ALWAYS_INLINE void ScoreTile(const float* q, int ld, const PreparedRow
   VFloat acc[MB * JB];
   for (int i = 0; i < MB * JB; ++i) acc[i] = VFloat{};
   int c = 0;
-  if (KDec::Row::kPairs) {
+  if constexpr (KDec::Row::kPairs) {
     for (; c + 2 <= nchunks; c += 2) {  // chunk pairs, decoded together
       VFloat kv[JB][2];
       for (int jj = 0; jj < JB; ++jj) krows[jj].KeyChunk2(c, kv[jj]);
@@ -162,14 +160,20 @@ inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRo
     int w0 = 0;
     if ((c0 & 1) == 0) {
       for (; w0 + 2 <= W; w0 += 2) {
-        if (kFold) {
+        if constexpr (kFold) {
           row.RawChunk2(c0 + w0, vv + w0);
         } else {
           row.Chunk2(c0 + w0, vv + w0);
         }
       }
     }
-    for (int w = w0; w < W; ++w) vv[w] = kFold ? row.RawChunk(c0 + w) : row.Chunk(c0 + w);
+    for (int w = w0; w < W; ++w) {
+      if constexpr (kFold) {
+        vv[w] = row.RawChunk(c0 + w);
+      } else {
+        vv[w] = row.Chunk(c0 + w);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const VFloat pj = Splat(pr[r][j]);
       for (int w = 0; w < W; ++w) acc[r][w] += pj * vv[w];
@@ -321,26 +325,25 @@ bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
 }
 
 // w_[(g * rows_padded_ + m) * sld_ + j] = p_m[j] * (scale of V group g of key j), for every row
-// that sees a key and every group, when a pass of some row count folds VDec's scales; returns
-// whether it did.
+// that sees a key and every group, when a pass of some row count folds VDec's scales.
 template <class VDec>
-bool AttentionAccumulator::FoldScales(const PreparedRows& v, int cnt) {
-  if (!(Folds<VDec, 1>() || Folds<VDec, 2>() || Folds<VDec, 3>() || Folds<VDec, 4>())) return false;
-  const int groups = std::max(v.groups, 1);
-  const int span = static_cast<int>(RoundUp(cnt, kVL));
-  w_ = wbuf_.Get(static_cast<size_t>(groups) * rows_padded_ * sld_);
-  float* scale = kscratch_.Get(static_cast<size_t>(sld_));
-  for (int g = 0; g < groups; ++g) {
-    for (int j = 0; j < cnt; ++j) scale[j] = VDec::Row::GroupScale(v.scales + static_cast<int64_t>(j) * v.groups, g);
-    for (int j = cnt; j < span; ++j) scale[j] = 0.0f;
-    for (int m = 0; m < rows_; ++m) {
-      if (seg_a_[m] >= seg_b_[m]) continue;
-      const float* p = s_ + static_cast<int64_t>(m) * sld_;
-      float* w = w_ + (static_cast<int64_t>(g) * rows_padded_ + m) * sld_;
-      for (int j = 0; j < span; j += kVL) Store(w + j, Load(p + j) * Load(scale + j));
+void AttentionAccumulator::FoldScales(const PreparedRows& v, int cnt) {
+  if constexpr (Folds<VDec, 1>() || Folds<VDec, 2>() || Folds<VDec, 3>() || Folds<VDec, 4>()) {
+    const int groups = std::max(v.groups, 1);
+    const int span = static_cast<int>(RoundUp(cnt, kVL));
+    w_ = wbuf_.Get(static_cast<size_t>(groups) * rows_padded_ * sld_);
+    float* scale = fold_scale_.Get(static_cast<size_t>(sld_));
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < cnt; ++j) scale[j] = VDec::Row::GroupScale(v.scales + static_cast<int64_t>(j) * v.groups, g);
+      for (int j = cnt; j < span; ++j) scale[j] = 0.0f;
+      for (int m = 0; m < rows_; ++m) {
+        if (seg_a_[m] >= seg_b_[m]) continue;
+        const float* p = s_ + static_cast<int64_t>(m) * sld_;
+        float* w = w_ + (static_cast<int64_t>(g) * rows_padded_ + m) * sld_;
+        for (int j = 0; j < span; j += kVL) Store(w + j, Load(p + j) * Load(scale + j));
+      }
     }
   }
-  return true;
 }
 
 template <class KDec, class VDec>

@@ -59,7 +59,7 @@ class AttentionAccumulator {
 
  private:
   template <class VDec>
-  bool FoldScales(const PreparedRows& v, int cnt);
+  void FoldScales(const PreparedRows& v, int cnt);
   template <class KDec, class VDec>
   void FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
   bool UpdateSoftmax(int64_t ja, int cnt);
@@ -77,7 +77,7 @@ class AttentionAccumulator {
   std::vector<int> seg_a_, seg_b_;
   std::vector<uint8_t> knan_, vnan_;
   float* w_ = nullptr;   // groups x rows_padded_ x sld_ (probabilities times V scales)
-  AlignedFloats qbuf_, sbuf_, obuf_, kbuf_, vbuf_, kscale_, vscale_, wbuf_, kscratch_;
+  AlignedFloats qbuf_, sbuf_, obuf_, kbuf_, vbuf_, kscale_, vscale_, wbuf_, fold_scale_;
 };
 
 // Combines `parts` partial states (each d + 2 floats, as ExportPartial writes them) into the

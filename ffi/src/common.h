@@ -23,6 +23,9 @@
 #include <xmmintrin.h>
 #endif
 
+// For small hot helpers whose locals must stay in registers across the call.
+#define NINFER_KV_ALWAYS_INLINE inline __attribute__((always_inline))
+
 NINFER_KV_NAMESPACE_BEGIN
 
 // Bumped whenever a handler's operands, attributes or semantics change; ffi_ops.py refuses a

@@ -252,13 +252,11 @@ struct RowOps {
   VFloat KeyChunk(int c) const { return Self().Chunk(c); }
   void KeyChunk2(int c, VFloat* out) const { Self().Chunk2(c, out); }
   float KeyScale() const { return 1.0f; }
-  // The unscaled form for value passes that fold the scales into the probabilities: with
-  // kScaleGroup > 0, Chunk(c) == RawChunk(c) * GroupScale(c * kVL / kScaleGroup) up to rounding
-  // of the product (kScaleGroup: elements per scale; 0: no such form).
+  // The unscaled form for value passes that fold the scales into the probabilities: a row with
+  // kScaleGroup > 0 (elements per scale) also has RawChunk / RawChunk2 and a static
+  // GroupScale(scales, g), and Chunk(c) == RawChunk(c) * GroupScale(scales, c * kVL / kScaleGroup)
+  // up to the rounding of the product.  0: no such form.
   static constexpr int kScaleGroup = 0;
-  VFloat RawChunk(int c) const { return Self().Chunk(c); }
-  void RawChunk2(int c, VFloat* out) const { Self().Chunk2(c, out); }
-  static float GroupScale(const float*, int) { return 1.0f; }
 
  private:
   const R& Self() const { return static_cast<const R&>(*this); }

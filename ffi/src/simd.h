@@ -165,7 +165,7 @@ inline float HorizontalMax(VFloat v) {
 
 // r[i] = sum of the lanes of a[i], for i in [0, kVL): a transposed reduction tree of
 // kVL - 1 pairwise shuffle-and-add steps.
-inline __attribute__((always_inline)) VFloat ReduceTranspose(const VFloat* a) {
+NINFER_KV_ALWAYS_INLINE VFloat ReduceTranspose(const VFloat* a) {
 #if defined(__AVX512F__)
   VFloat c[8], e[4], f[2];
   for (int i = 0; i < 8; ++i) {
