@@ -15,10 +15,19 @@ Two cases per head dim, both at the end of a ``--context``-token history:
 The per-tensor codec errors ``||k' - k|| / ||k||`` and ``||v' - v|| / ||v||`` are printed beside
 them.  The table is Markdown, ready for docs/ACCURACY.md.
 
+``--query-bits 16 8`` adds a second table: what reduced-precision products would add on top of
+the codec.  The query is rounded to a symmetric fixed point of that many bits with one scale per
+query row (``round(q / s) * s``, ``s = max|q| / (2^(bits-1) - 1)``), as an integer-product kernel
+(int16 ``vpmaddwd``, 8-bit ``vpmaddubsw``) would see it, and attended over the same quantized
+cache.  Printed: its rel L2 against the float32-query output, and its worst element error in units
+of the FFI tests' tolerance (``1e-5 * |ref| + 1e-5 * max|ref|``; above 1 fails them).  Rounding
+the probabilities as well would add to this: it is a lower bound on such a kernel's error.
+
 Usage::
 
     PYTHONPATH=. python bench/accuracy.py                    # impl="reference", 3 head dims
     PYTHONPATH=. python bench/accuracy.py --impl ffi --context 4096
+    PYTHONPATH=. python bench/accuracy.py --head-dims 128 --query-bits 16 8
 """
 
 from __future__ import annotations
@@ -45,8 +54,21 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def fixed_point(q: np.ndarray, bits: int) -> np.ndarray:
+    """q rounded to a symmetric ``bits``-bit fixed point, one scale per row (the last axis)."""
+    top = np.abs(q).max(-1, keepdims=True)
+    step = np.where(top > 0, top / (2 ** (bits - 1) - 1), 1.0)
+    return (np.round(q / step) * step).astype(np.float32)
+
+
+def tolerance_units(got, ref) -> float:
+    """Worst |got - ref| / (1e-5 * |ref| + 1e-5 * max|ref|): the FFI tests' float32 tolerance."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float((np.abs(got - ref) / (1e-5 * np.abs(ref) + 1e-5 * np.abs(ref).max())).max())
+
+
 def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk: int, batch: int, kv_heads: int,
-            group: int, seed: int) -> dict[str, float]:
+            group: int, seed: int, query_bits: tuple[int, ...] = ()) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     layout = PagedKVStorageLayout(profile, num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim)
     blocks = -(-context // P)
@@ -75,6 +97,10 @@ def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk
             jnp.asarray(visible), 1.0 / head_dim**0.5,
         )
         out[case] = _rel(got, want)
+        for bits in query_bits:
+            rounded = attend(jnp.asarray(fixed_point(q, bits)), view, positions)
+            out[f"{case}/q{bits}"] = _rel(rounded, got)
+            out[f"{case}/q{bits}/tol"] = tolerance_units(rounded, got)
 
     # codec error of the stored K and V (read back through the reference's dequantization)
     from ninfer_kv import codecs
@@ -94,6 +120,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head (GQA)")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--query-bits", type=int, nargs="*", default=[], choices=range(2, 25), metavar="BITS",
+                        help="also attend with the query rounded to BITS-bit fixed point (e.g. 16 8); 2..24")
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -104,12 +132,24 @@ def main() -> None:
     )
     print("| profile | D | decode rel L2 | chunk rel L2 | K codec rel L2 | V codec rel L2 |")
     print("|---|---:|---:|---:|---:|---:|")
+    bits = tuple(args.query_bits)
+    results = []
     for profile in KVProfile:
         for d in args.head_dims:
             r = measure(profile, d, impl=args.impl, context=args.context, chunk=args.chunk, batch=args.batch,
-                        kv_heads=args.kv_heads, group=args.group, seed=args.seed)
+                        kv_heads=args.kv_heads, group=args.group, seed=args.seed, query_bits=bits)
+            results.append((profile, d, r))
             print(f"| {profile.value} | {d} | {r['decode']:.2e} | {r['chunk']:.2e} | {r['k']:.2e} | {r['v']:.2e} |",
                   flush=True)
+    if bits:
+        print("\nquery rounded to fixed point (one scale per row), against the float32-query output of the same cache:\n")
+        print("| profile | D | query bits | decode rel L2 | decode x test tolerance | chunk rel L2 "
+              "| chunk x test tolerance | codec's own decode rel L2 |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for profile, d, r in results:
+            for b in bits:
+                print(f"| {profile.value} | {d} | {b} | {r[f'decode/q{b}']:.2e} | {r[f'decode/q{b}/tol']:.1f} "
+                      f"| {r[f'chunk/q{b}']:.2e} | {r[f'chunk/q{b}/tol']:.1f} | {r['decode']:.2e} |")
     print(f"\n({time.perf_counter() - start:.0f} s)")
 
 

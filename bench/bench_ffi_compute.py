@@ -11,6 +11,11 @@ in L2, on one thread.  Printed per level and profile:
 * compute ceiling: K/V bytes per key and head / ns per key, the GB/s one core could feed if memory
   cost nothing; compare it with "GB per CPU-second" of ``bench/bench_ffi.py``.
 
+After each level's rows, the integer pair-product peaks of the same width, with the adds that
+accumulate them (int16: ``vpmaddwd`` + ``vpaddd``; 8-bit: ``vpmaddubsw`` + ``vpmaddwd`` by one +
+``vpaddd``): the multiply rate a reduced-precision kernel (int16 or 8-bit fixed-point queries and
+probabilities) could reach instead of the float32 one.
+
 Usage::
 
     python bench/bench_ffi_compute.py                      # avx2 and avx512 where the CPU has them
@@ -38,7 +43,8 @@ LEVEL_FLAGS = {  # as ffi/CMakeLists.txt (the vector levels: the peak loop needs
     "avx2": ["-march=x86-64-v3", "-mtune=generic"],
     "avx512": ["-march=x86-64-v4", "-mtune=generic"],
 }
-PROFILES = {"bf16": (0, 0), "int8-g64": (1, 1), "fp8-e4m3fn-row256": (2, 2), "nvfp4-g16": (3, 3), "k8v4": (1, 3)}
+# (K codec, V codec) as the FFI library numbers them, taken from the profiles themselves
+PROFILES = {p.value: (ffi_ops._CODEC_ID[p.k_codec], ffi_ops._CODEC_ID[p.v_codec]) for p in KVProfile}
 HEAD_DIM = 128
 
 
@@ -76,7 +82,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for level in levels:
             exe = build(level, Path(tmp))
-            peak = float(subprocess.run([str(exe), "peak"], capture_output=True, text=True, check=True).stdout)
+            peaks = {kind: float(subprocess.run([str(exe), "peak", kind], capture_output=True, text=True,
+                                                check=True).stdout) for kind in ("float32", "int16", "int8")}
+            peak = peaks["float32"]
             for rows in args.rows:
                 for prof in args.profiles:
                     kc, vc = PROFILES[prof]
@@ -87,6 +95,8 @@ def main() -> None:
                     print(f"| {level} | {rows} | {prof} | {ns:.1f} | {lanes / 1e9:.1f} | {100 * lanes / peak:.0f}% "
                           f"| {nbytes} | {nbytes / ns:.1f} |", flush=True)
             print(f"| {level} | | (peak: {peak / 1e9:.1f} G multiply-add lanes/s) | | | | | |")
+            print(f"| {level} | | (integer pair products with their adds: int16 {peaks['int16'] / 1e9:.1f} G, "
+                  f"8-bit {peaks['int8'] / 1e9:.1f} G multiply lanes/s) | | | | | |")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,15 @@
 // pages of 64 tokens that stay in L2, so memory bandwidth plays no part: what is left is the
 // arithmetic and the instructions around it.  Decode attention needs 2 * rows * 128 multiply-adds
 // per key (scores and values); "of FMA peak" is that count over the peak measured here by a loop
-// of independent multiply-adds of the same vector width.
+// of independent multiply-adds of the same vector width.  `peak int16` and `peak int8` measure the
+// integer pair products a reduced-precision kernel would use instead, with the adds that
+// accumulate them: vpmaddwd + vpaddd (int16 x int16 into int32), and vpmaddubsw + vpmaddwd-by-one
+// + vpaddd (8-bit x 8-bit into int32, as 8-bit dot-product kernels chain them).
 //
 // Usage: ffi_compute <k codec> <v codec> [rows] [repeats]    (codecs: 0 BF16, 1 INT8-G64,
-//        ffi_compute peak                                     2 FP8-row, 3 NVFP4-G16)
+//        ffi_compute peak [int16 | int8]                      2 FP8-row, 3 NVFP4-G16)
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -56,6 +61,56 @@ double PeakFmaLanesPerSecond() {
   return 10.0 * kVL * steps / best;
 }
 
+#if defined(__AVX512F__)
+using IntVec = __m512i;
+#define NINFER_KV_BENCH_OPS(x) _mm512_##x
+#define NINFER_KV_BENCH_KEEP "+v"
+#else
+using IntVec = __m256i;
+#define NINFER_KV_BENCH_OPS(x) _mm256_##x
+#define NINFER_KV_BENCH_KEEP "+x"
+#endif
+
+// One accumulation step of `bits`-bit pair products: int32 lanes of acc += pair products of a and m.
+template <int bits>
+inline IntVec IntStep(IntVec acc, IntVec m, IntVec ones) {
+  if constexpr (bits == 16) {
+    return NINFER_KV_BENCH_OPS(add_epi32)(acc, NINFER_KV_BENCH_OPS(madd_epi16)(acc, m));
+  } else {
+    const IntVec pairs = NINFER_KV_BENCH_OPS(maddubs_epi16)(acc, m);  // uint8 x int8 pairs into int16
+    return NINFER_KV_BENCH_OPS(add_epi32)(acc, NINFER_KV_BENCH_OPS(madd_epi16)(pairs, ones));
+  }
+}
+
+// Multiply lanes per second of one thread through `bits`-bit integer pair products (16 or 8),
+// 10 independent chains as in PeakFmaLanesPerSecond.
+template <int bits>
+double PeakIntLanesPerSecond() {
+  const IntVec m = NINFER_KV_BENCH_OPS(set1_epi16)(3), ones = NINFER_KV_BENCH_OPS(set1_epi16)(1);
+  IntVec a0 = NINFER_KV_BENCH_OPS(set1_epi32)(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,
+         a8 = a0, a9 = a0;
+  const long steps = 20000000;
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = Seconds();
+    for (long s = 0; s < steps; ++s) {
+      a0 = IntStep<bits>(a0, m, ones), a1 = IntStep<bits>(a1, m, ones), a2 = IntStep<bits>(a2, m, ones);
+      a3 = IntStep<bits>(a3, m, ones), a4 = IntStep<bits>(a4, m, ones), a5 = IntStep<bits>(a5, m, ones);
+      a6 = IntStep<bits>(a6, m, ones), a7 = IntStep<bits>(a7, m, ones), a8 = IntStep<bits>(a8, m, ones);
+      a9 = IntStep<bits>(a9, m, ones);
+      __asm__ volatile("" : NINFER_KV_BENCH_KEEP(a0), NINFER_KV_BENCH_KEEP(a1), NINFER_KV_BENCH_KEEP(a2),
+                       NINFER_KV_BENCH_KEEP(a3), NINFER_KV_BENCH_KEEP(a4), NINFER_KV_BENCH_KEEP(a5),
+                       NINFER_KV_BENCH_KEEP(a6), NINFER_KV_BENCH_KEEP(a7), NINFER_KV_BENCH_KEEP(a8),
+                       NINFER_KV_BENCH_KEEP(a9));
+    }
+    best = std::min(best, Seconds() - t0);
+  }
+  int keep = 0;
+  for (const IntVec& a : {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9}) keep ^= reinterpret_cast<const int*>(&a)[0];
+  if (keep == 12345) std::puts("");  // keeps the chains alive
+  return 10.0 * (sizeof(IntVec) * 8 / bits) * steps / best;
+}
+
 // Random valid codes and scales of `pages` pages of 64 tokens for codec c (head dim d).
 RowSource MakePlane(int c, int d, int pages, std::mt19937& rng, std::vector<uint8_t>* data, std::vector<uint8_t>* sc) {
   const CodecPlanes cp = PlanesOf(static_cast<Codec>(c), d);
@@ -87,11 +142,22 @@ RowSource AtPage(RowSource r, int page) {
 
 int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "peak") == 0) {
-    std::printf("%.4g\n", PeakFmaLanesPerSecond());
+    const char* kind = argc >= 3 ? argv[2] : "float32";
+    if (std::strcmp(kind, "float32") == 0) {
+      std::printf("%.4g\n", PeakFmaLanesPerSecond());
+    } else if (std::strcmp(kind, "int16") == 0) {
+      std::printf("%.4g\n", PeakIntLanesPerSecond<16>());
+    } else if (std::strcmp(kind, "int8") == 0) {
+      std::printf("%.4g\n", PeakIntLanesPerSecond<8>());
+    } else {
+      std::fprintf(stderr, "peak kind %s: allowed float32, int16, int8\n", kind);
+      return 2;
+    }
     return 0;
   }
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s <k codec> <v codec> [rows] [repeats] | %s peak\n", argv[0], argv[0]);
+    std::fprintf(stderr, "usage: %s <k codec> <v codec> [rows] [repeats] | %s peak [float32|int16|int8]\n", argv[0],
+                 argv[0]);
     return 2;
   }
   const int kc = std::atoi(argv[1]), vc = std::atoi(argv[2]);
