@@ -53,7 +53,8 @@ def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["JAX_PLATFORMS"] = "cpu"
-    env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    if "--xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
     return env
 
 

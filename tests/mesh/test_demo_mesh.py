@@ -19,7 +19,7 @@ SMALL = ["--model", "tiny", "--max-context", "256", "--max-concurrency", "4", "-
 
 def _env(**extra) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)  # the demo forces its own device count
+    # XLA_FLAGS is inherited: the demo replaces any forced device count in it with its own.
     env.update(extra)
     return env
 
@@ -48,7 +48,7 @@ def test_mesh_tokens_equal_one_device():
 _PLANES_SCRIPT = textwrap.dedent(
     """
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from ninfer_kv.demo import DemoConfig, WorkloadSpec
     from ninfer_kv.demo.run import demo_buckets, validate, _params

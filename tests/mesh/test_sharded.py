@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*checks: str, timeout: int = 240) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, JAX_PLATFORMS="cpu",  # worker.py adds the 8 host devices to XLA_FLAGS
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(WORKER), *checks], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
