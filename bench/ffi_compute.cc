@@ -33,71 +33,31 @@ namespace {
 
 double Seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// Multiply-adds per second of one thread: 10 independent accumulator chains of kVL lanes, each
-// step a fused multiply-add per chain (the asm statement keeps the chains in registers and stops
-// the compiler from folding steps).
-double PeakFmaLanesPerSecond() {
-  VFloat a0 = Splat(1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0;
-  const VFloat m = Splat(0.999999f), c = Splat(1e-7f);
-  const long steps = 20000000;
-  double best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
-    const double t0 = Seconds();
-    for (long s = 0; s < steps; ++s) {
-      a0 = a0 * m + c, a1 = a1 * m + c, a2 = a2 * m + c, a3 = a3 * m + c, a4 = a4 * m + c;
-      a5 = a5 * m + c, a6 = a6 * m + c, a7 = a7 * m + c, a8 = a8 * m + c, a9 = a9 * m + c;
-#if defined(__AVX512F__)
-      __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9));
-#elif defined(__AVX__)
-      __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+x"(a8), "+x"(a9));
-#else
-#error "ffi_compute measures the AVX levels"
-#endif
-    }
-    best = std::min(best, Seconds() - t0);
-  }
-  const VFloat sum = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9;
-  if (sum[0] == 12345.0f) std::puts("");  // keeps the chains alive
-  return 10.0 * kVL * steps / best;
-}
-
 #if defined(__AVX512F__)
 using IntVec = __m512i;
 #define NINFER_KV_BENCH_OPS(x) _mm512_##x
 #define NINFER_KV_BENCH_KEEP "+v"
-#else
+#elif defined(__AVX__)
 using IntVec = __m256i;
 #define NINFER_KV_BENCH_OPS(x) _mm256_##x
 #define NINFER_KV_BENCH_KEEP "+x"
+#else
+#error "ffi_compute measures the AVX levels"
 #endif
 
-// One accumulation step of `bits`-bit pair products: int32 lanes of acc += pair products of a and m.
-template <int bits>
-inline IntVec IntStep(IntVec acc, IntVec m, IntVec ones) {
-  if constexpr (bits == 16) {
-    return NINFER_KV_BENCH_OPS(add_epi32)(acc, NINFER_KV_BENCH_OPS(madd_epi16)(acc, m));
-  } else {
-    const IntVec pairs = NINFER_KV_BENCH_OPS(maddubs_epi16)(acc, m);  // uint8 x int8 pairs into int16
-    return NINFER_KV_BENCH_OPS(add_epi32)(acc, NINFER_KV_BENCH_OPS(madd_epi16)(pairs, ones));
-  }
-}
-
-// Multiply lanes per second of one thread through `bits`-bit integer pair products (16 or 8),
-// 10 independent chains as in PeakFmaLanesPerSecond.
-template <int bits>
-double PeakIntLanesPerSecond() {
-  const IntVec m = NINFER_KV_BENCH_OPS(set1_epi16)(3), ones = NINFER_KV_BENCH_OPS(set1_epi16)(1);
-  IntVec a0 = NINFER_KV_BENCH_OPS(set1_epi32)(1), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,
-         a8 = a0, a9 = a0;
+// Steps per second of one thread through 10 independent chains a_i = step(a_i), all starting at
+// `init` (the asm statement keeps the chains in registers and stops the compiler from folding
+// steps).
+template <class V, class Step>
+double ChainStepsPerSecond(V init, Step step) {
+  V a0 = init, a1 = init, a2 = init, a3 = init, a4 = init, a5 = init, a6 = init, a7 = init, a8 = init, a9 = init;
   const long steps = 20000000;
   double best = 1e30;
   for (int rep = 0; rep < 3; ++rep) {
     const double t0 = Seconds();
     for (long s = 0; s < steps; ++s) {
-      a0 = IntStep<bits>(a0, m, ones), a1 = IntStep<bits>(a1, m, ones), a2 = IntStep<bits>(a2, m, ones);
-      a3 = IntStep<bits>(a3, m, ones), a4 = IntStep<bits>(a4, m, ones), a5 = IntStep<bits>(a5, m, ones);
-      a6 = IntStep<bits>(a6, m, ones), a7 = IntStep<bits>(a7, m, ones), a8 = IntStep<bits>(a8, m, ones);
-      a9 = IntStep<bits>(a9, m, ones);
+      a0 = step(a0), a1 = step(a1), a2 = step(a2), a3 = step(a3), a4 = step(a4);
+      a5 = step(a5), a6 = step(a6), a7 = step(a7), a8 = step(a8), a9 = step(a9);
       __asm__ volatile("" : NINFER_KV_BENCH_KEEP(a0), NINFER_KV_BENCH_KEEP(a1), NINFER_KV_BENCH_KEEP(a2),
                        NINFER_KV_BENCH_KEEP(a3), NINFER_KV_BENCH_KEEP(a4), NINFER_KV_BENCH_KEEP(a5),
                        NINFER_KV_BENCH_KEEP(a6), NINFER_KV_BENCH_KEEP(a7), NINFER_KV_BENCH_KEEP(a8),
@@ -106,9 +66,35 @@ double PeakIntLanesPerSecond() {
     best = std::min(best, Seconds() - t0);
   }
   int keep = 0;
-  for (const IntVec& a : {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9}) keep ^= reinterpret_cast<const int*>(&a)[0];
+  for (const V& a : {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9}) {
+    int x;
+    std::memcpy(&x, &a, sizeof x);
+    keep ^= x;
+  }
   if (keep == 12345) std::puts("");  // keeps the chains alive
-  return 10.0 * (sizeof(IntVec) * 8 / bits) * steps / best;
+  return 10.0 * steps / best;
+}
+
+// Multiply-add lanes per second of one thread: a fused multiply-add of kVL lanes per step.
+double PeakFmaLanesPerSecond() {
+  const VFloat m = Splat(0.999999f), c = Splat(1e-7f);
+  return kVL * ChainStepsPerSecond(Splat(1.0f), [=](VFloat a) { return a * m + c; });
+}
+
+// Multiply lanes per second of one thread through `bits`-bit integer pair products (16 or 8),
+// each step accumulating the pair products into int32 lanes.
+template <int bits>
+double PeakIntLanesPerSecond() {
+  const IntVec m = NINFER_KV_BENCH_OPS(set1_epi16)(3), ones = NINFER_KV_BENCH_OPS(set1_epi16)(1);
+  auto step = [=](IntVec acc) {
+    if constexpr (bits == 16) {
+      return NINFER_KV_BENCH_OPS(add_epi32)(acc, NINFER_KV_BENCH_OPS(madd_epi16)(acc, m));
+    } else {
+      const IntVec pairs = NINFER_KV_BENCH_OPS(maddubs_epi16)(acc, m);  // uint8 x int8 pairs into int16
+      return NINFER_KV_BENCH_OPS(add_epi32)(acc, NINFER_KV_BENCH_OPS(madd_epi16)(pairs, ones));
+    }
+  };
+  return (sizeof(IntVec) * 8 / bits) * ChainStepsPerSecond(NINFER_KV_BENCH_OPS(set1_epi32)(1), step);
 }
 
 // Random valid codes and scales of `pages` pages of 64 tokens for codec c (head dim d).
