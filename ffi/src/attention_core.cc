@@ -426,7 +426,7 @@ void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const
     case Codec::kBF16: FoldRun<Decoder<KC>, Decoder<Codec::kBF16>>(kp, vp, ja, cnt, &pf); break;        \
     case Codec::kInt8G64: FoldRun<Decoder<KC>, Decoder<Codec::kInt8G64>>(kp, vp, ja, cnt, &pf); break;  \
     case Codec::kFp8Row:                                                                                       \
-      if (vp.any_nan) {                                                                                        \
+      if (vp.any_nan()) {                                                                                      \
         FoldRun<Decoder<KC>, Fp8ExactDecoder>(kp, vp, ja, cnt, &pf);                                           \
       } else {                                                                                                 \
         FoldRun<Decoder<KC>, Decoder<Codec::kFp8Row>>(kp, vp, ja, cnt, &pf);                                   \

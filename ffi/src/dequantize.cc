@@ -161,7 +161,6 @@ PreparedRows PrepareRows(const RowSource& src, int cnt, int head_dim, AlignedFlo
           }
         }
         out.nan = any ? nan->data() : nullptr;
-        out.any_nan = any;
       }
       return out;
     }

@@ -396,7 +396,9 @@ struct PreparedRows {
   const float* scales = nullptr;  // `groups` floats per token (null for BF16)
   int groups = 0;
   const uint8_t* nan = nullptr;   // per-token NaN-code flags (FP8 runs holding one), else null
-  bool any_nan = false;           // whether some token of the run holds a NaN code (FP8)
+
+  // Whether some token of the run holds a NaN code (FP8).
+  bool any_nan() const { return nan != nullptr; }
 
   template <class Dec>
   typename Dec::Row At(int64_t j) const {

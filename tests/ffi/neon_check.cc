@@ -34,6 +34,8 @@ using namespace ninfer_kv_ffi;
 
 namespace {
 
+constexpr Codec kCodecs[] = {Codec::kBF16, Codec::kInt8G64, Codec::kFp8Row, Codec::kNvfp4G16};
+
 int g_failures = 0;
 int g_reported = 0;
 
@@ -334,8 +336,7 @@ std::vector<std::vector<float>> QuantizeInputs(Codec c, int d, std::mt19937& rng
 }
 
 void CheckQuantize(std::mt19937& rng) {
-  const Codec codecs[] = {Codec::kBF16, Codec::kInt8G64, Codec::kFp8Row, Codec::kNvfp4G16};
-  for (Codec c : codecs) {
+  for (Codec c : kCodecs) {
     const int before = g_failures;
     long count = 0;
     std::vector<int> dims = {64, 128, 192};
@@ -518,7 +519,7 @@ void CheckRowDecoder(const Tokens& t, long* count) {
         }
       }
     }
-    if (C == Codec::kFp8Row && j + 1 == t.n && pr.any_nan != any_nan) Fail("PrepareRows any_nan flag");
+    if (C == Codec::kFp8Row && j + 1 == t.n && pr.any_nan() != any_nan) Fail("PrepareRows any_nan flag");
     if (Decoder<C>::Row::kKeyScaled) {
       uint16_t sb;
       std::memcpy(&sb, t.scale.data() + j * t.scale_stride, 2);
@@ -529,8 +530,7 @@ void CheckRowDecoder(const Tokens& t, long* count) {
 }
 
 void CheckDecode(std::mt19937& rng) {
-  const Codec codecs[] = {Codec::kBF16, Codec::kInt8G64, Codec::kFp8Row, Codec::kNvfp4G16};
-  for (Codec c : codecs) {
+  for (Codec c : kCodecs) {
     const int before = g_failures;
     long count = 0;
     std::vector<int> dims = {64, 128, 192};
