@@ -14,8 +14,10 @@ Output contract:
   never the library's ``max_context``), the value and the allowed range, and says when the value is
   a default the user did not type.  No traceback is ever printed: an unexpected failure is one line
   and exit status 1 (``NINFER_KV_TRACEBACK=1`` shows the traceback).
-* ``--kv-cache-dtype`` is an alias of ``--profile``; both accept the short names of
-  :data:`KV_CACHE_DTYPES` (``bf16``, ``fp8``, ``int8``, ``nvfp4``, ``k8v4``).
+* ``--kv-cache-dtype`` is an alias of ``--profile``; both accept the profile names and the short
+  names of :data:`ninfer_kv.profiles.PROFILE_ALIASES` (``fp8``, ``int8``, ``nvfp4``, ...), exactly
+  as Python's ``KVProfile.parse`` does.  Byte sizes are read by :func:`ninfer_kv.units.parse_bytes`,
+  the syntax every Python byte-count argument accepts too.
 
 Subcommands live in a registry.  A module adds one with :func:`register_subcommand` (usually as a
 decorator on its ``run`` function) and is listed in :data:`SUBCOMMAND_MODULES` so ``main`` imports it
@@ -44,8 +46,10 @@ import importlib
 import json
 import re
 import sys
-from fractions import Fraction
 from typing import Callable, Sequence
+
+from .profiles import PROFILE_ALIASES, KVProfile, profile_names
+from .units import BYTE_SIZE_FORMS, describe_bytes, format_bytes, parse_bytes
 
 __all__ = [
     "CommandOutput",
@@ -64,7 +68,6 @@ __all__ = [
 PROG = "ninfer-kv"
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
-_INT64_MAX = 2**63 - 1
 _MAX_DIGITS = 60
 
 SUBCOMMAND_MODULES: tuple[str, ...] = ("ninfer_kv.demo.cli",)
@@ -176,8 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Plan and inspect ninfer_kv's growing paged KV cache.",
-        epilog="Byte sizes accept plain integers, scientific notation (1e9) and the suffixes "
-        "KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (powers of 1024), e.g. 40GiB or 512MiB.",
+        epilog=f"Byte sizes accept {BYTE_SIZE_FORMS}.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -192,67 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------------
 # Value parsers (argparse ``type=`` callables)
 # ------------------------------------------------------------------------------------------------
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a byte size: ``1073741824``, ``1e9``, ``40GiB``, ``512MiB``, ``1.5GB``.
-
-    Decimal suffixes (``KB``, ``MB``, ``GB``, ``TB``; also ``K``/``M``/``G``/``T``) are powers of
-    1000, binary suffixes (``KiB``, ``MiB``, ``GiB``, ``TiB``) powers of 1024; case is ignored.  The
-    result must be a whole, non-negative number of bytes that fits int64.
-
-    Raises:
-      ValueError: naming the text and the accepted forms.
-    """
-    match = _BYTES_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
-        raise ValueError(
-            f"byte size {text!r} is invalid; use a non-negative integer, scientific notation (1e9) or a "
-            "number with a suffix KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024), e.g. 40GiB"
-        )
-    number = match.group(1)
-    mantissa, _, exponent = number.lower().partition("e")
-    if len(mantissa) > _MAX_DIGITS or len(exponent) > 4 or abs(int(exponent or 0)) > _MAX_DIGITS:
-        raise ValueError(f"byte size {text!r} is too large; it must be at most {_INT64_MAX} bytes (int64)")
-    value = Fraction(number) * _BYTE_UNITS[unit]
-    if value.denominator != 1:
-        raise ValueError(f"byte size {text!r} is {float(value)} bytes; it must be a whole number of bytes")
-    if value > _INT64_MAX:
-        raise ValueError(f"byte size {text!r} is {int(value)} bytes; it must be at most {_INT64_MAX} bytes (int64)")
-    return int(value)
-
-
-def format_bytes(n: int) -> str:
-    """Human-readable binary units: ``823296`` -> ``'804.0 KiB'``, ``512`` -> ``'512 B'``."""
-    n = int(n)
-    if abs(n) < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        value /= 1024.0
-        if abs(value) < 1024.0 or unit == "PiB":
-            return f"{value:.2f} {unit}" if abs(value) < 100 else f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
 def _arg_type(name: str, fn):
     """Wrap a converter so argparse reports its ``ValueError`` message verbatim."""
 
@@ -289,33 +230,10 @@ def bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
     return _int_at_least(minimum, maximum)
 
 
-KV_CACHE_DTYPES = {
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp8": "fp8-e4m3fn-row256",
-    "fp8_e4m3": "fp8-e4m3fn-row256",
-    "int8": "int8-g64",
-    "nvfp4": "nvfp4-g16",
-    "k8v4": "k8v4",
-}
-"""vLLM-style ``--kv-cache-dtype`` short names and the closed profile each one selects."""
+KV_CACHE_DTYPES = PROFILE_ALIASES
+"""The ``--kv-cache-dtype`` short names: the one table of :data:`ninfer_kv.profiles.PROFILE_ALIASES`."""
 
-PROFILE_HELP = (
-    "KV profile: bf16, int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4 "
-    "(short names: fp8 = fp8-e4m3fn-row256, int8 = int8-g64, nvfp4 = nvfp4-g16)"
-)
-
-
-def _profile(text: str):
-    from .profiles import KVProfile
-
-    key = str(text).strip().lower()
-    try:
-        return KVProfile.parse(KV_CACHE_DTYPES.get(key, text))
-    except ValueError:
-        names = ", ".join(m.value for m in KVProfile)
-        short = ", ".join(f"{k} ({v})" for k, v in KV_CACHE_DTYPES.items() if k != v)
-        raise ValueError(f"unknown KV profile {text!r}; allowed: {names}; short names: {short}") from None
+PROFILE_HELP = f"KV profile: {profile_names()}"
 
 
 def _order(text: str):
@@ -333,7 +251,7 @@ def _backend(text: str):
 POSITIVE_INT = _int_at_least(1)
 NON_NEGATIVE_INT = _int_at_least(0)
 BYTES = _arg_type("bytes", parse_bytes)
-PROFILE = _arg_type("profile", _profile)
+PROFILE = _arg_type("profile", KVProfile.parse)
 ORDER = _arg_type("order", _order)
 BACKEND = _arg_type("backend", _backend)
 
@@ -357,11 +275,6 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, ri
 
 def _n(x: int) -> str:
     return f"{int(x):,}"
-
-
-def _bytes(n: int) -> str:
-    """Exact bytes, with the binary-unit form when it is shorter to read."""
-    return f"{_n(n)} B" + (f" ({format_bytes(n)})" if abs(int(n)) >= 1024 else "")
 
 
 def _kv_lines(pairs: Sequence[tuple[str, str]]) -> list[str]:
@@ -442,7 +355,7 @@ def _run_layout(args: argparse.Namespace) -> CommandOutput:
                 [[p.name, p.dtype, str(p.shape), _n(p.page_bytes), _n(p.bytes)] for p in summary.planes],
                 right=(3, 4),
             ),
-            f"PageBytes = {_n(layout.page_bytes)} B ({format_bytes(layout.page_bytes)}) per page group; "
+            f"PageBytes = {describe_bytes(layout.page_bytes)} per page group; "
             f"{_n(layout.bytes_per_token)} B per token",
         ]
     return CommandOutput(data=data, text="\n".join(lines))
@@ -594,10 +507,10 @@ def _run_mesh_plan(args, model, policy, policy_json: dict, speculative) -> Comma
         ("rows", f"C = {_n(mp.max_concurrency)} = {spec.data} data shard(s) x {_n(dev.max_concurrency)} rows"),
         ("Main pages", f"{_n(mp.m_local)} per data shard (own page IDs), {_n(mp.m_local * spec.data)} in total"),
         ("Main capacity", f"{_n(mp.capacity_tokens)} tokens over the mesh"),
-        ("per device", _bytes(mp.device_bytes)),
-        ("total", f"{_bytes(mp.total_bytes)} = {spec.size} devices x per device"),
+        ("per device", describe_bytes(mp.device_bytes)),
+        ("total", f"{describe_bytes(mp.total_bytes)} = {spec.size} devices x per device"),
         ("one device", "beyond a single device's bounds" if single is None else
-         f"{_bytes(single)} for the same capacity unsharded (per device / one device = "
+         f"{describe_bytes(single)} for the same capacity unsharded (per device / one device = "
          f"{mp.device_bytes / single:.4f})"),
     ])
     lines += ["", "per device (one data shard's rows and pages, this device's heads)", "", per_device]
@@ -672,19 +585,19 @@ def _plan_text(plan, speculative, policy_json: dict) -> str:
     curve = plan.curve
     lines += ["", "capacity curve  B(M) = B_min + (M - M_min) * B_step"]
     pairs = [
-        ("B_min", f"{_bytes(curve.b_min)} at M_min = {_n(curve.m_min)}"),
-        ("B_step", f"{_bytes(curve.b_step)} per Main page group"),
-        ("fixed part", _bytes(b.fixed_bytes)),
-        ("B(M)", f"{_bytes(plan.device_bytes)} device bytes at M = {_n(plan.m)}"),
+        ("B_min", f"{describe_bytes(curve.b_min)} at M_min = {_n(curve.m_min)}"),
+        ("B_step", f"{describe_bytes(curve.b_step)} per Main page group"),
+        ("fixed part", describe_bytes(b.fixed_bytes)),
+        ("B(M)", f"{describe_bytes(plan.device_bytes)} device bytes at M = {_n(plan.m)}"),
     ]
     if policy_json["kind"] == "automatic":
         F, R = policy_json["free_bytes"], policy_json["headroom_bytes"]
         left = F - R - plan.device_bytes
         pairs += [
             ("policy", "automatic: M = min(M_max, M_min + floor((F - R - B_min) / B_step))"),
-            ("free F", _bytes(F)),
-            ("headroom R", _bytes(R)),
-            ("F - R - B(M)", f"{_bytes(left)} left unreserved"),
+            ("free F", describe_bytes(F)),
+            ("headroom R", describe_bytes(R)),
+            ("F - R - B(M)", f"{describe_bytes(left)} left unreserved"),
         ]
     else:
         pairs += [("policy", f"explicit: kv_capacity = {_n(policy_json['kv_capacity'])} tokens, M = ceil(K/P)")]

@@ -22,6 +22,12 @@ every pool (``0 .. pages - 1``) and every token position of a sequence (``0 .. L
 KV heads and head dim are bounded far above any real model (:data:`MAX_LAYERS`,
 :data:`MAX_KV_HEADS`, :data:`MAX_HEAD_DIM`).  A value outside these bounds raises
 :class:`PlanBoundError` (a ``ValueError``) naming the parameter, its value and the allowed range.
+
+Byte counts.  ``AutomaticCapacity(free_bytes=, headroom_bytes=)`` and ``fixed_bytes`` take an
+integer, a whole-number float or a byte-size string such as ``"40GiB"`` (the syntax of the command
+line, :mod:`ninfer_kv.units`); the exact ``int`` is what gets stored.  A wrong type raises
+:class:`~ninfer_kv.units.ByteSizeTypeError` (a ``TypeError``, also a ``ValueError``).  Errors print
+byte counts exactly with the binary-unit form beside them (``34,361,835,520 B (32.00 GiB)``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 from .geometry import PAGE_SIZE, PlaneOrder, ceil_div
 from .layout import PagedKVStorageLayout
 from .profiles import KVProfile
+from .units import INT64_MAX, ByteSize, byte_range, describe_bytes, format_bytes, to_byte_count
 
 __all__ = [
     "SpeculativeBackend",
@@ -64,7 +71,6 @@ __all__ = [
 
 TABLE_ENTRY_BYTES = 4  # int32 block-table entries
 INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 MAX_PAGES = INT32_MAX + 1
 """Most physical page groups one pool may hold: page IDs ``0 .. MAX_PAGES - 1`` fit int32."""
 MAX_CONTEXT = (INT32_MAX // PAGE_SIZE) * PAGE_SIZE
@@ -84,11 +90,15 @@ class PlanBoundError(ValueError):
       name: the parameter (``max_context``, ``draft_window``, ...).
       value: the value given.
       allowed: the allowed range in words (``"an integer in [1, 8192]"``).
+      why: the reason for the bound, or ``""``.
+      shown: the value as printed after ``name=`` (default ``repr(value)``; byte counts add the
+        binary-unit form).
     """
 
-    def __init__(self, name: str, value: object, allowed: str, why: str = ""):
+    def __init__(self, name: str, value: object, allowed: str, why: str = "", *, shown: str | None = None):
         self.name, self.value, self.allowed, self.why = name, value, allowed, why
-        super().__init__(f"{name}={value!r} is out of range; it must be {allowed}" + (f" ({why})" if why else ""))
+        shown = repr(value) if shown is None else shown
+        super().__init__(f"{name}={shown} is out of range; it must be {allowed}" + (f" ({why})" if why else ""))
 
 
 def _int_at_least(name: str, value: object, minimum: int, maximum: int | None = None, why: str = "") -> int:
@@ -100,14 +110,37 @@ def _int_at_least(name: str, value: object, minimum: int, maximum: int | None = 
     return int(value)
 
 
+def _shown_bytes(value: object) -> str:
+    """``repr(value)``, with the binary-unit form beside an integer byte count of 1 KiB or more."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
+        return f"{value!r} ({format_bytes(value)})"
+    return repr(value)
+
+
+def _byte_count(name: str, value: object) -> int:
+    """A byte-count argument (integer, whole float or byte-size string) as an int in ``[0, INT64_MAX]``."""
+    count = to_byte_count(value, name)
+    if not 0 <= count <= INT64_MAX:
+        shown = repr(value) + (f" ({format_bytes(count)})" if count >= 1024 else "")
+        raise PlanBoundError(name, value, byte_range(0, INT64_MAX), "byte counts are int64", shown=shown)
+    return count
+
+
 def _check_bytes(name: str, value: int, what: str) -> int:
     if value > INT64_MAX:
-        raise PlanBoundError(name, value, f"at most {INT64_MAX} bytes", f"{what} must fit int64")
+        raise PlanBoundError(
+            name, value, f"at most {INT64_MAX} bytes", f"{what} must fit int64", shown=_shown_bytes(value)
+        )
     return value
 
 
 class SpeculativeBackend(enum.Enum):
-    """Speculative backends; mutually exclusive within one engine."""
+    """Speculative backends; mutually exclusive within one engine.
+
+    ``OFF``: Main pool only.  ``MTP``: a multi-token-prediction head with its own MTP pool.
+    ``DFLASH`` / ``DFLASH2``: a draft model whose full-attention layers get a Draft Full pool
+    (when :attr:`SpeculativeConfig.draft_full_layers` > 0).
+    """
 
     OFF = "off"
     MTP = "mtp"
@@ -116,6 +149,11 @@ class SpeculativeBackend(enum.Enum):
 
     @classmethod
     def parse(cls, name: "str | SpeculativeBackend") -> "SpeculativeBackend":
+        """Resolve ``"off"``, ``"mtp"``, ``"dflash"`` or ``"dflash2"`` (case and spaces ignored) or a member.
+
+        Raises:
+          ValueError: any other value, naming it and the allowed names.
+        """
         if isinstance(name, SpeculativeBackend):
             return name
         if isinstance(name, str):
@@ -126,7 +164,12 @@ class SpeculativeBackend(enum.Enum):
 
 
 class PoolKind(str, enum.Enum):
-    """The growing pools of the contract."""
+    """The growing pools of the contract.
+
+    ``MAIN``: the target model's KV (Main Text, page-major, the model's profile).  ``MTP``: the MTP
+    head's KV (page-major, Main's profile and geometry).  ``DRAFT_FULL``: a DFlash draft model's
+    full-attention KV (head-major, always BF16).  A ``str`` enum: ``PoolKind.MAIN == "main"``.
+    """
 
     MAIN = "main"
     MTP = "mtp"
@@ -134,6 +177,11 @@ class PoolKind(str, enum.Enum):
 
     @classmethod
     def parse(cls, name: "str | PoolKind") -> "PoolKind":
+        """Resolve ``"main"``, ``"mtp"`` or ``"draft_full"`` (exact, lower case) or a member.
+
+        Raises:
+          ValueError: any other value, naming it and the allowed names.
+        """
         if isinstance(name, PoolKind):
             return name
         for member in cls:
@@ -147,11 +195,20 @@ class SpeculativeConfig:
     """The selected speculative backend and the KV geometry it implies.
 
     Attributes:
-      backend: off, MTP, DFlash or DFlash2.
-      draft_window: MTP draft window K (>= 1); the MTP pool may lead Main by up to K - 1 tokens.
-      mtp_layers: MTP layers with persistent KV (>= 1).
-      draft_full_layers: DFlash/DFlash2 draft full-attention layers (0: no Draft Full pool).
-      draft_kv_heads, draft_head_dim: Draft Full geometry (default: the Main model's).
+      backend: a :class:`SpeculativeBackend` (off, MTP, DFlash or DFlash2; a name such as
+        ``"mtp"`` is parsed).  Default off.
+      draft_window: MTP draft window K in tokens (>= 1, default 1; at most ``max_context`` when
+        planned); the MTP pool may lead Main by up to K - 1 tokens, which costs
+        ``C * ceil((K - 1) / 64)`` extra MTP pages.  Used only by MTP.
+      mtp_layers: MTP layers with persistent KV (>= 1, default 1): the layers of the MTP pool.
+      draft_full_layers: DFlash/DFlash2 draft full-attention layers (default 0: no Draft Full pool).
+      draft_kv_heads, draft_head_dim: Draft Full geometry (default ``None``: the Main model's).
+
+    Raises:
+      PlanBoundError: a count that is not an integer or is outside its range: ``draft_window`` in
+        ``[1, MAX_CONTEXT]``, ``mtp_layers`` in ``[1, MAX_LAYERS]``, ``draft_full_layers`` in
+        ``[0, MAX_LAYERS]``, ``draft_kv_heads`` and ``draft_head_dim`` in ``[1, 65536]``.
+      ValueError: an unknown backend name.
     """
 
     backend: SpeculativeBackend = SpeculativeBackend.OFF
@@ -173,9 +230,11 @@ class SpeculativeConfig:
 
     @property
     def has_draft_full(self) -> bool:
+        """Whether the plan gets a Draft Full pool: backend DFlash or DFlash2 and ``draft_full_layers > 0``."""
         return self.backend in (SpeculativeBackend.DFLASH, SpeculativeBackend.DFLASH2) and self.draft_full_layers > 0
 
     def pool_kinds(self) -> tuple[PoolKind, ...]:
+        """The pools this backend needs: ``(MAIN,)``, ``(MAIN, MTP)`` or ``(MAIN, DRAFT_FULL)``."""
         kinds = [PoolKind.MAIN]
         if self.backend is SpeculativeBackend.MTP:
             kinds.append(PoolKind.MTP)
@@ -186,7 +245,24 @@ class SpeculativeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelKVConfig:
-    """The target model's full-attention KV geometry and the selected closed profile."""
+    """The target model's full-attention KV geometry and the selected closed profile.
+
+    ``ModelKVConfig(num_layers=16, num_kv_heads=2, head_dim=256, profile="k8v4")``.
+
+    Attributes:
+      num_layers: full-attention layers whose KV the Main pool stacks, in ``[1, MAX_LAYERS]``
+        (4096).
+      num_kv_heads: KV heads ``H`` per layer (after GQA grouping, not query heads), in
+        ``[1, MAX_KV_HEADS]`` (65536).
+      head_dim: head dim ``D`` (elements per K or V vector), in ``[1, MAX_HEAD_DIM]`` (65536); the
+        profile may need a multiple of 64 (INT8-G64) or 16 (NVFP4-G16, K8V4).
+      profile: the :class:`~ninfer_kv.profiles.KVProfile` of the Main and MTP pools (default BF16);
+        a name such as ``"k8v4"`` or ``"fp8"`` is parsed and the canonical profile stored.
+
+    Raises:
+      PlanBoundError: a count that is not an integer or is out of range.
+      ValueError: an unknown profile, or a head dim the profile cannot store.
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -203,7 +279,15 @@ class ModelKVConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PoolPlan:
-    """One pool of a plan at a concrete ``M``."""
+    """One pool of a plan at a concrete ``M``.
+
+    Attributes:
+      kind: the :class:`PoolKind`.
+      layout: the pool's :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+      physical_pages: page groups ``N`` the pool allocates (``M``, or ``M + C * lead`` for MTP).
+      logical_pages: ``L = ceil(S / 64)``, the block-table width.
+      max_concurrency: ``C``, the block-table height.
+    """
 
     kind: PoolKind
     layout: PagedKVStorageLayout
@@ -213,21 +297,26 @@ class PoolPlan:
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page group (64 tokens, every layer, head and plane) of this pool."""
         return self.layout.page_bytes
 
     @property
     def bytes(self) -> int:
+        """Bytes of the pool's planes at ``physical_pages`` (what ``allocate`` creates; no block table)."""
         return self.layout.buffer_bytes(self.physical_pages)
 
     @property
     def table_shape(self) -> tuple[int, int]:
+        """Shape ``(C, L)`` of the pool's ``int32`` block table."""
         return (self.max_concurrency, self.logical_pages)
 
     @property
     def table_bytes(self) -> int:
+        """Bytes of the pool's block table, ``C * L * 4``."""
         return self.max_concurrency * self.logical_pages * TABLE_ENTRY_BYTES
 
     def to_json(self) -> dict:
+        """Profile, order, layers, KV heads, head dim, physical pages and the byte counts, JSON-ready."""
         lay = self.layout
         return {
             "profile": lay.profile.value,
@@ -244,7 +333,18 @@ class PoolPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ExplicitCapacity:
-    """Explicit ``kv_capacity`` policy: Main capacity in tokens."""
+    """Explicit ``kv_capacity`` policy: Main capacity in tokens.
+
+    Planning takes ``M = ceil(kv_capacity / 64)`` Main page groups.
+
+    Attributes:
+      kv_capacity: Main capacity ``K`` in tokens, an integer >= 1.  :func:`plan_kv_cache` further
+        requires ``K >= max_context`` and ``M_min <= ceil(K / 64) <= M_max`` (else
+        :class:`PlanBoundError` naming the allowed token range).
+
+    Raises:
+      PlanBoundError: ``kv_capacity`` is not an integer >= 1.
+    """
 
     kv_capacity: int
 
@@ -252,19 +352,34 @@ class ExplicitCapacity:
         _int_at_least("kv_capacity", self.kv_capacity, 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class AutomaticCapacity:
-    """Automatic policy: free device bytes ``F`` after weights, minus headroom ``R``."""
+    """Automatic policy: free device bytes ``F`` after weights, minus headroom ``R``.
+
+    Both take an integer, a whole-number float or a byte-size string (``AutomaticCapacity("40GiB",
+    headroom_bytes="512MiB")``); the exact ``int`` counts are stored.  Planning picks
+    ``M = min(M_max, M_min + floor((F - R - B_min) / B_step))``.
+
+    Attributes:
+      free_bytes: ``F``, device bytes free for the KV cache (after the weights), as an exact int.
+      headroom_bytes: ``R``, bytes to leave unreserved (default 0), as an exact int.
+        :func:`plan_kv_cache` raises ``ValueError`` when ``F < R + B_min``.
+
+    Raises:
+      ByteSizeTypeError: a bool or another type that is not a byte count.
+      PlanBoundError: a count outside ``[0, INT64_MAX]``.
+      ValueError: a float that is not whole, or a string that is not a byte size.
+    """
 
     free_bytes: int
     headroom_bytes: int = 0
 
-    def __post_init__(self):
-        _int_at_least("free_bytes", self.free_bytes, 0, INT64_MAX, "byte counts are int64")
-        _int_at_least("headroom_bytes", self.headroom_bytes, 0, INT64_MAX, "byte counts are int64")
+    def __init__(self, free_bytes: ByteSize, headroom_bytes: ByteSize = 0) -> None:
+        object.__setattr__(self, "free_bytes", _byte_count("free_bytes", free_bytes))
+        object.__setattr__(self, "headroom_bytes", _byte_count("headroom_bytes", headroom_bytes))
 
     @classmethod
-    def from_device(cls, device=None, headroom_bytes: int = 0) -> "AutomaticCapacity":
+    def from_device(cls, device=None, headroom_bytes: ByteSize = 0) -> "AutomaticCapacity":
         """Read F from ``device.memory_stats()`` (GPU). On CPU the caller must pass F explicitly.
 
         ``device`` may be one device, a sequence of devices, a ``jax.sharding.Mesh`` or a
@@ -305,7 +420,13 @@ def _devices_of(device) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceCapacityCurve:
-    """Affine ``B(M) = b_min + (M - m_min) * b_step`` on ``[m_min, m_max]``."""
+    """Affine ``B(M) = b_min + (M - m_min) * b_step`` on ``[m_min, m_max]``.
+
+    Attributes:
+      m_min, m_max: the range of Main page groups ``M`` (``max(L, C)`` and ``C * L``).
+      b_min: device bytes at ``m_min``: every pool's planes and block table plus the fixed part.
+      b_step: device bytes each further Main page group adds (over every pool).
+    """
 
     m_min: int
     m_max: int
@@ -313,11 +434,17 @@ class SequenceCapacityCurve:
     b_step: int
 
     def bytes_at(self, m: int) -> int:
+        """``B(m)`` in bytes.
+
+        Raises:
+          ValueError: ``m`` outside ``[m_min, m_max]``.
+        """
         if not self.m_min <= m <= self.m_max:
             raise ValueError(f"M={m} is outside the curve's range [{self.m_min}, {self.m_max}]")
         return self.b_min + (m - self.m_min) * self.b_step
 
     def to_json(self) -> dict:
+        """``{"b_min": ..., "b_step": ...}`` (the range is in the plan's JSON)."""
         return {"b_min": self.b_min, "b_step": self.b_step}
 
 
@@ -327,6 +454,26 @@ class KVPoolSetLayout:
     It is the single source of every pool's layout and page count as a function of ``M``; the
     capacity curve is computed from it and verified against it, and ``allocate`` builds the real
     device buffers from the same layouts.
+
+    Args:
+      model: the :class:`ModelKVConfig`.
+      max_context: per-sequence ceiling ``S`` in tokens, in ``[1, MAX_CONTEXT]``.
+      max_concurrency: execution rows ``C``, at least 1 and small enough that every pool's page
+        IDs at ``M_min`` fit int32.
+      speculative: the :class:`SpeculativeConfig` (default: backend off).
+      fixed_bytes: bytes added to every ``B(M)`` (an integer, whole float or byte-size string).
+
+    Attributes:
+      model, speculative, max_context, max_concurrency, fixed_bytes: as given (validated; the
+        byte count as an exact int).
+      page_size: 64.
+      logical_pages: ``L = ceil(S / 64)``.
+      m_min, m_max: ``max(L, C)`` and ``C * L``.
+      layouts: ``{PoolKind: PagedKVStorageLayout}`` of every pool the backend needs.
+
+    Raises:
+      PlanBoundError: a value outside its bounds (also an MTP ``draft_window > max_context``).
+      ByteSizeTypeError, ValueError: a ``fixed_bytes`` that is not a byte count.
     """
 
     def __init__(
@@ -335,7 +482,7 @@ class KVPoolSetLayout:
         max_context: int,
         max_concurrency: int,
         speculative: SpeculativeConfig | None = None,
-        fixed_bytes: int = 0,
+        fixed_bytes: ByteSize = 0,
     ):
         self.model = model
         self.max_context = _int_at_least(
@@ -357,7 +504,7 @@ class KVPoolSetLayout:
         self.max_concurrency = _int_at_least(
             "max_concurrency", max_concurrency, 1, _max_concurrency(logical, lead), why + f" <= {MAX_PAGES} page groups"
         )
-        self.fixed_bytes = _int_at_least("fixed_bytes", fixed_bytes, 0, INT64_MAX, "byte counts are int64")
+        self.fixed_bytes = _byte_count("fixed_bytes", fixed_bytes)
         self.page_size = PAGE_SIZE
         self.logical_pages = logical
         self.m_min = max(self.logical_pages, self.max_concurrency)
@@ -380,6 +527,7 @@ class KVPoolSetLayout:
 
     @property
     def pool_kinds(self) -> tuple[PoolKind, ...]:
+        """The pools of this plan, Main first."""
         return tuple(self.layouts)
 
     def _check_m(self, m: int) -> int:
@@ -416,6 +564,12 @@ class KVPoolSetLayout:
         _check_bytes("B(M)", self.device_bytes(m), f"the device bytes at M={m}")
 
     def pools(self, m: int) -> dict[PoolKind, PoolPlan]:
+        """Every pool's :class:`PoolPlan` at ``M = m`` Main page groups.
+
+        Raises:
+          PlanBoundError: ``m`` is not an integer >= 1.
+          ValueError: ``m`` outside ``[m_min, m_max]``.
+        """
         m = self._check_m(m)
         return {
             kind: PoolPlan(kind, layout, self.physical_pages(kind, m), self.logical_pages, self.max_concurrency)
@@ -443,7 +597,10 @@ class KVPoolSetLayout:
             expect = self.device_bytes(m)
             got = curve.bytes_at(m)
             if got != expect:
-                raise AssertionError(f"capacity curve mismatch at M={m}: curve {got} B, layout builder {expect} B")
+                raise AssertionError(
+                    f"capacity curve mismatch at M={m}: curve {describe_bytes(got)}, "
+                    f"layout builder {describe_bytes(expect)}"
+                )
 
     def allocate(self, m: int, *, device=None) -> dict[PoolKind, dict[str, jax.Array]]:
         """Allocate every pool's device planes at ``M`` (block tables are owned by the store)."""
@@ -482,7 +639,9 @@ class KVPoolSetLayout:
             if policy.free_bytes < need:
                 raise ValueError(
                     f"free_bytes={policy.free_bytes} is too small: it must be >= headroom_bytes + B_min = "
-                    f"{policy.headroom_bytes} + {curve.b_min} = {need} bytes"
+                    f"{policy.headroom_bytes} + {curve.b_min} = {need} bytes; B_min = {describe_bytes(curve.b_min)} "
+                    f"is the device bytes at M_min = {self.m_min}, so {describe_bytes(need)} is needed and "
+                    f"{describe_bytes(policy.free_bytes)} is given"
                 )
             if self.m_min == self.m_max:
                 return self.m_min
@@ -493,7 +652,17 @@ class KVPoolSetLayout:
 
 @dataclasses.dataclass(frozen=True)
 class KVPlan:
-    """A resolved plan: ``M``, every pool at ``M``, and the capacity curve."""
+    """A resolved plan: ``M``, every pool at ``M``, and the capacity curve.
+
+    Built by :func:`plan_kv_cache`; :class:`~ninfer_kv.store.KVStore` takes it.
+
+    Attributes:
+      builder: the :class:`KVPoolSetLayout` the plan was resolved with (``builder.allocate(m)``
+        builds the planes).
+      m: Main page groups ``M``.
+      pools: ``{PoolKind: PoolPlan}`` at ``M``, Main first.
+      curve: the :class:`SequenceCapacityCurve`.
+    """
 
     builder: KVPoolSetLayout
     m: int
@@ -507,21 +676,29 @@ class KVPlan:
 
     @property
     def device_bytes(self) -> int:
+        """``B(M)``: bytes of every pool's planes and block table plus the fixed part."""
         return self.curve.bytes_at(self.m)
 
     @property
     def max_context(self) -> int:
+        """The per-sequence ceiling ``S`` in tokens."""
         return self.builder.max_context
 
     @property
     def max_concurrency(self) -> int:
+        """Execution rows ``C`` (block-table rows of every pool)."""
         return self.builder.max_concurrency
 
     @property
     def logical_pages(self) -> int:
+        """``L = ceil(S / 64)``, logical pages per sequence (block-table columns)."""
         return self.builder.logical_pages
 
     def to_json(self) -> dict:
+        """JSON-ready dict: sizes, ``M``, capacity, every pool, the curve and the device bytes.
+
+        ``ninfer-kv plan --json`` prints this with ``policy``, ``notes`` (and ``draft_window``) added.
+        """
         b = self.builder
         return {
             "page_size": PAGE_SIZE,
@@ -549,7 +726,10 @@ def _policy_bound_error(builder: KVPoolSetLayout, policy, m: int, exc: PlanBound
     if isinstance(policy, ExplicitCapacity):
         return PlanBoundError("kv_capacity", policy.kv_capacity, f"at most {limit * PAGE_SIZE} tokens", why)
     most = policy.headroom_bytes + curve.bytes_at(limit) + curve.b_step - 1
-    return PlanBoundError("free_bytes", policy.free_bytes, f"at most {most} bytes for this plan", why)
+    return PlanBoundError(
+        "free_bytes", policy.free_bytes, f"at most {most} bytes for this plan, {format_bytes(most)}", why,
+        shown=_shown_bytes(policy.free_bytes),
+    )
 
 
 def check_pool_bytes(layout: PagedKVStorageLayout, num_pages: int) -> int:
@@ -560,11 +740,12 @@ def check_pool_bytes(layout: PagedKVStorageLayout, num_pages: int) -> int:
         raise PlanBoundError(
             "page_bytes", layout.page_bytes, f"at most {INT64_MAX} bytes",
             "one page group of layers x KV heads x head dim must fit int64; the geometry cannot be real",
+            shown=_shown_bytes(layout.page_bytes),
         )
     if total > INT64_MAX:
         raise PlanBoundError(
             "num_pages", num_pages, f"an integer in [1, {INT64_MAX // layout.page_bytes}]",
-            f"the pool's bytes, {layout.page_bytes} per page group, must fit int64",
+            f"the pool's bytes, {describe_bytes(layout.page_bytes)} per page group, must fit int64",
         )
     return total
 
@@ -576,6 +757,7 @@ def _check_b_min(builder: KVPoolSetLayout, curve: SequenceCapacityCurve) -> None
             "the device bytes at M_min = max(L, C)"
             + (f", fixed_bytes={builder.fixed_bytes} included," if builder.fixed_bytes else "")
             + " must fit int64; no device holds this model at this (S, C)",
+            shown=_shown_bytes(curve.b_min),
         )
 
 
@@ -596,9 +778,26 @@ def plan_kv_cache(
     max_concurrency: int,
     policy: "ExplicitCapacity | AutomaticCapacity",
     speculative: SpeculativeConfig | None = None,
-    fixed_bytes: int = 0,
+    fixed_bytes: ByteSize = 0,
 ) -> KVPlan:
-    """Resolve ``policy`` to a :class:`KVPlan` for ``model`` under (S, C) and the backend."""
+    """Resolve ``policy`` to a :class:`KVPlan` for ``model`` under (S, C) and the backend.
+
+    Args:
+      model: the :class:`ModelKVConfig`.
+      max_context: per-sequence ceiling ``S`` in tokens.
+      max_concurrency: execution rows ``C`` (sequences resident at once).
+      policy: :class:`ExplicitCapacity` (tokens) or :class:`AutomaticCapacity` (free bytes).
+      speculative: the :class:`SpeculativeConfig` (default: backend off, Main pool only).
+      fixed_bytes: bytes added to every ``B(M)`` (an integer, whole float or byte-size string).
+
+    Planning allocates nothing (``plan.builder.allocate(plan.m)`` does).
+
+    Raises:
+      PlanBoundError: a value outside its bounds, worded in terms of the argument that caused it
+        (``kv_capacity`` or ``free_bytes`` when the chosen ``M`` is too large).
+      ValueError: ``AutomaticCapacity`` with ``free_bytes < headroom_bytes + B_min``.
+      TypeError: a policy of another type.
+    """
     builder = KVPoolSetLayout(model, max_context, max_concurrency, speculative, fixed_bytes)
     m = builder.resolve(policy)
     try:
@@ -640,14 +839,17 @@ class MeshKVPlan:
 
     @property
     def max_concurrency(self) -> int:
+        """Total execution rows over the mesh, ``D * C_local``."""
         return self.device.max_concurrency * self.mesh.data
 
     @property
     def max_context(self) -> int:
+        """The per-sequence ceiling ``S`` in tokens."""
         return self.device.max_context
 
     @property
     def logical_pages(self) -> int:
+        """``L = ceil(S / 64)``, logical pages per sequence."""
         return self.device.logical_pages
 
     @property
@@ -667,9 +869,15 @@ class MeshKVPlan:
 
     @property
     def head_replication(self) -> int:
+        """How many times each KV head is stored: ``T / H`` when ``H < T``, else 1."""
         return self.mesh.head_replication(self.model.num_kv_heads)
 
     def to_json(self) -> dict:
+        """JSON-ready dict: mesh, heads per device, rows and pages per data shard, capacity and bytes.
+
+        ``per_device`` is :meth:`KVPlan.to_json` of one device's plan; ``ninfer-kv plan --mesh ...
+        --json`` prints this with ``policy`` added.
+        """
         return {
             "mesh": self.mesh.to_json(),
             "kv_heads": self.model.num_kv_heads,
@@ -694,7 +902,7 @@ def plan_kv_cache_mesh(
     max_concurrency: int,
     policy: "ExplicitCapacity | AutomaticCapacity",
     speculative: SpeculativeConfig | None = None,
-    fixed_bytes: int = 0,
+    fixed_bytes: ByteSize = 0,
 ) -> MeshKVPlan:
     """Resolve ``policy`` for ``model`` sharded over ``mesh`` (a ``MeshSpec``, its text or a ``KVMesh``).
 

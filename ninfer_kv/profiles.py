@@ -16,17 +16,25 @@ FP8_E4M3FN_ROW256             k: e4m3fn X=D, k_scale: bf16 1   v: e4m3fn X=D, v_
 NVFP4_G16 (``nvfp4-g16``)     k: u8 X=D/2, k_scale: u8 D/16    v: u8 X=D/2, v_scale: u8 D/16
 K8V4 (``k8v4``)               K as FP8-E4M3FN-row            V as NVFP4-G16
 ============================  =============================  ==============================
+
+Names.  Wherever a profile is named (``KVProfile.parse``, ``KVProfile("int8")``, ``ModelKVConfig``,
+layouts, views, codecs, the command line's ``--profile`` / ``--kv-cache-dtype``) the same names are
+accepted, case ignored: the profile names above, the enum member names (``INT8_G64``) and the
+vLLM-style ``--kv-cache-dtype`` short names of :data:`PROFILE_ALIASES` (``fp8``, ``int8``,
+``nvfp4``, ...).  The canonical profile is what gets stored and printed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+from typing import Mapping
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["KVCodec", "KVProfile", "PlaneSpec", "SUPPORTED_HEAD_DIMS_NOTE"]
+__all__ = ["KVCodec", "KVProfile", "PlaneSpec", "PROFILE_ALIASES", "profile_names", "SUPPORTED_HEAD_DIMS_NOTE"]
 
 SUPPORTED_HEAD_DIMS_NOTE = (
     "head_dim must be a positive integer; INT8-G64 needs a multiple of 64, NVFP4-G16 a multiple of 16"
@@ -43,6 +51,7 @@ class KVCodec(enum.Enum):
 
     @property
     def code_dtype(self) -> np.dtype:
+        """Storage dtype of the codes: bfloat16, int8, float8_e4m3fn or uint8 (two e2m1 nibbles a byte)."""
         return {
             KVCodec.BF16: np.dtype(ml_dtypes.bfloat16),
             KVCodec.INT8_G64: np.dtype(np.int8),
@@ -52,6 +61,7 @@ class KVCodec(enum.Enum):
 
     @property
     def scale_dtype(self) -> np.dtype | None:
+        """Storage dtype of the scales: bfloat16 (INT8-G64, FP8 row), uint8 e4m3fn bits (NVFP4-G16), None (BF16)."""
         return {
             KVCodec.BF16: None,
             KVCodec.INT8_G64: np.dtype(ml_dtypes.bfloat16),
@@ -61,6 +71,7 @@ class KVCodec(enum.Enum):
 
     @property
     def has_scale(self) -> bool:
+        """Whether the codec stores a scale plane (every codec but BF16)."""
         return self.scale_dtype is not None
 
     @property
@@ -78,6 +89,16 @@ class KVCodec(enum.Enum):
         }[self]
 
     def check_head_dim(self, head_dim: int, profile_name: str | None = None) -> None:
+        """Check that this codec can store vectors of ``head_dim`` elements.
+
+        Args:
+          head_dim: the head dim ``D``; a positive integer, a multiple of 64 for INT8-G64 and of 16
+            for NVFP4-G16 (BF16 and FP8 row take any ``D``).
+          profile_name: the name the error message gives (default the codec's own name).
+
+        Raises:
+          ValueError: naming the profile and ``head_dim`` when it is not supported.
+        """
         name = profile_name or self.value
         if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool) or head_dim <= 0:
             raise ValueError(f"profile {name}: head_dim={head_dim!r} is invalid; {SUPPORTED_HEAD_DIMS_NOTE}")
@@ -146,13 +167,16 @@ class PlaneSpec:
 
     @property
     def token_head_bytes(self) -> int:
+        """Bytes of this plane for one (token, KV head): ``extent * dtype.itemsize``."""
         return self.extent * self.dtype.itemsize
 
     @property
     def dtype_name(self) -> str:
+        """The storage dtype's numpy name (``"bfloat16"``, ``"int8"``, ``"float8_e4m3fn"``, ``"uint8"``)."""
         return self.dtype.name
 
     def to_json(self) -> dict:
+        """``{"name", "dtype", "extent", "group", "bytes"}``, ``bytes`` being :attr:`token_head_bytes`."""
         return {
             "name": self.name,
             "dtype": self.dtype_name,
@@ -173,23 +197,40 @@ class KVProfile(enum.Enum):
 
     @classmethod
     def parse(cls, name: "str | KVProfile") -> "KVProfile":
-        """Parse a CLI name (``bf16``, ``int8-g64``, ...) or an enum member name (``INT8_G64``)."""
+        """Resolve a profile name, case ignored.
+
+        Accepts a profile name (``bf16``, ``int8-g64``, ...), a short name of
+        :data:`PROFILE_ALIASES` (``int8``, ``fp8``, ``nvfp4``, ...), an enum member name
+        (``INT8_G64``) or a member itself.
+
+        Raises:
+          ValueError: naming the value and every accepted name and short name.
+        """
         if isinstance(name, KVProfile):
             return name
         if isinstance(name, str):
             key = name.strip()
+            alias = PROFILE_ALIASES.get(key.lower())
+            if alias is not None:
+                return alias
             for member in cls:
                 if key.lower() == member.value or key.upper() == member.name:
                     return member
-        allowed = ", ".join(m.value for m in cls)
-        raise ValueError(f"unknown KV profile {name!r}; allowed: {allowed}")
+        raise ValueError(f"unknown KV profile {name!r}; allowed: {profile_names()}")
+
+    @classmethod
+    def _missing_(cls, value: object) -> "KVProfile":
+        # ``KVProfile("int8")`` resolves like ``KVProfile.parse("int8")``.
+        return cls.parse(value)
 
     @property
     def cli_name(self) -> str:
+        """The profile's canonical name, as ``--profile`` takes it and as plans print it (its value)."""
         return self.value
 
     @property
     def k_codec(self) -> KVCodec:
+        """The codec of K (FP8-E4M3FN-row for K8V4)."""
         return {
             KVProfile.BF16: KVCodec.BF16,
             KVProfile.INT8_G64: KVCodec.INT8_G64,
@@ -200,9 +241,15 @@ class KVProfile(enum.Enum):
 
     @property
     def v_codec(self) -> KVCodec:
+        """The codec of V (NVFP4-G16 for K8V4; otherwise the same as :attr:`k_codec`)."""
         return KVCodec.NVFP4_G16 if self is KVProfile.K8V4 else self.k_codec
 
     def codec(self, tensor: str) -> KVCodec:
+        """The codec of ``tensor``: :attr:`k_codec` for ``"k"``, :attr:`v_codec` for ``"v"``.
+
+        Raises:
+          ValueError: ``tensor`` is neither ``"k"`` nor ``"v"``.
+        """
         if tensor == "k":
             return self.k_codec
         if tensor == "v":
@@ -220,6 +267,7 @@ class KVProfile(enum.Enum):
         return self.k_codec.planes("k", head_dim) + self.v_codec.planes("v", head_dim)
 
     def plane_names(self) -> tuple[str, ...]:
+        """The plane keys in schema order, without a head dim: ``k``, [``k_scale``], ``v``, [``v_scale``]."""
         names = ["k"] + (["k_scale"] if self.k_codec.has_scale else [])
         names += ["v"] + (["v_scale"] if self.v_codec.has_scale else [])
         return tuple(names)
@@ -231,3 +279,26 @@ class KVProfile(enum.Enum):
     def token_head_bytes(self, head_dim: int) -> int:
         """Bytes of one (token, head) of K and V together."""
         return sum(p.token_head_bytes for p in self.planes(head_dim))
+
+
+PROFILE_ALIASES: Mapping[str, KVProfile] = types.MappingProxyType(
+    {
+        "bfloat16": KVProfile.BF16,
+        "fp8": KVProfile.FP8_E4M3FN_ROW256,
+        "fp8_e4m3": KVProfile.FP8_E4M3FN_ROW256,
+        "int8": KVProfile.INT8_G64,
+        "nvfp4": KVProfile.NVFP4_G16,
+    }
+)
+"""Short names (vLLM-style ``--kv-cache-dtype`` values) and the closed profile each one selects.
+
+``bf16`` and ``k8v4`` are profile names already.  The one table: :meth:`KVProfile.parse` and the
+command line both resolve through it.
+"""
+
+
+def profile_names() -> str:
+    """Every accepted name in words: the profile names, then the short names with their profiles."""
+    names = ", ".join(m.value for m in KVProfile)
+    short = ", ".join(f"{alias} ({profile.value})" for alias, profile in PROFILE_ALIASES.items())
+    return f"{names}; short names: {short}"

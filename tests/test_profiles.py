@@ -141,7 +141,7 @@ def test_parse_accepts_cli_and_enum_names_and_rejects_others():
         assert KVProfile.parse(p.name) is p
         assert KVProfile.parse(p.value.upper()) is p
         assert KVProfile.parse(p) is p
-    for bad in ("fp16", "int8", "", None, 3):
+    for bad in ("fp16", "int4", "", None, 3):
         with pytest.raises(ValueError, match="allowed: bf16, int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4"):
             KVProfile.parse(bad)
 

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from ..units import ByteSize, byte_count
 from .extent_allocator import ExtentAllocator, ExtentOccupancy, ExtentPlan, HostExtent
 
 __all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT"]
@@ -99,27 +100,38 @@ class HostKVArena:
     """Fixed host buffer + extent allocator shared by all pools' Host replicas.
 
     Args:
-      capacity_bytes: bytes of the buffer; rounded up to a multiple of ``alignment``.
+      capacity_bytes: bytes of the buffer (an integer, a whole-number float or a byte-size string
+        such as ``"64MiB"``, see :mod:`ninfer_kv.units`); rounded up to a multiple of ``alignment``.
       alignment: extent alignment (power of two, default 256 bytes).
       device: the accelerator whose transfers the arena serves (default ``jax.devices()[0]``).
       staging: ``"auto"``, ``"pinned_host"`` or ``"direct"`` (see the module docstring).
       prefault: touch every byte at construction (default True).
+
+    Attributes:
+      device: the device the arena serves.
+      memory_kind: ``"pinned_host"`` (transfers staged through page-locked memory) or ``"host"``.
+      allocator: the :class:`~ninfer_kv.host.extent_allocator.ExtentAllocator` over the buffer.
+      buffer: the arena's ``uint8 (capacity,)`` numpy buffer, its base aligned to 4096 bytes.
+
+    Raises:
+      ValueError: a capacity that is not a byte count >= 1, an alignment that is not a power of
+        two, or an unknown ``staging``.
+      ByteSizeTypeError: a ``capacity_bytes`` of a type that is not a byte count.
     """
 
     def __init__(
         self,
-        capacity_bytes: int,
+        capacity_bytes: ByteSize,
         *,
         alignment: int = 256,
         device=None,
         staging: str = "auto",
         prefault: bool = True,
     ):
-        if not isinstance(capacity_bytes, (int, np.integer)) or isinstance(capacity_bytes, bool) or capacity_bytes < 1:
-            raise ValueError(f"capacity_bytes={capacity_bytes!r} is invalid; it must be an integer >= 1")
+        capacity_bytes = byte_count(capacity_bytes, "capacity_bytes", minimum=1)
         if not isinstance(alignment, (int, np.integer)) or alignment < 1 or alignment & (alignment - 1):
             raise ValueError(f"alignment={alignment!r} is invalid; it must be a power of two >= 1")
-        capacity = -(-int(capacity_bytes) // alignment) * alignment
+        capacity = -(-capacity_bytes // alignment) * alignment
         self.device = device if device is not None else jax.devices()[0]
         self.memory_kind = select_memory_kind(self.device, staging)
         self.allocator = ExtentAllocator(capacity, alignment)
@@ -133,10 +145,12 @@ class HostKVArena:
     # -- allocator facade --------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
+        """Bytes of the buffer: ``capacity_bytes`` rounded up to a multiple of :attr:`alignment`."""
         return self.allocator.capacity
 
     @property
     def alignment(self) -> int:
+        """Extent alignment in bytes (a power of two): every extent starts at a multiple of it."""
         return self.allocator.alignment
 
     def allocate(self, nbytes: int, tag: str = "main") -> HostExtent:
@@ -172,6 +186,11 @@ class HostKVArena:
         return self.allocator.snapshot()
 
     def check_invariants(self) -> None:
+        """Verify the allocator's structure and byte accounting.
+
+        Raises:
+          AssertionError: naming the first violated invariant.
+        """
         self.allocator.check_invariants()
 
     # -- bytes ---------------------------------------------------------------------------------------
