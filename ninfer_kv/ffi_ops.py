@@ -13,18 +13,24 @@ the CPU platform:
   read a page outside a row's visible range.
 
 The library ``libninfer_kv_ffi`` is built by ``pip install .`` / ``pip install -e .`` (CMake, see
-``ffi/CMakeLists.txt``) and loaded once, with ctypes, when this module is imported.  It is looked
-for, in order, at:
+``ffi/CMakeLists.txt``) and loaded once, with ctypes, when this module is imported.  When
+``$NINFER_KV_FFI_LIBRARY`` is set (and not empty) it is the only path tried; otherwise the library
+is looked for, in order, at:
 
-1. ``$NINFER_KV_FFI_LIBRARY`` (an explicit path);
-2. ``ninfer_kv/_lib/`` beside this file (a regular install, or a copy placed in the source tree);
-3. the ``ninfer_kv/_lib/`` of the installed ``ninfer_kv`` distribution — this is what an editable
+1. ``ninfer_kv/_lib/`` beside this file (a regular install, or a copy placed in the source tree);
+2. the ``ninfer_kv/_lib/`` of the installed ``ninfer_kv`` distribution — this is what an editable
    install provides when the source tree shadows it (``PYTHONPATH=<repo>``);
-4. the scikit-build build trees ``<repo>/build/*/ffi/`` (newest first).
+3. the scikit-build build trees ``<repo>/build/*/ffi/`` (newest first).
 
 A candidate built for another version of the handler contract is skipped.  When no library loads,
 :func:`is_available` is ``False``, :func:`load_error` says why and how to rebuild, and every op
 raises :class:`FFIUnavailableError` with that text.
+
+``$NINFER_KV_FFI_LIBRARY`` is an explicit choice, so no other library stands in for it: when the
+file it names is missing, does not load, is not this library or is a stale build, the first use
+(:func:`is_available`, :func:`info`, any op; ``impl="auto"`` and ``impl="ffi"`` included) raises
+:class:`FFILibraryPathError` naming the path, and ``impl="auto"`` does not fall back to the
+reference.  :func:`load_error` returns the same text without raising.
 
 Threads: ``NINFER_KV_FFI_THREADS`` (read when the library first runs) sets the total thread count
 (the calling thread included); the default is the number of hardware threads.
@@ -74,6 +80,8 @@ __all__ = [
     "info",
     "FFIInfo",
     "FFIUnavailableError",
+    "FFILibraryPathError",
+    "LIBRARY_ENV",
     "ABI_VERSION",
     "TARGETS",
 ]
@@ -101,19 +109,43 @@ REBUILD_HINT = (
 _CODEC_ID = {KVCodec.BF16: 0, KVCodec.INT8_G64: 1, KVCodec.FP8_E4M3FN_ROW: 2, KVCodec.NVFP4_G16: 3}
 
 
+LIBRARY_ENV = "NINFER_KV_FFI_LIBRARY"
+"""Environment variable naming the library file to load instead of looking for one."""
+
+
 class FFIUnavailableError(RuntimeError):
     """The ninfer_kv XLA FFI library is not built or could not be loaded."""
+
+
+class FFILibraryPathError(FFIUnavailableError):
+    """``$NINFER_KV_FFI_LIBRARY`` names a file that is missing or is not a loadable, current
+    ninfer_kv FFI library (raised on first use; nothing is loaded in its place)."""
 
 
 # -- loading ---------------------------------------------------------------------------------------
 
 
+def _explicit_path() -> Path | None:
+    """The path ``$NINFER_KV_FFI_LIBRARY`` names, or ``None`` when it is unset or empty."""
+    env = os.environ.get(LIBRARY_ENV)
+    return Path(env) if env else None
+
+
+def _explicit_path_message(path: Path, reason: str) -> str:
+    shown = str(path) if path.is_absolute() else f"{path} (resolved: {Path.cwd() / path})"
+    return (
+        f"{LIBRARY_ENV}={shown}: {reason}; unset {LIBRARY_ENV} to use the library installed with "
+        f"ninfer_kv, or point it at a built {LIBRARY_NAME} (`pip install .` from the repository root builds "
+        f"one under build/<tag>/ffi/)"
+    )
+
+
 def _candidates() -> list[Path]:
     """Library paths to try, in order (see the module docstring)."""
+    explicit = _explicit_path()
+    if explicit is not None:
+        return [explicit]
     out: list[Path] = []
-    env = os.environ.get("NINFER_KV_FFI_LIBRARY")
-    if env:
-        out.append(Path(env))
     here = Path(__file__).resolve().parent
     out.append(here / "_lib" / LIBRARY_NAME)
     try:
@@ -142,28 +174,22 @@ class _Library:
         self.lib: ctypes.CDLL | None = None
         self.path: Path | None = None
         self.error: str | None = None
+        self.path_error: str | None = None  # $NINFER_KV_FFI_LIBRARY names a file that did not load
         self.forced_isa: str = ""
         self._lock = threading.Lock()
         self._registered = False
 
     def load(self) -> None:
         reasons = []
+        explicit = _explicit_path()
         for path in _candidates():
-            if not path.is_file():
-                reasons.append(f"{path}: not found")
-                continue
-            try:
-                lib = ctypes.CDLL(str(path))
-                lib.NinferKvFfiAbiVersion.restype = ctypes.c_int
-                version = int(lib.NinferKvFfiAbiVersion())
-            except (OSError, AttributeError) as e:
-                reasons.append(f"{path}: {e}")
-                continue
-            if version != ABI_VERSION:
-                reasons.append(f"{path}: built for handler version {version}, this module needs {ABI_VERSION} (stale build)")
-                continue
-            self.lib, self.path = lib, path
-            break
+            reason = self._open(path)
+            if reason is None:
+                break
+            if path == explicit:  # an explicit choice: report it, load nothing else
+                self.path_error = self.error = _explicit_path_message(path, reason)
+                return
+            reasons.append(f"{path}: {reason}")
         if self.lib is None:
             tried = "; ".join(reasons) if reasons else "no candidate paths"
             self.error = f"the ninfer_kv FFI library ({LIBRARY_NAME}) did not load [{tried}]; {REBUILD_HINT}"
@@ -183,6 +209,26 @@ class _Library:
             self.lib = None
             self.error = f"registering the ninfer_kv FFI targets from {self.path} failed: {e}; {REBUILD_HINT}"
 
+    def _open(self, path: Path) -> str | None:
+        """Load ``path`` as this library; ``None`` on success, else why it was not used."""
+        if not path.exists():
+            return "not found"
+        if not path.is_file():
+            return "not a file"
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            return f"not a loadable shared library ({e})"
+        try:
+            lib.NinferKvFfiAbiVersion.restype = ctypes.c_int
+            version = int(lib.NinferKvFfiAbiVersion())
+        except AttributeError as e:
+            return f"not the ninfer_kv FFI library ({e})"
+        if version != ABI_VERSION:
+            return f"built for handler version {version}, this module needs {ABI_VERSION} (stale build)"
+        self.lib, self.path = lib, path
+        return None
+
     def _register(self) -> None:
         with self._lock:
             if self._registered:
@@ -197,13 +243,23 @@ _LIBRARY = _Library()
 _LIBRARY.load()
 
 
+def _check_explicit_path() -> None:
+    if _LIBRARY.path_error is not None:
+        raise FFILibraryPathError(_LIBRARY.path_error)
+
+
 def is_available() -> bool:
-    """Whether the FFI library loaded and its targets are registered for the CPU platform."""
+    """Whether the FFI library loaded and its targets are registered for the CPU platform.
+
+    Raises :class:`FFILibraryPathError` when ``$NINFER_KV_FFI_LIBRARY`` names a file that did not
+    load (the variable is a request for that file, so "unavailable" would hide the mistake).
+    """
+    _check_explicit_path()
     return _LIBRARY.lib is not None
 
 
 def load_error() -> str | None:
-    """Why the library is unavailable (with rebuild instructions); ``None`` when it loaded."""
+    """Why the library is unavailable (with rebuild instructions); ``None`` when it loaded.  Never raises."""
     return _LIBRARY.error
 
 
@@ -289,6 +345,7 @@ def _stream_read(buf: np.ndarray, threads: int = 0) -> int:
 
 
 def _require() -> ctypes.CDLL:
+    _check_explicit_path()
     if _LIBRARY.lib is None:
         raise FFIUnavailableError(_LIBRARY.error or "the ninfer_kv FFI library is unavailable")
     return _LIBRARY.lib

@@ -13,6 +13,7 @@ This module only declares arguments; everything heavy is imported when the comma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -28,7 +29,10 @@ DEFAULT_REQUESTS = 32
 DEFAULT_MAX_NEW_TOKENS = 24
 DEFAULT_MAX_CONTEXT = 512
 DEFAULT_MAX_CONCURRENCY = 8
-DEFAULT_KV_CAPACITY = 24 * 64  # tokens: 24 Main pages, fewer than 8 lanes plus 3 prefixes want
+DEFAULT_PAGES_PER_ROW = 3
+"""Default Main capacity: 3 pages of 64 tokens per row of ``--max-concurrency``, within the plan's
+range (24 pages at the defaults: fewer than 8 lanes plus 3 prefixes want, so offloads happen)."""
+DEFAULT_KV_CAPACITY = DEFAULT_PAGES_PER_ROW * DEFAULT_MAX_CONCURRENCY * 64  # tokens at the default S and C
 DEFAULT_HOST_BYTES = "16MiB"
 DEFAULT_DRAFT_WINDOW = 3
 DEFAULT_LEASE_WINDOW = 4096
@@ -87,11 +91,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--host-bytes", type=BYTES, default=None, metavar="B",
                      help=f"Host arena for offloaded checkpoints (default {DEFAULT_HOST_BYTES}; 0 disables offload)")
     cap = p.add_argument_group(
-        "capacity policy (at most one of --kv-capacity and --free-bytes; "
-        f"default --kv-capacity {DEFAULT_KV_CAPACITY}, small enough to force offloads)"
+        "capacity policy",
+        "At most one of --kv-capacity and --free-bytes.  Default: --kv-capacity of "
+        f"{DEFAULT_PAGES_PER_ROW} pages of 64 tokens per row of --max-concurrency, raised or lowered into the "
+        "range that --max-context and --max-concurrency allow (small enough to force offloads; "
+        f"{DEFAULT_KV_CAPACITY} tokens at the defaults).",
     )
     policy = cap.add_mutually_exclusive_group()
-    policy.add_argument("--kv-capacity", type=POSITIVE_INT, metavar="TOKENS", help="explicit Main capacity in tokens")
+    policy.add_argument("--kv-capacity", type=POSITIVE_INT, metavar="TOKENS",
+                        help="explicit Main capacity in tokens (a total over the data shards with --mesh)")
     policy.add_argument("--free-bytes", type=BYTES, metavar="F", help="automatic policy: free device bytes F")
     cap.add_argument("--headroom-bytes", type=BYTES, metavar="R", help="automatic policy: headroom R (default 0)")
     cap.add_argument("--fixed-bytes", type=BYTES, default=0, metavar="X", help="fixed device bytes inside B(M) (default 0)")
@@ -142,6 +150,29 @@ def _physical_memory() -> int | None:
         return None
 
 
+def default_kv_capacity(config) -> int:
+    """The ``--kv-capacity`` a run gets when the command line names no capacity policy.
+
+    :data:`DEFAULT_PAGES_PER_ROW` Main pages per row, clamped to the plan's page range
+    ``[M_min, M_max]`` for the config's ``--max-context`` and ``--max-concurrency`` (per data shard
+    with ``--mesh``; the result is the total over the shards).  Where the plan itself refuses those
+    flags, the fixed default is returned and planning reports the flag at fault.
+    """
+    from ..geometry import PAGE_SIZE
+    from ..planning import KVPoolSetLayout, ModelKVConfig
+
+    model = config.model_config
+    shards = config.mesh.data if config.mesh is not None else 1
+    rows = config.max_concurrency // shards
+    try:
+        kv = ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile)
+        builder = KVPoolSetLayout(kv, config.max_context, rows, config.speculative, config.fixed_bytes)
+    except ValueError:
+        return DEFAULT_KV_CAPACITY
+    pages = min(max(DEFAULT_PAGES_PER_ROW * rows, builder.m_min), builder.max_m())
+    return pages * PAGE_SIZE * shards
+
+
 def config_from_args(args: argparse.Namespace):
     """The :class:`~ninfer_kv.demo.run.DemoConfig` of parsed arguments (``ValueError`` on bad combinations)."""
     from ..cli import parse_bytes
@@ -172,7 +203,7 @@ def config_from_args(args: argparse.Namespace):
         system_prompts=args.system_prompts,
         seed=args.seed,
     )
-    return DemoConfig(
+    config = DemoConfig(
         workload=workload,
         model=args.model,
         profile=args.profile,
@@ -190,6 +221,9 @@ def config_from_args(args: argparse.Namespace):
         dense_check=not args.no_dense_check,
         mesh=args.mesh,
     )
+    if args.free_bytes is None and args.kv_capacity is None:  # the default follows S and C
+        config = dataclasses.replace(config, capacity=ExplicitCapacity(default_kv_capacity(config)))
+    return config
 
 
 def run(args: argparse.Namespace) -> CommandOutput:
