@@ -5,12 +5,19 @@
 
 The store is host-only bookkeeping; the caller owns the ``KVDeviceState`` (planes and block tables)
 and threads it through its step.  The step first applies the store's round work
-(``ninfer_kv.apply_work``: block-table rows, the fork's partial-tail COW copy), then builds one
+(``ninfer_kv.apply_work``: the block-table entries mapped since the last unit), then builds one
 ``PagedKVBatchLayerView`` per layer over the state's stacked planes and calls
 ``ninfer_kv.ops.paged_append`` / ``paged_attention``; the state is donated, so appends happen in
-place — one dispatch per unit.  Page IDs, rows, positions and lengths are array data and the work
-has one fixed shape (``take_step_work``): the step compiles once per input shape (here: a 128-token
-prefill chunk and a 1-token decode), however pages are assigned.  At the end the served logits are checked against a dense
+place — one dispatch per unit.  ``take_step_work`` pads the work to one fixed shape (table entries
+only); a work that does not fit it — here the forks' partial-tail COW copy — is applied alone just
+before the step (``apply_work_jit``, a second dispatch in that unit), and the step gets the next,
+empty, take.
+
+Page IDs, rows, positions and lengths are array data, so the step compiles once per shape of its
+token batch ``(B, T)``, however pages are assigned.  This script calls it 11 times in 3 shapes and
+so compiles it 3 times: ``(1, 128)`` for the shared prefix alone (2 prefill chunks of up to 128
+tokens), ``(2, 128)`` for the two forks' suffixes (1 chunk) and ``(2, 1)`` for the 8 decode steps;
+the final line prints the traced shapes.  At the end the served logits are checked against a dense
 recomputation with the same K8V4 codec round trip.
 
 Run:  python examples/step_function.py   (a few seconds on a CPU)
@@ -54,13 +61,13 @@ def qkv(x, layer):
 
 
 # 3. The jitted step: state donated (argument 0) and returned; the work, rows, positions are data.
-TRACES = []  # one entry per trace (= per compilation): the input shapes
+TRACES = []  # the token shape (B, T) of every trace; each trace is one compilation (3 in this script)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def step(state, work, rows, positions, valid, tokens):
     TRACES.append(tokens.shape)
-    state = apply_work(state, work)                              # table rows, COW copies, Host restores
+    state = apply_work(state, work)                              # table entries (take_step_work applied any COW copy)
     planes, tables = state.planes[MAIN], state.tables[MAIN]
     x = w["embed"][tokens]                                       # (B, T, D_MODEL)
     for layer in range(LAYERS):
@@ -74,12 +81,13 @@ def step(state, work, rows, positions, valid, tokens):
 
 
 def run(handles, tokens, positions, valid):
-    """One unit: map pages, take the round work, run the step (one dispatch), commit."""
+    """One unit: map pages, take the round work, run the step (one dispatch, after the fork two), commit."""
     global state
     rows = np.array([store.row(h) for h in handles], np.int32)
     ends = positions + valid
     store.map_rows(rows, ends)                                   # pages from each sequence's reservation
-    state, work = take_step_work(store, state)                   # the work since the last unit, fixed shape
+    state, work = take_step_work(store, state)                   # the work since the last unit, fixed shape; a
+                                                                 # larger one (the fork's COW copy) is applied here
     state, logits = step(state, work, rows, positions.astype(np.int32),
                          valid.astype(np.int32), tokens.astype(np.int32))
     store.commit_rows(rows, ends)                                # only after the step succeeded

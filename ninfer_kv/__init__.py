@@ -4,7 +4,7 @@ Host-side bookkeeping (typed page pools, logical pages, address spaces, reservat
 in :class:`KVStore` emits each round's device work as stable-shape arrays, which the caller applies
 to its own :class:`KVDeviceState` with :func:`apply_work` inside its jitted step; Pallas GPU kernels and C++ XLA FFI
 CPU kernels append to and attend over page-major and head-major plane buffers in five closed KV
-codecs.
+profiles (BF16, INT8-G64, FP8-E4M3FN-row256, NVFP4-G16 and K8V4).
 """
 
 from .geometry import PAGE_SIZE, KVPageGeometry, PlaneOrder
@@ -51,9 +51,15 @@ from .store import (
     StaleHandleError,
     StaleReplicaError,
     WorkOrderError,
+    DonatedStateError,
+    LostContentError,
+    ResyncReport,
+    SENTINEL_PAGE,
+    SyncStatus,
     apply_work,
     apply_work_jit,
     gather_pages,
+    resync,
     take_step_work,
 )
 
@@ -106,6 +112,10 @@ __all__ = [
     "apply_work_jit",
     "gather_pages",
     "take_step_work",
+    "resync",
+    "ResyncReport",
+    "SyncStatus",
+    "SENTINEL_PAGE",
     "EntitlementPolicy",
     "RoundGrant",
     "SequenceHandle",
@@ -126,6 +136,8 @@ __all__ = [
     "StaleReplicaError",
     "RowError",
     "WorkOrderError",
+    "DonatedStateError",
+    "LostContentError",
     "MeshSpec",
     "KVMesh",
     "MeshKVPlan",

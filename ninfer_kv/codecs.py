@@ -1,8 +1,8 @@
 """The closed KV codecs as jnp functions (usable inside ``jax.jit`` and inside Pallas kernels).
 
 Every function works on the last axis (``D`` for inputs, the plane extent ``X`` for codes and
-scales) and broadcasts over leading axes.  All arithmetic is float32; the rules are exactly those
-of DESIGN.md section 3:
+scales) and broadcasts over leading axes.  All arithmetic is float32; the rules (also tabulated in
+docs/LAYOUT.md, "Codec rules") are:
 
 * BF16: ``code = bf16(x)`` (round to nearest even).
 * INT8-G64: per group of 64, ``s = bf16(amax / 127)``; ``code = int8(clip(rint(x / s), -127, 127))``.
@@ -300,10 +300,17 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def quantize_bf16(x: jax.Array) -> tuple[jax.Array, None]:
+    """BF16 codes of ``x (..., D)``: ``(bfloat16 (..., D), None)`` (no scale; see :func:`bf16_code`)."""
     return bf16_code(x), None
 
 
 def quantize_int8_g64(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """INT8-G64 codes of ``x (..., D)``, ``D`` a multiple of 64 (not checked here; :func:`quantize` checks).
+
+    Returns ``(int8 (..., D), bfloat16 (..., D // 64))``: per group of 64 elements the scale
+    ``s = bf16(amax / 127)`` and codes ``rint(x / s)`` clipped to ``[-127, 127]`` (0 where ``s`` is
+    zero or not finite).
+    """
     x = flush_subnormal(x.astype(_F32))
     s = bf16_scale(_group_amax(x, 64), INT8_QMAX)
     y = _safe_div(x, _expand(s.astype(_F32), 64))
@@ -312,6 +319,12 @@ def quantize_int8_g64(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_fp8_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """FP8-E4M3FN-row codes of ``x (..., D)``, any ``D``.
+
+    Returns ``(float8_e4m3fn (..., D), bfloat16 (..., 1))``: one scale ``s = bf16(amax / 448)`` per
+    row of ``D`` elements and codes ``e4m3fn(x / s)`` clipped to ``[-448, 448]`` (0 where ``s`` is
+    zero or not finite).
+    """
     x = flush_subnormal(x.astype(_F32))
     s = bf16_scale(_group_amax(x, x.shape[-1]), FP8_MAX)
     y = _safe_div(x, s.astype(_F32))
@@ -319,6 +332,12 @@ def quantize_fp8_row(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_nvfp4_g16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NVFP4-G16 codes of ``x (..., D)``, ``D`` a multiple of 16 (not checked here; :func:`quantize` checks).
+
+    Returns ``(uint8 (..., D // 2), uint8 (..., D // 16))``: e2m1 codes packed two per byte
+    (element ``2j`` in the low nibble of byte ``j``) and, per group of 16, the raw bits of the
+    e4m3fn scale ``min(amax / 6, 448)`` (codes 0 where the scale is zero or not finite).
+    """
     x = flush_subnormal(x.astype(_F32))
     s_bits = nvfp4_scale_bits(_group_amax(x, 16))
     s = _expand(jax.lax.bitcast_convert_type(s_bits, jnp.float8_e4m3fn).astype(_F32), 16)
@@ -331,18 +350,23 @@ def quantize_nvfp4_g16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_bf16(code: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """float32 ``(..., D)`` of bfloat16 codes ``(..., D)``; ``scale`` is ignored (BF16 has none)."""
     return code.astype(_F32)
 
 
 def dequantize_int8_g64(code: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 ``(..., D)`` of int8 codes ``(..., D)`` and bfloat16 scales ``(..., D // 64)``: ``code * s``."""
     return code.astype(_F32) * _expand(scale.astype(_F32), 64)
 
 
 def dequantize_fp8_row(code: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 ``(..., D)`` of float8_e4m3fn codes ``(..., D)`` and bfloat16 row scales ``(..., 1)``: ``code * s``."""
     return code.astype(_F32) * scale.astype(_F32)
 
 
 def dequantize_nvfp4_g16(code: jax.Array, scale: jax.Array) -> jax.Array:
+    """float32 ``(..., D)`` of packed e2m1 codes ``uint8 (..., D // 2)`` and e4m3fn scale bits
+    ``uint8 (..., D // 16)``: ``e2m1(code) * s``."""
     s = jax.lax.bitcast_convert_type(scale.astype(jnp.uint8), jnp.float8_e4m3fn).astype(_F32)
     return e2m1_decode(unpack_nibbles(code)) * _expand(s, 16)
 

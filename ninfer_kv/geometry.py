@@ -23,6 +23,7 @@ PAGE_SIZE = 64
 
 
 def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for Python ints, exactly (no float rounding); ``b > 0``."""
     return -(-a // b)
 
 
@@ -34,6 +35,11 @@ class PlaneOrder(enum.Enum):
 
     @classmethod
     def parse(cls, order: "str | PlaneOrder") -> "PlaneOrder":
+        """Resolve ``"page-major"`` / ``"head-major"`` (case ignored, ``_`` read as ``-``) or a member.
+
+        Raises:
+          ValueError: any other value, naming it and the allowed names.
+        """
         if isinstance(order, PlaneOrder):
             return order
         if isinstance(order, str):
@@ -68,7 +74,18 @@ class PlaneOrder(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class KVPageGeometry:
-    """Geometry of the pages of one pool: page size (fixed 64), KV heads, head dim and plane order."""
+    """Geometry of the pages of one pool: page size (fixed 64), KV heads, head dim and plane order.
+
+    Attributes:
+      num_kv_heads: KV heads ``H`` (an integer >= 1).
+      head_dim: head dim ``D`` (an integer >= 1).
+      order: the :class:`PlaneOrder` (a name is parsed).
+      page_size: tokens per page ``P``; must be 64.
+
+    Raises:
+      ValueError: ``page_size != 64``, a head count or head dim that is not an integer >= 1, or an
+        unknown order.
+    """
 
     num_kv_heads: int
     head_dim: int
@@ -89,7 +106,9 @@ class KVPageGeometry:
         return ceil_div(max_context, self.page_size)
 
     def block_of(self, position: int) -> int:
+        """Logical block (page index in the block table) of token ``position``: ``position // P``."""
         return position // self.page_size
 
     def offset_of(self, position: int) -> int:
+        """Column (token slot within its page) of token ``position``: ``position % P``."""
         return position % self.page_size

@@ -26,6 +26,13 @@ class PlaneInventoryEntry:
 
     Ordinals run layer-major: layer 0's planes in schema order, then layer 1's, and so on.
     ``bytes_per_token`` covers all KV heads of that layer plane.
+
+    Attributes:
+      ordinal: position in the inventory, ``layer * len(planes) + schema index``.
+      layer: the layer, in ``[0, num_layers)``.
+      plane: the :class:`~ninfer_kv.profiles.PlaneSpec` of the plane.
+      bytes_per_token: bytes of one token of this layer plane over all ``H`` KV heads,
+        ``plane.token_head_bytes * H``.
     """
 
     ordinal: int
@@ -35,12 +42,24 @@ class PlaneInventoryEntry:
 
     @property
     def name(self) -> str:
+        """The plane key: ``"k"``, ``"k_scale"``, ``"v"`` or ``"v_scale"``."""
         return self.plane.name
 
 
 @dataclasses.dataclass(frozen=True)
 class PlaneMemory:
-    """Memory of one plane kind across all layers of a pool."""
+    """Memory of one plane kind across all layers of a pool.
+
+    Attributes:
+      name: the plane key (``"k"``, ``"k_scale"``, ``"v"``, ``"v_scale"``).
+      dtype: the storage dtype's numpy name (``"bfloat16"``, ``"int8"``, ``"float8_e4m3fn"``,
+        ``"uint8"``).
+      shape: the stacked plane's shape at ``num_pages`` pages, ``(num_layers, N, H, P, X)``
+        (page-major) or ``(num_layers, H, N, P, X)`` (head-major).
+      bytes: bytes of the whole stacked plane at ``num_pages`` pages.
+      bytes_per_token: bytes of one token over every layer and KV head of this plane.
+      page_bytes: bytes of one page group (64 tokens) over every layer and KV head of this plane.
+    """
 
     name: str
     dtype: str
@@ -50,12 +69,23 @@ class PlaneMemory:
     page_bytes: int
 
     def to_json(self) -> dict:
+        """The fields as a JSON-ready dict (``shape`` as a list)."""
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolMemorySummary:
-    """Bytes of a pool at ``num_pages`` physical pages, per plane and in total."""
+    """Bytes of a pool at ``num_pages`` physical pages, per plane and in total.
+
+    Built by :meth:`PagedKVStorageLayout.memory_summary`.
+
+    Attributes:
+      pool: the pool's name as given (``"main"`` by default).
+      profile: the profile's name (``"k8v4"``, ...).
+      order: the plane order's name (``"page-major"`` or ``"head-major"``).
+      num_pages: physical page groups ``N``.
+      planes: one :class:`PlaneMemory` per plane, in schema order.
+    """
 
     pool: str
     profile: str
@@ -65,17 +95,21 @@ class PoolMemorySummary:
 
     @property
     def bytes(self) -> int:
+        """Bytes of every plane of the pool at ``num_pages`` pages (what ``allocate`` creates)."""
         return sum(p.bytes for p in self.planes)
 
     @property
     def bytes_per_token(self) -> int:
+        """Bytes of one token over every plane, layer and KV head."""
         return sum(p.bytes_per_token for p in self.planes)
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page group (64 tokens) over every plane, layer and KV head (PageBytes)."""
         return sum(p.page_bytes for p in self.planes)
 
     def to_json(self) -> dict:
+        """A JSON-ready dict: the fields, the three byte totals and ``planes`` as a list of dicts."""
         return {
             "pool": self.pool,
             "profile": self.profile,
@@ -104,6 +138,18 @@ class PagedKVStorageLayout:
       head_dim: head dim D (checked against the profile).
       order: ``"page-major"`` (Main, MTP) or ``"head-major"`` (Draft Full).
       page_size: must be 64.
+
+    Attributes:
+      profile: the parsed :class:`KVProfile`.
+      num_layers: layers stacked on the leading axis of every plane.
+      geometry: the :class:`~ninfer_kv.geometry.KVPageGeometry` (``H``, ``D``, order, ``P``).
+      planes: the profile's :class:`~ninfer_kv.profiles.PlaneSpec` tuple for ``head_dim``, in
+        schema order (``k``, [``k_scale``], ``v``, [``v_scale``]).
+      inventory: one :class:`PlaneInventoryEntry` per (layer, plane), layer-major.
+
+    Raises:
+      ValueError: an unknown profile or order, a count that is not an integer >= 1, a
+        ``page_size`` other than 64, or a head dim the profile cannot store.
 
     ``allocate(num_pages)`` returns the device planes keyed ``k``, ``v`` and, where the profile has
     them, ``k_scale`` and ``v_scale``; each has shape ``(num_layers, N, H, P, X)`` (page-major) or
@@ -144,25 +190,35 @@ class PagedKVStorageLayout:
     # -- geometry ---------------------------------------------------------------------------------
     @property
     def order(self) -> PlaneOrder:
+        """The plane order: page-major ``(num_layers, N, H, P, X)`` or head-major ``(num_layers, H, N, P, X)``."""
         return self.geometry.order
 
     @property
     def num_kv_heads(self) -> int:
+        """KV heads ``H`` of every plane."""
         return self.geometry.num_kv_heads
 
     @property
     def head_dim(self) -> int:
+        """Head dim ``D`` (the unquantized K/V vector length)."""
         return self.geometry.head_dim
 
     @property
     def page_size(self) -> int:
+        """Tokens per page ``P`` (always 64)."""
         return self.geometry.page_size
 
     @property
     def plane_names(self) -> tuple[str, ...]:
+        """The plane keys in schema order, e.g. ``("k", "k_scale", "v", "v_scale")``."""
         return tuple(p.name for p in self.planes)
 
     def plane(self, name: str) -> PlaneSpec:
+        """The :class:`~ninfer_kv.profiles.PlaneSpec` of plane ``name``.
+
+        Raises:
+          KeyError: the profile has no plane ``name`` (the message lists its planes).
+        """
         for p in self.planes:
             if p.name == name:
                 return p
@@ -185,13 +241,23 @@ class PagedKVStorageLayout:
 
     # -- buffers ------------------------------------------------------------------------------------
     def plane_shape(self, name: str, num_pages: int) -> tuple[int, ...]:
+        """Numpy shape of stacked plane ``name`` at ``num_pages`` physical pages.
+
+        ``(num_layers, num_pages, H, 64, X)`` page-major or ``(num_layers, H, num_pages, 64, X)``
+        head-major, ``X`` the plane's extent.  ``num_pages`` is not checked here.
+
+        Raises:
+          KeyError: an unknown plane name.
+        """
         spec = self.plane(name)
         return self.order.stacked_shape(self.num_layers, num_pages, self.num_kv_heads, self.page_size, spec.extent)
 
     def plane_shapes(self, num_pages: int) -> dict[str, tuple[int, ...]]:
+        """:meth:`plane_shape` of every plane at ``num_pages`` pages, keyed by plane name."""
         return {p.name: self.plane_shape(p.name, num_pages) for p in self.planes}
 
     def plane_dtypes(self) -> dict[str, np.dtype]:
+        """The numpy storage dtype of every plane, keyed by plane name (bf16 and e4m3fn as ``ml_dtypes``)."""
         return {p.name: p.dtype for p in self.planes}
 
     def buffer_bytes(self, num_pages: int) -> int:
@@ -205,8 +271,15 @@ class PagedKVStorageLayout:
         Args:
           num_pages: physical page-group count N of the pool.
           device: optional ``jax.Device`` or sharding to place the planes on.
-          fill: optional fill value (default zeros). A float fill such as ``nan`` is applied to float
-            planes only; integer planes stay zero.
+          fill: optional fill value (default zeros).  A NaN fill is applied to float planes only
+            (integer planes stay zero); any other value fills every plane, cast to its dtype.
+
+        Returns:
+          ``{plane name: array}`` with the shapes of :meth:`plane_shapes` and the dtypes of
+          :meth:`plane_dtypes`.
+
+        Raises:
+          ValueError: ``num_pages`` is not an integer >= 1.
         """
         num_pages = _positive_int("num_pages", num_pages)
         out = {}

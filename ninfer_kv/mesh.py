@@ -52,10 +52,19 @@ def _size(name: str, value) -> int:
 class MeshSpec:
     """Sizes and names of the two KV mesh axes (either size may be 1).
 
+    ``MeshSpec(data=2, model=4)`` or ``MeshSpec.parse("data=2,model=4")``: 8 devices.
+
     Attributes:
-      data: data shards ``D`` (each its own page pool and block-table rows).
-      model: model shards ``T`` (the KV heads are split over them).
-      data_axis, model_axis: the mesh axis names (default ``"data"`` and ``"model"``).
+      data: data shards ``D``, an integer >= 1 (default 1); each shard is its own page pool with
+        its own ``C / D`` block-table rows.
+      model: model shards ``T``, an integer >= 1 (default 1); the KV heads are split over them
+        (``H % T == 0``) or replicated onto them (``T % H == 0``).
+      data_axis, model_axis: the mesh axis names (default ``"data"`` and ``"model"``), two
+        different Python identifiers.
+
+    Raises:
+      ValueError: a size that is not an integer >= 1, an axis name that is not an identifier, or
+        the same name for both axes.
     """
 
     data: int = 1
@@ -104,6 +113,7 @@ class MeshSpec:
         return f"{self.data_axis}={self.data},{self.model_axis}={self.model}"
 
     def to_json(self) -> dict:
+        """``{"data": D, "model": T, "axes": [data_axis, model_axis]}``."""
         return {"data": self.data, "model": self.model, "axes": [self.data_axis, self.model_axis]}
 
     # -- heads ---------------------------------------------------------------------------------
@@ -153,6 +163,14 @@ class KVMesh:
       spec: a :class:`MeshSpec` or its text (``"data=2,model=4"``).
       devices: the ``D * T`` devices, data-major (default: the first ``D * T`` of ``jax.devices()``,
         which spans every process in a multi-process program).
+
+    Attributes:
+      spec: the :class:`MeshSpec`.
+      mesh: the ``jax.sharding.Mesh`` of shape ``(D, T)`` with axes ``(data_axis, model_axis)``.
+
+    Raises:
+      ValueError: the program has fewer than ``D * T`` devices (default ``devices``), or
+        ``devices`` does not hold exactly ``D * T`` of them.
     """
 
     def __init__(self, spec: "MeshSpec | str", devices: Sequence | None = None):
@@ -181,22 +199,27 @@ class KVMesh:
 
     @property
     def data_axis(self) -> str:
+        """Name of the data axis (``spec.data_axis``)."""
         return self.spec.data_axis
 
     @property
     def model_axis(self) -> str:
+        """Name of the model axis (``spec.model_axis``)."""
         return self.spec.model_axis
 
     @property
     def data(self) -> int:
+        """Data shards ``D``."""
         return self.spec.data
 
     @property
     def model(self) -> int:
+        """Model shards ``T``."""
         return self.spec.model
 
     @property
     def devices(self) -> list:
+        """The ``D * T`` devices, data-major (device ``d * T + t`` is data shard ``d``, model shard ``t``)."""
         return list(self.mesh.devices.flat)
 
     # -- partition specs ------------------------------------------------------------------------
@@ -218,6 +241,7 @@ class KVMesh:
         return P(self.data_axis)
 
     def replicated_spec(self) -> "PartitionSpec":
+        """``P()``: the spec of a leaf every device holds whole (the applied-work serial, the fault flag)."""
         from jax.sharding import PartitionSpec as P
 
         return P()
@@ -247,7 +271,7 @@ class KVMesh:
             order = PlaneOrder.PAGE_MAJOR if page_major else PlaneOrder.HEAD_MAJOR
             planes[kind] = {name: self.plane_spec(order) for name in pool}
         tables = {kind: self.table_spec() for kind in state.tables}
-        return state.replace(planes=planes, tables=tables, serial=self.replicated_spec())
+        return state.replace(planes=planes, tables=tables, serial=self.replicated_spec(), fault=self.replicated_spec())
 
     def state_shardings(self, state: "KVDeviceState", memory_kind: str | None = None) -> "KVDeviceState":
         """The ``NamedSharding`` of every leaf of ``state`` (``memory_kind``: e.g. ``"pinned_host"``)."""

@@ -73,17 +73,20 @@ def _column_mask(columns: jax.Array, ndim: int, axis: int, page_size: int) -> ja
     return mask.reshape(shape)
 
 
-def blended_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int):
+def blended_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int, enabled=None):
     """Every page write's final destination page, read before any write lands (pure).
 
     ``copies``: int32 ``(3, K)`` ``(src, dst, columns)``; ``restores``: int32 ``(2, R)``
     ``(dst, columns)`` with ``payload[plane]`` words ``(R, layers, H, P, X)``.  Returns per plane the
     ``K + R`` blended pages (words, along ``axis``: columns ``< columns`` from the source, the rest
     from the destination) and the destinations (``-1`` for padding entries, ``columns == 0``).
+    ``enabled`` (a bool scalar, default true): when false every entry is padding (nothing changes).
     """
     k, r = copies.shape[1], restores.shape[1]
     dst = jnp.concatenate([copies[1], restores[0]])
     cols = jnp.concatenate([copies[2], restores[1]])
+    if enabled is not None:
+        cols = jnp.where(enabled, cols, 0)
     out = {}
     for name, plane in planes.items():
         words = _words(plane)
@@ -99,16 +102,16 @@ def blended_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload:
     return out, jnp.where(cols > 0, dst, -1)
 
 
-def write_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int) -> dict:
+def write_pages(planes: dict, copies: jax.Array, restores: jax.Array, payload: dict, axis: int, enabled=None) -> dict:
     """Pure: apply the page writes (see :func:`blended_pages`) with one batched scatter per plane.
 
     On accelerators the scatter updates donated planes in place; on XLA's CPU backend a scatter into
     a float plane is not kept in place (the plane is copied), which :func:`write_pages_donated`
-    avoids.
+    avoids.  ``enabled``: as :func:`blended_pages`.
     """
     if copies.shape[1] == 0 and restores.shape[1] == 0:
         return planes
-    blended, dst = blended_pages(planes, copies, restores, payload, axis)
+    blended, dst = blended_pages(planes, copies, restores, payload, axis, enabled)
     out = {}
     for name, plane in planes.items():
         words = _words(plane)
@@ -147,18 +150,19 @@ def cpu_float(planes) -> bool:
     return False
 
 
-def write_pages_donated(planes: dict, copies, restores, payload, axis: int) -> dict:
+def write_pages_donated(planes: dict, copies, restores, payload, axis: int, enabled=None) -> dict:
     """:func:`write_pages` as dispatched programs with the planes donated, in place on every backend:
     one batched program, or on CPU float planes one read-only program forming every destination
-    page and one update-slice program per written page."""
+    page and one update-slice program per written page (which rewrites the page unchanged when
+    ``enabled``, a device bool scalar, is false)."""
     if not cpu_float(planes):
-        return _write_pages_jit(planes, copies, restores, payload, axis=axis)
+        return _write_pages_jit(planes, copies, restores, payload, axis=axis, enabled=enabled)
     cols = np.concatenate([np.asarray(copies)[2], np.asarray(restores)[1]])
     active = np.flatnonzero(cols > 0)
     if not active.size:
         return dict(planes)
     targets = np.concatenate([np.asarray(copies)[1], np.asarray(restores)[0]])
-    blended, _ = _blended_jit(planes, copies, restores, payload, axis=axis)
+    blended, _ = _blended_jit(planes, copies, restores, payload, axis=axis, enabled=enabled)
     planes = dict(planes)
     for i in active.tolist():
         entry = np.array([i, targets[i]], np.int32)  # fresh: never mutated after the dispatch

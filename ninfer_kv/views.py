@@ -111,10 +111,12 @@ class _LayerViewBase:
         return type(self)(**fields)
 
     def tree_flatten(self):
+        """Pytree protocol: ``(leaves in _LEAVES order, layout)``; the layout is the static aux data."""
         return tuple(getattr(self, name) for name in self._LEAVES), self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
+        """Pytree protocol: rebuild a view from ``layout`` and its leaves, without validation."""
         return cls(*children, layout, validate=False)
 
 
@@ -138,6 +140,14 @@ class PagedKVBatchLayerView(_PagedViewBase):
         the address space leased execution row ``r``.
       layer: a Python int or a (traced) int32 scalar selecting the layer in the stacked planes.
       layout: the pool's :class:`PagedKVStorageLayout` (static).
+      validate: run :meth:`check` at construction (default True; pytree unflattening skips it).
+
+    Raises:
+      ValueError: plane keys, shapes or dtypes that do not match ``layout``, a block table that is
+        not ``int32 (C, L)``, a layer array that is not an integer scalar, or a concrete layer
+        outside ``[0, num_layers)``.
+      TypeError: ``layout`` is not a :class:`PagedKVStorageLayout`, a plane is not an array, or
+        ``layer`` is neither an int nor an array.
     """
 
     planes: dict[str, jax.Array]
@@ -157,30 +167,37 @@ class PagedKVBatchLayerView(_PagedViewBase):
 
     @property
     def num_pages(self) -> int:
+        """Physical page groups ``N`` of the pool, read off the page axis of the stacked ``k`` plane."""
         return _num_pages(self.planes, self.layout)
 
     @property
     def max_concurrency(self) -> int:
+        """Block-table rows ``C`` (execution rows), ``block_tables.shape[0]``."""
         return int(self.block_tables.shape[0])
 
     @property
     def logical_pages(self) -> int:
+        """Logical pages per row ``L = ceil(S / 64)``, ``block_tables.shape[1]``."""
         return int(self.block_tables.shape[1])
 
     @property
     def profile(self) -> KVProfile:
+        """The pool's :class:`~ninfer_kv.profiles.KVProfile` (from the layout)."""
         return self.layout.profile
 
     @property
     def num_kv_heads(self) -> int:
+        """KV heads ``H`` of the planes (from the layout)."""
         return self.layout.num_kv_heads
 
     @property
     def head_dim(self) -> int:
+        """Head dim ``D`` (from the layout)."""
         return self.layout.head_dim
 
     @property
     def page_size(self) -> int:
+        """Tokens per page ``P`` (64)."""
         return self.layout.page_size
 
     def replace(self, **changes) -> "PagedKVBatchLayerView":
@@ -195,7 +212,19 @@ class PagedKVBatchLayerView(_PagedViewBase):
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
 class PagedKVLayerView(_PagedViewBase):
-    """Single-sequence view: stacked planes + one block-table row ``int32 (L,)`` + layer index."""
+    """Single-sequence view: stacked planes + one block-table row ``int32 (L,)`` + layer index.
+
+    Args:
+      planes: the pool's stacked planes, as for :class:`PagedKVBatchLayerView`.
+      block_table: ``int32 (L,)``; entry ``b`` is the physical page of logical block ``b``.
+      layer: a Python int or a (traced) int32 scalar.
+      layout: the pool's :class:`PagedKVStorageLayout` (static).
+      validate: run :meth:`check` at construction (default True).
+
+    The ops accept it in place of a batch view with ``table_rows=None`` (every batch row reads this
+    one table row).  Raises as :class:`PagedKVBatchLayerView`, for a block table that is not
+    ``int32 (L,)``.
+    """
 
     planes: dict[str, jax.Array]
     block_table: jax.Array
@@ -226,6 +255,19 @@ class CyclicKVLayout:
     visible to the query at position p iff ``p - W < j <= p``); ``slots`` (default W) is the ring
     size, slot ``j mod slots``.  A chunk of T queries needs ``slots >= window + T - 1`` so that
     appending the chunk does not evict keys its first query still sees.
+
+    Attributes:
+      profile: the :class:`KVProfile` of the ring planes (a name is parsed).
+      num_layers: layers stacked on the leading axis.
+      rows: ring buffers (one per execution row).
+      num_kv_heads: KV heads ``H``.
+      head_dim: head dim ``D`` (checked against the profile).
+      window: attention window ``W`` in tokens.
+      slots: ring size in tokens (default ``window``; at least ``window``).
+
+    Raises:
+      ValueError: a count that is not an integer >= 1, ``slots < window``, an unknown profile or a
+        head dim the profile cannot store.
     """
 
     profile: KVProfile
@@ -254,9 +296,11 @@ class CyclicKVLayout:
         return self.profile.planes(self.head_dim)
 
     def plane_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every plane, ``(num_layers, rows, H, slots, X)``, keyed by plane name."""
         return {p.name: (self.num_layers, self.rows, self.num_kv_heads, self.slots, p.extent) for p in self.planes}
 
     def plane_dtypes(self) -> dict[str, np.dtype]:
+        """The numpy storage dtype of every plane, keyed by plane name."""
         return {p.name: p.dtype for p in self.planes}
 
     def allocate(self, *, fill: float | None = None) -> dict[str, jax.Array]:
@@ -273,7 +317,20 @@ class CyclicKVLayout:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False)
 class CyclicKVCacheLayerView(_LayerViewBase):
-    """Per-row ring buffers of one layer: planes ``(num_layers, rows, H, slots, X)`` + layer index."""
+    """Per-row ring buffers of one layer: planes ``(num_layers, rows, H, slots, X)`` + layer index.
+
+    Args:
+      planes: the dict returned by ``layout.allocate()`` (or the planes a step received).
+      layer: a Python int or a (traced) int32 scalar selecting the layer.
+      layout: the :class:`CyclicKVLayout` (static).
+      validate: run :meth:`check` at construction (default True).
+
+    Raises:
+      ValueError: plane keys, shapes or dtypes that do not match ``layout``, a layer array that is
+        not an integer scalar, or a concrete layer outside ``[0, num_layers)``.
+      TypeError: ``layout`` is not a :class:`CyclicKVLayout`, a plane is not an array, or ``layer``
+        is neither an int nor an array.
+    """
 
     planes: dict[str, jax.Array]
     layer: LayerIndex

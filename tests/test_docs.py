@@ -2,8 +2,10 @@
 
 Every ```python block of README.md and of each docs/*.md is extracted and run in order, one
 script per file, each in its own subprocess (with a timeout) on the CPU; a listing that is not
-meant to run is fenced ```text.  Each script must stay under 1 GiB of peak resident memory, and the
-docs explain the contract themselves rather than citing files the repository does not have.
+meant to run is fenced ```text.  Each block of README.md is also run on its own, one subprocess
+per block, so a reader can paste any one of them into a fresh interpreter: every README block
+carries its own imports and setup.  Each script must stay under 1 GiB of peak resident memory, and
+the docs explain the contract themselves rather than citing files the repository does not have.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PEAK_RSS_LIMIT = 1 << 30
 TIMEOUT_S = 120
 
@@ -47,6 +50,11 @@ def doc_script(path: Path) -> str:
     """The ```python blocks of ``path`` joined in order, each preceded by a comment with its line."""
     parts = [f"# {path.name}:{line}\n{code}" for lang, code, line in fenced_blocks(path.read_text()) if lang == "python"]
     return "\n".join(parts)
+
+
+def python_blocks(path: Path) -> list[tuple[str, int]]:
+    """``(code, line)`` of every ```python block of ``path``, in order."""
+    return [(code, line) for lang, code, line in fenced_blocks(path.read_text()) if lang == "python"]
 
 
 def _env() -> dict:
@@ -84,16 +92,38 @@ def test_docs_cite_no_missing_files(path):
             assert (ROOT / named).exists(), f"{path.name} names {named}, which the repository does not have"
 
 
+def _run_script(script: Path, source: str) -> tuple[subprocess.CompletedProcess, int]:
+    """Run ``source`` as ``script`` in a fresh interpreter; returns the process and its peak RSS in bytes."""
+    script.write_text(source + _FOOTER)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=_env(), cwd=script.parent, timeout=TIMEOUT_S
+    )
+    found = re.search(r"__peak_rss_bytes__=(\d+)", proc.stdout)
+    return proc, int(found.group(1)) if found else 0
+
+
 @pytest.mark.parametrize("path", [p for p in DOCS if doc_script(p)], ids=lambda p: p.name)
 def test_python_blocks_run_in_order(path, tmp_path):
-    script = tmp_path / f"{path.stem}_doc.py"
-    script.write_text(doc_script(path) + _FOOTER)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=TIMEOUT_S
-    )
+    proc, peak = _run_script(tmp_path / f"{path.stem}_doc.py", doc_script(path))
     assert proc.returncode == 0, f"{path.name}: the python blocks fail when run in order:\n{proc.stderr[-4000:]}"
-    peak = int(re.search(r"__peak_rss_bytes__=(\d+)", proc.stdout).group(1))
     assert peak < PEAK_RSS_LIMIT, f"{path.name}: the python blocks peak at {peak / 2**30:.2f} GiB resident"
+
+
+_README_BLOCKS = python_blocks(README)
+
+
+def test_readme_has_python_blocks():
+    assert len(_README_BLOCKS) >= 2
+
+
+@pytest.mark.parametrize(("code", "line"), _README_BLOCKS, ids=[f"README.md:{line}" for _, line in _README_BLOCKS])
+def test_readme_python_block_runs_alone(code, line, tmp_path):
+    proc, peak = _run_script(tmp_path / f"readme_{line}.py", f"# README.md:{line}\n{code}")
+    assert proc.returncode == 0, (
+        f"README.md:{line}: the python block fails when run on its own in a fresh interpreter (every README "
+        f"block needs its own imports and setup):\n{proc.stderr[-4000:]}"
+    )
+    assert peak < PEAK_RSS_LIMIT, f"README.md:{line}: the python block peaks at {peak / 2**30:.2f} GiB resident"
 
 
 def test_readme_cli_examples_print_what_the_readme_shows(capsys):

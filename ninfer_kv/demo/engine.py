@@ -1,7 +1,7 @@
 """The demo's model engine: runs the jitted model steps over the store's pools.
 
 One *unit* is one call of a jitted step for a batch of lanes.  Every unit follows the store's
-protocol (DESIGN.md section 5)::
+protocol (docs/API.md, "Device state and round work")::
 
     map_rows(rows, frontier + tokens written)   # pages from each lane's own reservation
     work = take_work()                          # table rows, COW copies, Host restores since the last unit

@@ -103,6 +103,7 @@ class HostExtent:
 
     @property
     def padding(self) -> int:
+        """Alignment slack of the span in bytes, ``span - nbytes``."""
         return self.span - self.nbytes
 
     @property
@@ -120,6 +121,7 @@ class TagOccupancy:
     extent_count: int
 
     def to_json(self) -> dict:
+        """``{"used_bytes", "padding_bytes", "extent_count"}``."""
         return dataclasses.asdict(self)
 
 
@@ -143,6 +145,7 @@ class ExtentOccupancy:
     tags: dict
 
     def to_json(self) -> dict:
+        """The fields as a JSON-ready dict, ``tags`` as ``{tag: TagOccupancy.to_json()}``."""
         out = dataclasses.asdict(self)
         out["tags"] = {k: v.to_json() for k, v in self.tags.items()}
         return out
@@ -277,22 +280,27 @@ class ExtentAllocator:
 
     @property
     def used_bytes(self) -> int:
+        """Packed payload bytes of the live extents (the exact requested sizes)."""
         return self._used
 
     @property
     def padding_bytes(self) -> int:
+        """Alignment slack of the live extents' spans in bytes."""
         return self._padding
 
     @property
     def free_bytes(self) -> int:
+        """Bytes in free extents, ``capacity - used_bytes - padding_bytes``."""
         return self.capacity - self._used - self._padding
 
     @property
     def largest_free_extent(self) -> int:
+        """Bytes of the largest free extent: the largest span an allocation can get now."""
         return self._free.largest()
 
     @property
     def extent_count(self) -> int:
+        """Live extents."""
         return self._live
 
     def span_of(self, nbytes: int) -> int:
@@ -300,6 +308,7 @@ class ExtentAllocator:
         return -(-nbytes // self.alignment) * self.alignment
 
     def occupancy(self) -> ExtentOccupancy:
+        """An :class:`ExtentOccupancy` snapshot: byte counts, extent counts, fragmentation, per tag."""
         free = self.free_bytes
         largest = self._free.largest()
         return ExtentOccupancy(
@@ -343,6 +352,7 @@ class ExtentAllocator:
             raise StaleExtentError(f"{what} {self._describe(extent)} does not match the live extent of its slot")
 
     def is_live(self, extent: HostExtent) -> bool:
+        """Whether ``extent`` is a live extent of this allocator (:meth:`check` without raising)."""
         try:
             self.check(extent)
         except (StaleExtentError, TypeError):

@@ -49,6 +49,14 @@ class HostKVPageLayout:
 
     Args:
       layout: the pool's :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+
+    Attributes:
+      layout: the pool's layout.
+      segments: one :class:`HostPageSegment` per (plane, layer), plane-major, in byte order.
+      stride: bytes of one Host page (equal to ``layout.page_bytes``).
+
+    Raises:
+      TypeError: ``layout`` is not a :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
     """
 
     def __init__(self, layout: PagedKVStorageLayout):
@@ -76,10 +84,12 @@ class HostKVPageLayout:
     # -- geometry ---------------------------------------------------------------------------------
     @property
     def plane_names(self) -> tuple[str, ...]:
+        """The plane keys in schema order (the order of the planes within a Host page)."""
         return self.layout.plane_names
 
     @property
     def num_layers(self) -> int:
+        """Layers of the pool (segments per plane)."""
         return self.layout.num_layers
 
     def plane_offset(self, name: str) -> int:
@@ -92,6 +102,12 @@ class HostKVPageLayout:
         return self.layout.plane_page_bytes(name)
 
     def segment(self, plane: str, layer: int) -> HostPageSegment:
+        """The :class:`HostPageSegment` of ``(plane, layer)``: its byte offset, size, dtype and ``(H, P, X)`` shape.
+
+        Raises:
+          ValueError: ``layer`` outside ``[0, num_layers)``.
+          KeyError: an unknown plane (the message lists the planes).
+        """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer} is out of range [0, {self.num_layers})")
         self.layout.plane(plane)  # raises KeyError naming the allowed planes

@@ -82,10 +82,15 @@ class TransferChunk:
 
     @property
     def count(self) -> int:
+        """Runs in the chunk, ``len(physical_starts)``.
+
+        From :func:`split_runs` it is a power of two, greater than 1 only when ``length == 1``.
+        """
         return len(self.physical_starts)
 
     @property
     def pages(self) -> int:
+        """Pages the chunk moves, ``length * count``."""
         return self.length * len(self.physical_starts)
 
 

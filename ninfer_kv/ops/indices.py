@@ -25,6 +25,7 @@ INT32_MAX = 2**31 - 1
 
 
 def is_tracer(x) -> bool:
+    """Whether ``x`` is a JAX tracer (an abstract value inside ``jax.jit``) rather than a concrete value."""
     return isinstance(x, jax.core.Tracer)
 
 

@@ -1,6 +1,6 @@
 """float32 jnp reference implementations of the paged and cyclic ops (gather-based; for tests).
 
-Semantics (DESIGN.md section 6):
+Semantics (the op contract of :mod:`ninfer_kv.ops`):
 
 * ``paged_append``: row ``b`` writes tokens ``t < valid[b]`` at logical positions
   ``positions[b] + t``, quantized per the profile, into the page ``block_tables[table_rows[b],

@@ -6,8 +6,8 @@ caller-owned device arrays) and :func:`apply_work` (the pure function that appli
 """
 
 from .address_space import AddressSpaceTable, KVAddressSpace
-from .block_tables import PUBLISH_BUCKETS, BlockTableMatrix
-from .device_state import POISONED, KVDeviceState
+from .block_tables import PUBLISH_BUCKETS, SENTINEL_PAGE, BlockTableMatrix
+from .device_state import BLANK, POISONED, KVDeviceState, SyncStatus
 from .bundle import CheckpointHandle, CheckpointInfo, SequenceHandle, SequenceKVBundle
 from .entitlement import EntitlementPolicy, RoundGrant
 from .errors import (
@@ -22,7 +22,10 @@ from .errors import (
     RowError,
     StaleHandleError,
     WorkOrderError,
+    DonatedStateError,
+    LostContentError,
 )
+from .frontier_history import FrontierHistory
 from .host_replicas import OFFLOAD_STAGES, RESTORE_STAGES, HostTransferReport, OffloadPlan
 from .logical_page import HostReplica, LogicalKVPage, LogicalPageTable, ReplicaRef, replica_valid
 from .pool import DeviceKVPageLease, DevicePagePool
@@ -32,9 +35,11 @@ from .round_work import (
     apply_work,
     apply_work_jit,
     gather_pages,
+    resync,
     step_work_shape,
     take_step_work,
 )
+from .repair import ResyncReport
 from .rows import ExecutionRows
 from .store import ACTIVATION_STAGES, FaultInjector, KVStore
 from .summary import HostOccupancy, HostPoolOccupancy, HostTransferStats, PoolOccupancy, StoreMemorySummary
@@ -43,6 +48,12 @@ __all__ = [
     "KVStore",
     "KVDeviceState",
     "POISONED",
+    "BLANK",
+    "SyncStatus",
+    "SENTINEL_PAGE",
+    "resync",
+    "ResyncReport",
+    "FrontierHistory",
     "RoundWork",
     "PoolWork",
     "apply_work",
@@ -90,4 +101,6 @@ __all__ = [
     "StaleReplicaError",
     "RowError",
     "WorkOrderError",
+    "DonatedStateError",
+    "LostContentError",
 ]

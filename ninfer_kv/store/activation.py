@@ -77,7 +77,7 @@ class ActivationVerbs:
             )
         src_rec = None
         if source is not None:
-            src_rec = self._checkpoint(source)
+            src_rec = self._checkpoint(source, "activate")
             if not self._reusable(src_rec):
                 raise IncompleteContinuationError(
                     "the checkpoint holds no state image and the model requires one: KV pages alone are not a "
@@ -173,7 +173,7 @@ class ActivationVerbs:
             raise
         # -- commit: infallible --------------------------------------------------------------------------
         for p in plans:
-            p["rt"].commit_activation(row, p["src"] if p["move"] else None)
+            p["rt"].commit_activation(row, p["src"], p["move"])
         if source is not None and release_source:
             for p in plans:
                 if not p["move"]:
@@ -214,7 +214,7 @@ class ActivationVerbs:
 
         Returns the :class:`CheckpointHandle`, or ``None`` when released.
         """
-        rec = self._sequence(handle)
+        rec = self._sequence(handle, "finish(retain=True)" if retain else None)
         if retain:
             if self.requires_state_image and state_image is None:
                 raise IncompleteContinuationError(

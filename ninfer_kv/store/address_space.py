@@ -232,10 +232,12 @@ class KVAddressSpace:
 
     @property
     def pool(self):
+        """The :class:`~ninfer_kv.planning.PoolKind` this address space belongs to."""
         return self._rt.kind
 
     @property
     def active(self) -> bool:
+        """Whether the space is active (leases an execution row) rather than a retained checkpoint."""
         return bool(self._rt.spaces.active[self._s()])
 
     @property
@@ -246,26 +248,32 @@ class KVAddressSpace:
 
     @property
     def committed_frontier(self) -> int:
+        """Committed tokens: the prefix a consumer may read."""
         return int(self._rt.spaces.committed[self._s()])
 
     @property
     def protected_frontier(self) -> int:
+        """Tokens shared with checkpoints: immutable for this space (0 for a root sequence)."""
         return int(self._rt.spaces.protected[self._s()])
 
     @property
     def num_blocks(self) -> int:
+        """Logical blocks mapped to pages (``mapped_tokens / P``)."""
         return int(self._rt.spaces.n_blocks[self._s()])
 
     @property
     def mapped_tokens(self) -> int:
+        """Tokens the membership covers: ``num_blocks * P`` (>= the committed frontier)."""
         return int(self._rt.spaces.mapped[self._s()])
 
     @property
     def entitlement_pages(self) -> int:
+        """Pages the space is guaranteed to obtain (mapped + reserved)."""
         return int(self._rt.spaces.ent_pages[self._s()])
 
     @property
     def entitlement_tokens(self) -> int:
+        """The entitlement in tokens (``entitlement_pages * P``)."""
         return self.entitlement_pages * self._rt.page_size
 
     @property
@@ -276,6 +284,7 @@ class KVAddressSpace:
 
     @property
     def page_slots(self) -> np.ndarray:
+        """Logical page slots of the membership, in logical order (``int64 (num_blocks,)``, a copy)."""
         s = self._s()
         return self._rt.spaces.pages_of(s).copy()
 
@@ -285,6 +294,7 @@ class KVAddressSpace:
         return self._rt.pages.device_page[self.page_slots].astype(np.int32)
 
     def pages(self) -> "list[LogicalKVPage]":
+        """The membership as :class:`LogicalKVPage` views, in logical order."""
         from .logical_page import LogicalKVPage
 
         slots = self.page_slots

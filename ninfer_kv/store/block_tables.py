@@ -1,8 +1,11 @@
 """Block-table matrices: the host mirror of one pool's ``int32 (C, L)`` matrix and its pending updates.
 
 Entry ``[r, b]`` is the pool-local physical page-group ID of logical block ``b`` of the address
-space leased to execution row ``r``.  Entries no active membership covers hold the sentinel ID 0: a
-valid page ID that consumers never read (their read domain ends at the valid frontier).
+space leased to execution row ``r``.  Entries no active membership covers — unmapped blocks, the
+rows of finished sequences, idle rows — hold :data:`SENTINEL_PAGE` (``-1``), an ID outside
+``[0, N)`` of every pool.  Every op implementation drops such an entry under ``jax.jit`` (its
+appended tokens are dropped, its keys are invisible), so a step over a stale or poisoned table can
+lose that step's tokens but never read or write a page another sequence owns.
 
 The host mirror is the truth; writes mark entries dirty.  :meth:`BlockTableMatrix.take` hands every
 dirty entry out as a fixed-shape update buffer — ``int32 (3, U)`` (row, block, page) triples, ``U``
@@ -18,9 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .round_work import bucket
+from .buckets import bucket
 
-__all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS"]
+__all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS", "SENTINEL_PAGE"]
+
+SENTINEL_PAGE = -1
+"""The block-table entry of a logical block that maps no page (outside ``[0, N)`` of every pool)."""
 
 PUBLISH_BUCKETS: tuple[int, ...] = (64, 512, 4096, 32768)
 """Update-buffer lengths below ``C * L`` (plus 0 and ``C * L`` itself)."""
@@ -34,7 +40,7 @@ class BlockTableMatrix:
       logical_pages: logical blocks L per address space.
     """
 
-    SENTINEL = 0
+    SENTINEL = SENTINEL_PAGE
 
     def __init__(self, rows: int, logical_pages: int):
         self.rows = int(rows)
@@ -58,7 +64,12 @@ class BlockTableMatrix:
         self._dirty.append(np.arange(row * self.logical_pages, (row + 1) * self.logical_pages, dtype=np.int64))
 
     def clear_row(self, row: int) -> None:
+        """Set every entry of ``row`` to the sentinel (an idle or quarantined row)."""
         self.write_row(row, np.zeros(0, np.int32))
+
+    def mark_all(self) -> None:
+        """Mark every entry dirty: the next :meth:`take` republishes the whole matrix (a resync)."""
+        self._dirty = [np.arange(self.rows * self.logical_pages, dtype=np.int64)]
 
     # -- rollback support -------------------------------------------------------------------------------
     def save_row(self, row: int) -> tuple[int, np.ndarray]:

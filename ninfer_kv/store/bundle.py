@@ -57,10 +57,12 @@ class SequenceKVBundle:
 
     @property
     def main(self) -> KVAddressSpace:
+        """The Main Text address space."""
         return self.spaces[PoolKind.MAIN]
 
     @property
     def backend(self) -> KVAddressSpace | None:
+        """The backend address space (MTP or Draft Full), or ``None`` without a speculative pool."""
         for kind, space in self.spaces.items():
             if kind is not PoolKind.MAIN:
                 return space
@@ -101,6 +103,7 @@ class _Record:
     slots: dict  # PoolKind -> space slot
     row: int = -1
     state_image: Any = None
+    lost: dict | None = None  # {PoolKind: intact frontier} while quarantined by a resync
 
 
 class HandleRegistry:
@@ -162,7 +165,9 @@ class HandleRegistry:
 
     def snapshot(self) -> dict:
         return {
-            "records": [None if r is None else (r.kind, dict(r.slots), r.row, id(r.state_image)) for r in self._records],
+            "records": [
+                None if r is None else (r.kind, dict(r.slots), r.row, id(r.state_image), r.lost) for r in self._records
+            ],
             "gens": list(self._gens),
             "free": list(self._free),
         }

@@ -5,73 +5,128 @@ Everything that lives on the device sits in one :class:`KVDeviceState`, a frozen
 registered as a JAX pytree, which the caller threads through its jitted steps (donated) and hands
 to :func:`~ninfer_kv.apply_work` together with each :class:`~ninfer_kv.RoundWork` the store emits.
 
-Pytree structure (explicit, so a later sharded step can name a partition spec per leaf)::
+Pytree structure (explicit, so a sharded step can name a partition spec per leaf)::
 
     KVDeviceState
       planes:  {PoolKind: {plane name: stacked plane (layers, N, H, P, X) or (layers, H, N, P, X)}}
-      tables:  {PoolKind: int32 (C, L) block-table matrix}
-      serial:  int32 ()    works applied so far; POISONED (-1) after an out-of-order work
+      tables:  {PoolKind: int32 (C, L) block-table matrix; SENTINEL_PAGE (-1) where no page is mapped}
+      serial:  int32 ()    works applied in order so far; POISONED (-1) after an out-of-order work
+      fault:   int32 (2,)  (-1, -1) while healthy; after the first out-of-order work
+                           (works applied before it, that work's serial), or (0, BLANK) for a
+                           state allocated after works were taken
       page_axes: static ((PoolKind, page axis), ...)
 
-``serial`` makes a skipped or repeated work detectable: :func:`apply_work` advances it only when
-the work's serial equals it and otherwise sets it to :data:`POISONED`, where it stays; the host
-compares it with :meth:`KVStore.check_state`.
+``serial`` makes a skipped, repeated or reordered work detectable: :func:`apply_work` advances it
+only when the work's serial equals it and otherwise poisons the state, which then stays poisoned:
+every later work writes nothing and every block-table entry holds the sentinel, so no op can read
+or write a page until :func:`~ninfer_kv.resync` repairs the state.  ``fault`` keeps what the
+repair needs to know: how far the state got before the slip.  The host compares both with
+:meth:`KVStore.check_state`.
+
+A state whose buffers were donated to a jitted step (or deleted) cannot be used again: flattening
+it (any ``jax.jit`` call, ``jax.tree`` function or ``apply_work``) raises
+:class:`~ninfer_kv.store.errors.DonatedStateError`, which names the fix: use the state the step
+returned.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..planning import PoolKind
+from .block_tables import SENTINEL_PAGE
+from .errors import DonatedStateError
 
-__all__ = ["KVDeviceState", "POISONED"]
+__all__ = ["KVDeviceState", "POISONED", "BLANK", "SyncStatus", "check_live"]
 
 POISONED = -1
-"""``KVDeviceState.serial`` after a work was applied out of order (sticky)."""
+"""``KVDeviceState.serial`` after a work was applied out of order (sticky until a resync)."""
+
+BLANK = -2
+"""``KVDeviceState.fault[1]`` of a state allocated after works were taken: it holds no content."""
+
+_HEALTHY = (-1, -1)
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["planes", "tables", "serial"], meta_fields=["page_axes"]
-)
+class SyncStatus(NamedTuple):
+    """Where a state stands against its store's works (one host read of :meth:`KVDeviceState.sync_status`).
+
+    Attributes:
+      applied: works applied in order (before the first out-of-order one when ``poisoned``).
+      poisoned: a work arrived out of order (or the state was allocated blank); the state drops
+        every op until it is resynced.
+      offending: the serial of the first out-of-order work, ``BLANK`` for a blank state, ``None``
+        while healthy.
+    """
+
+    applied: int
+    poisoned: bool
+    offending: int | None
+
+
+def check_live(state: "KVDeviceState") -> None:
+    """Raise :class:`DonatedStateError` when ``state``'s buffers were donated or deleted.
+
+    Every leaf of a state is donated together, so the ``serial`` scalar stands for all of them.
+    Tracers (inside ``jit``) and abstract values are always live.
+    """
+    serial = state.serial
+    if isinstance(serial, jax.Array) and not isinstance(serial, jax.core.Tracer) and serial.is_deleted():
+        raise DonatedStateError(
+            "this KVDeviceState was donated to a jitted step (or deleted): its buffers no longer exist. Use the "
+            "state that step returned and thread it through every call (`state, out = step(state, ...)`); a state "
+            "that was lost this way can be replaced with store.allocate_state() followed by ninfer_kv.resync(store, "
+            "state)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class KVDeviceState:
-    """Device planes and block tables of every pool, plus the applied-work serial.
+    """Device planes and block tables of every pool, plus the applied-work serial and fault record.
 
     Build it with :meth:`KVStore.allocate_state` (or :meth:`KVDeviceState.zeros`); advance it only
     through :func:`~ninfer_kv.apply_work` and the caller's own steps (which replace ``planes`` via
-    :meth:`replace_planes`).
+    :meth:`replace_planes`).  ``fault`` defaults to the healthy ``(-1, -1)``.
     """
 
     planes: dict
     tables: dict
     serial: jax.Array
     page_axes: tuple = ()
+    fault: Any = None
+
+    def __post_init__(self):
+        if self.fault is None:
+            object.__setattr__(self, "fault", _healthy_like(self.serial))
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def zeros(cls, pools: Mapping, *, device=None, fill=None) -> "KVDeviceState":
+    def zeros(cls, pools: Mapping, *, device=None, fill=None, blank: bool = False) -> "KVDeviceState":
         """A fresh state for ``pools = {PoolKind: PoolPlan}`` (a plan's ``pools``): zero (or
-        ``fill``) planes, sentinel tables, serial 0."""
+        ``fill``) planes, sentinel tables, serial 0.  ``blank=True`` marks it as holding none of
+        the content of works already taken (:meth:`KVStore.allocate_state` after a take):
+        poisoned until a :func:`~ninfer_kv.resync`."""
         planes, tables, axes = {}, {}, []
+        put = (lambda x: jax.device_put(x, device)) if device is not None else (lambda x: x)
         for kind, pool_plan in pools.items():
             kind = PoolKind.parse(kind)
             planes[kind] = pool_plan.layout.allocate(pool_plan.physical_pages, device=device, fill=fill)
-            table = jnp.zeros((pool_plan.max_concurrency, pool_plan.logical_pages), jnp.int32)
-            tables[kind] = jax.device_put(table, device) if device is not None else table
+            tables[kind] = put(
+                jnp.full((pool_plan.max_concurrency, pool_plan.logical_pages), SENTINEL_PAGE, jnp.int32)
+            )
             axes.append((kind, pool_plan.layout.order.page_axis))
-        serial = jnp.zeros((), jnp.int32)
-        if device is not None:
-            serial = jax.device_put(serial, device)
-        return cls(planes=planes, tables=tables, serial=serial, page_axes=tuple(axes))
+        serial = put(jnp.asarray(POISONED if blank else 0, jnp.int32))
+        fault = put(jnp.asarray((0, BLANK) if blank else _HEALTHY, jnp.int32))
+        return cls(planes=planes, tables=tables, serial=serial, page_axes=tuple(axes), fault=fault)
 
     # -- views ---------------------------------------------------------------------------------------
     def page_axis(self, pool) -> int:
+        """The axis of the physical page ID in ``pool``'s stacked planes (1 page-major, 2 head-major)."""
         kind = PoolKind.parse(pool)
         for k, axis in self.page_axes:
             if k is kind:
@@ -81,11 +136,13 @@ class KVDeviceState:
     def pool_planes(self, pool) -> dict:
         """The planes of ``pool`` (a ``PoolKind`` or its name)."""
         self.page_axis(pool)
+        check_live(self)
         return self.planes[PoolKind.parse(pool)]
 
     def table(self, pool) -> jax.Array:
         """The ``int32 (C, L)`` block-table matrix of ``pool``."""
         self.page_axis(pool)
+        check_live(self)
         return self.tables[PoolKind.parse(pool)]
 
     def replace_planes(self, pool, planes: Mapping) -> "KVDeviceState":
@@ -107,8 +164,64 @@ class KVDeviceState:
         return dataclasses.replace(self, planes={**self.planes, kind: dict(planes)})
 
     def replace(self, **changes) -> "KVDeviceState":
+        """A copy with the given fields replaced (``planes``, ``tables``, ``serial``, ``fault``)."""
         return dataclasses.replace(self, **changes)
 
     def host_serial(self) -> int:
         """``serial`` as a Python int (a device -> host read: it waits for the state)."""
-        return int(np.asarray(self.serial))
+        check_live(self)
+        return int(np.asarray(_first_shard(self.serial)))
+
+    def sync_status(self) -> SyncStatus:
+        """``serial`` and ``fault`` read to the host in one transfer (waits for the state)."""
+        check_live(self)
+        serial, fault = jax.device_get((_first_shard(self.serial), _first_shard(self.fault)))
+        serial, reached, offending = int(serial), int(fault[0]), int(fault[1])
+        if offending == -1 and serial != POISONED:
+            return SyncStatus(serial, False, None)
+        return SyncStatus(reached, True, offending)
+
+
+def _first_shard(x):
+    """A replicated leaf's value (one addressable shard: works in multi-process programs)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.addressable_data(0)
+    return x
+
+
+def _healthy_like(serial):
+    """The healthy fault record placed like ``serial`` (concrete, abstract or traced)."""
+    if isinstance(serial, jax.core.Tracer) or not isinstance(serial, jax.Array):
+        if isinstance(serial, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((2,), jnp.int32, sharding=getattr(serial, "sharding", None))
+        return jnp.asarray(_HEALTHY, jnp.int32)
+    return jax.device_put(np.asarray(_HEALTHY, np.int32), serial.sharding)
+
+
+def _flatten_with_keys(state: KVDeviceState):
+    check_live(state)
+    keys = jax.tree_util.GetAttrKey
+    children = (
+        (keys("planes"), state.planes),
+        (keys("tables"), state.tables),
+        (keys("serial"), state.serial),
+        (keys("fault"), state.fault),
+    )
+    return children, state.page_axes
+
+
+def _flatten(state: KVDeviceState):
+    check_live(state)
+    return (state.planes, state.tables, state.serial, state.fault), state.page_axes
+
+
+def _unflatten(page_axes, children) -> KVDeviceState:
+    # not through __init__: a tree of other leaves (None, specs, layouts) keeps every field as given
+    state = object.__new__(KVDeviceState)
+    for name, value in zip(("planes", "tables", "serial", "fault"), children):
+        object.__setattr__(state, name, value)
+    object.__setattr__(state, "page_axes", page_axes)
+    return state
+
+
+jax.tree_util.register_pytree_with_keys(KVDeviceState, _flatten_with_keys, _unflatten, _flatten)

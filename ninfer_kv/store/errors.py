@@ -18,6 +18,8 @@ __all__ = [
     "StaleReplicaError",
     "RowError",
     "WorkOrderError",
+    "DonatedStateError",
+    "LostContentError",
 ]
 
 
@@ -77,3 +79,18 @@ class InvariantError(KVStoreError, AssertionError):
 class WorkOrderError(KVStoreError):
     """A device state did not receive the store's round works in order (one was skipped or applied
     twice), or it was poisoned by such a mismatch inside a jitted step."""
+
+
+class DonatedStateError(KVStoreError, ValueError):
+    """A :class:`~ninfer_kv.KVDeviceState` whose buffers were donated to a jitted step (or deleted)
+    was used again; the step's returned state is the one to use."""
+
+
+class LostContentError(LifecycleError):
+    """A :func:`~ninfer_kv.resync` found that the device no longer holds some of this sequence's or
+    checkpoint's committed content (its works were skipped and cannot be replayed).
+
+    The handle stays valid but is quarantined: its rows are inert on the device and every verb
+    refuses it except ``finish(retain=False)`` / ``release_checkpoint`` and, for a sequence,
+    ``truncate`` back to the intact frontier the resync reported (which returns it to service).
+    """

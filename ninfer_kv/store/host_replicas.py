@@ -180,6 +180,19 @@ class PoolHostReplicas:
                 del users[extent]
                 self.arena.free(extent)
 
+    def stage_restores(self, slots: np.ndarray, dst_ids: np.ndarray, writes) -> None:
+        """Record, in ``writes`` (a :class:`~ninfer_kv.store.round_work.PageWrites`), the Host replica
+        of each page ``slots[i]`` as a whole-page write onto Device page ``dst_ids[i]`` (logical order;
+        the payload is copied, so the extent may go at once)."""
+        pg = self.rt.pages
+        views: dict = {}
+        for i, x in enumerate(np.asarray(slots).tolist()):
+            extent = pg.host_extent[x]
+            if extent not in views:
+                views[extent] = self.layout.page_planes(self.arena.view(extent))
+            index = int(pg.host_page[x])
+            writes.restore(dst_ids[i : i + 1], {name: v[index : index + 1] for name, v in views[extent].items()})
+
     def occupancy(self) -> HostPoolOccupancy:
         pg = self.rt.pages
         live = pg.live
@@ -362,15 +375,8 @@ class HostTier:
     def _copy_in(self, job: _Job) -> TransferReport:
         """Host -> Device: stage the pages' Host replicas, in logical order, as pending writes to
         Device pages ``job.ids`` (the next round work carries them; the extent may go at once)."""
-        rt, s = job.rt, job.slots
-        pg = rt.pages
-        views: dict = {}
-        for i, x in enumerate(s.tolist()):
-            extent = pg.host_extent[x]
-            if extent not in views:
-                views[extent] = job.table.layout.page_planes(self.arena.view(extent))
-            index = int(pg.host_page[x])
-            rt.writes.restore(job.ids[i : i + 1], {name: v[index : index + 1] for name, v in views[extent].items()})
+        s = job.slots
+        job.table.stage_restores(s, job.ids, job.rt.writes)
         runs = int(coalesce_runs(np.asarray(job.ids, np.int64))[0].size) if s.size else 0
         return TransferReport(pages=int(s.size), runs=runs, chunks=runs, bytes=int(s.size) * job.table.layout.stride,
                               path="work")
@@ -553,6 +559,7 @@ class HostTier:
     def _publish_restored(self, job: _Job) -> None:
         pg = job.rt.pages
         pg.set_device(job.slots, job.ids, job.id_gens)
+        job.rt.record_restores(job.slots)
         job.rt.unpin(job.slots)
         self.stats.restored_pages += job.report.pages
         self.stats.restored_bytes += job.report.bytes

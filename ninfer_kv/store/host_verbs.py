@@ -39,7 +39,7 @@ class HostVerbs:
         the extents and :class:`LifecycleError` when a page is pinned by another copy; the store is
         then unchanged.
         """
-        rec = self._checkpoint(handle)
+        rec = self._checkpoint(handle, "plan_offload")
         return self._tier("plan_offload").plan_offload(rec.slots, self._serial_of)
 
     def gather_offload(self, plan: OffloadPlan, state):
@@ -91,7 +91,7 @@ class HostVerbs:
         Refused (:class:`LifecycleError`, nothing changed) when a page with a Device replica has no
         valid Host replica, is pinned, or is referenced by an active address space.
         """
-        rec = self._checkpoint(handle)
+        rec = self._checkpoint(handle, "drop_device_replica")
         return self._tier("drop_device_replica").drop_device(rec.slots)
 
     def restore_checkpoint(self, handle: CheckpointHandle, *, drop_host: bool = False) -> HostTransferReport:
@@ -103,14 +103,14 @@ class HostVerbs:
         checkpoint is released afterwards: placement ``device``).  Raises
         :class:`PoolCapacityError` (nothing changed) when a pool lacks available pages.
         """
-        rec = self._checkpoint(handle)
+        rec = self._checkpoint(handle, "restore_checkpoint")
         return self._tier("restore_checkpoint").restore(rec.slots, drop_host=bool(drop_host))
 
     def release_host_replica(self, handle: CheckpointHandle) -> int:
         """Release the Host replicas of a checkpoint's pages (placement ``both`` -> ``device``); an
         extent is freed with its last page.  Refused (nothing changed) when a page is Host-only (its
         Host replica is its only copy) or pinned.  Returns the replicas released."""
-        rec = self._checkpoint(handle)
+        rec = self._checkpoint(handle, "release_host_replica")
         return self._tier("release_host_replica").release_host(rec.slots)
 
     def host_occupancy(self) -> HostOccupancy | None:

@@ -18,6 +18,7 @@ class InspectionVerbs:
         return self._runtime(pool).table.host.copy()
 
     def occupancy(self, pool="main") -> PoolOccupancy:
+        """``pool``'s :class:`PoolOccupancy`: capacity, allocated / reserved / available pages, logical, shared and Host pages, bytes."""
         rt = self._runtime(pool)
         pg, sp = rt.pages, rt.spaces
         live = pg.live
@@ -41,6 +42,7 @@ class InspectionVerbs:
         )
 
     def memory_summary(self) -> StoreMemorySummary:
+        """A :class:`StoreMemorySummary` of every pool, the Host arena and the transfer counters (``.table()`` renders it)."""
         return StoreMemorySummary(
             pools={k: self.occupancy(k) for k in self._rt},
             active_sequences=int(self._rows.active().size),
@@ -53,15 +55,20 @@ class InspectionVerbs:
     def check_invariants(self) -> None:
         """Raise :class:`InvariantError` on any inconsistency (every pool, rows and handles)."""
         for rt in self._rt.values():
-            rt.check_invariants()
+            rt.check_invariants(self._rows.quarantined)
         active = self._rows.active()
         for kind, rt in self._rt.items():
             if not np.array_equal(np.flatnonzero(rt.spaces.active[: self.max_concurrency]), active):
                 raise InvariantError(f"pool {kind.value}: active rows disagree with leased rows")
         self._rows.check_invariants(InvariantError)
+        quarantined = np.zeros_like(self._rows.quarantined)
         for h in self.sequences():
-            if self._rows.owner[self._registry.get(h).row] != h.id:
+            rec = self._registry.get(h)
+            if self._rows.owner[rec.row] != h.id:
                 raise InvariantError(f"sequence {h.id} does not own its row")
+            quarantined[rec.row] = rec.lost is not None
+        if not np.array_equal(quarantined, self._rows.quarantined):
+            raise InvariantError("quarantined rows disagree with the sequences a resync found lost")
         if self._host is not None:
             self._host.check_invariants()
 

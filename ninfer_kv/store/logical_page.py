@@ -12,7 +12,11 @@ Its descriptor holds
 * an optional Device page-group lease (page ID + lease generation);
 * an optional Host extent membership: the extent, the page's index in it and the replica's
   ``(epoch, coverage)`` as of its publication (see :class:`HostReplica`);
-* transaction pins (held while a copy reads or writes the page).
+* transaction pins (held while a copy reads or writes the page);
+* the page write that last filled its Device page from elsewhere (a partial-tail COW from another
+  page, or a Host restore): the work serial that carries it, an ordering sequence number and, for a
+  COW, the source page and columns — what a repair (:func:`~ninfer_kv.resync`) replays when a
+  device state missed that work.
 
 Canonical content is ``(epoch, committed columns)``.  A replica holding ``(epoch, coverage)`` is
 valid for the first ``n`` columns iff ``replica.epoch == page.epoch and replica.coverage >= n``.
@@ -105,6 +109,11 @@ class LogicalPageTable:
         self.host_page = np.zeros(0, np.int64)  # page index in host_extent, -1: no Host replica
         self.host_epoch = np.zeros(0, np.int64)  # replica epoch / coverage as published
         self.host_coverage = np.zeros(0, np.int64)
+        self.fill_work = np.zeros(0, np.int64)  # work serial of the last page write into the Device page, -1: none
+        self.fill_seq = np.zeros(0, np.int64)  # order of page writes within the pool
+        self.fill_src = np.zeros(0, np.int64)  # COW source slot, -1: a Host restore
+        self.fill_src_gen = np.zeros(0, np.int64)
+        self.fill_cols = np.zeros(0, np.int64)
         self._stack = np.zeros(0, np.int64)
         self._top = 0
         self.grow(max(int(capacity), 1))
@@ -136,6 +145,11 @@ class LogicalPageTable:
         self.host_page = ext(self.host_page, -1)
         self.host_epoch = ext(self.host_epoch, 0)
         self.host_coverage = ext(self.host_coverage, 0)
+        self.fill_work = ext(self.fill_work, -1)
+        self.fill_seq = ext(self.fill_seq, 0)
+        self.fill_src = ext(self.fill_src, -1)
+        self.fill_src_gen = ext(self.fill_src_gen, 0)
+        self.fill_cols = ext(self.fill_cols, 0)
         # new slots go to the bottom of the stack so existing free slots keep their order
         stack = np.empty(capacity, np.int64)
         stack[:n] = np.arange(capacity - 1, old - 1, -1)
@@ -186,6 +200,14 @@ class LogicalPageTable:
         self.host_page[slots] = -1
         self.host_epoch[slots] = 0
         self.host_coverage[slots] = 0
+        self._clear_fill(slots)
+
+    def _clear_fill(self, slots: np.ndarray) -> None:
+        self.fill_work[slots] = -1
+        self.fill_seq[slots] = 0
+        self.fill_src[slots] = -1
+        self.fill_src_gen[slots] = 0
+        self.fill_cols[slots] = 0
 
     def discard(self, slots: np.ndarray) -> None:
         """Exact inverse of :meth:`create` for pages that never escaped (no generation advance)."""
@@ -222,6 +244,18 @@ class LogicalPageTable:
         """Drop the Device replicas of ``slots`` (their leases are released by the caller)."""
         self.device_page[slots] = -1
         self.device_gen[slots] = 0
+        self._clear_fill(slots)
+
+    def record_fill(self, slots: np.ndarray, work: int, seq: np.ndarray, src: np.ndarray, src_gen: np.ndarray,
+                    columns: np.ndarray) -> None:
+        """The Device pages of ``slots`` are filled by page writes of work ``work`` (order ``seq``):
+        copies of ``columns`` columns from pages ``src`` (generation ``src_gen``), or Host restores
+        where ``src == -1``."""
+        self.fill_work[slots] = work
+        self.fill_seq[slots] = seq
+        self.fill_src[slots] = src
+        self.fill_src_gen[slots] = src_gen
+        self.fill_cols[slots] = columns
 
     def pin(self, slots: np.ndarray) -> None:
         """One transaction pin more on each page (a copy in flight reads or writes it)."""
@@ -354,6 +388,7 @@ class LogicalPageTable:
             "host_page": self.host_page.copy(),
             "host_epoch": self.host_epoch.copy(),
             "host_coverage": self.host_coverage.copy(),
+            "fill": np.stack([self.fill_work, self.fill_seq, self.fill_src, self.fill_src_gen, self.fill_cols]),
             "free_slots": self.free_slots(),
         }
 
@@ -373,27 +408,33 @@ class LogicalKVPage:
 
     @property
     def pool(self):
+        """The :class:`~ninfer_kv.planning.PoolKind` of the page."""
         return self._rt.kind
 
     @property
     def epoch(self) -> int:
+        """The content epoch (advances when committed columns are withdrawn)."""
         return int(self._rt.pages.epoch[self._s()])
 
     @property
     def committed_columns(self) -> int:
+        """Committed columns ``[0, P]`` (derived from the writer's frontier while it has one)."""
         s = self._s()
         return int(self._rt.page_committed(np.array([s]))[0])
 
     @property
     def protected_columns(self) -> int:
+        """Columns surviving checkpoints need (never overwritten)."""
         return int(self._rt.pages.protected[self._s()])
 
     @property
     def references(self) -> int:
+        """Address spaces (active or retained) that map this page."""
         return int(self._rt.pages.refs[self._s()])
 
     @property
     def active_references(self) -> int:
+        """Active address spaces that map this page."""
         return int(self._rt.pages.active_refs[self._s()])
 
     @property
@@ -404,10 +445,12 @@ class LogicalKVPage:
 
     @property
     def pins(self) -> int:
+        """Transaction pins: copies in flight that read or write the page."""
         return int(self._rt.pages.pins[self._s()])
 
     @property
     def device_lease(self) -> DeviceKVPageLease | None:
+        """The Device replica's :class:`DeviceKVPageLease` (page ID + generation), or ``None`` (Host-only)."""
         s = self._s()
         p = int(self._rt.pages.device_page[s])
         if p < 0:
@@ -438,6 +481,7 @@ class LogicalKVPage:
 
     @property
     def shared(self) -> bool:
+        """Whether more than one address space maps the page (it is then immutable)."""
         return self.references > 1
 
     @property
@@ -460,6 +504,7 @@ class LogicalKVPage:
         return None if r is None else r.ref
 
     def replica_valid(self, replica: ReplicaRef, columns: int) -> bool:
+        """Whether ``replica`` is valid for the first ``columns`` columns of this page's content."""
         return replica_valid(self.epoch, replica, columns)
 
     def __repr__(self) -> str:

@@ -98,6 +98,7 @@ class DevicePagePool:
         return self._res.copy()
 
     def is_free(self, page: int) -> bool:
+        """Whether page ``page`` is free (neither leased nor set aside for a reservation)."""
         return bool(self._free[self._page(page)])
 
     def lease(self, page: int) -> DeviceKVPageLease:
@@ -108,6 +109,7 @@ class DevicePagePool:
         return DeviceKVPageLease(self.name, p, int(self._gen[p]))
 
     def generations(self, pages) -> np.ndarray:
+        """The lease generation of each page in ``pages`` (advanced at every release)."""
         return self._gen[_as_ids(pages)]
 
     # -- validation helpers -------------------------------------------------------------------------

@@ -27,8 +27,11 @@ applies a work: one per bucket combination.
 
 Order: ``work.serial`` is the number of works the store handed out before this one; the state's
 ``serial`` must equal it.  :func:`apply_work` advances a matching serial and poisons a mismatched
-one (``POISONED``, sticky), so a skipped or repeated work is detected by
-:meth:`KVStore.check_state` (one host read of a scalar) however many steps later.
+one (``POISONED``, sticky, the first mismatch recorded in ``state.fault``).  A poisoned state
+applies nothing more and its block tables hold only the sentinel page, so every append over them
+is dropped and every attention sees no key: a skipped, repeated or reordered work can cost the
+tokens of the steps that follow, never another sequence's pages.  :meth:`KVStore.check_state`
+(one host read) detects it however many steps later, and :func:`resync` repairs the state.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ import numpy as np
 
 from ..geometry import PAGE_SIZE
 from ..page_copy import _words, cpu_float, word_dtype, write_pages, write_pages_donated
-from .device_state import POISONED, KVDeviceState
+from .block_tables import SENTINEL_PAGE
+from .buckets import bucket, ladder
+from .device_state import POISONED, KVDeviceState, check_live
 
 __all__ = [
     "RoundWork",
@@ -54,28 +59,11 @@ __all__ = [
     "gather_pages",
     "step_work_shape",
     "take_step_work",
+    "resync",
     "bucket",
     "ladder",
     "word_dtype",
 ]
-
-def ladder(first: int, factor: int, cap: int) -> tuple[int, ...]:
-    """Bucket sizes ``0, first, first * factor, ...`` up to and including ``cap``."""
-    out = [0]
-    b = first
-    while b < cap:
-        out.append(b)
-        b *= factor
-    out.append(max(cap, 0))
-    return tuple(sorted(set(out)))
-
-
-def bucket(n: int, sizes: tuple[int, ...]) -> int:
-    for b in sizes:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} entries exceed the largest bucket {sizes[-1]}")
-
 
 # -- the work pytree --------------------------------------------------------------------------------
 
@@ -300,39 +288,67 @@ class PageWrites:
 # -- device side ---------------------------------------------------------------------------------------
 
 
-def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
-    """Apply one :class:`RoundWork` to the state (pure; call it inside a jitted step, donated).
-
-    Table updates are scattered into each pool's ``(C, L)`` matrix; page writes land in the
-    planes; ``serial`` advances when ``work.serial`` equals it and is poisoned otherwise.
-    """
+def _check_pair(state, work) -> None:
     if not isinstance(state, KVDeviceState):
         raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
     if not isinstance(work, RoundWork):
         raise TypeError(f"work must be a RoundWork, got {type(work).__name__}")
+    check_live(state)
     if set(work.pools) != set(state.planes):
         raise ValueError(
             f"the work names pools {sorted(k.value for k in work.pools)}, the state holds "
             f"{sorted(k.value for k in state.planes)}"
         )
+
+
+def _in_order(serial, work_serial) -> jax.Array:
+    """Whether the work numbered ``work_serial`` is the next work of a healthy state at ``serial``."""
+    serial = jnp.asarray(serial, jnp.int32)
+    return (serial == jnp.asarray(work_serial, jnp.int32)) & (serial >= 0)
+
+
+def _gate(entries: jax.Array, row: int, ok: jax.Array) -> jax.Array:
+    """``entries`` with row ``row`` (the columns of page writes) zeroed unless ``ok``: padding."""
+    return entries.at[row].set(jnp.where(ok, entries[row], 0))
+
+
+def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
+    """Apply one :class:`RoundWork` to the state (pure; call it inside a jitted step, donated).
+
+    Table updates are scattered into each pool's ``(C, L)`` matrix; page writes land in the
+    planes; ``serial`` advances when ``work.serial`` equals it.  Otherwise the state is poisoned:
+    nothing of the work is applied, every table entry becomes the sentinel page (so the ops of
+    this and later steps drop their tokens instead of touching pages), and ``fault`` records the
+    first mismatch until :func:`resync` repairs the state.
+    """
+    _check_pair(state, work)
+    ok = _in_order(state.serial, work.serial)
     serial = jnp.asarray(state.serial, jnp.int32)
-    ok = serial == jnp.asarray(work.serial, jnp.int32)
-    new_serial = jnp.where(ok & (serial >= 0), serial + 1, jnp.int32(POISONED))
+    new_serial = jnp.where(ok, serial + 1, jnp.int32(POISONED))
+    first = (serial >= 0) & ~ok
+    fault = jnp.asarray(state.fault, jnp.int32)
+    new_fault = jnp.where(first, jnp.stack([serial, jnp.asarray(work.serial, jnp.int32)]), fault)
     tables, planes = {}, {}
     for kind, pw in work.pools.items():
         table = state.tables[kind]
         if pw.tables.shape[1]:
             upd = jnp.asarray(pw.tables, jnp.int32)
-            table = table.at[upd[0], upd[1]].set(upd[2], mode="drop")
-        tables[kind] = table
-        planes[kind] = write_pages(
-            state.planes[kind], jnp.asarray(pw.copies, jnp.int32), jnp.asarray(pw.restores, jnp.int32),
-            pw.payload, state.page_axis(kind)
-        )
-    return dataclasses.replace(state, planes=planes, tables=tables, serial=new_serial)
+            update = lambda t, upd=upd: t.at[upd[0], upd[1]].set(upd[2], mode="drop")  # noqa: E731
+        else:
+            update = lambda t: t  # noqa: E731
+        # a cond, not a select: the healthy branch updates the donated table in place
+        tables[kind] = jax.lax.cond(ok, update, lambda t: jnp.full_like(t, SENTINEL_PAGE), table)
+        copies, restores = jnp.asarray(pw.copies, jnp.int32), jnp.asarray(pw.restores, jnp.int32)
+        if copies.shape[1]:
+            copies = _gate(copies, 2, ok)
+        if restores.shape[1]:
+            restores = _gate(restores, 1, ok)
+        planes[kind] = write_pages(state.planes[kind], copies, restores, pw.payload, state.page_axis(kind))
+    return dataclasses.replace(state, planes=planes, tables=tables, serial=new_serial, fault=new_fault)
 
 
 _apply_work_jit = jax.jit(apply_work, donate_argnums=(0,))
+_in_order_jit = jax.jit(_in_order)
 
 
 def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
@@ -340,18 +356,59 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
 
     One jitted program; except on the CPU backend with page writes into float planes, where a
     scatter is not kept in place by XLA (the whole plane would be copied): there the page writes run
-    as in-place per-page programs (:func:`~ninfer_kv.page_copy.write_pages_donated`), then the table
-    updates and the serial as one program.  Same result either way.
+    as in-place per-page programs (:func:`~ninfer_kv.page_copy.write_pages_donated`, which write
+    nothing when the work is out of order), then the table updates and the serial as one program.
+    Same result either way.
     """
+    _check_pair(state, work)
     writes = [k for k, p in work.pools.items() if p.copies.shape[1] or p.restores.shape[1]]
     if not writes or not any(cpu_float(state.planes[k]) for k in writes):
         return _apply_work_jit(state, work)
+    ok = _in_order_jit(state.serial, work.serial)
     planes = dict(state.planes)
     for kind in writes:
         pw = work.pools[kind]
-        planes[kind] = write_pages_donated(planes[kind], pw.copies, pw.restores, pw.payload, state.page_axis(kind))
+        planes[kind] = write_pages_donated(planes[kind], pw.copies, pw.restores, pw.payload, state.page_axis(kind),
+                                           enabled=ok)
     state = dataclasses.replace(state, planes=planes)
     return _apply_work_jit(state, work.without_page_writes())
+
+
+def _like(x: jax.Array, value) -> jax.Array:
+    """``value`` as an int32 array placed like ``x``."""
+    return jax.device_put(np.asarray(value, np.int32), x.sharding)
+
+
+def resync(store, state: KVDeviceState):
+    """Bring a poisoned, lagging or blank ``state`` back in line with ``store`` without rebuilding it.
+
+    Reads the state's serial and fault record (one host read), plans the repair on the host
+    (:meth:`KVStore.plan_resync`: every block table republished, the page writes the state missed
+    replayed from Host replicas still held and live COW sources, the sequences and checkpoints whose
+    committed content is gone quarantined) and applies it (the state donated).  Works for a
+    :class:`~ninfer_kv.store.KVStore` and a :class:`~ninfer_kv.store.sharded.ShardedKVStore`.
+
+    Returns:
+      ``(state, report)``: the repaired state (``store.check_state`` passes) and a
+      :class:`~ninfer_kv.store.repair.ResyncReport` naming every quarantined handle with the tokens
+      the device still holds of it.  A state already in line is returned as it is.
+
+    Raises:
+      WorkOrderError: the state applied more works than the store handed out (another store's).
+      DonatedStateError: the state was donated; repair the state the step returned.
+    """
+    if not isinstance(state, KVDeviceState):
+        raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
+    check_live(state)
+    work, report = store.plan_resync(state.sync_status())
+    if work is None:
+        return state, report
+    state = state.replace(serial=_like(state.serial, work.serial), fault=_like(state.fault, (-1, -1)))
+    if isinstance(work, RoundWork):
+        state = apply_work_jit(state, work)
+    else:  # a sharded store's stacked work
+        state = store.apply_work_alone(state, work)
+    return state, report
 
 
 def gather_pages(state: KVDeviceState, pages: Mapping) -> tuple[jax.Array, dict]:

@@ -38,28 +38,38 @@ class RowVerbs:
         nothing changed, only when ``tokens`` exceeds the entitlement.  Never advances a frontier,
         never trims, never changes the entitlement.  Returns the number of pages materialized.
         """
-        rows = self._handle_row(handle)
+        rows = self._handle_row(handle, "ensure_mapped_to_tokens")
         tokens = _int("tokens", tokens)
         return self._runtime(pool).map_rows(rows, np.array([tokens], np.int64))
 
     def commit(self, handle: SequenceHandle, frontier: int, *, pool="main") -> None:
         """Advance the committed frontier after a unit succeeded (within the mapped extent)."""
-        rows = self._handle_row(handle)
+        rows = self._handle_row(handle, "commit")
         frontier = _int("frontier", frontier)
         self._runtime(pool).commit_rows(rows, np.array([frontier], np.int64))
 
     def trim(self, handle: SequenceHandle, *, pool="main", provisional: int = 0) -> int:
         """Keep ``ceil(max(committed, provisional) / P)`` pages; leases return to the reservation."""
-        rows = self._handle_row(handle)
+        rows = self._handle_row(handle, "trim")
         provisional = _int("provisional", provisional)
         return self._runtime(pool).trim_rows(rows, np.array([provisional], np.int64))
 
     def truncate(self, handle: SequenceHandle, frontier: int, *, pool="main", provisional: int = 0) -> None:
-        """Lower the committed frontier to ``frontier`` (not below the protected frontier), then trim."""
-        row = int(self._handle_row(handle)[0])
+        """Lower the committed frontier to ``frontier`` (not below the protected frontier), then trim.
+
+        A sequence quarantined by a resync may be truncated to at most the intact frontier the resync
+        reported for ``pool``; once no pool commits beyond its intact frontier the sequence returns
+        to service (its block-table rows are published again)."""
+        rec = self._sequence(handle)
+        row = rec.row
         rt = self._runtime(pool)
         frontier = _int("frontier", frontier)
         provisional = _int("provisional", provisional)
+        if rec.lost is None:
+            self._handle_row(handle, "truncate")
+        elif frontier > rec.lost[rt.kind]:
+            raise self._lost_error(handle, rec, f"truncate of pool {rt.kind.value} to {frontier} (above its intact "
+                                                f"frontier)")
         lo, hi = int(rt.spaces.protected[row]), int(rt.spaces.committed[row])
         if not lo <= frontier <= hi:
             raise LifecycleError(
@@ -67,13 +77,14 @@ class RowVerbs:
                 f"committed frontier)"
             )
         rt.truncate_row(row, frontier, provisional)
+        self._revive_if_intact(rec)
 
     def settle(self, handle: SequenceHandle, accepted_frontier: int, *, pool="main", provisional: int | None = None):
         """Speculative settlement: commit the accepted frontier, then trim rejected trailing pages.
 
         ``provisional`` keeps mappings up to that many tokens (e.g. the next round's draft window).
         """
-        rows = self._handle_row(handle)
+        rows = self._handle_row(handle, "settle")
         accepted_frontier = _int("accepted_frontier", accepted_frontier)
         keep = accepted_frontier if provisional is None else _int("provisional", provisional)
         self._runtime(pool).settle_rows(rows, np.array([accepted_frontier], np.int64), np.array([keep], np.int64))

@@ -4,7 +4,8 @@ An execution row ``r in [0, C)`` is the block-table row leased to one active seq
 in every pool).  Row verbs (``map_rows``, ``commit_rows``, ``trim_rows``, ``settle_rows``,
 ``round_boundary``) and the handle verbs (which resolve a handle to its row) accept only leased
 rows; an idle row, an index outside ``[0, C)``, a negative index or a row named twice in one call
-is a :class:`RowError` (a ``ValueError``) naming the row, raised before anything changes.
+is a :class:`RowError` (a ``ValueError``) naming the row, raised before anything changes.  A row
+quarantined by a resync (its sequence's content was lost) is a :class:`LostContentError`.
 
 Index vectors accept any integer array-like (numpy arrays of any integer dtype, Python lists, JAX
 arrays) and are converted to ``int64`` with an overflow check.
@@ -16,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from .errors import RowError
+from .errors import LostContentError, RowError
 
 __all__ = ["ExecutionRows", "as_index_vector", "as_index"]
 
@@ -81,6 +82,8 @@ class ExecutionRows:
         self.owner = np.full(self.count, -1, np.int64)
         self._free: list[int] = list(range(self.count - 1, -1, -1))  # pop() -> lowest row
         self._stamp = np.zeros(self.count, np.int64)
+        self.quarantined = np.zeros(self.count, bool)
+        self._any_quarantined = False
 
     # -- leases ----------------------------------------------------------------------------------------
     @property
@@ -102,7 +105,13 @@ class ExecutionRows:
 
     def release(self, row: int) -> None:
         self.owner[row] = -1
+        self.set_quarantined(row, False)
         bisect.insort(self._free, row, key=lambda r: -r)
+
+    def set_quarantined(self, row: int, value: bool) -> None:
+        """Mark ``row`` (not) quarantined: a quarantined row is refused by :meth:`check`."""
+        self.quarantined[row] = value
+        self._any_quarantined = bool(self.quarantined.any())
 
     def active(self) -> np.ndarray:
         return np.flatnonzero(self.owner >= 0)
@@ -124,6 +133,12 @@ class ExecutionRows:
             bad = int(rows[idle][0])
             raise RowError(f"{name}: row {bad} is not leased to an active sequence (active rows: "
                            f"{self.active().tolist()})")
+        if self._any_quarantined and self.quarantined[rows].any():
+            bad = int(rows[self.quarantined[rows]][0])
+            raise LostContentError(
+                f"{name}: row {bad} holds a sequence whose content a resync found lost; finish it (retain=False) or "
+                f"truncate it to the intact frontier the resync reported"
+            )
         if n > 1:
             stamp = self._stamp
             order = np.arange(n, dtype=np.int64)
@@ -139,7 +154,7 @@ class ExecutionRows:
         return self.check(np.array([row], np.int64))
 
     def snapshot(self) -> dict:
-        return {"free_rows": list(self._free), "row_owner": self.owner.copy()}
+        return {"free_rows": list(self._free), "row_owner": self.owner.copy(), "quarantined": self.quarantined.copy()}
 
     def check_invariants(self, errors) -> None:
         active = set(self.active().tolist())

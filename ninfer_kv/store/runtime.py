@@ -25,11 +25,12 @@ import numpy as np
 from ..geometry import PAGE_SIZE
 from ..planning import PoolKind, PoolPlan
 from .address_space import AddressSpaceTable
-from .block_tables import BlockTableMatrix
+from .block_tables import SENTINEL_PAGE, BlockTableMatrix
 from .errors import EntitlementError, InvariantError, LifecycleError
+from .frontier_history import DEFAULT_WINDOW, FrontierHistory
 from .logical_page import LogicalPageTable
 from .pool import DevicePagePool
-from .round_work import PageWrites
+from .round_work import PageWrites, PoolWork
 
 __all__ = ["PoolRuntime"]
 
@@ -42,7 +43,7 @@ Undo = Callable[[], None]
 class PoolRuntime:
     """The state of one pool of a :class:`KVStore`."""
 
-    def __init__(self, plan: PoolPlan, *, lead_tokens: int):
+    def __init__(self, plan: PoolPlan, *, lead_tokens: int, history_window: int = DEFAULT_WINDOW):
         self.kind: PoolKind = plan.kind
         self.layout = plan.layout
         self.page_size = PAGE_SIZE
@@ -55,7 +56,35 @@ class PoolRuntime:
         self.spaces = AddressSpaceTable(self.rows, self.logical_pages, pool=name)
         self.table = BlockTableMatrix(self.rows, self.logical_pages)
         self.writes = PageWrites(plan.layout, plan.physical_pages)
+        self.history = FrontierHistory(self.rows, history_window)
         self.host = None  # PoolHostReplicas when the store has a Host tier
+        self._fills = 0  # page writes recorded so far (their order, for a replay)
+
+    # -- round work -------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """Works taken so far: the serial of the work that carries what is recorded now."""
+        return self.history.takes
+
+    def take_work(self, writes: PageWrites | None = None) -> PoolWork:
+        """This pool's part of the next round work: the dirty table entries and the pending page
+        writes (or ``writes`` instead, leaving the pending ones for the next take); dates the take."""
+        copies, restores, payload = (self.writes if writes is None else writes).take()
+        work = PoolWork(tables=self.table.take(), copies=copies, restores=restores, payload=payload,
+                        pad_row=self.rows, pad_page=self.pool.capacity)
+        self.history.record_take(self.spaces.committed[: self.rows])
+        return work
+
+    def _next_fills(self, n: int) -> np.ndarray:
+        seq = np.arange(self._fills, self._fills + n, dtype=np.int64)
+        self._fills += n
+        return seq
+
+    def record_restores(self, slots: np.ndarray) -> None:
+        """Pages ``slots`` get their Device pages filled from their Host replicas by the next work."""
+        n = int(slots.size)
+        self.pages.record_fill(slots, self.epoch, self._next_fills(n), np.full(n, -1), np.zeros(n, np.int64),
+                               np.full(n, PAGE_SIZE))
 
     # -- derived page state -----------------------------------------------------------------------------
     def page_committed(self, slots: np.ndarray) -> np.ndarray:
@@ -131,6 +160,7 @@ class PoolRuntime:
         """Advance committed frontiers of distinct active rows after a successful unit (within the
         mapped extent)."""
         self.check_commit(rows, frontiers)
+        self.history.record_commit(rows, frontiers != self.spaces.committed[rows])
         self.spaces.set_committed(rows, frontiers)
 
     def trim_rows(self, rows: np.ndarray, keep_tokens: np.ndarray) -> int:
@@ -163,18 +193,20 @@ class PoolRuntime:
         self.pool.dematerialize_many(pg.device_page[slots], pg.device_gen[slots], owner)
         pg.drop_private(slots)
         sp.drop_blocks(r, owner, blocks, kb)
-        self.table.write(owner, blocks, 0)
+        self.table.write(owner, blocks, SENTINEL_PAGE)
         return k
 
     def settle_rows(self, rows: np.ndarray, accepted: np.ndarray, keep_tokens: np.ndarray) -> int:
         """Commit ``accepted`` frontiers, then trim to ``max(accepted, keep_tokens)``; all or nothing
         (a refused trim leaves the frontiers as they were).  Returns pages trimmed."""
         saved = self.spaces.committed[rows]
+        dated = self.history.save_rows(rows)
         self.commit_rows(rows, accepted)
         try:
             return self.trim_rows(rows, keep_tokens)
         except BaseException:
             self.spaces.set_committed(rows, saved)
+            self.history.restore_rows(rows, dated)
             raise
 
     def truncate_row(self, row: int, frontier: int, keep_tokens: int) -> None:
@@ -187,6 +219,7 @@ class PoolRuntime:
             if last > first:
                 pg.bump_epoch(sp.membership[row, first:last])
         sp.set_committed(row, frontier)
+        self.history.record_truncate(row, frontier)
         self.trim_rows(np.array([row]), np.array([keep_tokens], np.int64))
 
     # -- references ---------------------------------------------------------------------------------------
@@ -255,6 +288,8 @@ class PoolRuntime:
         slot = self.pages.create(ids, gens, row, block)
         mark = self.writes.mark()
         self.writes.copy(pg.device_page[src_page_slot], ids[0], columns)
+        pg.record_fill(slot, self.epoch, self._next_fills(1), np.array([src_page_slot]),
+                       pg.generation[[src_page_slot]], np.array([columns]))
         sp.push_tail(row, block, slot[0], block * PAGE_SIZE + columns)
 
         def undo():
@@ -271,13 +306,16 @@ class PoolRuntime:
         self.table.write_row(row, self.pages.device_page[slots].astype(np.int32))
         return lambda: self.table.restore_row(row, saved)
 
-    def commit_activation(self, row: int, moved_from: int | None) -> None:
-        """Final, infallible part of activation: retire a Move source, set writers, go active."""
+    def commit_activation(self, row: int, source: int | None, moved: bool) -> None:
+        """Final, infallible part of activation from checkpoint slot ``source`` (``None``: the root):
+        date the carried content, retire a Move source, set writers, go active."""
         sp, pg = self.spaces, self.pages
-        if moved_from is not None:
-            src_slots = sp.pages_of(moved_from).copy()
+        self.history.record_activation(row, int(sp.committed[row]), source)
+        if moved:
+            src_slots = sp.pages_of(source).copy()
             pg.retire_source(src_slots)  # no surviving checkpoint needs columns of pages it held alone
-            sp.clear(moved_from, bump=True)
+            sp.clear(source, bump=True)
+            self.history.record_release(source)
         slots = sp.pages_of(row)
         shared = np.flatnonzero(pg.refs[slots] > 1)
         protected_blocks = int(shared[-1]) + 1 if shared.size else 0
@@ -324,6 +362,7 @@ class PoolRuntime:
             self.drop_references(slots)
             return None
         s = sp.retain(row)
+        self.history.record_retain(row, s, int(sp.committed[row]))
         pg.protect_committed(slots)
         sp.clear(row, bump=True)
         return s
@@ -331,6 +370,7 @@ class PoolRuntime:
     def release_inactive(self, slot: int) -> None:
         slots = self.spaces.pages_of(slot).copy()
         self.spaces.clear(slot, bump=True)
+        self.history.record_release(slot)
         self.drop_references(slots)
 
     # -- growth -------------------------------------------------------------------------------------------------
@@ -348,9 +388,74 @@ class PoolRuntime:
             sp.add_entitlement(rows[g], granted[g])
         return granted
 
+    # -- repair -------------------------------------------------------------------------------------------------
+    def plan_resync(self, dated_epoch: int, applied: int, replays: PageWrites) -> dict[int, int]:
+        """What a device state that missed works still holds of this pool, and how to restore the rest.
+
+        The state holds the tokens committed in epochs ``<= dated_epoch`` and the page writes of works
+        ``< applied`` (see :mod:`.frontier_history`).  Every Device page is rated by the columns of
+        it the state holds correctly; page writes it missed are replayed into ``replays`` where their
+        source still exists: a Host replica valid for the page's committed columns (any page,
+        whatever it missed), else a partial-tail COW from a live source page (in their original
+        order, so a copy reads a replayed source).  Returns ``{space slot: intact frontier}`` for
+        every live address space whose committed content the device still lacks after the replays.
+        """
+        pg, sp, hist = self.pages, self.spaces, self.history
+        taken = hist.takes
+        dated = np.zeros(pg.capacity, np.int64)  # columns each Device page holds by the dating
+        need = np.zeros(pg.capacity, np.int64)  # committed columns of each page
+        spaces = []
+        for s in np.flatnonzero(sp.live).tolist():
+            slots = sp.pages_of(s)
+            committed = int(sp.committed[s])
+            starts = np.arange(slots.size, dtype=np.int64) * PAGE_SIZE
+            if sp.active[s]:
+                frontier = hist.intact_row(s, committed, dated_epoch)
+            else:
+                frontier = hist.intact_checkpoint(s, committed, dated_epoch)
+            np.maximum.at(dated, slots, np.clip(frontier - starts, 0, PAGE_SIZE))
+            cols = np.clip(committed - starts, 0, PAGE_SIZE)
+            np.maximum.at(need, slots, cols)
+            spaces.append((s, slots, cols))
+        on_device = pg.live & (pg.device_page >= 0)
+        missed = on_device & (pg.fill_work >= applied) & (pg.fill_work < taken)
+        pending = on_device & (pg.fill_work >= taken)
+        ok = np.where(missed, 0, dated)
+        ok[pending & (pg.fill_src < 0)] = need[pending & (pg.fill_src < 0)]  # the next work restores them
+        # Host replicas first: they depend on nothing on the device
+        short = np.flatnonzero(on_device & ~pending & (ok < need))
+        if short.size and self.host is not None:
+            hosted = short[pg.host_valid(short, need[short])]
+            if hosted.size:
+                self.host.stage_restores(hosted, pg.device_page[hosted], replays)
+                ok[hosted] = need[hosted]
+                missed[hosted] = False
+        # then the COW copies, in the order they were recorded
+        cows = np.flatnonzero((missed | pending) & (pg.fill_src >= 0))
+        for d in cows[np.argsort(pg.fill_seq[cows], kind="stable")].tolist():
+            src, columns = int(pg.fill_src[d]), int(pg.fill_cols[d])
+            alive = pg.live[src] and pg.generation[src] == pg.fill_src_gen[d] and pg.device_page[src] >= 0
+            held = min(columns, int(ok[src])) if alive else 0
+            if missed[d]:
+                if alive:
+                    replays.copy(pg.device_page[src], pg.device_page[d], columns)
+                ok[d] = min(int(dated[d]), held)
+            elif held < columns:  # a pending copy of a source the state lacks
+                ok[d] = min(int(ok[d]), held)
+        lost = {}
+        for s, slots, cols in spaces:
+            short = np.flatnonzero(ok[slots] < cols)
+            if short.size:
+                b = int(short[0])
+                lost[s] = b * PAGE_SIZE + int(ok[slots[b]])
+        return lost
+
     # -- checks ---------------------------------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        """Raise :class:`InvariantError` on any inconsistency of this pool's state."""
+    def check_invariants(self, quarantined: np.ndarray | None = None) -> None:
+        """Raise :class:`InvariantError` on any inconsistency of this pool's state.
+
+        ``quarantined``: active rows whose content a resync found lost; their block-table rows hold
+        sentinels instead of their membership."""
         name = self.kind.value
         pool, pg, sp = self.pool, self.pages, self.spaces
         pool.check_invariants()
@@ -384,8 +489,9 @@ class PoolRuntime:
                     raise InvariantError(f"pool {name}: row {s} writes a protected page")
                 if (pg.writer[tail] != s).any() or (pg.writer_block[tail] != np.arange(pb, n)).any():
                     raise InvariantError(f"pool {name}: row {s} does not own its writable pages")
-                expect = np.zeros(self.logical_pages, np.int32)
-                expect[:n] = pg.device_page[m[:n]]
+                expect = np.full(self.logical_pages, SENTINEL_PAGE, np.int32)
+                if quarantined is None or not quarantined[s]:
+                    expect[:n] = pg.device_page[m[:n]]
                 if not np.array_equal(self.table.host[s], expect):
                     raise InvariantError(f"pool {name}: block-table row {s} does not mirror its membership")
             else:
@@ -399,7 +505,7 @@ class PoolRuntime:
                     raise InvariantError(f"pool {name}: checkpoint {s} pages lost committed or protected columns")
         for r in range(self.rows):
             if not sp.active[r]:
-                if sp.live[r] or pool.reservation(r) != 0 or (self.table.host[r] != 0).any():
+                if sp.live[r] or pool.reservation(r) != 0 or (self.table.host[r] != SENTINEL_PAGE).any():
                     raise InvariantError(f"pool {name}: idle row {r} holds state")
         live = pg.live
         if not np.array_equal(counts[live], pg.refs[live]) or not np.array_equal(active_counts[live], pg.active_refs[live]):
@@ -441,4 +547,5 @@ class PoolRuntime:
             "spaces": self.spaces.snapshot(),
             "table": self.table.snapshot(),
             "writes": self.writes.snapshot(),
+            "history": self.history.snapshot(),
         }

@@ -31,9 +31,10 @@ import numpy as np
 
 from ..planning import MeshKVPlan, PoolKind, PoolPlan
 from .bundle import CheckpointHandle, SequenceHandle
-from .device_state import POISONED, KVDeviceState
+from .device_state import KVDeviceState
 from .entitlement import RoundGrant
 from .errors import KVStoreError, LifecycleError, WorkOrderError
+from .repair import ResyncReport
 from .round_work import PoolWork, RoundWork
 from .store import KVStore
 
@@ -87,6 +88,7 @@ class ShardedRoundWork:
         return RoundWork(np.asarray(self.serial), pools)
 
     def counts(self) -> dict:
+        """``{PoolKind: (table updates, copies, restores)}`` per shard, in bucketed sizes."""
         return {k: (p.tables.shape[-1], p.copies.shape[-1], p.restores.shape[-1]) for k, p in self.pools.items()}
 
     def pad_to(self, tables: int, copies: int = 0, restores: int = 0) -> "ShardedRoundWork":
@@ -95,6 +97,7 @@ class ShardedRoundWork:
         return stack_works([self.shard(i).pad_to(tables, copies, restores) for i in range(d)])
 
     def fits(self, tables: int, copies: int = 0, restores: int = 0) -> bool:
+        """Whether every shard's part fits buffers of these sizes (see :meth:`pad_to`)."""
         return all(t <= tables and k <= copies and r <= restores for t, k, r in self.counts().values())
 
     def leaf_specs(self, kv_mesh) -> list:
@@ -124,7 +127,7 @@ class ShardedRoundWork:
                 out.append(x)
                 continue
             x = np.asarray(x)
-            out.append(jax.make_array_from_callback(x.shape, kv_mesh.sharding(spec), lambda idx, x=x: x[idx]))
+            out.append(jax.make_array_from_callback(x.shape, kv_mesh.sharding(spec), lambda idx, x=x: x[idx], dtype=x.dtype))
         return treedef.unflatten(out)
 
 
@@ -230,6 +233,7 @@ class ShardedKVStore:
         return self.shards[self._shard_index(shard)]
 
     def shard_of(self, handle: "ShardedSequence | ShardedCheckpoint") -> int:
+        """The data shard a sharded sequence or checkpoint lives on."""
         return self._local(handle)[0]
 
     def _local(self, handle) -> tuple[int, Any]:
@@ -296,32 +300,44 @@ class ShardedKVStore:
 
     def finish(self, handle: ShardedSequence, *, retain: bool = False, state_image: Any = None,
                frontiers: Mapping | None = None) -> ShardedCheckpoint | None:
+        """:meth:`KVStore.finish` on the sequence's shard; returns a :class:`ShardedCheckpoint` when retained."""
         d, h = self._local(handle)
         ck = self.shards[d].finish(h, retain=retain, state_image=state_image, frontiers=frontiers)
         return None if ck is None else ShardedCheckpoint(d, ck)
 
     def release_checkpoint(self, handle: ShardedCheckpoint) -> None:
+        """:meth:`KVStore.release_checkpoint` on the checkpoint's shard."""
         d, h = self._local(handle)
         self.shards[d].release_checkpoint(h)
 
     def checkpoint(self, handle: ShardedCheckpoint):
+        """:meth:`KVStore.checkpoint` of a sharded checkpoint (its shard's :class:`CheckpointInfo`)."""
         d, h = self._local(handle)
         return self.shards[d].checkpoint(h)
 
     # -- per-handle verbs ------------------------------------------------------------------------------
     def ensure_mapped_to_tokens(self, handle: ShardedSequence, tokens: int, *, pool="main") -> int:
+        """:meth:`KVStore.ensure_mapped_to_tokens` on the sequence's shard."""
         d, h = self._local(handle)
         return self.shards[d].ensure_mapped_to_tokens(h, tokens, pool=pool)
 
     def commit(self, handle: ShardedSequence, frontier: int, *, pool="main") -> None:
+        """:meth:`KVStore.commit` on the sequence's shard."""
         d, h = self._local(handle)
         self.shards[d].commit(h, frontier, pool=pool)
 
     def trim(self, handle: ShardedSequence, *, pool="main", provisional: int = 0) -> int:
+        """:meth:`KVStore.trim` on the sequence's shard."""
         d, h = self._local(handle)
         return self.shards[d].trim(h, pool=pool, provisional=provisional)
 
+    def truncate(self, handle: ShardedSequence, frontier: int, *, pool="main", provisional: int = 0) -> None:
+        """:meth:`KVStore.truncate` on the sequence's shard (also how a quarantined sequence returns)."""
+        d, h = self._local(handle)
+        self.shards[d].truncate(h, frontier, pool=pool, provisional=provisional)
+
     def settle(self, handle: ShardedSequence, accepted_frontier: int, *, pool="main", provisional: int | None = None):
+        """:meth:`KVStore.settle` on the sequence's shard."""
         d, h = self._local(handle)
         return self.shards[d].settle(h, accepted_frontier, pool=pool, provisional=provisional)
 
@@ -412,6 +428,7 @@ class ShardedKVStore:
     # -- device state and work ---------------------------------------------------------------------------
     @property
     def work_serial(self) -> int:
+        """Round works handed out so far (every take covers every shard)."""
         return self.shards[0].work_serial
 
     def global_pools(self) -> dict[PoolKind, PoolPlan]:
@@ -436,12 +453,9 @@ class ShardedKVStore:
 
         if self.kv_mesh is None:
             raise LifecycleError("this ShardedKVStore was built without a mesh; pass mesh= to allocate a state")
-        if self.work_serial:
-            raise LifecycleError(
-                f"allocate_state after {self.work_serial} round works were taken: a fresh state starts at serial 0"
-            )
         pools = self.global_pools()
-        build = lambda: KVDeviceState.zeros(pools, fill=fill)  # noqa: E731
+        blank = self.work_serial > 0  # a state allocated after takes holds none of their content
+        build = lambda: KVDeviceState.zeros(pools, fill=fill, blank=blank)  # noqa: E731
         shardings = self.kv_mesh.state_shardings(jax.eval_shape(build), memory_kind=memory_kind)
         return jax.jit(build, out_shardings=shardings)()
 
@@ -450,33 +464,63 @@ class ShardedKVStore:
         :func:`~ninfer_kv.sharded_ops.sharded_apply_work` after :meth:`ShardedRoundWork.device_put`)."""
         return stack_works([s.take_work() for s in self.shards])
 
+    def apply_work_alone(self, state: KVDeviceState, work: ShardedRoundWork) -> KVDeviceState:
+        """Apply a work outside any step: one jitted program over the mesh, the state donated."""
+        import jax
+
+        from ..sharded_ops import sharded_apply_work
+
+        if self._apply_alone is None:
+            self._apply_alone = jax.jit(lambda s, w: sharded_apply_work(self.kv_mesh, s, w), donate_argnums=0)
+        return self._apply_alone(state, work.device_put(self.kv_mesh))
+
     def take_step_work(self, state: KVDeviceState, shape: tuple[int, int, int] | None = None):
         """The sharded :func:`~ninfer_kv.take_step_work`: ``(state, work)`` with ``work`` padded to
         one fixed ``shape`` (global arrays on the mesh) for a step that applies works; a work that does
         not fit is applied alone first (jitted, per shard) and the step gets the next, empty, take."""
-        import jax
-
-        from ..sharded_ops import sharded_apply_work
         from .round_work import step_work_shape
 
         shape = step_work_shape(self.shards[0]) if shape is None else tuple(shape)
         work = self.take_work()
         if not work.fits(*shape):
-            if self._apply_alone is None:
-                self._apply_alone = jax.jit(lambda s, w: sharded_apply_work(self.kv_mesh, s, w), donate_argnums=0)
-            state = self._apply_alone(state, work.device_put(self.kv_mesh))
+            state = self.apply_work_alone(state, work)
             work = self.take_work()
         return state, work.pad_to(*shape).device_put(self.kv_mesh)
 
     def check_state(self, state: KVDeviceState) -> None:
-        """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far."""
+        """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far (the
+        message says what happened and how to repair it: :func:`~ninfer_kv.resync`)."""
         if not isinstance(state, KVDeviceState):
             raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
-        got = int(np.asarray(state.serial.addressable_data(0)))
-        if got == POISONED:
-            raise WorkOrderError("the device state is poisoned: a round work was applied out of order")
-        if got != self.work_serial:
-            raise WorkOrderError(f"the device state applied {got} round works; the store handed out {self.work_serial}")
+        problem = self.shards[0].sync_problem(state.sync_status())
+        if problem is not None:
+            raise WorkOrderError(problem)
+
+    def plan_resync(self, status) -> tuple[ShardedRoundWork | None, ResyncReport]:
+        """Every shard's :meth:`KVStore.plan_resync`, stacked (one serial for all shards); the report
+        names :class:`ShardedSequence` / :class:`ShardedCheckpoint` handles."""
+        plans = [s.plan_resync(status) for s in self.shards]
+        if plans[0][0] is None:
+            return None, plans[0][1]
+        seqs, ckpts, replayed = {}, {}, {}
+        for d, (_, rep) in enumerate(plans):
+            seqs.update({ShardedSequence(d, h): v for h, v in rep.lost_sequences.items()})
+            ckpts.update({ShardedCheckpoint(d, h): v for h, v in rep.lost_checkpoints.items()})
+            for k, (c, r) in rep.replayed.items():
+                c0, r0 = replayed.get(k, (0, 0))
+                replayed[k] = (c0 + c, r0 + r)
+        first = plans[0][1]
+        report = ResyncReport(applied=first.applied, serial=first.serial, lost_sequences=seqs,
+                              lost_checkpoints=ckpts, replayed=replayed)
+        return stack_works([w for w, _ in plans]), report
+
+    def lost(self) -> dict:
+        """Every shard's quarantined handles (see :meth:`KVStore.lost`), as sharded handles."""
+        out = {}
+        for d, s in enumerate(self.shards):
+            for h, v in s.lost().items():
+                out[ShardedSequence(d, h) if isinstance(h, SequenceHandle) else ShardedCheckpoint(d, h)] = v
+        return out
 
     # -- Host tier (one arena per data shard) ------------------------------------------------------------
     def gather_offload(self, shard: int, plan, state) -> tuple:
@@ -525,6 +569,7 @@ class ShardedKVStore:
         return store.complete_offload(plan, payload)
 
     def drop_device_replica(self, handle: ShardedCheckpoint) -> int:
+        """:meth:`KVStore.drop_device_replica` on the checkpoint's shard."""
         d, h = self._local(handle)
         return self.shards[d].drop_device_replica(h)
 
@@ -534,6 +579,7 @@ class ShardedKVStore:
         return self.shards[d].restore_checkpoint(h, drop_host=drop_host)
 
     def release_host_replica(self, handle: ShardedCheckpoint) -> int:
+        """:meth:`KVStore.release_host_replica` on the checkpoint's shard."""
         d, h = self._local(handle)
         return self.shards[d].release_host_replica(h)
 
@@ -548,13 +594,17 @@ class ShardedKVStore:
             s.check_invariants()
 
     def occupancy(self, pool="main") -> list:
+        """Every shard's :class:`PoolOccupancy` of ``pool``, in shard order."""
         return [s.occupancy(pool) for s in self.shards]
 
     def sequences(self) -> list[ShardedSequence]:
+        """Every shard's active sequences as :class:`ShardedSequence` handles."""
         return [ShardedSequence(d, h) for d, s in enumerate(self.shards) for h in s.sequences()]
 
     def checkpoints(self) -> list[ShardedCheckpoint]:
+        """Every shard's retained checkpoints as :class:`ShardedCheckpoint` handles."""
         return [ShardedCheckpoint(d, h) for d, s in enumerate(self.shards) for h in s.checkpoints()]
 
     def snapshot(self) -> list[dict]:
+        """Every shard's :meth:`KVStore.snapshot`, in shard order."""
         return [s.snapshot() for s in self.shards]

@@ -36,13 +36,15 @@ from .activation import ACTIVATION_STAGES, ActivationVerbs
 from .address_space import KVAddressSpace
 from .bundle import CheckpointHandle, CheckpointInfo, HandleRegistry, SequenceHandle, SequenceKVBundle, _Record
 from .bundle import next_store_serial
-from .device_state import POISONED, KVDeviceState
+from .device_state import BLANK, KVDeviceState, SyncStatus
 from .entitlement import EntitlementPolicy
-from .errors import LifecycleError, WorkOrderError
+from .errors import LostContentError, WorkOrderError
+from .frontier_history import DEFAULT_WINDOW
 from .host_replicas import HostTier, placement_of
 from .host_verbs import HostVerbs
 from .inspection import InspectionVerbs
-from .round_work import PoolWork, RoundWork
+from .repair import ResyncReport, dated_epoch
+from .round_work import PageWrites, RoundWork
 from .row_verbs import RowVerbs
 from .rows import ExecutionRows
 from .runtime import PoolRuntime
@@ -51,6 +53,10 @@ from .summary import HostTransferStats
 __all__ = ["KVStore", "ACTIVATION_STAGES", "FaultInjector"]
 
 FaultInjector = Callable[[str, "PoolKind | None"], None]
+
+
+def _works(n: int) -> str:
+    return f"{n} round work" + ("" if n == 1 else "s")
 
 
 class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
@@ -68,6 +74,9 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
       host_arena: a :class:`~ninfer_kv.host.HostKVArena` for the Host replica tier (shared by every
         pool; it must be empty: the store allocates and frees every extent in it).
       host_bytes: alternatively, the capacity of a new arena for ``device``.  Neither: no Host tier.
+      history_window: takes a device state may lag behind the store and still be repaired by
+        :func:`~ninfer_kv.resync` without treating recent content as lost (see
+        :mod:`~ninfer_kv.store.frontier_history`; memory ``window * C * 8`` bytes per pool).
     """
 
     def __init__(
@@ -81,6 +90,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         fault_injector: FaultInjector | None = None,
         host_arena=None,
         host_bytes: int | None = None,
+        history_window: int = DEFAULT_WINDOW,
     ):
         if isinstance(plan, KVPlan):
             if m is not None and m != plan.m:
@@ -106,7 +116,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         self._rt: dict[PoolKind, PoolRuntime] = {}
         for kind, pool_plan in pools.items():
             lead = spec.draft_window - 1 if kind is PoolKind.MTP and spec.backend is SpeculativeBackend.MTP else 0
-            self._rt[kind] = PoolRuntime(pool_plan, lead_tokens=lead)
+            self._rt[kind] = PoolRuntime(pool_plan, lead_tokens=lead, history_window=history_window)
         self._main = self._rt[PoolKind.MAIN]
         self._rows = ExecutionRows(self.max_concurrency)
         self._registry = HandleRegistry(next_store_serial())
@@ -123,16 +133,17 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         if host_arena is not None and host_bytes is not None:
             raise ValueError("pass either host_arena or host_bytes, not both")
         if host_bytes is not None:
-            if not isinstance(host_bytes, (int, np.integer)) or isinstance(host_bytes, bool) or host_bytes < 1:
-                raise ValueError(f"host_bytes={host_bytes!r} is invalid; it must be an integer >= 1")
             from ..host import HostKVArena
+            from ..units import byte_count
 
-            return HostKVArena(int(host_bytes), device=device)
+            # an integer, a whole-number float or a byte-size string such as "64MiB"
+            return HostKVArena(byte_count(host_bytes, "host_bytes", minimum=1), device=device)
         return host_arena
 
     # -- pools -------------------------------------------------------------------------------------------
     @property
     def pool_kinds(self) -> tuple[PoolKind, ...]:
+        """The enabled pools, Main first."""
         return tuple(self._rt)
 
     def _runtime(self, pool) -> PoolRuntime:
@@ -162,14 +173,14 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
 
     def allocate_state(self, *, device=None, fill=None) -> KVDeviceState:
         """A fresh :class:`KVDeviceState` for this store: zero (or ``fill``) planes, sentinel
-        tables, serial 0.  Only before the first :meth:`take_work` (a later state could not catch
-        up on the works already handed out)."""
-        if self._work_serial:
-            raise LifecycleError(
-                f"allocate_state after {self._work_serial} round works were taken: a fresh state starts at "
-                f"serial 0 and would miss them"
-            )
-        return KVDeviceState.zeros(self.pool_plans, device=device if device is not None else self.device, fill=fill)
+        tables, serial 0.
+
+        After works were taken the fresh state holds none of their content: it is returned
+        *blank* (poisoned: every op over it is dropped) and :func:`~ninfer_kv.resync` brings it in
+        line — restoring what Host replicas hold and quarantining what is gone.  That is the way
+        back from a state lost to a failed donated step."""
+        device = device if device is not None else self.device
+        return KVDeviceState.zeros(self.pool_plans, device=device, fill=fill, blank=self._work_serial > 0)
 
     def take_work(self) -> RoundWork:
         """Everything the device must do before the next unit reads, since the last take.
@@ -179,13 +190,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         bucketed shapes.  Apply it with :func:`~ninfer_kv.apply_work` (inside the caller's step, or
         :func:`~ninfer_kv.apply_work_jit`) before the next unit; works apply in order, none skipped.
         """
-        pools = {}
-        for kind, rt in self._rt.items():
-            copies, restores, payload = rt.writes.take()
-            pools[kind] = PoolWork(
-                tables=rt.table.take(), copies=copies, restores=restores, payload=payload,
-                pad_row=rt.rows, pad_page=rt.pool.capacity,
-            )
+        pools = {kind: rt.take_work() for kind, rt in self._rt.items()}
         work = RoundWork(serial=np.asarray(self._work_serial, np.int32), pools=pools)
         self._work_serial += 1
         return work
@@ -196,17 +201,101 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
 
     def check_state(self, state: KVDeviceState) -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far, in
-        order (reads the state's serial: waits for the state)."""
+        order (reads the state's serial: waits for the state).  The message says what happened and
+        how to repair it (:func:`~ninfer_kv.resync`)."""
         if not isinstance(state, KVDeviceState):
             raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
-        got = state.host_serial()
-        if got == POISONED:
-            raise WorkOrderError("the device state is poisoned: a round work was applied out of order (skipped or "
-                                 "repeated)")
-        if got != self._work_serial:
+        problem = self.sync_problem(state.sync_status())
+        if problem is not None:
+            raise WorkOrderError(problem)
+
+    def sync_problem(self, status: SyncStatus) -> str | None:
+        """What is wrong with a state at ``status`` (``None``: it applied every work in order)."""
+        taken = self._work_serial
+        fix = "; repair it with `state, report = ninfer_kv.resync(store, state)`"
+        if status.poisoned:
+            if status.offending == BLANK:
+                return (f"the device state is blank: it was allocated after {_works(taken)} were taken and holds "
+                        f"none of their content" + fix)
+            how = "skipped" if status.offending > status.applied else "repeated or reordered"
+            return (f"the device state is poisoned: it applied {_works(status.applied)} in order, then was given "
+                    f"work {status.offending} (a work was {how}); since then every op over it is dropped" + fix)
+        if status.applied > taken:
+            return (f"the device state applied {_works(status.applied)} but this store handed out only {taken}: "
+                    f"it belongs to another store")
+        if status.applied < taken:
+            return (f"the device state applied {_works(status.applied)}; the store handed out {taken} (works "
+                    f"{status.applied}..{taken - 1} were never applied)" + fix)
+        return None
+
+    # -- repair ------------------------------------------------------------------------------------------------
+    def plan_resync(self, status: SyncStatus) -> tuple[RoundWork | None, ResyncReport]:
+        """The host half of :func:`~ninfer_kv.resync` for a state at ``status``: the work that brings it
+        in line (every block table republished, missed page writes replayed; its serial is the
+        store's current one, and the state must be reset to it before applying) and the report.
+        Content the device no longer holds is quarantined (see :mod:`~ninfer_kv.store.repair`).
+        Returns ``(None, report)`` when the state is already in line."""
+        taken = self._work_serial
+        problem = self.sync_problem(status)
+        if problem is None:
+            return None, ResyncReport(applied=status.applied, serial=taken)
+        if status.applied > taken:
             raise WorkOrderError(
-                f"the device state applied {got} round works; the store handed out {self._work_serial}"
+                f"the device state applied {status.applied} round works but this store handed out only {taken}: it "
+                f"belongs to another store"
             )
+        epoch, applied = dated_epoch(status), max(0, min(status.applied, taken))
+        replays = {kind: PageWrites(rt.layout, rt.pool.capacity) for kind, rt in self._rt.items()}
+        lost = {kind: rt.plan_resync(epoch, applied, replays[kind]) for kind, rt in self._rt.items()}
+        lost_sequences, lost_checkpoints = {}, {}
+        for kind_name, handles, found in (("sequence", self.sequences(), lost_sequences),
+                                          ("checkpoint", self.checkpoints(), lost_checkpoints)):
+            for h in handles:
+                rec = self._registry.get(h)
+                if not any(rec.slots[k] in lost[k] for k in self._rt) and rec.lost is None:
+                    continue
+                intact = {}
+                for k, rt in self._rt.items():
+                    slot = rec.slots[k]
+                    now = int(rt.spaces.committed[slot])
+                    intact[k] = min(lost[k].get(slot, now), (rec.lost or {}).get(k, now))
+                rec.lost = intact
+                found[h] = dict(intact)
+                if kind_name == "sequence":
+                    self._rows.set_quarantined(rec.row, True)
+                    for rt in self._rt.values():
+                        rt.table.clear_row(rec.row)
+        replayed = {k: (len([1 for p, _, _ in w.writes.values() if not p]), len(w.payload)) for k, w in replays.items()}
+        pools = {}
+        for kind, rt in self._rt.items():
+            rt.table.mark_all()
+            pools[kind] = rt.take_work(writes=replays[kind])
+        work = RoundWork(serial=np.asarray(taken, np.int32), pools=pools)
+        self._work_serial += 1
+        report = ResyncReport(applied=status.applied, serial=self._work_serial, lost_sequences=lost_sequences,
+                              lost_checkpoints=lost_checkpoints, replayed=replayed)
+        return work, report
+
+    def _revive_if_intact(self, rec: _Record) -> None:
+        """Return a quarantined sequence to service once no pool commits beyond its intact frontier."""
+        if rec.lost is None:
+            return
+        if any(int(rt.spaces.committed[rec.row]) > rec.lost[k] for k, rt in self._rt.items()):
+            return
+        rec.lost = None
+        self._rows.set_quarantined(rec.row, False)
+        for rt in self._rt.values():
+            rt.publish_row(rec.row)
+
+    @staticmethod
+    def _lost_error(handle, rec: _Record, verb: str) -> LostContentError:
+        what = type(handle).__name__
+        intact = ", ".join(f"{k.value}: {v} tokens" for k, v in rec.lost.items())
+        out = "finish it (retain=False) or truncate it to those frontiers" if rec.kind == "sequence" else "release it"
+        return LostContentError(
+            f"{what}(id={handle.id}) was quarantined by a resync: the device lost part of its committed content "
+            f"(intact: {intact}); {verb} refused, {out}"
+        )
 
     def _serial_of(self, kind: PoolKind, ids: np.ndarray) -> int:
         """The serial a state must reach to hold device pages ``ids``' current content."""
@@ -214,25 +303,34 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         return self._work_serial + (1 if pending else 0)
 
     # -- handles ---------------------------------------------------------------------------------------------
-    def _sequence(self, handle) -> _Record:
+    def _sequence(self, handle, verb: str | None = None) -> _Record:
+        """The record of a sequence handle; with ``verb``, refused while quarantined."""
         if not isinstance(handle, SequenceHandle):
             raise TypeError(f"expected a SequenceHandle, got {type(handle).__name__}")
-        return self._registry.get(handle)
+        rec = self._registry.get(handle)
+        if verb is not None and rec.lost is not None:
+            raise self._lost_error(handle, rec, verb)
+        return rec
 
-    def _checkpoint(self, handle) -> _Record:
+    def _checkpoint(self, handle, verb: str | None = None) -> _Record:
+        """The record of a checkpoint handle; with ``verb``, refused while quarantined."""
         if not isinstance(handle, CheckpointHandle):
             raise TypeError(f"expected a CheckpointHandle, got {type(handle).__name__}")
-        return self._registry.get(handle)
+        rec = self._registry.get(handle)
+        if verb is not None and rec.lost is not None:
+            raise self._lost_error(handle, rec, verb)
+        return rec
 
-    def _handle_row(self, handle) -> np.ndarray:
+    def _handle_row(self, handle, verb: str = "the verb") -> np.ndarray:
         """The one-row vector of a sequence handle, through the row verbs' validation."""
-        return self._rows.check_one(self._sequence(handle).row)
+        return self._rows.check_one(self._sequence(handle, verb).row)
 
     def row(self, handle: SequenceHandle) -> int:
         """The execution row (block-table row in every pool) of an active sequence."""
         return self._sequence(handle).row
 
     def bundle(self, handle: SequenceHandle) -> SequenceKVBundle:
+        """The :class:`SequenceKVBundle` of an active sequence: its row and its address space in every pool."""
         rec = self._sequence(handle)
         spaces = {k: KVAddressSpace(rt, rec.row, int(rt.spaces.generation[rec.row])) for k, rt in self._rt.items()}
         return SequenceKVBundle(handle, rec.row, spaces)
@@ -245,6 +343,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         return KVAddressSpace(rt, slot, int(rt.spaces.generation[slot]))
 
     def checkpoint(self, handle: CheckpointHandle) -> CheckpointInfo:
+        """What a retained checkpoint holds: :class:`CheckpointInfo` (frontiers, state image, reusability, placement)."""
         rec = self._checkpoint(handle)
         frontiers = {k: int(rt.spaces.committed[rec.slots[k]]) for k, rt in self._rt.items()}
         spaces = {
@@ -260,15 +359,28 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         return placement_of(np.ones(n, bool), np.zeros(n, bool))
 
     def _reusable(self, rec: _Record) -> bool:
-        return set(rec.slots) == set(self._rt) and (rec.state_image is not None or not self.requires_state_image)
+        return rec.lost is None and set(rec.slots) == set(self._rt) and (rec.state_image is not None or not self.requires_state_image)
 
     def sequences(self) -> list[SequenceHandle]:
+        """Handles of every active sequence (quarantined ones included)."""
         return self._registry.handles("sequence")
 
     def checkpoints(self) -> list[CheckpointHandle]:
+        """Handles of every retained checkpoint (quarantined ones included)."""
         return self._registry.handles("checkpoint")
 
+    def lost(self) -> dict:
+        """``{handle: {PoolKind: intact frontier}}`` of every sequence and checkpoint quarantined by a
+        resync and not yet released or returned to service."""
+        out = {}
+        for h in self.sequences() + self.checkpoints():
+            rec = self._registry.get(h)
+            if rec.lost is not None:
+                out[h] = dict(rec.lost)
+        return out
+
     def active_rows(self) -> np.ndarray:
+        """Execution rows leased to active sequences, ascending (``int64 (n,)``)."""
         return self._rows.active()
 
     def _fault(self, stage: str, kind: PoolKind | None) -> None:

@@ -22,7 +22,7 @@ def _run(*checks: str, timeout: int = 240) -> str:
 @pytest.fixture(scope="module")
 def family():
     """The store, Host, HLO and lowering checks in one subprocess (one JAX start)."""
-    return _run("hlo", "pallas_cuda", "store", "host")
+    return _run("hlo", "pallas_cuda", "store", "host", "resync")
 
 
 def _passed(out: str, check: str, count: int) -> None:
@@ -54,3 +54,7 @@ def test_sharded_store_verbs_per_shard(family):
 
 def test_host_tier_per_shard_offload_restore(family):
     _passed(family, "host", 1)
+
+
+def test_sharded_state_is_poisoned_and_resynced_per_shard(family):
+    _passed(family, "resync", 1)

@@ -376,6 +376,68 @@ def host_tier() -> int:
     return 1
 
 
+def _refused(call, error, words: str, what: str) -> None:
+    """``call()`` raises ``error`` with ``words`` in its message, else ``AssertionError(what)``."""
+    try:
+        call()
+    except error as exc:
+        assert words in str(exc), exc
+    else:
+        raise AssertionError(what)
+
+
+def resync_sharded() -> int:
+    """2x4: a skipped work poisons the sharded state (every shard's tables become sentinels, the
+    step's appends are dropped on every device), ``resync`` repairs it per shard and quarantines only
+    the sequence that committed after the slip; a blank state allocated later is refused until
+    resynced."""
+    from ninfer_kv import SENTINEL_PAGE, LostContentError, resync
+    from ninfer_kv.store import WorkOrderError
+
+    kv_mesh = KVMesh("data=2,model=4")
+    plan = plan_kv_cache_mesh(ModelKVConfig(1, 4, D_HEAD, "bf16"), kv_mesh, max_context=256, max_concurrency=4,
+                              policy=ExplicitCapacity(1024))
+    store = ShardedKVStore(plan, kv_mesh)
+    state = store.allocate_state(fill=float("nan"))
+    lay = store.layout()
+    a, b = store.activate(64, 0, shard=0), store.activate(64, 64, shard=1)
+    rows = store.batch_rows([[a], [b]], 1)
+    store.map_rows(rows, [64, 64])
+    k = np.random.default_rng(5).standard_normal((2, 64, 4, D_HEAD)).astype(np.float32)
+    step = jax.jit(lambda s, w, r, kk, pos, n: sharded_paged_append(
+        kv_mesh, sharded_apply_work(kv_mesh, s, w), 0, lay, r, pos, kk, kk, n, impl="ffi"))
+    state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows, k, jnp.zeros(2, jnp.int32),
+                 jnp.full(2, 64, jnp.int32))
+    store.commit_rows(rows, [64, 64])
+    store.check_state(state)
+    good = {n: np.asarray(x).copy() for n, x in state.planes[PoolKind.MAIN].items()}
+    store.map_rows(rows[1:], [72])
+    store.take_work()  # skipped
+    state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows, k, jnp.array([64, 64], jnp.int32),
+                 jnp.array([0, 8], jnp.int32))
+    store.commit_rows(rows[1:], [72])  # the caller does not know its tokens were dropped
+    assert (np.asarray(state.tables[PoolKind.MAIN]) == SENTINEL_PAGE).all(), "a poisoned shard kept its tables"
+    for n, x in state.planes[PoolKind.MAIN].items():
+        _same(x, good[n], f"plane {n} after a poisoned step")
+    _refused(lambda: store.check_state(state), WorkOrderError, "skipped", "a poisoned sharded state passed check_state")
+    state, report = resync(store, state)
+    store.check_state(state)
+    store.check_invariants()
+    assert set(report.lost_sequences) == {b} and report.lost_sequences[b][PoolKind.MAIN] == 64, report
+    assert set(store.lost()) == {b}
+    table = np.asarray(state.tables[PoolKind.MAIN])
+    assert np.array_equal(table, store.host_block_table()) and (table[rows[1]] == SENTINEL_PAGE).all()
+    _refused(lambda: store.commit(b, 72), LostContentError, "quarantined", "a quarantined sequence accepted a commit")
+    store.truncate(b, 64)
+    assert store.lost() == {} and (store.host_block_table()[rows[1], :1] >= 0).all()
+    blank = store.allocate_state()
+    _refused(lambda: store.check_state(blank), WorkOrderError, "blank", "a blank sharded state passed check_state")
+    store.finish(a)
+    store.finish(b)
+    store.check_invariants()
+    return 1
+
+
 FAST = ("bf16", "k8v4")
 CHECKS = {
     # default run: every profile and both orders through the FFI on 2x4, 8x1 and 1x8; replicated
@@ -391,6 +453,7 @@ CHECKS = {
     "pallas_cuda": pallas_cuda_lowering,
     "store": store_verbs,
     "host": host_tier,
+    "resync": resync_sharded,
 }
 
 

@@ -1,6 +1,6 @@
 """An independent numpy / ml_dtypes implementation of the closed KV codecs (the test oracle).
 
-Written from the rules of DESIGN.md section 3 alone, with the obvious numpy tools (``np.rint``,
+Written from the rules of docs/LAYOUT.md, "Codec rules" alone, with the obvious numpy tools (``np.rint``,
 ``ml_dtypes`` casts, per-group loops over reshaped arrays), so that it shares no code and no trick
 with :mod:`ninfer_kv.codecs`:
 

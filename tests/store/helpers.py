@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.store import KVDeviceState, KVStore, apply_work_jit
+from ninfer_kv import PagedKVBatchLayerView, ops
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, SpeculativeConfig, plan_kv_cache
+from ninfer_kv.store import KVDeviceState, KVStore, apply_work, apply_work_jit
 
 P = 64
 
@@ -56,6 +57,26 @@ class Device:
         self.state = apply_work_jit(self.state, work)
         self.works += 1
         return self.state
+
+
+@functools.lru_cache(maxsize=None)
+def model_step(layout, impl: str = "reference", attend: bool = False):
+    """A model step over the Main pool, jitted with the state donated: apply the round's work, append
+    ``k`` (as keys and values) for every batch row and, with ``attend``, return the attention of ``k``
+    as queries.  ``step(state, work, table_rows, positions, valid, k) -> state`` or ``(state, out)``."""
+    main = PoolKind.MAIN
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, work, table_rows, positions, valid, k):
+        state = apply_work(state, work)
+        view = PagedKVBatchLayerView(state.planes[main], state.tables[main], 0, layout)
+        view = ops.paged_append(view, table_rows, positions, k, k, valid, impl=impl)
+        new = state.replace_planes(main, view.planes)
+        if not attend:
+            return new
+        return new, ops.paged_attention(k, view, table_rows, positions, positions + valid, impl=impl)
+
+    return step
 
 
 _DEVICES: "weakref.WeakKeyDictionary[KVStore, Device]" = weakref.WeakKeyDictionary()

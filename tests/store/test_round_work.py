@@ -66,8 +66,9 @@ def test_store_holds_no_device_array_and_has_no_planes():
     leaves, treedef = jax.tree_util.tree_flatten(state)
     assert all(isinstance(x, jax.Array) for x in leaves)
     assert jax.tree_util.tree_unflatten(treedef, leaves).page_axes == state.page_axes
-    with pytest.raises(LifecycleError, match="round works were taken"):
-        store.allocate_state()
+    blank = store.allocate_state()  # after takes: holds none of their content, so it starts poisoned
+    with pytest.raises(WorkOrderError, match="blank: it was allocated after 1 round work were taken"):
+        store.check_state(blank)
 
 
 def test_work_applies_table_rows_and_cow_in_one_pure_call():
@@ -114,7 +115,7 @@ def test_skipped_and_repeated_works_are_detected():
     # a state that has not applied the latest works is behind
     state2 = KVDeviceState.zeros(store.pool_plans)
     state2 = apply_work_jit(state2, w0)
-    with pytest.raises(WorkOrderError, match="applied 1 round works; the store handed out 4"):
+    with pytest.raises(WorkOrderError, match="applied 1 round work; the store handed out 4"):
         store.check_state(state2)
     repeated = apply_work_jit(apply_work_jit(state2, w1), w1)
     assert repeated.host_serial() == POISONED

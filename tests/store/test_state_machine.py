@@ -2,8 +2,8 @@
 
 Random sequences of activate (root / Fork / Move) / map / unit (write through the device block
 table + speculative settle) / failed unit / truncate / decode round / round boundary / finish-retain /
-finish-release / release-checkpoint / offload / drop Device replica / restore / release Host replica
-run on tiny ordinary, MTP and DFlash pool sets (with real, tiny device planes and a small Host arena
+finish-release / release-checkpoint / offload / drop Device replica / restore / release Host replica /
+a caller's slip repaired by resync run on tiny ordinary, MTP and DFlash pool sets (with real, tiny device planes and a small Host arena
 that runs out now and then).  After every step the test checks, from outside the store:
 
 * the capacity identity per pool, and that allocated pages are exactly the distinct pages mapped;
@@ -30,18 +30,22 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ninfer_kv.planning import PoolKind
+from ninfer_kv.store import apply_work_jit, resync
 from ninfer_kv.store import (
+    SENTINEL_PAGE,
     EntitlementError,
     EntitlementPolicy,
     HostCapacityError,
     KVStore,
     LifecycleError,
+    LostContentError,
     PoolCapacityError,
     RowError,
     StaleHandleError,
 )
 
-from .helpers import P, assert_same, content_ok, page_bytes, planes_of, space_content_ok, sync, tiny_plan, write_positions, write_tokens
+from .helpers import (P, assert_same, content_ok, device, page_bytes, planes_of, space_content_ok, sync, tiny_plan,
+                      write_positions, write_tokens)
 
 MAIN = PoolKind.MAIN
 
@@ -412,6 +416,68 @@ class StoreMachine(RuleBasedStateMachine):
             self._unchanged(lambda: self.store.release_checkpoint(ck), StaleHandleError)
 
     # -- invariants ------------------------------------------------------------------------------------------
+    @rule(data=st.data(), slip=st.sampled_from(["skip", "repeat", "reorder", "lag", "blank"]), synced=st.booleans(),
+          n=st.integers(1, 70))
+    def slip_and_resync(self, data, slip, synced, n):
+        """A caller's slip — a work skipped, repeated, reordered or never applied, or the state replaced
+        by a blank one — with or without pending work, units written and committed over the damaged
+        state, then ``resync``: what it does not report holds exactly the model's tokens (the
+        invariant checks it), what it reports holds them up to its intact frontier, is refused, and is
+        truncated back into service (or released)."""
+        store, dev = self.store, device(self.store)
+        if synced:
+            dev.sync()
+        if slip == "blank":
+            dev.state = store.allocate_state(fill=float("nan"))
+        else:
+            w1, w2 = (w.pad_to(*dev.pad) if dev.pad else w for w in (store.take_work(), store.take_work()))
+            order = {"skip": [w2], "repeat": [w1, w1], "reorder": [w2, w1], "lag": []}[slip]
+            for w in order:
+                dev.state = apply_work_jit(dev.state, w)
+        if slip != "lag":  # units over the damaged state: the caller commits what the device dropped
+            for h in data.draw(st.lists(st.sampled_from(sorted(self.live_seqs, key=lambda h: h.id)), unique=True))\
+                    if self.live_seqs else []:
+                c = store.address_space(h).committed_frontier
+                if c + n + self._lead(MAIN) > store.address_space(h).entitlement_tokens:
+                    continue
+                store.ensure_mapped_to_tokens(h, c + n)
+                vals = self._values(n)
+                write_tokens(store, MAIN, store.row(h), c, vals)
+                store.commit(h, c + n)
+                self.live_seqs[h].content[MAIN].extend(vals)
+        dev.state, report = resync(store, dev.state)
+        dev.works = store.work_serial
+        store.check_state(dev.state)
+        store.check_invariants()
+        assert dict(store.lost()) == {**report.lost_sequences, **report.lost_checkpoints}
+        planes = {k: {n_: np.asarray(v) for n_, v in dev.state.pool_planes(k).items()} for k in self.kinds}
+        for h, intact in report.lost_sequences.items():
+            content = self.live_seqs[h].content
+            assert any(intact[k] < len(content[k]) for k in self.kinds)
+            for k in self.kinds:
+                assert content_ok(store, k, h, content[k][: intact[k]], planes[k])
+            with pytest.raises(LostContentError):
+                store.ensure_mapped_to_tokens(h, 1)
+            if all(intact[k] >= store.address_space(h, k).protected_frontier for k in self.kinds):
+                for k in self.kinds:
+                    store.truncate(h, intact[k], pool=k)
+                    content[k] = content[k][: intact[k]]
+                assert h not in store.lost()
+            else:
+                store.finish(h)
+                del self.live_seqs[h]
+                self.dead_seqs.append(h)
+        for ck, intact in report.lost_checkpoints.items():
+            for k in self.kinds:
+                assert content_ok(store, k, ck, self.live_ckpts[ck][k][: intact[k]], planes[k])
+            with pytest.raises(LostContentError):
+                store.activate(0, 0, source=ck)
+            store.release_checkpoint(ck)
+            del self.live_ckpts[ck]
+            self.dead_ckpts.append(ck)
+        assert store.lost() == {}
+        self.shared_bytes.clear()  # replays rewrite pages: shared pages are tracked afresh
+
     @invariant()
     def consistent(self):
         self.steps += 1
@@ -441,7 +507,7 @@ class StoreMachine(RuleBasedStateMachine):
                 reserved += space.reserved_pages
                 row = store.row(h)
                 assert np.array_equal(tables[kind][row, : phys.size], phys)
-                assert not tables[kind][row, phys.size :].any()
+                assert (tables[kind][row, phys.size :] == SENTINEL_PAGE).all()
                 assert space_content_ok(store, kind, phys, seq.content[kind], planes_np)
                 pb = space.protected_frontier // P
                 for b, p in enumerate(phys.tolist()):
@@ -457,7 +523,7 @@ class StoreMachine(RuleBasedStateMachine):
                 for p in on_device:
                     owners.setdefault(p, []).append(("r", ck))
             for r in set(range(store.max_concurrency)) - set(active_rows):
-                assert not tables[kind][r].any()
+                assert (tables[kind][r] == SENTINEL_PAGE).all()
             assert pool.allocated == len(mapped_pages)
             assert pool.reserved == reserved
             for p, holders in owners.items():
@@ -481,7 +547,7 @@ class StoreMachine(RuleBasedStateMachine):
             occ = store.occupancy(kind)
             assert occ.allocated == 0 and occ.reserved == 0 and occ.available == occ.capacity
             assert occ.logical_pages == 0 and occ.active_spaces == 0 and occ.retained_checkpoints == 0
-        assert not store.host_block_table().any()
+        assert (store.host_block_table() == SENTINEL_PAGE).all()
         occ = store.host_occupancy()
         assert occ.extent_count == 0 and occ.free_extent_count == 1 and occ.free_bytes == occ.capacity
 
