@@ -271,7 +271,8 @@ class KVMesh:
             order = PlaneOrder.PAGE_MAJOR if page_major else PlaneOrder.HEAD_MAJOR
             planes[kind] = {name: self.plane_spec(order) for name in pool}
         tables = {kind: self.table_spec() for kind in state.tables}
-        return state.replace(planes=planes, tables=tables, serial=self.replicated_spec(), fault=self.replicated_spec())
+        rep = self.replicated_spec()
+        return state.replace(planes=planes, tables=tables, serial=rep, fault=rep, owner=rep)
 
     def state_shardings(self, state: "KVDeviceState", memory_kind: str | None = None) -> "KVDeviceState":
         """The ``NamedSharding`` of every leaf of ``state`` (``memory_kind``: e.g. ``"pinned_host"``)."""

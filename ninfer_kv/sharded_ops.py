@@ -62,7 +62,7 @@ def sharded_apply_work(kv_mesh: KVMesh, state: KVDeviceState, work: ShardedRound
 
     def local(st, leaves):
         wk = treedef.unflatten([x if x.ndim == 0 else x[0] for x in leaves])
-        return apply_work(st, RoundWork(wk.serial, wk.pools))
+        return apply_work(st, RoundWork(wk.serial, wk.pools, wk.store))
 
     return _shard_map(kv_mesh, local, (state_specs, leaf_specs), state_specs)(state, leaves)
 

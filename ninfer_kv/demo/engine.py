@@ -186,7 +186,7 @@ class ModelEngine:
 
     def flushed_state(self) -> KVDeviceState:
         """The device state with every pending round work applied (for an offload's gather)."""
-        if any(t or w for t, w in self.store.pending_work().values()):
+        if any(not p.empty for p in self.store.pending_work().values()):
             self.state = apply_work_jit(self.state, self.store.take_work())
         return self.state
 

@@ -35,7 +35,7 @@ class MeshState:
 
     def flush(self) -> KVDeviceState:
         """The state with every shard's pending round work applied."""
-        if any(t or w for s in self.sharded.shards for t, w in s.pending_work().values()):
+        if any(not p.empty for s in self.sharded.shards for p in s.pending_work().values()):
             self.state = self._apply(self.state, self.sharded.take_work().device_put(self.sharded.kv_mesh))
         return self.state
 

@@ -185,6 +185,11 @@ class HostKVArena:
         """Hashable allocator state (the buffer's bytes are not included)."""
         return self.allocator.snapshot()
 
+    def describe(self) -> tuple:
+        """Hashable description of what the arena holds (free ranges, live extents by offset, size
+        and tag), equal before and after a rolled-back allocation (:meth:`ExtentAllocator.describe`)."""
+        return self.allocator.describe()
+
     def check_invariants(self) -> None:
         """Verify the allocator's structure and byte accounting.
 

@@ -442,6 +442,14 @@ class ExtentAllocator:
             tuple(sorted((k, tuple(v)) for k, v in self._tags.items())),
         )
 
+    def describe(self) -> tuple:
+        """A hashable value of what the arena holds: the free ranges and the live extents by offset,
+        size and tag, and the byte accounting — not the handle bookkeeping (slot numbers,
+        generations, the version counter), so a full rollback (allocate, then free) describes the
+        same as before while :meth:`snapshot` does not."""
+        live = sorted((sl.offset, sl.nbytes, sl.span, sl.tag) for sl in self._slots if sl.live)
+        return (self.capacity, self.alignment, tuple(self._free.items()), tuple(live), self._used, self._padding)
+
     def check_invariants(self) -> None:
         """Verify every structural invariant; raises ``AssertionError`` naming the first violation."""
         free = self._free.items()

@@ -24,6 +24,8 @@ from .errors import (
     WorkOrderError,
     DonatedStateError,
     LostContentError,
+    PayloadError,
+    TargetError,
 )
 from .frontier_history import FrontierHistory
 from .host_replicas import OFFLOAD_STAGES, RESTORE_STAGES, HostTransferReport, OffloadPlan
@@ -35,8 +37,13 @@ from .round_work import (
     apply_work,
     apply_work_jit,
     gather_pages,
+    GatherRequest,
+    OffloadPayload,
+    PendingWork,
     resync,
     step_work_shape,
+    step_work_shapes,
+    StepWorkShapes,
     take_step_work,
 )
 from .repair import ResyncReport
@@ -60,6 +67,8 @@ __all__ = [
     "apply_work_jit",
     "gather_pages",
     "step_work_shape",
+    "step_work_shapes",
+    "StepWorkShapes",
     "take_step_work",
     "OffloadPlan",
     "ExecutionRows",
@@ -103,4 +112,9 @@ __all__ = [
     "WorkOrderError",
     "DonatedStateError",
     "LostContentError",
+    "PayloadError",
+    "TargetError",
+    "PendingWork",
+    "GatherRequest",
+    "OffloadPayload",
 ]

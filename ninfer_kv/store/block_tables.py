@@ -83,8 +83,10 @@ class BlockTableMatrix:
     # -- pending updates ----------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Dirty entries (with repeats) waiting for :meth:`take`."""
-        return sum(int(d.size) for d in self._dirty)
+        """Distinct dirty entries waiting for :meth:`take` (the table updates of the next take)."""
+        if len(self._dirty) == 1:
+            return int(self._dirty[0].size)  # one write: its (row, block) pairs are distinct
+        return int(self.pending_keys().size)
 
     def pending_keys(self) -> np.ndarray:
         if not self._dirty:

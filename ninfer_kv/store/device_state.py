@@ -11,13 +11,16 @@ Pytree structure (explicit, so a sharded step can name a partition spec per leaf
       planes:  {PoolKind: {plane name: stacked plane (layers, N, H, P, X) or (layers, H, N, P, X)}}
       tables:  {PoolKind: int32 (C, L) block-table matrix; SENTINEL_PAGE (-1) where no page is mapped}
       serial:  int32 ()    works applied in order so far; POISONED (-1) after an out-of-order work
-      fault:   int32 (2,)  (-1, -1) while healthy; after the first out-of-order work
-                           (works applied before it, that work's serial), or (0, BLANK) for a
-                           state allocated after works were taken
+      fault:   int32 (3,)  (-1, -1, -1) while healthy; after the first out-of-order work
+                           (works applied before it, that work's serial, that work's store), or
+                           (0, BLANK, 0) for a state allocated after works were taken
+      owner:   int32 ()    the identity of the store whose works this state applies (0: not yet
+                           bound; the first work in order binds it)
       page_axes: static ((PoolKind, page axis), ...)
 
-``serial`` makes a skipped, repeated or reordered work detectable: :func:`apply_work` advances it
-only when the work's serial equals it and otherwise poisons the state, which then stays poisoned:
+``serial`` makes a skipped, repeated or reordered work detectable, and ``owner`` a work of another
+store: :func:`apply_work` advances the serial only when the work's serial equals it and the work
+comes from the state's store, and otherwise poisons the state, which then stays poisoned:
 every later work writes nothing and every block-table entry holds the sentinel, so no op can read
 or write a page until :func:`~ninfer_kv.resync` repairs the state.  ``fault`` keeps what the
 repair needs to know: how far the state got before the slip.  The host compares both with
@@ -50,7 +53,7 @@ POISONED = -1
 BLANK = -2
 """``KVDeviceState.fault[1]`` of a state allocated after works were taken: it holds no content."""
 
-_HEALTHY = (-1, -1)
+_HEALTHY = (-1, -1, -1)
 
 
 class SyncStatus(NamedTuple):
@@ -58,15 +61,20 @@ class SyncStatus(NamedTuple):
 
     Attributes:
       applied: works applied in order (before the first out-of-order one when ``poisoned``).
-      poisoned: a work arrived out of order (or the state was allocated blank); the state drops
-        every op until it is resynced.
-      offending: the serial of the first out-of-order work, ``BLANK`` for a blank state, ``None``
-        while healthy.
+      poisoned: a work arrived out of order or from another store (or the state was allocated
+        blank); the state drops every op until it is resynced.
+      offending: the serial of the first such work, ``BLANK`` for a blank state, ``None`` while
+        healthy.
+      owner: the identity of the store the state belongs to (0: not bound yet).
+      offending_store: the identity of the store the first such work came from (``None`` while
+        healthy or blank).
     """
 
     applied: int
     poisoned: bool
     offending: int | None
+    owner: int = 0
+    offending_store: int | None = None
 
 
 def check_live(state: "KVDeviceState") -> None:
@@ -91,7 +99,8 @@ class KVDeviceState:
 
     Build it with :meth:`KVStore.allocate_state` (or :meth:`KVDeviceState.zeros`); advance it only
     through :func:`~ninfer_kv.apply_work` and the caller's own steps (which replace ``planes`` via
-    :meth:`replace_planes`).  ``fault`` defaults to the healthy ``(-1, -1)``.
+    :meth:`replace_planes`).  ``fault`` defaults to the healthy ``(-1, -1, -1)``, ``owner`` to 0
+    (bound to the store of the first work applied in order).
     """
 
     planes: dict
@@ -99,18 +108,22 @@ class KVDeviceState:
     serial: jax.Array
     page_axes: tuple = ()
     fault: Any = None
+    owner: Any = None
 
     def __post_init__(self):
         if self.fault is None:
-            object.__setattr__(self, "fault", _healthy_like(self.serial))
+            object.__setattr__(self, "fault", _like_serial(self.serial, _HEALTHY))
+        if self.owner is None:
+            object.__setattr__(self, "owner", _like_serial(self.serial, 0))
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def zeros(cls, pools: Mapping, *, device=None, fill=None, blank: bool = False) -> "KVDeviceState":
+    def zeros(cls, pools: Mapping, *, device=None, fill=None, blank: bool = False, owner: int = 0) -> "KVDeviceState":
         """A fresh state for ``pools = {PoolKind: PoolPlan}`` (a plan's ``pools``): zero (or
-        ``fill``) planes, sentinel tables, serial 0.  ``blank=True`` marks it as holding none of
-        the content of works already taken (:meth:`KVStore.allocate_state` after a take):
-        poisoned until a :func:`~ninfer_kv.resync`."""
+        ``fill``) planes, sentinel tables, serial 0, bound to store ``owner`` (0: the store of its
+        first work).  ``blank=True`` marks it as holding none of the content of works already
+        taken (:meth:`KVStore.allocate_state` after a take): poisoned until a
+        :func:`~ninfer_kv.resync`."""
         planes, tables, axes = {}, {}, []
         put = (lambda x: jax.device_put(x, device)) if device is not None else (lambda x: x)
         for kind, pool_plan in pools.items():
@@ -121,8 +134,9 @@ class KVDeviceState:
             )
             axes.append((kind, pool_plan.layout.order.page_axis))
         serial = put(jnp.asarray(POISONED if blank else 0, jnp.int32))
-        fault = put(jnp.asarray((0, BLANK) if blank else _HEALTHY, jnp.int32))
-        return cls(planes=planes, tables=tables, serial=serial, page_axes=tuple(axes), fault=fault)
+        fault = put(jnp.asarray((0, BLANK, 0) if blank else _HEALTHY, jnp.int32))
+        owner = put(jnp.asarray(owner, jnp.int32))
+        return cls(planes=planes, tables=tables, serial=serial, page_axes=tuple(axes), fault=fault, owner=owner)
 
     # -- views ---------------------------------------------------------------------------------------
     def page_axis(self, pool) -> int:
@@ -164,7 +178,7 @@ class KVDeviceState:
         return dataclasses.replace(self, planes={**self.planes, kind: dict(planes)})
 
     def replace(self, **changes) -> "KVDeviceState":
-        """A copy with the given fields replaced (``planes``, ``tables``, ``serial``, ``fault``)."""
+        """A copy with the given fields replaced (``planes``, ``tables``, ``serial``, ``fault``, ``owner``)."""
         return dataclasses.replace(self, **changes)
 
     def host_serial(self) -> int:
@@ -173,13 +187,14 @@ class KVDeviceState:
         return int(np.asarray(_first_shard(self.serial)))
 
     def sync_status(self) -> SyncStatus:
-        """``serial`` and ``fault`` read to the host in one transfer (waits for the state)."""
+        """``serial``, ``fault`` and ``owner`` read to the host in one transfer (waits for the state)."""
         check_live(self)
-        serial, fault = jax.device_get((_first_shard(self.serial), _first_shard(self.fault)))
-        serial, reached, offending = int(serial), int(fault[0]), int(fault[1])
+        serial, fault, owner = jax.device_get(
+            (_first_shard(self.serial), _first_shard(self.fault), _first_shard(self.owner)))
+        serial, reached, offending, store, owner = int(serial), int(fault[0]), int(fault[1]), int(fault[2]), int(owner)
         if offending == -1 and serial != POISONED:
-            return SyncStatus(serial, False, None)
-        return SyncStatus(reached, True, offending)
+            return SyncStatus(serial, False, None, owner)
+        return SyncStatus(reached, True, offending, owner, None if offending == BLANK else store)
 
 
 def _first_shard(x):
@@ -189,13 +204,14 @@ def _first_shard(x):
     return x
 
 
-def _healthy_like(serial):
-    """The healthy fault record placed like ``serial`` (concrete, abstract or traced)."""
+def _like_serial(serial, value):
+    """``value`` as int32, placed like ``serial`` (concrete, abstract or traced)."""
+    value = np.asarray(value, np.int32)
     if isinstance(serial, jax.core.Tracer) or not isinstance(serial, jax.Array):
         if isinstance(serial, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct((2,), jnp.int32, sharding=getattr(serial, "sharding", None))
-        return jnp.asarray(_HEALTHY, jnp.int32)
-    return jax.device_put(np.asarray(_HEALTHY, np.int32), serial.sharding)
+            return jax.ShapeDtypeStruct(value.shape, jnp.int32, sharding=getattr(serial, "sharding", None))
+        return jnp.asarray(value)
+    return jax.device_put(value, serial.sharding)
 
 
 def _flatten_with_keys(state: KVDeviceState):
@@ -206,19 +222,20 @@ def _flatten_with_keys(state: KVDeviceState):
         (keys("tables"), state.tables),
         (keys("serial"), state.serial),
         (keys("fault"), state.fault),
+        (keys("owner"), state.owner),
     )
     return children, state.page_axes
 
 
 def _flatten(state: KVDeviceState):
     check_live(state)
-    return (state.planes, state.tables, state.serial, state.fault), state.page_axes
+    return (state.planes, state.tables, state.serial, state.fault, state.owner), state.page_axes
 
 
 def _unflatten(page_axes, children) -> KVDeviceState:
     # not through __init__: a tree of other leaves (None, specs, layouts) keeps every field as given
     state = object.__new__(KVDeviceState)
-    for name, value in zip(("planes", "tables", "serial", "fault"), children):
+    for name, value in zip(("planes", "tables", "serial", "fault", "owner"), children):
         object.__setattr__(state, name, value)
     object.__setattr__(state, "page_axes", page_axes)
     return state

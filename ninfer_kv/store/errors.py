@@ -20,6 +20,8 @@ __all__ = [
     "WorkOrderError",
     "DonatedStateError",
     "LostContentError",
+    "PayloadError",
+    "TargetError",
 ]
 
 
@@ -94,3 +96,13 @@ class LostContentError(LifecycleError):
     refuses it except ``finish(retain=False)`` / ``release_checkpoint`` and, for a sequence,
     ``truncate`` back to the intact frontier the resync reported (which returns it to service).
     """
+
+
+class PayloadError(KVStoreError, ValueError):
+    """An offload payload does not belong to the plan it completes (another plan's, another store's,
+    or other pages); nothing was published and the plan is still in flight."""
+
+
+class TargetError(KVStoreError, ValueError):
+    """A row or handle verb named a token target (map target, frontier, kept tokens) that is negative or
+    beyond the logical capacity ``L * P``; the error names the row and the value."""

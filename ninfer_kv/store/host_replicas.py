@@ -62,11 +62,13 @@ from .errors import (
     HostCapacityError,
     InvariantError,
     LifecycleError,
+    PayloadError,
     PoolCapacityError,
+    StaleHandleError,
     StaleReplicaError,
     WorkOrderError,
 )
-from .round_work import bucket, ladder, word_dtype
+from .round_work import GatherRequest, OffloadPayload, bucket, ladder, word_dtype
 from .summary import HostOccupancy, HostPoolOccupancy, HostTransferStats
 
 __all__ = [
@@ -237,7 +239,7 @@ class PoolHostReplicas:
                 raise InvariantError(f"pool {name}: {exc}") from None
 
     def snapshot(self) -> list:
-        return sorted(((e.offset, e.slot, e.generation, e.nbytes, e.tag), n) for e, n in self.users.items())
+        return sorted(((e.offset, e.nbytes, e.tag), n) for e, n in self.users.items())
 
 
 # -- the protocol -------------------------------------------------------------------------------------------------
@@ -278,21 +280,34 @@ class OffloadPlan:
     """A planned offload: extents reserved, pages pinned, waiting for its payload.
 
     ``pages``: ``{PoolKind: int32 (B,)}`` the Device pages to gather (logical order, padded to a
-    power-of-two bucket with page 0), the argument of :func:`~ninfer_kv.gather_pages`;
-    ``min_serial``: the work serial the gathering state must have reached; ``status``:
-    ``"planned"``, ``"completed"`` or ``"cancelled"``.
+    power-of-two bucket with page 0); ``request``: the argument of :func:`~ninfer_kv.gather_pages`
+    (those pages plus the plan's identity, so the payload names the plan it was gathered for);
+    ``min_serial``: the work serial the gathering state must have reached; ``token``: the plan's
+    number in its store; ``store``: the store's identity; ``status``: ``"planned"``,
+    ``"completed"`` or ``"cancelled"``.
     """
 
     tier: "HostTier"
     jobs: list
     pages: dict
     min_serial: int
+    token: int = 0
+    store: int = 0
     status: str = "planned"
 
     @property
     def page_counts(self) -> dict:
         """``{PoolKind: pages to copy}`` (without the bucket padding)."""
         return {j.kind: int(j.slots.size) for j in self.jobs}
+
+    @property
+    def request(self) -> GatherRequest:
+        """What :func:`~ninfer_kv.gather_pages` gathers: the pages and the plan's identity (fresh arrays)."""
+        return GatherRequest(pages={k: v.copy() for k, v in self.pages.items()},
+                             store=np.asarray(self.store, np.int32), token=np.asarray(self.token, np.int32))
+
+    def __repr__(self) -> str:
+        return f"OffloadPlan(token={self.token}, store={self.store}, pages={self.page_counts}, status={self.status!r})"
 
 
 class HostTier:
@@ -303,12 +318,14 @@ class HostTier:
       runtimes: the store's ``{PoolKind: PoolRuntime}``; each gets its :class:`PoolHostReplicas`.
       fault: ``fault(stage, pool_or_None)``, called before each transfer stage (the store's
         fault injector).
+      identity: the store's identity, carried by every offload plan and checked on its payload.
 
     Every verb takes ``spaces = {PoolKind: inactive space slot}`` of one checkpoint, validates
     everything before it changes anything, and raises a clear error with the store unchanged.
     """
 
-    def __init__(self, arena: HostKVArena, runtimes: Mapping, fault: Callable[[str, PoolKind | None], None]):
+    def __init__(self, arena: HostKVArena, runtimes: Mapping, fault: Callable[[str, PoolKind | None], None],
+                 identity: int = 0):
         if not isinstance(arena, HostKVArena):
             raise TypeError(f"host_arena must be a HostKVArena, got {type(arena).__name__}")
         if arena.occupancy().extent_count:
@@ -323,6 +340,9 @@ class HostTier:
         for kind, rt in self.rts.items():
             rt.host = self.tables[kind]
         self.stats = HostTransferStats()
+        self.identity = int(identity)
+        self._plans = 0  # offload plans made so far (their tokens)
+        self.in_flight: dict[int, OffloadPlan] = {}  # planned, neither completed nor cancelled
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _pages(self, kind: PoolKind, space: int) -> np.ndarray:
@@ -403,7 +423,7 @@ class HostTier:
                 raise InvariantError(f"pool {kind.value}: a page has neither a Device nor a valid Host replica")
             jobs.append(self._job(kind, slots, todo))
         if not jobs:
-            return OffloadPlan(self, [], {}, 0)
+            return self._new_plan([], {}, 0)
         recipe = [("allocate", j.table.layout.extent_bytes(j.slots.size), j.table.tag) for j in jobs]
         self.fault("offload_reserve", None)
         try:
@@ -427,36 +447,81 @@ class HostTier:
             ids[: job.slots.size] = job.ids
             pages[job.kind] = ids
             min_serial = max(min_serial, serial_of(job.kind, job.ids))
-        return OffloadPlan(self, jobs, pages, min_serial)
+        return self._new_plan(jobs, pages, min_serial)
+
+    def _new_plan(self, jobs: list, pages: dict, min_serial: int) -> OffloadPlan:
+        self._plans += 1
+        plan = OffloadPlan(self, jobs, pages, min_serial, token=self._plans, store=self.identity)
+        self.in_flight[plan.token] = plan
+        return plan
 
     def _release_plan(self, plan: "OffloadPlan") -> None:
         for job in plan.jobs:
             job.rt.unpin(job.slots)
             self.arena.free(job.extent)
         plan.status = "cancelled"
+        self.in_flight.pop(plan.token, None)
 
     def _check_plan(self, plan) -> None:
-        if not isinstance(plan, OffloadPlan) or plan.tier is not self:
-            raise TypeError(f"expected an OffloadPlan of this store, got {type(plan).__name__}")
+        if not isinstance(plan, OffloadPlan):
+            raise TypeError(f"expected an OffloadPlan, got {type(plan).__name__}")
+        if plan.tier is not self:
+            raise StaleHandleError(
+                f"offload plan {plan.token} belongs to store {plan.store}, not to this store ({self.identity})")
         if plan.status != "planned":
             raise LifecycleError(f"the offload plan is already {plan.status}")
+
+    @staticmethod
+    def _check_payload(plan: OffloadPlan, payload) -> None:
+        """Refuse (nothing changed, the plan stays in flight) a payload gathered for another plan."""
+        if not isinstance(payload, OffloadPayload):
+            raise TypeError(
+                f"the offload payload must be an OffloadPayload (what gather_pages(state, plan.request) or "
+                f"store.gather_offload(plan, state) returns: it names the plan it was gathered for), got "
+                f"{type(payload).__name__}"
+            )
+        store, token = int(np.asarray(payload.store)), int(np.asarray(payload.token))
+        if (store, token) != (plan.store, plan.token):
+            raise PayloadError(
+                f"the payload was gathered for offload plan {token} of store {store}; this is plan {plan.token} of "
+                f"store {plan.store}: nothing was published and the plan is still in flight"
+            )
+        if set(payload.pages) != set(plan.pages) or any(
+                not np.array_equal(np.asarray(payload.pages[k]), ids) for k, ids in plan.pages.items()):
+            got = {k.value: np.asarray(v).tolist() for k, v in payload.pages.items()}
+            want = {k.value: v.tolist() for k, v in plan.pages.items()}
+            raise PayloadError(
+                f"the payload holds pages {got}; offload plan {plan.token} needs pages {want}: nothing was published "
+                f"and the plan is still in flight"
+            )
 
     def cancel_offload(self, plan: "OffloadPlan") -> None:
         """Abandon a planned offload: free its extents and unpin its pages (full rollback)."""
         self._check_plan(plan)
         self._release_plan(plan)
 
+    def cancel_all(self) -> int:
+        """Cancel every plan in flight (a resync: a payload gathered before it proves nothing);
+        returns how many."""
+        plans = list(self.in_flight.values())
+        for plan in plans:
+            self._release_plan(plan)
+        return len(plans)
+
     def complete_offload(self, plan: "OffloadPlan", payload) -> HostTransferReport:
         """Copy the gathered payload into the plan's extents, verify epoch and coverage, publish.
 
-        ``payload`` is what :func:`~ninfer_kv.gather_pages` returned for ``plan.pages``:
-        ``(serial, {PoolKind: {plane: words (B, layers, H, P, X)}})``.  Any failure (a state that
-        missed a work, a page that changed, an injected fault) rolls the plan back: nothing is
-        published, the extents are freed and the pages unpinned.
+        ``payload`` is the :class:`OffloadPayload` :func:`~ninfer_kv.gather_pages` returned for
+        ``plan.request``: it names its plan, its pages and the serial of the state it came from.  A
+        payload of another plan (or of other pages) is refused with :class:`PayloadError`, nothing
+        published and the plan still in flight.  Any later failure (a state that missed a work, a
+        page that changed, an injected fault) rolls the plan back: nothing is published, the
+        extents are freed and the pages unpinned.
         """
         self._check_plan(plan)
+        self._check_payload(plan, payload)
         try:
-            serial, planes = payload
+            serial, planes = payload.serial, payload.planes
             got = int(np.asarray(serial))
             if got == POISONED or got < plan.min_serial:
                 raise WorkOrderError(
@@ -482,6 +547,7 @@ class HostTier:
             job.table.attach(job.slots, job.extent, job.epochs, job.columns)
             job.rt.unpin(job.slots)
         plan.status = "completed"
+        self.in_flight.pop(plan.token, None)
         report = HostTransferReport.combine("offload", {j.kind: j.report for j in plan.jobs})
         self.stats.offloaded_pages += report.pages
         self.stats.offloaded_bytes += report.bytes
@@ -709,14 +775,35 @@ class HostTier:
         except AssertionError as exc:
             raise InvariantError(f"host arena: {exc}") from None
         held = sum(len(t.users) for t in self.tables.values())
-        if held != self.arena.occupancy().extent_count:
+        reserved = sum(len(p.jobs) for p in self.in_flight.values())
+        if held + reserved != self.arena.occupancy().extent_count:
             raise InvariantError(
-                f"host arena holds {self.arena.occupancy().extent_count} extents but the pools reference {held}"
+                f"host arena holds {self.arena.occupancy().extent_count} extents but the pools reference {held} and "
+                f"offload plans in flight reserve {reserved}"
             )
+        pins = {kind: np.zeros(rt.pages.capacity, np.int64) for kind, rt in self.rts.items()}
+        for plan in self.in_flight.values():
+            for job in plan.jobs:
+                if not job.rt.pages.live[job.slots].all():
+                    raise InvariantError(f"offload plan {plan.token}: a page it copies is not live")
+                np.add.at(pins[job.kind], job.slots, 1)
+                try:
+                    self.arena.check(job.extent)
+                except StaleExtentError as exc:
+                    raise InvariantError(f"offload plan {plan.token}: {exc}") from None
+        for kind, rt in self.rts.items():  # between verbs, the only pins are those of plans in flight
+            if not np.array_equal(rt.pages.pins, pins[kind]):
+                bad = int(np.flatnonzero(rt.pages.pins != pins[kind])[0])
+                raise InvariantError(
+                    f"pool {kind.value}: page slot {bad} holds {int(rt.pages.pins[bad])} pins, offload plans in flight "
+                    f"account for {int(pins[kind][bad])}"
+                )
 
     def snapshot(self) -> dict:
+        """What the tier holds: the arena's extents and free ranges, each pool's extent users and the
+        plans in flight (by token) — state, not counters, so a rolled-back verb snapshots the same."""
         return {
-            "arena": self.arena.snapshot(),
+            "arena": self.arena.describe(),
             "extents": {kind.value: t.snapshot() for kind, t in self.tables.items()},
-            "stats": self.stats.to_json(),
+            "in_flight": sorted(self.in_flight),
         }

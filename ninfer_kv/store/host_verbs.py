@@ -3,6 +3,8 @@ drop, restore, Host replica release.  The protocol itself is :mod:`ninfer_kv.sto
 
 from __future__ import annotations
 
+import dataclasses
+
 from .bundle import CheckpointHandle
 from .errors import LifecycleError
 from .host_replicas import HostTier, HostTransferReport, OffloadPlan
@@ -43,26 +45,29 @@ class HostVerbs:
         return self._tier("plan_offload").plan_offload(rec.slots, self._serial_of)
 
     def gather_offload(self, plan: OffloadPlan, state):
-        """The payload of ``plan`` gathered from ``state`` (a jitted :func:`~ninfer_kv.gather_pages`,
-        then the Device -> Host copy started through the arena's staging memory)."""
+        """The :class:`~ninfer_kv.store.round_work.OffloadPayload` of ``plan`` gathered from ``state``
+        (a jitted :func:`~ninfer_kv.gather_pages` of ``plan.request``, then the Device -> Host copy
+        started through the arena's staging memory)."""
         from .round_work import gather_pages_jit
 
         tier = self._tier("gather_offload")
-        if not plan.pages:
-            return state.serial, {}
-        serial, planes = gather_pages_jit(state, plan.pages)
-        planes = {k: {n: tier.arena.start_to_host(x) for n, x in p.items()} for k, p in planes.items()}
-        return serial, planes
+        payload = gather_pages_jit(state, plan.request)
+        planes = {k: {n: tier.arena.start_to_host(x) for n, x in p.items()} for k, p in payload.planes.items()}
+        return dataclasses.replace(payload, planes=planes)
 
     def complete_offload(self, plan: OffloadPlan, payload) -> HostTransferReport:
         """Copy -> verify epoch and committed coverage -> publish the Host replicas of a planned
         offload (placement ``device`` -> ``both``; the Device replicas stay, see
         :meth:`drop_device_replica`).
 
-        ``payload`` is ``gather_pages(state, plan.pages)`` (or :meth:`gather_offload`).  Raises
-        :class:`StaleReplicaError` when a page changed since the plan, :class:`WorkOrderError` when
-        the state had not applied the works the pages need; then the plan is rolled back (extents
-        freed, pages unpinned) and nothing is published.  Returns a :class:`HostTransferReport`.
+        ``payload`` is ``gather_pages(state, plan.request)`` (or :meth:`gather_offload`): an
+        :class:`~ninfer_kv.store.round_work.OffloadPayload` naming the plan, its pages and the serial
+        of the state it came from.  Raises :class:`PayloadError` (nothing published, the plan still in
+        flight) for a payload gathered for another plan or other pages, ``TypeError`` for anything
+        else than a payload; :class:`StaleReplicaError` when a page changed since the plan and
+        :class:`WorkOrderError` when the state had not applied the works the pages need — then the
+        plan is rolled back (extents freed, pages unpinned) and nothing is published.  Returns a
+        :class:`HostTransferReport`.
         """
         return self._tier("complete_offload").complete_offload(plan, payload)
 

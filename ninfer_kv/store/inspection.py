@@ -73,14 +73,17 @@ class InspectionVerbs:
             self._host.check_invariants()
 
     def snapshot(self) -> dict:
-        """A comparable deep copy of every piece of semantic state (for tests and debugging)."""
+        """A comparable deep copy of every piece of semantic state (for tests and debugging).
+
+        It describes state, not counters: a verb that failed and rolled back (or was refused) leaves
+        a store whose snapshot equals the one taken before it.  The Host transfer counters
+        (:attr:`stats`) and the arena's handle bookkeeping are not part of it."""
         return {
             "pools": {k.value: rt.snapshot() for k, rt in self._rt.items()},
             "rows": self._rows.snapshot(),
             "work_serial": self._work_serial,
             "registry": self._registry.snapshot(),
             "host": None if self._host is None else self._host.snapshot(),
-            "stats": self.stats.to_json(),
         }
 
     def __repr__(self) -> str:

@@ -384,7 +384,7 @@ class LogicalPageTable:
             "device_page": self.device_page.copy(),
             "device_gen": self.device_gen.copy(),
             "pins": self.pins.copy(),
-            "host_extent": list(self.host_extent),
+            "host_extent": [None if e is None else (e.offset, e.nbytes, e.tag) for e in self.host_extent],
             "host_page": self.host_page.copy(),
             "host_epoch": self.host_epoch.copy(),
             "host_coverage": self.host_coverage.copy(),

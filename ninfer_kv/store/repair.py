@@ -17,7 +17,9 @@ step).  :func:`~ninfer_kv.resync` repairs any of them without rebuilding the sto
    :class:`~ninfer_kv.store.errors.LostContentError` except ``finish(retain=False)``,
    ``release_checkpoint`` and ``truncate`` back to the reported intact frontier);
 4. one work republishes every block table and carries the replays; the state's serial is reset to
-   it and the work applied, so the state equals the store again.
+   it and the work applied, so the state equals the store again;
+5. offload plans in flight are cancelled (their pages unpinned, their extents freed): a payload
+   gathered before the repair proves nothing about the repaired content.
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ def dated_epoch(status: SyncStatus) -> int:
 
     A state that applied works ``0 .. s - 1`` holds the commits of epochs ``<= s`` (the appends of the
     step that applied work ``s - 1`` are committed in epoch ``s``), unless the slip was a repeat of
-    an older work: the step that repeated it may have run in epoch ``s`` already, so only epochs
-    ``< s`` are sure.  A blank state holds nothing.
+    an older work or a work of another store: the step that applied it may have run in epoch ``s``
+    already, so only epochs ``< s`` are sure.  A blank state holds nothing.
     """
     if not status.poisoned:
         return status.applied
     if status.offending == BLANK:
         return -1
-    if status.offending is not None and 0 <= status.offending < status.applied:
+    foreign = status.offending_store not in (None, 0, status.owner) and status.owner != 0
+    if foreign or (status.offending is not None and 0 <= status.offending < status.applied):
         return status.applied - 1
     return status.applied
 
@@ -59,6 +62,8 @@ class ResyncReport:
         tokens the device still holds; ``truncate`` to it returns the sequence to service).
       lost_checkpoints: quarantined checkpoints with the same mapping (release them).
       replayed: ``{PoolKind: (COW copies, Host restores)}`` replayed into the state.
+      cancelled_offloads: offload plans that were in flight, cancelled (a payload gathered before the
+        repair proves nothing; plan them again).
     """
 
     applied: int
@@ -66,6 +71,7 @@ class ResyncReport:
     lost_sequences: Mapping = dataclasses.field(default_factory=dict)
     lost_checkpoints: Mapping = dataclasses.field(default_factory=dict)
     replayed: Mapping[PoolKind, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    cancelled_offloads: int = 0
 
     @property
     def lost(self) -> tuple:

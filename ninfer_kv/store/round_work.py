@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,16 +48,22 @@ from ..geometry import PAGE_SIZE
 from ..page_copy import _words, cpu_float, word_dtype, write_pages, write_pages_donated
 from .block_tables import SENTINEL_PAGE
 from .buckets import bucket, ladder
+from .step_shapes import StepWorkShapes, step_work_shape, step_work_shapes
 from .device_state import POISONED, KVDeviceState, check_live
 
 __all__ = [
     "RoundWork",
     "PoolWork",
+    "PendingWork",
     "PageWrites",
     "apply_work",
     "apply_work_jit",
     "gather_pages",
+    "GatherRequest",
+    "OffloadPayload",
     "step_work_shape",
+    "step_work_shapes",
+    "StepWorkShapes",
     "take_step_work",
     "resync",
     "bucket",
@@ -153,13 +159,21 @@ def _pool_work_unflatten(aux, kids) -> PoolWork:
 jax.tree_util.register_pytree_node(PoolWork, _pool_work_flatten, _pool_work_unflatten)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["serial", "pools"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["serial", "pools", "store"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class RoundWork:
-    """Everything the device must do before the next unit reads (one :meth:`KVStore.take_work`)."""
+    """Everything the device must do before the next unit reads (one :meth:`KVStore.take_work`).
+
+    Attributes:
+      serial: ``int32 ()`` works the store handed out before this one.
+      pools: ``{PoolKind: PoolWork}``.
+      store: ``int32 ()`` the identity of the store that took it (``KVStore.identity``; 0 for a work
+        built by hand, which any state accepts); a state bound to another store is poisoned by it.
+    """
 
     serial: np.ndarray
     pools: dict
+    store: np.ndarray = dataclasses.field(default_factory=lambda: np.asarray(0, np.int32))
 
     @property
     def empty(self) -> bool:
@@ -176,13 +190,27 @@ class RoundWork:
 
     def without_page_writes(self) -> "RoundWork":
         """The table updates and the serial of this work, its page writes removed."""
-        return RoundWork(self.serial, {k: p.without_page_writes() for k, p in self.pools.items()})
+        return RoundWork(self.serial, {k: p.without_page_writes() for k, p in self.pools.items()}, self.store)
 
     def pad_to(self, tables: int, copies: int = 0, restores: int = 0) -> "RoundWork":
         """The same work with every pool's buffers padded to fixed sizes, so a step that applies
         works has one signature: a caller takes the work, applies an oversized one alone
         (:func:`apply_work_jit`) and passes the next (empty) take padded into its step."""
-        return RoundWork(self.serial, {k: p.pad_to(tables, copies, restores) for k, p in self.pools.items()})
+        return RoundWork(self.serial, {k: p.pad_to(tables, copies, restores) for k, p in self.pools.items()}, self.store)
+
+
+class PendingWork(NamedTuple):
+    """What one pool's part of the next take holds: distinct block-table entries, COW copies and
+    Host restores that carry work (:meth:`KVStore.pending_work`; the take pads each to its bucket)."""
+
+    tables: int
+    copies: int
+    restores: int
+
+    @property
+    def empty(self) -> bool:
+        """Nothing is pending."""
+        return not (self.tables or self.copies or self.restores)
 
 
 # -- host side: pending page writes -------------------------------------------------------------------
@@ -208,6 +236,12 @@ class PageWrites:
 
     def __len__(self) -> int:
         return len(self.writes)
+
+    def counts(self) -> tuple[int, int]:
+        """Pending ``(copies, restores)``: distinct destinations written from device pages and from
+        Host payloads."""
+        restores = sum(1 for from_payload, _, _ in self.writes.values() if from_payload)
+        return len(self.writes) - restores, restores
 
     def mark(self) -> tuple[int, int]:
         return len(self._journal), len(self.payload)
@@ -301,10 +335,13 @@ def _check_pair(state, work) -> None:
         )
 
 
-def _in_order(serial, work_serial) -> jax.Array:
-    """Whether the work numbered ``work_serial`` is the next work of a healthy state at ``serial``."""
-    serial = jnp.asarray(serial, jnp.int32)
-    return (serial == jnp.asarray(work_serial, jnp.int32)) & (serial >= 0)
+def _in_order(serial, owner, work_serial, work_store) -> jax.Array:
+    """Whether the work numbered ``work_serial`` of store ``work_store`` is the next work of a healthy
+    state at ``serial`` bound to store ``owner`` (0 on either side: unbound)."""
+    serial, owner = jnp.asarray(serial, jnp.int32), jnp.asarray(owner, jnp.int32)
+    work_store = jnp.asarray(work_store, jnp.int32)
+    same_store = (owner == work_store) | (owner == 0) | (work_store == 0)
+    return (serial == jnp.asarray(work_serial, jnp.int32)) & (serial >= 0) & same_store
 
 
 def _gate(entries: jax.Array, row: int, ok: jax.Array) -> jax.Array:
@@ -316,18 +353,21 @@ def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     """Apply one :class:`RoundWork` to the state (pure; call it inside a jitted step, donated).
 
     Table updates are scattered into each pool's ``(C, L)`` matrix; page writes land in the
-    planes; ``serial`` advances when ``work.serial`` equals it.  Otherwise the state is poisoned:
+    planes; ``serial`` advances when ``work.serial`` equals it and the work comes from the state's
+    store (an unbound state binds to it).  Otherwise the state is poisoned:
     nothing of the work is applied, every table entry becomes the sentinel page (so the ops of
     this and later steps drop their tokens instead of touching pages), and ``fault`` records the
     first mismatch until :func:`resync` repairs the state.
     """
     _check_pair(state, work)
-    ok = _in_order(state.serial, work.serial)
-    serial = jnp.asarray(state.serial, jnp.int32)
+    ok = _in_order(state.serial, state.owner, work.serial, work.store)
+    serial, owner = jnp.asarray(state.serial, jnp.int32), jnp.asarray(state.owner, jnp.int32)
+    work_serial, work_store = jnp.asarray(work.serial, jnp.int32), jnp.asarray(work.store, jnp.int32)
     new_serial = jnp.where(ok, serial + 1, jnp.int32(POISONED))
+    new_owner = jnp.where(ok & (owner == 0), work_store, owner)
     first = (serial >= 0) & ~ok
     fault = jnp.asarray(state.fault, jnp.int32)
-    new_fault = jnp.where(first, jnp.stack([serial, jnp.asarray(work.serial, jnp.int32)]), fault)
+    new_fault = jnp.where(first, jnp.stack([serial, work_serial, work_store]), fault)
     tables, planes = {}, {}
     for kind, pw in work.pools.items():
         table = state.tables[kind]
@@ -344,7 +384,7 @@ def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
         if restores.shape[1]:
             restores = _gate(restores, 1, ok)
         planes[kind] = write_pages(state.planes[kind], copies, restores, pw.payload, state.page_axis(kind))
-    return dataclasses.replace(state, planes=planes, tables=tables, serial=new_serial, fault=new_fault)
+    return dataclasses.replace(state, planes=planes, tables=tables, serial=new_serial, fault=new_fault, owner=new_owner)
 
 
 _apply_work_jit = jax.jit(apply_work, donate_argnums=(0,))
@@ -364,7 +404,7 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     writes = [k for k, p in work.pools.items() if p.copies.shape[1] or p.restores.shape[1]]
     if not writes or not any(cpu_float(state.planes[k]) for k in writes):
         return _apply_work_jit(state, work)
-    ok = _in_order_jit(state.serial, work.serial)
+    ok = _in_order_jit(state.serial, state.owner, work.serial, work.store)
     planes = dict(state.planes)
     for kind in writes:
         pw = work.pools[kind]
@@ -403,7 +443,8 @@ def resync(store, state: KVDeviceState):
     work, report = store.plan_resync(state.sync_status())
     if work is None:
         return state, report
-    state = state.replace(serial=_like(state.serial, work.serial), fault=_like(state.fault, (-1, -1)))
+    state = state.replace(serial=_like(state.serial, work.serial), fault=_like(state.fault, (-1, -1, -1)),
+                          owner=_like(state.owner, store.identity))
     if isinstance(work, RoundWork):
         state = apply_work_jit(state, work)
     else:  # a sharded store's stacked work
@@ -411,12 +452,43 @@ def resync(store, state: KVDeviceState):
     return state, report
 
 
-def gather_pages(state: KVDeviceState, pages: Mapping) -> tuple[jax.Array, dict]:
-    """Pure, jittable gather of whole pages for an offload: ``pages = {PoolKind: int32 (B,)}``.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pages", "store", "token"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GatherRequest:
+    """What an offload plan asks :func:`gather_pages` for (``OffloadPlan.request``).
 
-    Returns ``(serial, {PoolKind: {plane: words (B, layers, H, P, X)}})``; ``serial`` is the
-    state's applied-work serial (the offload checks that the state saw every work it needs).
+    Attributes:
+      pages: ``{PoolKind: int32 (B,)}`` Device pages to gather, in logical order (padded).
+      store: ``int32 ()`` the identity of the store that made the plan.
+      token: ``int32 ()`` the plan's number in that store.
     """
+
+    pages: dict
+    store: np.ndarray
+    token: np.ndarray
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["store", "token", "serial", "pages", "planes"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class OffloadPayload:
+    """The gathered payload of one offload plan, naming what it was gathered for.
+
+    Attributes:
+      store, token: the plan's store identity and number (from its :class:`GatherRequest`).
+      serial: ``int32 ()`` the applied-work serial of the state it was gathered from.
+      pages: ``{PoolKind: int32 (B,)}`` the Device pages gathered.
+      planes: ``{PoolKind: {plane: words (B, layers, H, P, X)}}`` their bytes as unsigned words.
+    """
+
+    store: jax.Array
+    token: jax.Array
+    serial: jax.Array
+    pages: dict
+    planes: dict
+
+
+def _gather(state: KVDeviceState, pages: Mapping) -> dict:
     out = {}
     for kind, ids in pages.items():
         axis = state.page_axis(kind)
@@ -425,32 +497,52 @@ def gather_pages(state: KVDeviceState, pages: Mapping) -> tuple[jax.Array, dict]
             name: jnp.moveaxis(jnp.take(_words(x), ids, axis=axis), axis, 0)
             for name, x in state.planes[kind].items()
         }
-    return state.serial, out
+    return out
+
+
+def gather_pages(state: KVDeviceState, request: "GatherRequest | Mapping"):
+    """Pure, jittable gather of whole pages for an offload.
+
+    With an offload plan's ``request`` (:attr:`OffloadPlan.request`) returns an
+    :class:`OffloadPayload` — the pages' words, the state's applied-work serial (the offload checks
+    that the state saw every work it needs) and the plan's identity, which
+    :meth:`KVStore.complete_offload` checks.  With a bare ``{PoolKind: int32 (B,)}`` returns
+    ``(serial, {PoolKind: {plane: words (B, layers, H, P, X)}})`` (no identity: not a payload an
+    offload accepts).
+    """
+    if isinstance(request, GatherRequest):
+        pages = {k: jnp.asarray(v, jnp.int32) for k, v in request.pages.items()}
+        return OffloadPayload(jnp.asarray(request.store, jnp.int32), jnp.asarray(request.token, jnp.int32),
+                              state.serial, pages, _gather(state, pages))
+    return state.serial, _gather(state, request)
 
 
 gather_pages_jit = jax.jit(gather_pages)
 
 
-def step_work_shape(store) -> tuple[int, int, int]:
-    """A fixed ``(table updates, copies, restores)`` shape for the work a step applies: room for
-    table entries of half the execution rows (at least 64; a decode round maps a page only for
-    the lanes crossing a page boundary, about one in 64), no copies, no restores.  A larger work is
-    applied alone by :func:`take_step_work` (a scatter's cost grows with its buffer on a CPU)."""
-    cap = store.max_concurrency * store.logical_pages
-    return min(cap, max(64, store.max_concurrency // 2)), 0, 0
+def take_step_work(store, state: KVDeviceState, shapes: "StepWorkShapes | tuple[int, int, int] | None" = None):
+    """Take ``store``'s round work for a step that applies works of one fixed shape.
 
-
-def take_step_work(store, state: KVDeviceState, shape: tuple[int, int, int] | None = None):
-    """Take ``store``'s round work for a step that applies works of one fixed ``shape``.
-
-    Returns ``(state, work)``: ``work`` padded to ``shape`` for the step to apply; a work that
-    does not fit (COW copies or Host restores after activations, a burst of table rows) is applied
-    alone first (:func:`apply_work_jit`, the returned ``state``) and the step gets the next, empty,
-    take.  So the step compiles once per shape of its own inputs, whatever the round did.
+    ``shapes``: a :class:`~ninfer_kv.store.step_shapes.StepWorkShapes` (default
+    ``step_work_shapes(store)``), or a bare ``(tables, copies, restores)`` step shape with the default
+    alone ladder.  Returns ``(state, work)``: ``work`` padded to the step shape for the step to
+    apply; a work that does not fit (COW copies or Host restores after activations, a burst of table
+    rows) is padded to the smallest alone shape that holds it and applied first
+    (:func:`apply_work_jit`, the returned ``state``), and the step gets the next, empty, take.  So
+    the loop compiles at most ``shapes.programs`` work-applying programs, whatever the rounds did.
     """
-    shape = step_work_shape(store) if shape is None else tuple(shape)
+    shapes = _shapes(store, shapes)
     work = store.take_work()
-    if not work.fits(*shape):
-        state = apply_work_jit(state, work)
+    if not work.fits(*shapes.step):
+        state = apply_work_jit(state, work.pad_to(*shapes.alone_shape(work.counts().values())))
         work = store.take_work()
-    return state, work.pad_to(*shape)
+    return state, work.pad_to(*shapes.step)
+
+
+def _shapes(store, shapes) -> StepWorkShapes:
+    if shapes is None:
+        return step_work_shapes(store)
+    if isinstance(shapes, StepWorkShapes):
+        return shapes
+    t, k, r = (int(x) for x in shapes)
+    return dataclasses.replace(step_work_shapes(store, tables=t, copies=k, restores=r), step=(t, k, r))

@@ -4,7 +4,8 @@ Handle verbs (``ensure_mapped_to_tokens``, ``commit``, ``trim``, ``truncate``, `
 sequence; the vectorized row verbs (``map_rows``, ``commit_rows``, ``trim_rows``, ``settle_rows``,
 ``round_boundary``) take numpy (or any integer array-like) vectors of execution rows for a decode
 round, with no Python loop per lane.  Both go through the one row validation of
-:class:`~ninfer_kv.store.rows.ExecutionRows`.
+:class:`~ninfer_kv.store.rows.ExecutionRows` and the one target rule of
+:func:`~ninfer_kv.store.rows.check_targets`.
 """
 
 from __future__ import annotations
@@ -17,42 +18,94 @@ from .bundle import SequenceHandle
 from .entitlement import RoundGrant, pages_for_tokens
 from .errors import LifecycleError
 from .rows import as_index as _int
-from .rows import as_index_vector as _vec
+from .rows import as_integer, check_targets
 
 __all__ = ["RowVerbs"]
 
 
-def _same_length(rows: np.ndarray, **others: np.ndarray) -> None:
-    for name, arr in others.items():
-        if arr.shape != rows.shape:
-            raise ValueError(f"rows {rows.shape} and {name} {arr.shape} must be 1-D of one length")
-
-
 class RowVerbs:
-    """Frontier verbs of :class:`~ninfer_kv.store.KVStore`."""
+    """Frontier verbs of :class:`~ninfer_kv.store.KVStore`.
 
+    One rule for every target (map target, frontier, kept tokens), in row verbs and handle verbs
+    alike: an integer (``TypeError`` otherwise) in ``[0, L * P]`` (else :class:`TargetError` naming the
+    row and the value); then each verb's own limits (the entitlement, ``[committed, mapped]``, the
+    protected frontier).  Each row verb has a public ``check_*`` twin that raises exactly what the verb
+    would raise and changes nothing, so a caller can validate several calls (every shard of a
+    :class:`ShardedKVStore`) before applying any.
+    """
+
+    # -- validation -----------------------------------------------------------------------------------------
+    def check_rows(self, rows) -> np.ndarray:
+        """The one row validation of every row verb: ``rows`` as ``int64``, each leased to an active
+        (not quarantined) sequence, none twice; else :class:`RowError` (or ``TypeError`` for a
+        non-integer array) naming the first bad row.  Changes nothing."""
+        return self._rows.check(rows)
+
+    def _targets(self, name: str, rows: np.ndarray, values) -> np.ndarray:
+        return check_targets(name, rows, values, self.logical_pages * PAGE_SIZE)
+
+    def check_map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> tuple:
+        """Validate a :meth:`map_rows` call (raises what it would raise; changes nothing); returns the
+        ``(runtime, rows, targets)`` it would apply."""
+        rt = self._runtime(pool)
+        rows = self._rows.check(rows)
+        targets = self._targets("targets", rows, targets)
+        rt.check_map(rows, targets)
+        return rt, rows, targets
+
+    def check_commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> tuple:
+        """Validate a :meth:`commit_rows` call (see :meth:`check_map_rows`)."""
+        rt = self._runtime(pool)
+        rows = self._rows.check(rows)
+        frontiers = self._targets("frontiers", rows, frontiers)
+        rt.check_commit(rows, frontiers)
+        return rt, rows, frontiers
+
+    def check_trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> tuple:
+        """Validate a :meth:`trim_rows` call (see :meth:`check_map_rows`)."""
+        rt = self._runtime(pool)
+        rows = self._rows.check(rows)
+        keep = np.zeros_like(rows) if keep_tokens is None else self._targets("keep_tokens", rows, keep_tokens)
+        rt.check_trim(rows, keep)
+        return rt, rows, keep
+
+    def check_settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> tuple:
+        """Validate a :meth:`settle_rows` call (see :meth:`check_map_rows`)."""
+        rt = self._runtime(pool)
+        rows = self._rows.check(rows)
+        accepted = self._targets("accepted", rows, accepted)
+        keep = accepted if provisional is None else self._targets("provisional", rows, provisional)
+        rt.check_commit(rows, accepted)
+        rt.check_trim(rows, keep, committed=accepted)
+        return rt, rows, accepted, keep
+
+    def _one(self, name: str, value) -> np.ndarray:
+        return np.array([as_integer(name, value)], np.int64)
+
+    # -- handle verbs ---------------------------------------------------------------------------------------
     def ensure_mapped_to_tokens(self, handle: SequenceHandle, tokens: int, *, pool="main") -> int:
         """Make the sequence's membership in ``pool`` cover ``tokens`` tokens (a lower bound).
 
         A no-op when the membership already covers ``tokens`` (even if it covers more).  Fails, with
-        nothing changed, only when ``tokens`` exceeds the entitlement.  Never advances a frontier,
-        never trims, never changes the entitlement.  Returns the number of pages materialized.
+        nothing changed, when ``tokens`` is out of range (:class:`TargetError`) or exceeds the
+        entitlement (:class:`EntitlementError`).  Never advances a frontier, never trims, never
+        changes the entitlement.  Returns the number of pages materialized.
         """
         rows = self._handle_row(handle, "ensure_mapped_to_tokens")
-        tokens = _int("tokens", tokens)
-        return self._runtime(pool).map_rows(rows, np.array([tokens], np.int64))
+        rt, rows, targets = self.check_map_rows(rows, self._one("tokens", tokens), pool=pool)
+        return rt.map_rows(rows, targets)
 
     def commit(self, handle: SequenceHandle, frontier: int, *, pool="main") -> None:
         """Advance the committed frontier after a unit succeeded (within the mapped extent)."""
         rows = self._handle_row(handle, "commit")
-        frontier = _int("frontier", frontier)
-        self._runtime(pool).commit_rows(rows, np.array([frontier], np.int64))
+        rt, rows, frontiers = self.check_commit_rows(rows, self._one("frontier", frontier), pool=pool)
+        rt.commit_rows(rows, frontiers)
 
     def trim(self, handle: SequenceHandle, *, pool="main", provisional: int = 0) -> int:
         """Keep ``ceil(max(committed, provisional) / P)`` pages; leases return to the reservation."""
         rows = self._handle_row(handle, "trim")
-        provisional = _int("provisional", provisional)
-        return self._runtime(pool).trim_rows(rows, np.array([provisional], np.int64))
+        rt, rows, keep = self.check_trim_rows(rows, self._one("provisional", provisional), pool=pool)
+        return rt.trim_rows(rows, keep)
 
     def truncate(self, handle: SequenceHandle, frontier: int, *, pool="main", provisional: int = 0) -> None:
         """Lower the committed frontier to ``frontier`` (not below the protected frontier), then trim.
@@ -63,8 +116,9 @@ class RowVerbs:
         rec = self._sequence(handle)
         row = rec.row
         rt = self._runtime(pool)
-        frontier = _int("frontier", frontier)
-        provisional = _int("provisional", provisional)
+        rows = np.array([row], np.int64)
+        frontier = int(self._targets("frontier", rows, self._one("frontier", frontier))[0])
+        provisional = int(self._targets("provisional", rows, self._one("provisional", provisional))[0])
         if rec.lost is None:
             self._handle_row(handle, "truncate")
         elif frontier > rec.lost[rt.kind]:
@@ -76,6 +130,7 @@ class RowVerbs:
                 f"pool {rt.kind.value}: truncate frontier {frontier} is outside [{lo}, {hi}] (protected frontier, "
                 f"committed frontier)"
             )
+        rt.check_trim(rows, np.array([provisional], np.int64), committed=np.array([frontier], np.int64))
         rt.truncate_row(row, frontier, provisional)
         self._revive_if_intact(rec)
 
@@ -85,42 +140,30 @@ class RowVerbs:
         ``provisional`` keeps mappings up to that many tokens (e.g. the next round's draft window).
         """
         rows = self._handle_row(handle, "settle")
-        accepted_frontier = _int("accepted_frontier", accepted_frontier)
-        keep = accepted_frontier if provisional is None else _int("provisional", provisional)
-        self._runtime(pool).settle_rows(rows, np.array([accepted_frontier], np.int64), np.array([keep], np.int64))
+        accepted = self._one("accepted_frontier", accepted_frontier)
+        keep = None if provisional is None else self._one("provisional", provisional)
+        rt, rows, accepted, keep = self.check_settle_rows(rows, accepted, keep, pool=pool)
+        rt.settle_rows(rows, accepted, keep)
 
     # -- vectorized row verbs (decode rounds) ------------------------------------------------------------------
     def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``ensure_mapped_to_tokens`` over execution rows; returns pages materialized."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
-        targets = _vec("targets", targets)
-        _same_length(rows, targets=targets)
+        rt, rows, targets = self.check_map_rows(rows, targets, pool=pool)
         return rt.map_rows(rows, targets)
 
     def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
         """Vectorized ``commit`` over execution rows."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
-        frontiers = _vec("frontiers", frontiers)
-        _same_length(rows, frontiers=frontiers)
+        rt, rows, frontiers = self.check_commit_rows(rows, frontiers, pool=pool)
         rt.commit_rows(rows, frontiers)
 
     def trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``trim``: keep ``ceil(max(committed, keep_tokens) / P)`` pages per row."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
-        keep = np.zeros_like(rows) if keep_tokens is None else _vec("keep_tokens", keep_tokens)
-        _same_length(rows, keep_tokens=keep)
+        rt, rows, keep = self.check_trim_rows(rows, keep_tokens, pool=pool)
         return rt.trim_rows(rows, keep)
 
     def settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``settle``: commit accepted frontiers, then trim to ``max(accepted, provisional)``."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
-        accepted = _vec("accepted", accepted)
-        keep = accepted if provisional is None else _vec("provisional", provisional)
-        _same_length(rows, accepted=accepted, provisional=keep)
+        rt, rows, accepted, keep = self.check_settle_rows(rows, accepted, provisional, pool=pool)
         return rt.settle_rows(rows, accepted, keep)
 
     def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:

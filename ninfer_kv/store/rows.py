@@ -17,9 +17,9 @@ import bisect
 
 import numpy as np
 
-from .errors import LostContentError, RowError
+from .errors import LostContentError, RowError, TargetError
 
-__all__ = ["ExecutionRows", "as_index_vector", "as_index"]
+__all__ = ["ExecutionRows", "as_index_vector", "as_index", "as_integer", "check_targets"]
 
 _I64 = np.iinfo(np.int64)
 
@@ -62,13 +62,43 @@ def as_index_vector(name: str, values) -> np.ndarray:
     return arr
 
 
-def as_index(name: str, value, low: int = 0) -> int:
-    """A scalar integer ``>= low`` (numpy and 0-d JAX integers accepted)."""
+def as_integer(name: str, value) -> int:
+    """A scalar integer (Python, numpy and 0-d JAX integers accepted); ``TypeError`` for anything
+    else (floats and bools included)."""
     if hasattr(value, "shape") and getattr(value, "shape", None) == () and not isinstance(value, np.generic):
         value = np.asarray(value)[()]  # a 0-d array (JAX or numpy)
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < low:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {low}")
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def as_index(name: str, value, low: int = 0) -> int:
+    """A scalar integer ``>= low``: :func:`as_integer`, then ``ValueError`` below ``low``."""
+    value = as_integer(name, value)
+    if value < low:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {low}")
+    return value
+
+
+def check_targets(name: str, rows: np.ndarray, values, high: int) -> np.ndarray:
+    """Token targets of a row verb (map targets, frontiers, kept tokens) as ``int64`` of ``rows``' length.
+
+    The one rule of every row and handle verb: any integer array-like (``TypeError`` otherwise), one
+    value per row, each in ``[0, high]`` (``high`` = the logical capacity ``L * P``); a value outside
+    is a :class:`TargetError` naming the row and the value, raised before anything changes.
+    """
+    values = as_index_vector(name, values)
+    if values.shape != rows.shape:
+        raise ValueError(f"rows {rows.shape} and {name} {values.shape} must be 1-D of one length")
+    if values.size:
+        bad = (values < 0) | (values > high)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TargetError(
+                f"{name}[{i}] = {int(values[i])} for row {int(rows[i])} is out of range; token targets lie in [0, "
+                f"{high}] (the logical capacity L * P)"
+            )
+    return values
 
 
 class ExecutionRows:

@@ -30,7 +30,7 @@ from .errors import EntitlementError, InvariantError, LifecycleError
 from .frontier_history import DEFAULT_WINDOW, FrontierHistory
 from .logical_page import LogicalPageTable
 from .pool import DevicePagePool
-from .round_work import PageWrites, PoolWork
+from .round_work import PageWrites, PendingWork, PoolWork
 
 __all__ = ["PoolRuntime"]
 
@@ -75,6 +75,11 @@ class PoolRuntime:
         self.history.record_take(self.spaces.committed[: self.rows])
         return work
 
+    def pending_work(self) -> PendingWork:
+        """What this pool's part of the next take will hold (distinct entries that carry work)."""
+        copies, restores = self.writes.counts()
+        return PendingWork(tables=self.table.pending, copies=copies, restores=restores)
+
     def _next_fills(self, n: int) -> np.ndarray:
         seq = np.arange(self._fills, self._fills + n, dtype=np.int64)
         self._fills += n
@@ -99,13 +104,29 @@ class PoolRuntime:
         return np.where(has, derived, stored)
 
     # -- mapping ----------------------------------------------------------------------------------------
+    def check_map(self, rows: np.ndarray, targets: np.ndarray) -> None:
+        """Raise :class:`EntitlementError` (changing nothing) when a target needs more pages than its
+        row's entitlement."""
+        sp = self.spaces
+        cross = targets > sp.mapped[rows]
+        if not cross.any():
+            return
+        r, t = rows[cross], targets[cross]
+        over = ((t + (PAGE_SIZE - 1)) >> _SHIFT) > sp.ent_pages[r]
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise EntitlementError(
+                f"pool {self.kind.value}: row {int(r[i])} asks to map {int(t[i])} tokens but its entitlement "
+                f"covers {int(sp.ent_pages[r[i]]) * PAGE_SIZE} tokens ({int(sp.ent_pages[r[i]])} pages)"
+            )
+
     def map_rows(self, rows: np.ndarray, targets: np.ndarray) -> int:
         """Make each row's membership cover ``targets[i]`` tokens (a lower bound); returns new pages.
 
         ``rows`` are distinct active rows (validated by the store's :class:`ExecutionRows`).
         No-op for rows already covering their target; fails (changing nothing) when a target needs
-        more pages than the row's entitlement.  New pages convert the row's own reservation into
-        leases.  Never moves a frontier, never trims, never changes an entitlement.
+        more pages than the row's entitlement (:meth:`check_map`).  New pages convert the row's own
+        reservation into leases.  Never moves a frontier, never trims, never changes an entitlement.
         """
         sp = self.spaces
         cross = targets > sp.mapped[rows]
@@ -116,11 +137,7 @@ class PoolRuntime:
         t = targets[idx]
         need = (t + (PAGE_SIZE - 1)) >> _SHIFT
         if (need > sp.ent_pages[r]).any():
-            i = int(np.flatnonzero(need > sp.ent_pages[r])[0])
-            raise EntitlementError(
-                f"pool {self.kind.value}: row {int(r[i])} asks to map {int(t[i])} tokens but its entitlement "
-                f"covers {int(sp.ent_pages[r[i]]) * PAGE_SIZE} tokens ({int(sp.ent_pages[r[i]])} pages)"
-            )
+            self.check_map(rows, targets)
         n = r.size
         have = sp.n_blocks[r]
         counts = need - have
@@ -163,18 +180,16 @@ class PoolRuntime:
         self.history.record_commit(rows, frontiers != self.spaces.committed[rows])
         self.spaces.set_committed(rows, frontiers)
 
-    def trim_rows(self, rows: np.ndarray, keep_tokens: np.ndarray) -> int:
-        """Keep ``ceil(max(committed, keep_tokens) / P)`` pages per row; returns pages trimmed.
-
-        Trimmed Device leases go back to the row's own reservation, not to the global pool.
-        """
+    def _trimmed(self, rows: np.ndarray, keep_tokens: np.ndarray, committed: np.ndarray | None = None):
+        """The ``(rows, kept blocks, owner rows, blocks)`` a trim to ``max(committed, keep_tokens)``
+        unmaps (``None`` when nothing is trimmed)."""
         sp = self.spaces
-        keep = np.maximum(sp.committed[rows], keep_tokens)
+        keep = np.maximum(sp.committed[rows] if committed is None else committed, keep_tokens)
         keep_blocks = (keep + (PAGE_SIZE - 1)) >> _SHIFT
         nb = sp.n_blocks[rows]
         over = nb > keep_blocks
         if not over.any():
-            return 0
+            return None
         r = rows[over]
         kb = keep_blocks[over]
         counts = nb[over] - kb
@@ -184,6 +199,28 @@ class PoolRuntime:
         else:
             owner = np.repeat(r, counts)
             blocks = np.arange(k) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(kb, counts)
+        return r, kb, owner, blocks
+
+    def check_trim(self, rows: np.ndarray, keep_tokens: np.ndarray, committed: np.ndarray | None = None) -> None:
+        """Raise :class:`LifecycleError` (changing nothing) when a trim to ``max(committed,
+        keep_tokens)`` (``committed``: the rows' frontiers after a commit, default their current
+        ones) would unmap a page pinned by an in-flight copy."""
+        cut = self._trimmed(rows, keep_tokens, committed)
+        if cut is not None and (self.pages.pins[self.spaces.membership[cut[2], cut[3]]] != 0).any():
+            raise LifecycleError(f"pool {self.kind.value}: cannot trim pages pinned by an in-flight copy")
+
+    def trim_rows(self, rows: np.ndarray, keep_tokens: np.ndarray) -> int:
+        """Keep ``ceil(max(committed, keep_tokens) / P)`` pages per row; returns pages trimmed.
+
+        Trimmed Device leases go back to the row's own reservation, not to the global pool.
+        Refused (:meth:`check_trim`, nothing changed) when a trimmed page is pinned.
+        """
+        sp = self.spaces
+        cut = self._trimmed(rows, keep_tokens)
+        if cut is None:
+            return 0
+        r, kb, owner, blocks = cut
+        k = int(owner.size)
         pg = self.pages
         slots = sp.membership[owner, blocks]
         if (pg.pins[slots] != 0).any():

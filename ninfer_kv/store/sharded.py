@@ -30,12 +30,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..planning import MeshKVPlan, PoolKind, PoolPlan
-from .bundle import CheckpointHandle, SequenceHandle
+from .bundle import CheckpointHandle, SequenceHandle, next_store_serial
 from .device_state import KVDeviceState
 from .entitlement import RoundGrant
-from .errors import KVStoreError, LifecycleError, WorkOrderError
+from .errors import KVStoreError, LifecycleError, RowError, WorkOrderError
 from .repair import ResyncReport
-from .round_work import PoolWork, RoundWork
+from .round_work import OffloadPayload, PoolWork, RoundWork
+from .rows import as_index, as_index_vector
 from .store import KVStore
 
 __all__ = ["ShardedKVStore", "ShardedRoundWork", "ShardedSequence", "ShardedCheckpoint", "CrossShardError"]
@@ -70,12 +71,13 @@ class ShardedRoundWork:
 
     Per pool a :class:`PoolWork` whose arrays are ``tables (D, 3, U)``, ``copies (D, 3, K)``,
     ``restores (D, 2, R)`` and ``payload[plane] (D, R, layers, H, P, X)`` (each shard's work padded
-    to the largest shard's buckets; padding does nothing).  ``serial`` is shared: every take covers
-    every shard.
+    to the largest shard's buckets; padding does nothing).  ``serial`` and ``store`` (the sharded
+    store's identity, which every shard's work carries) are shared: every take covers every shard.
     """
 
     serial: Any
     pools: dict
+    store: Any = dataclasses.field(default_factory=lambda: np.asarray(0, np.int32))
 
     def shard(self, d: int) -> RoundWork:
         """Data shard ``d``'s part as a plain :class:`RoundWork` (host arrays)."""
@@ -85,7 +87,7 @@ class ShardedRoundWork:
                 np.asarray(pw.tables[d]), np.asarray(pw.copies[d]), np.asarray(pw.restores[d]),
                 {n: np.asarray(x[d]) for n, x in pw.payload.items()}, pw.pad_row, pw.pad_page,
             )
-        return RoundWork(np.asarray(self.serial), pools)
+        return RoundWork(np.asarray(self.serial), pools, np.asarray(self.store))
 
     def counts(self) -> dict:
         """``{PoolKind: (table updates, copies, restores)}`` per shard, in bucketed sizes."""
@@ -140,7 +142,7 @@ def _flatten(work: ShardedRoundWork):
 def _work_flatten(work: ShardedRoundWork):
     # every array is a leaf, empty buckets included (their shapes are static), so the leaves never
     # need inspecting: jit's argument records flatten through here too
-    kids, aux = [work.serial], []
+    kids, aux = [work.serial, work.store], []
     for kind, pw in work.pools.items():
         names = tuple(sorted(pw.payload))
         kids += [pw.tables, pw.copies, pw.restores] + [pw.payload[n] for n in names]
@@ -150,12 +152,12 @@ def _work_flatten(work: ShardedRoundWork):
 
 def _work_unflatten(aux, kids) -> ShardedRoundWork:
     it = iter(kids)
-    serial = next(it)
+    serial, store = next(it), next(it)
     pools = {}
     for kind, names, pad_row, pad_page in aux:
         t, k, r = next(it), next(it), next(it)
         pools[kind] = PoolWork(t, k, r, {n: next(it) for n in names}, pad_row, pad_page)
-    return ShardedRoundWork(serial, pools)
+    return ShardedRoundWork(serial, pools, store)
 
 
 def _register():
@@ -168,10 +170,13 @@ _register()
 
 
 def stack_works(works: list[RoundWork]) -> ShardedRoundWork:
-    """Stack per-shard works (same pools and serial) into one :class:`ShardedRoundWork`."""
+    """Stack per-shard works (same pools, serial and store) into one :class:`ShardedRoundWork`."""
     serials = {int(np.asarray(w.serial)) for w in works}
     if len(serials) != 1:
         raise WorkOrderError(f"the shards' works have different serials {sorted(serials)}")
+    stores = {int(np.asarray(w.store)) for w in works}
+    if len(stores) != 1:
+        raise WorkOrderError(f"the shards' works come from different stores {sorted(stores)}")
     pools = {}
     for kind in works[0].pools:
         parts = [w.pools[kind] for w in works]
@@ -185,7 +190,7 @@ def stack_works(works: list[RoundWork]) -> ShardedRoundWork:
             {n: np.stack([p.payload[n] for p in parts]) for n in parts[0].payload},
             parts[0].pad_row, parts[0].pad_page,
         )
-    return ShardedRoundWork(np.asarray(serials.pop(), np.int32), pools)
+    return ShardedRoundWork(np.asarray(serials.pop(), np.int32), pools, np.asarray(stores.pop(), np.int32))
 
 
 # -- the store ----------------------------------------------------------------------------------------
@@ -216,9 +221,10 @@ class ShardedKVStore:
         self.max_context = plan.max_context
         self.logical_pages = plan.logical_pages
         self._apply_alone = None
+        self.identity = next_store_serial()
         self.shards: tuple[KVStore, ...] = tuple(
             KVStore(plan.shard, entitlement=entitlement, requires_state_image=requires_state_image,
-                    fault_injector=fault_injector, host_bytes=host_bytes)
+                    fault_injector=fault_injector, host_bytes=host_bytes, identity=self.identity)
             for _ in range(self.num_shards)
         )
 
@@ -248,14 +254,12 @@ class ShardedKVStore:
 
     def split_rows(self, rows) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Group global rows by shard: ``[(shard, positions in rows, local rows), ...]`` (shard order)."""
-        rows = np.asarray(rows)
-        if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
-            raise ValueError(f"rows must be a 1-D integer array, got shape {rows.shape} dtype {rows.dtype}")
+        rows = as_index_vector("rows", rows)  # the single store's rule: TypeError, then RowError
         bad = (rows < 0) | (rows >= self.max_concurrency)
         if bad.any():
-            raise ValueError(
-                f"rows[{int(np.flatnonzero(bad)[0])}]={int(rows[bad][0])} is out of range; global rows lie in "
-                f"[0, {self.max_concurrency - 1}]"
+            raise RowError(
+                f"rows: row {int(rows[bad][0])} is outside [0, {self.max_concurrency}) (global execution rows of "
+                f"this store)"
             )
         shard = rows // self.rows_per_shard
         out = []
@@ -342,67 +346,42 @@ class ShardedKVStore:
         return self.shards[d].settle(h, accepted_frontier, pool=pool, provisional=provisional)
 
     # -- vectorized row verbs (global rows) --------------------------------------------------------------
-    def _per_shard(self, verb: str, rows, *columns, pool=PoolKind.MAIN, precheck=None) -> int:
-        """Run a row verb per shard.  Every shard's rows are checked first (active, in range, none
-        twice), then ``precheck(shard, local rows, columns)`` on every shard (it raises, changing
-        nothing, where that shard's part would fail), so a refused call changes no shard."""
+    def _per_shard(self, verb: str, rows, *columns, pool=PoolKind.MAIN) -> int:
+        """Run a row verb per shard: every shard's part is checked first with the shard's public
+        ``check_<verb>`` (which raises exactly what the verb would, changing nothing), then applied,
+        so a refused call changes no shard and raises the error a single store raises."""
+        rows = as_index_vector("rows", rows)
         groups = self.split_rows(rows)
-        cols = [None if c is None else np.asarray(c) for c in columns]
+        cols = [None if c is None else as_index_vector(verb.split("_")[0] + " values", c) for c in columns]
         for c in cols:
-            if c is not None and c.shape != np.shape(rows):
-                raise ValueError(f"{verb}: a column of shape {c.shape} does not match rows of shape {np.shape(rows)}")
-        parts = []
-        for d, at, local in groups:
-            self.shards[d]._rows.check(local)
-            parts.append((d, local, [None if c is None else c[at] for c in cols]))
-        if precheck is not None:
-            for d, local, args in parts:
-                precheck(d, local, args)
+            if c is not None and c.shape != rows.shape:
+                raise ValueError(f"rows {rows.shape} and the values {c.shape} must be 1-D of one length")
+        parts = [(d, local, [None if c is None else c[at] for c in cols]) for d, at, local in groups]
+        for d, local, args in parts:
+            getattr(self.shards[d], f"check_{verb}")(local, *args, pool=pool)
         total = 0
         for d, local, args in parts:
             got = getattr(self.shards[d], verb)(local, *args, pool=pool)
             total += int(got or 0)
         return total
 
-    def _check_map(self, pool):
-        def check(d, local, args):
-            rt = self.shards[d]._runtime(pool)
-            targets = np.asarray(args[0])
-            if not np.issubdtype(targets.dtype, np.integer) or (targets < 0).any():
-                self.shards[d].map_rows(local, targets, pool=pool)  # raises its own error, changes nothing
-            need = (targets.astype(np.int64) + self.plan.shard.builder.page_size - 1) // self.plan.shard.builder.page_size
-            over = (targets > rt.spaces.mapped[local]) & (need > rt.spaces.ent_pages[local])
-            if over.any():
-                self.shards[d].map_rows(local, targets, pool=pool)  # the entitlement error, nothing changed
-        return check
-
-    def _check_commit(self, pool):
-        def check(d, local, args):
-            frontiers = np.asarray(args[0])
-            if not np.issubdtype(frontiers.dtype, np.integer):
-                raise ValueError(f"frontiers must be integers, got dtype {frontiers.dtype}")
-            self.shards[d]._runtime(pool).check_commit(local, frontiers.astype(np.int64))
-        return check
-
     def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
-        """:meth:`KVStore.map_rows` over global rows (each shard maps its own rows); a target beyond
-        a row's entitlement on any shard refuses the whole call, no shard changed."""
-        return self._per_shard("map_rows", rows, targets, pool=pool, precheck=self._check_map(pool))
+        """:meth:`KVStore.map_rows` over global rows (each shard maps its own rows); a bad target on
+        any shard refuses the whole call, no shard changed."""
+        return self._per_shard("map_rows", rows, targets, pool=pool)
 
     def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
         """:meth:`KVStore.commit_rows` over global rows; every shard's frontiers are checked first."""
-        self._per_shard("commit_rows", rows, frontiers, pool=pool, precheck=self._check_commit(pool))
+        self._per_shard("commit_rows", rows, frontiers, pool=pool)
 
     def trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
-        """:meth:`KVStore.trim_rows` over global rows (a trim refused by pinned pages is refused by
-        that shard; shards before it in shard order are already trimmed)."""
+        """:meth:`KVStore.trim_rows` over global rows; every shard's part is checked first (pinned
+        pages included), so a refused trim changes no shard."""
         return self._per_shard("trim_rows", rows, keep_tokens, pool=pool)
 
     def settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
-        """:meth:`KVStore.settle_rows` over global rows; every shard's accepted frontiers are
-        checked first."""
-        return self._per_shard("settle_rows", rows, accepted, provisional, pool=pool,
-                               precheck=self._check_commit(pool))
+        """:meth:`KVStore.settle_rows` over global rows; every shard's part is checked first."""
+        return self._per_shard("settle_rows", rows, accepted, provisional, pool=pool)
 
     def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:
         """:meth:`KVStore.round_boundary` per shard over global rows (default: every active row);
@@ -410,10 +389,11 @@ class ShardedKVStore:
         if rows is None:
             rows = np.array([d * self.rows_per_shard + r for d, s in enumerate(self.shards) for r in s.active_rows()],
                             np.int64)
-        rows = np.asarray(rows)
+        as_index("step_tokens", step_tokens, 1)
         groups = self.split_rows(rows)
+        rows = as_index_vector("rows", rows)
         for d, _, local in groups:
-            self.shards[d]._rows.check(local)
+            self.shards[d].check_rows(local)
         covered = np.zeros(rows.shape, np.int64)
         limited = np.zeros(rows.shape, bool)
         granted = {k: np.zeros(rows.shape, np.int64) for k in self.plan.shard.pools}
@@ -455,7 +435,7 @@ class ShardedKVStore:
             raise LifecycleError("this ShardedKVStore was built without a mesh; pass mesh= to allocate a state")
         pools = self.global_pools()
         blank = self.work_serial > 0  # a state allocated after takes holds none of their content
-        build = lambda: KVDeviceState.zeros(pools, fill=fill, blank=blank)  # noqa: E731
+        build = lambda: KVDeviceState.zeros(pools, fill=fill, blank=blank, owner=self.identity)  # noqa: E731
         shardings = self.kv_mesh.state_shardings(jax.eval_shape(build), memory_kind=memory_kind)
         return jax.jit(build, out_shardings=shardings)()
 
@@ -474,18 +454,19 @@ class ShardedKVStore:
             self._apply_alone = jax.jit(lambda s, w: sharded_apply_work(self.kv_mesh, s, w), donate_argnums=0)
         return self._apply_alone(state, work.device_put(self.kv_mesh))
 
-    def take_step_work(self, state: KVDeviceState, shape: tuple[int, int, int] | None = None):
+    def take_step_work(self, state: KVDeviceState, shapes=None):
         """The sharded :func:`~ninfer_kv.take_step_work`: ``(state, work)`` with ``work`` padded to
-        one fixed ``shape`` (global arrays on the mesh) for a step that applies works; a work that does
-        not fit is applied alone first (jitted, per shard) and the step gets the next, empty, take."""
-        from .round_work import step_work_shape
+        the step shape (global arrays on the mesh) for a step that applies works; a work that does
+        not fit is padded to the smallest alone shape holding it and applied alone first (jitted,
+        per shard), and the step gets the next, empty, take.  ``shapes`` as there (of one shard)."""
+        from .round_work import _shapes
 
-        shape = step_work_shape(self.shards[0]) if shape is None else tuple(shape)
+        shapes = _shapes(self.shards[0], shapes)
         work = self.take_work()
-        if not work.fits(*shape):
-            state = self.apply_work_alone(state, work)
+        if not work.fits(*shapes.step):
+            state = self.apply_work_alone(state, work.pad_to(*shapes.alone_shape(work.counts().values())))
             work = self.take_work()
-        return state, work.pad_to(*shape).device_put(self.kv_mesh)
+        return state, work.pad_to(*shapes.step).device_put(self.kv_mesh)
 
     def check_state(self, state: KVDeviceState) -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far (the
@@ -511,7 +492,8 @@ class ShardedKVStore:
                 replayed[k] = (c0 + c, r0 + r)
         first = plans[0][1]
         report = ResyncReport(applied=first.applied, serial=first.serial, lost_sequences=seqs,
-                              lost_checkpoints=ckpts, replayed=replayed)
+                              lost_checkpoints=ckpts, replayed=replayed,
+                              cancelled_offloads=sum(rep.cancelled_offloads for _, rep in plans))
         return stack_works([w for w, _ in plans]), report
 
     def lost(self) -> dict:
@@ -523,20 +505,25 @@ class ShardedKVStore:
         return out
 
     # -- Host tier (one arena per data shard) ------------------------------------------------------------
-    def gather_offload(self, shard: int, plan, state) -> tuple:
+    def gather_offload(self, shard: int, plan, state) -> OffloadPayload:
         """Shard ``shard``'s offload payload for ``plan`` (from that shard's :meth:`KVStore.plan_offload`):
         every device gathers its own pages and heads inside ``shard_map``; the pages then move to
         the host through the same specs in ``pinned_host`` memory on a GPU (directly on a CPU,
         where pinned host memory is ordinary memory).  Needs the shard's devices addressable by
-        this process."""
+        this process.  Returns the plan's :class:`OffloadPayload` (naming the plan and its pages)."""
         import jax
 
         from ..sharded_ops import sharded_gather_pages
 
         d = self._shard_index(shard)
         serial = np.asarray(state.serial.addressable_data(0))
+        request = plan.request
+
+        def payload_of(planes: dict) -> OffloadPayload:
+            return OffloadPayload(request.store, request.token, serial, request.pages, planes)
+
         if not plan.pages:
-            return serial, {}
+            return payload_of({})
         stacked = {}
         for kind, ids in plan.pages.items():
             rows = np.zeros((self.num_shards, len(ids)), np.int32)
@@ -553,7 +540,7 @@ class ShardedKVStore:
                 if not x.is_fully_addressable:
                     raise LifecycleError("a Host offload needs every device of the shard in this process")
                 payload[kind][name] = np.asarray(x[d])
-        return serial, payload
+        return payload_of(payload)
 
     def offload_checkpoint(self, handle: ShardedCheckpoint, state):
         """Plan, gather (per device) and complete the Host offload of a checkpoint on its shard's

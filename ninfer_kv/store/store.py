@@ -44,7 +44,7 @@ from .host_replicas import HostTier, placement_of
 from .host_verbs import HostVerbs
 from .inspection import InspectionVerbs
 from .repair import ResyncReport, dated_epoch
-from .round_work import PageWrites, RoundWork
+from .round_work import PageWrites, PendingWork, RoundWork
 from .row_verbs import RowVerbs
 from .rows import ExecutionRows
 from .runtime import PoolRuntime
@@ -77,6 +77,8 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
       history_window: takes a device state may lag behind the store and still be repaired by
         :func:`~ninfer_kv.resync` without treating recent content as lost (see
         :mod:`~ninfer_kv.store.frontier_history`; memory ``window * C * 8`` bytes per pool).
+      identity: the store identity its works, states and offload payloads carry (default: a fresh
+        one per store; a :class:`ShardedKVStore` gives every shard its own).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         host_arena=None,
         host_bytes: int | None = None,
         history_window: int = DEFAULT_WINDOW,
+        identity: int | None = None,
     ):
         if isinstance(plan, KVPlan):
             if m is not None and m != plan.m:
@@ -120,11 +123,13 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         self._main = self._rt[PoolKind.MAIN]
         self._rows = ExecutionRows(self.max_concurrency)
         self._registry = HandleRegistry(next_store_serial())
+        self.identity: int = self._registry.store if identity is None else int(identity)
+        """Identity carried by this store's works, states and offload payloads (>= 1)."""
         self._work_serial = 0
         self._host: HostTier | None = None
         arena = self._make_arena(host_arena, host_bytes, device)
         if arena is not None:
-            self._host = HostTier(arena, self._rt, self._fault)
+            self._host = HostTier(arena, self._rt, self._fault, self.identity)
         # Host transfer counters (offloaded_pages, restored_pages, ...; zeros without a Host tier)
         self.stats: HostTransferStats = self._host.stats if self._host is not None else HostTransferStats()
 
@@ -180,7 +185,8 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         line — restoring what Host replicas hold and quarantining what is gone.  That is the way
         back from a state lost to a failed donated step."""
         device = device if device is not None else self.device
-        return KVDeviceState.zeros(self.pool_plans, device=device, fill=fill, blank=self._work_serial > 0)
+        return KVDeviceState.zeros(self.pool_plans, device=device, fill=fill, blank=self._work_serial > 0,
+                                   owner=self.identity)
 
     def take_work(self) -> RoundWork:
         """Everything the device must do before the next unit reads, since the last take.
@@ -191,13 +197,17 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         :func:`~ninfer_kv.apply_work_jit`) before the next unit; works apply in order, none skipped.
         """
         pools = {kind: rt.take_work() for kind, rt in self._rt.items()}
-        work = RoundWork(serial=np.asarray(self._work_serial, np.int32), pools=pools)
+        work = RoundWork(serial=np.asarray(self._work_serial, np.int32), pools=pools,
+                         store=np.asarray(self.identity, np.int32))
         self._work_serial += 1
         return work
 
-    def pending_work(self) -> dict[PoolKind, tuple[int, int]]:
-        """``{PoolKind: (dirty table entries, pending page writes)}`` waiting for :meth:`take_work`."""
-        return {k: (rt.table.pending, len(rt.writes)) for k, rt in self._rt.items()}
+    def pending_work(self) -> dict[PoolKind, PendingWork]:
+        """What the next :meth:`take_work` will hold, per pool: :class:`PendingWork` ``(tables,
+        copies, restores)`` — distinct block-table entries, COW copies and Host restores, the entries
+        that carry work (``RoundWork.counts()`` gives the bucketed buffer sizes a take pads them to,
+        ``PoolWork.used()`` the entries of a taken work that carry work)."""
+        return {k: rt.pending_work() for k, rt in self._rt.items()}
 
     def check_state(self, state: KVDeviceState) -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far, in
@@ -213,10 +223,17 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         """What is wrong with a state at ``status`` (``None``: it applied every work in order)."""
         taken = self._work_serial
         fix = "; repair it with `state, report = ninfer_kv.resync(store, state)`"
+        if status.owner not in (0, self.identity):
+            return (f"the device state belongs to store {status.owner}, not to this store ({self.identity}): use the "
+                    f"state this store allocated")
         if status.poisoned:
             if status.offending == BLANK:
                 return (f"the device state is blank: it was allocated after {_works(taken)} were taken and holds "
                         f"none of their content" + fix)
+            if status.offending_store not in (None, 0, self.identity):
+                return (f"the device state is poisoned: it applied {_works(status.applied)} in order, then was "
+                        f"given work {status.offending} of store {status.offending_store}, another store (this one is "
+                        f"{self.identity}); since then every op over it is dropped" + fix)
             how = "skipped" if status.offending > status.applied else "repeated or reordered"
             return (f"the device state is poisoned: it applied {_works(status.applied)} in order, then was given "
                     f"work {status.offending} (a work was {how}); since then every op over it is dropped" + fix)
@@ -239,12 +256,12 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
         problem = self.sync_problem(status)
         if problem is None:
             return None, ResyncReport(applied=status.applied, serial=taken)
-        if status.applied > taken:
-            raise WorkOrderError(
+        if status.owner not in (0, self.identity) or status.applied > taken:
+            raise WorkOrderError(problem if status.owner not in (0, self.identity) else (
                 f"the device state applied {status.applied} round works but this store handed out only {taken}: it "
-                f"belongs to another store"
-            )
+                f"belongs to another store"))
         epoch, applied = dated_epoch(status), max(0, min(status.applied, taken))
+        cancelled = self._host.cancel_all() if self._host is not None else 0
         replays = {kind: PageWrites(rt.layout, rt.pool.capacity) for kind, rt in self._rt.items()}
         lost = {kind: rt.plan_resync(epoch, applied, replays[kind]) for kind, rt in self._rt.items()}
         lost_sequences, lost_checkpoints = {}, {}
@@ -265,15 +282,15 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, InspectionVerbs):
                     self._rows.set_quarantined(rec.row, True)
                     for rt in self._rt.values():
                         rt.table.clear_row(rec.row)
-        replayed = {k: (len([1 for p, _, _ in w.writes.values() if not p]), len(w.payload)) for k, w in replays.items()}
+        replayed = {k: w.counts() for k, w in replays.items()}
         pools = {}
         for kind, rt in self._rt.items():
             rt.table.mark_all()
             pools[kind] = rt.take_work(writes=replays[kind])
-        work = RoundWork(serial=np.asarray(taken, np.int32), pools=pools)
+        work = RoundWork(serial=np.asarray(taken, np.int32), pools=pools, store=np.asarray(self.identity, np.int32))
         self._work_serial += 1
         report = ResyncReport(applied=status.applied, serial=self._work_serial, lost_sequences=lost_sequences,
-                              lost_checkpoints=lost_checkpoints, replayed=replayed)
+                              lost_checkpoints=lost_checkpoints, replayed=replayed, cancelled_offloads=cancelled)
         return work, report
 
     def _revive_if_intact(self, rec: _Record) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache_mesh
-from ninfer_kv.store.errors import LifecycleError
+from ninfer_kv.store.errors import LifecycleError, RowError
 from ninfer_kv.store.sharded import CrossShardError, ShardedCheckpoint, ShardedKVStore, ShardedSequence
 
 PLAN = plan_kv_cache_mesh(ModelKVConfig(1, 4, 64, "bf16"), "data=4,model=2", max_context=256, max_concurrency=8,
@@ -52,11 +52,11 @@ def test_bad_input_changes_nothing():
         store.activate(70, 10, shard=1, source=ck_store)
     with pytest.raises(TypeError):
         store.activate(70, 10, shard=2, source=h)
-    with pytest.raises(ValueError, match="rows\\[0\\]=8 is out of range"):
+    with pytest.raises(RowError, match="row 8 is outside \\[0, 8\\)"):
         store.map_rows([8], [10])
     with pytest.raises(ValueError):
         store.map_rows([store.row(h), 0], [10, 10])  # row 0 (shard 0) is not active
-    with pytest.raises(ValueError, match="does not match rows"):
+    with pytest.raises(ValueError, match="must be 1-D of one length"):
         store.commit_rows([store.row(h)], [10, 10])
     with pytest.raises(ValueError, match="more than batch_per_shard"):
         store.batch_rows([[], [h, h], [], []], 1)

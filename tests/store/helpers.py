@@ -49,7 +49,7 @@ class Device:
         """Take the store's pending work and apply it (jitted, donated); returns the new state.
 
         Nothing pending: nothing is taken, so arrays read from the state stay valid."""
-        if not any(t or w for t, w in self.store.pending_work().values()):
+        if all(p.empty for p in self.store.pending_work().values()):
             return self.state
         work = self.store.take_work()
         if self.pad:  # one shape per store: one compilation (bucketing is tested in test_compile_count)

@@ -281,7 +281,7 @@ def test_resync_refuses_a_state_of_another_store():
     s = Serving()
     history(s)
     other = Serving()
-    with pytest.raises(WorkOrderError, match="another store"):
+    with pytest.raises(WorkOrderError, match=f"belongs to store {s.store.identity}, not to this store"):
         resync(other.store, s.state)
     assert other.store.work_serial == 0
 

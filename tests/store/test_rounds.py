@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from ninfer_kv.planning import PoolKind
-from ninfer_kv.store import EntitlementError, EntitlementPolicy, KVStore
+from ninfer_kv.store import EntitlementPolicy, KVStore, TargetError
 
-from .helpers import P, sync, tables_of, tiny_plan
+from .helpers import P, tables_of, tiny_plan
 
 MAIN, MTP, DRAFT = PoolKind.MAIN, PoolKind.MTP, PoolKind.DRAFT_FULL
 
@@ -22,8 +22,8 @@ def test_ensure_mapped_is_a_lower_bound():
     assert store.ensure_mapped_to_tokens(h, 10) == 0
     assert store.ensure_mapped_to_tokens(h, 192) == 0
     assert (space.num_blocks, space.entitlement_pages) == (3, 4)
-    with pytest.raises(EntitlementError):
-        store.ensure_mapped_to_tokens(h, 257)
+    with pytest.raises(TargetError, match="= 257 for row 0 is out of range"):
+        store.ensure_mapped_to_tokens(h, 257)  # beyond L * P = 256
     # the entitlement is whole pages: 256 > 200 tokens is still inside it
     assert store.ensure_mapped_to_tokens(h, 256) == 1
     pool = store.pool()

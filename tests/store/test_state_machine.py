@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ninfer_kv.planning import PoolKind
-from ninfer_kv.store import apply_work_jit, resync
+from ninfer_kv.store import apply_work_jit, gather_pages, resync
 from ninfer_kv.store import (
     SENTINEL_PAGE,
     EntitlementError,
@@ -39,6 +39,8 @@ from ninfer_kv.store import (
     KVStore,
     LifecycleError,
     LostContentError,
+    PayloadError,
+    TargetError,
     PoolCapacityError,
     RowError,
     StaleHandleError,
@@ -75,6 +77,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.dead_seqs: list = []
         self.dead_ckpts: list = []
         self.shared_bytes: dict = {}  # (kind, physical page) -> bytes while shared
+        self.in_flight: dict = {}  # OffloadPlan -> the checkpoint it copies (planned, not completed)
         self.counter = 1
         self.steps = 0
 
@@ -101,6 +104,17 @@ class StoreMachine(RuleBasedStateMachine):
             fit = [ck for ck in full if self.store.checkpoint(ck).page_placement[placement]]
             full = fit if fit and data.draw(st.integers(0, 3)) else full
         return data.draw(st.sampled_from(sorted(full, key=lambda h: h.id))) if full else self._pick_ckpt(data)
+
+    def _pinned(self, ck) -> bool:
+        """Whether an offload plan in flight pins a page of ``ck`` (verbs that change it are refused)."""
+        return any(p.pins for p in self._ck_pages(ck))
+
+    def _refused_while_pinned(self, ck, fn) -> bool:
+        """When ``ck`` is pinned, check that ``fn`` is refused (``LifecycleError``, nothing changed)."""
+        if self._pinned(ck):
+            self._unchanged(fn, LifecycleError)
+            return True
+        return False
 
     def _lead(self, kind):
         return self.store._rt[kind].lead_tokens
@@ -173,6 +187,10 @@ class StoreMachine(RuleBasedStateMachine):
         except PoolCapacityError:
             assert_same(before, self.store.snapshot())
             return
+        except LifecycleError:  # a Move of pages an offload in flight pins
+            assert release and self._pinned(ck)
+            assert_same(before, self.store.snapshot())
+            return
         self.live_seqs[h] = _Seq(prompt + budget, {k: list(v) for k, v in content.items()})
         if release:
             del self.live_ckpts[ck]
@@ -196,7 +214,8 @@ class StoreMachine(RuleBasedStateMachine):
             c = space.committed_frontier
             reach = c + n + self._lead(kind)
             if reach > space.entitlement_tokens:
-                self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, reach, pool=kind), EntitlementError)
+                error = TargetError if reach > self.L * P else EntitlementError
+                self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, reach, pool=kind), error)
                 continue
             blocks_before = space.num_blocks
             self.store.ensure_mapped_to_tokens(h, reach, pool=kind)
@@ -228,6 +247,9 @@ class StoreMachine(RuleBasedStateMachine):
     def map_lower_bound(self, data, n):
         h = self._pick_seq(data)
         space = self.store.address_space(h, MAIN)
+        if n > self.L * P:
+            self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, n), TargetError)
+            return
         if n > space.entitlement_tokens:
             self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, n), EntitlementError)
             return
@@ -333,6 +355,8 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release_checkpoint(self, data):
         ck = self._pick_ckpt(data)
+        if self._refused_while_pinned(ck, lambda: self.store.release_checkpoint(ck)):
+            return
         self.store.release_checkpoint(ck)
         del self.live_ckpts[ck]
         self.dead_ckpts.append(ck)
@@ -347,6 +371,9 @@ class StoreMachine(RuleBasedStateMachine):
         """Offload a checkpoint; with ``then_drop`` also give up its Device replica (an eviction)."""
         ck = self._pick_ckpt_with_pages(data, "device")
         state = sync(self.store)
+        if self._pinned(ck) and not all(p.placement in ("both", "host") for p in self._ck_pages(ck)):
+            self._unchanged(lambda: self.store.offload_checkpoint(ck, state), LifecycleError)
+            return
         before = self.store.snapshot()
         try:
             report = self.store.offload_checkpoint(ck, state)
@@ -366,6 +393,8 @@ class StoreMachine(RuleBasedStateMachine):
         self._drop(self._pick_ckpt_with_pages(data, "both"))
 
     def _drop(self, ck):
+        if self._refused_while_pinned(ck, lambda: self.store.drop_device_replica(ck)):
+            return
         pages = self._ck_pages(ck)
         on_device = [p for p in pages if p.device_lease is not None]
         if any(p.placement != "both" or p.active_references for p in on_device):
@@ -380,6 +409,8 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), drop_host=st.booleans())
     def restore(self, data, drop_host):
         ck = self._pick_ckpt_with_pages(data, "host")
+        if self._pinned(ck):
+            return  # eviction and restore are refused while pinned (checked by their own rules)
         self._evict(ck)
         before = self.store.snapshot()
         try:
@@ -397,12 +428,86 @@ class StoreMachine(RuleBasedStateMachine):
     def release_host(self, data):
         ck = self._pick_ckpt_with_pages(data, "both")
         pages = self._ck_pages(ck)
-        if any(p.device_lease is None for p in pages):
+        if any(p.device_lease is None or (p.pins and p.host_replica is not None) for p in pages):
             self._unchanged(lambda: self.store.release_host_replica(ck), LifecycleError)
             return
         hosted = sum(p.host_replica is not None for p in pages)
         assert self.store.release_host_replica(ck) == hosted
         assert self.store.checkpoint(ck).placement == "device"
+
+    @precondition(lambda self: self._has_pages())
+    @rule(data=st.data())
+    def plan_offload_in_flight(self, data):
+        """Plan an offload and leave it in flight: every later step's invariants hold with it."""
+        ck = self._pick_ckpt_with_pages(data, "device")
+        if self._pinned(ck):
+            self._unchanged(lambda: self.store.plan_offload(ck), LifecycleError)
+            return
+        before = self.store.snapshot()
+        try:
+            plan = self.store.plan_offload(ck)
+        except HostCapacityError:
+            assert_same(before, self.store.snapshot())
+            return
+        self.in_flight[plan] = ck
+        self.store.check_invariants()
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data(), wrong=st.booleans())
+    def complete_in_flight(self, data, wrong):
+        """Complete a plan in flight with its own payload; another plan's payload (or a bare gather
+        with no identity) is refused with nothing changed and the plan still in flight."""
+        plans = sorted(self.in_flight, key=lambda p: p.token)
+        plan = data.draw(st.sampled_from(plans))
+        state = sync(self.store)
+        others = [p for p in plans if p is not plan and p.pages]
+        if wrong and others:
+            other = data.draw(st.sampled_from(others))
+            self._unchanged(lambda: self.store.complete_offload(plan, self.store.gather_offload(other, state)),
+                            PayloadError)
+            self._unchanged(lambda: self.store.complete_offload(plan, gather_pages(state, plan.pages)), TypeError)
+            assert plan.status == "planned"
+            return
+        ck = self.in_flight.pop(plan)
+        self.store.complete_offload(plan, self.store.gather_offload(plan, state))
+        if ck in self.live_ckpts:
+            assert all(p.placement in ("both", "host") for p in self._ck_pages(ck))
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data())
+    def cancel_in_flight(self, data):
+        plan = data.draw(st.sampled_from(sorted(self.in_flight, key=lambda p: p.token)))
+        del self.in_flight[plan]
+        self.store.cancel_offload(plan)
+        self._unchanged(lambda: self.store.cancel_offload(plan), LifecycleError)
+
+    @precondition(lambda self: self.live_seqs)
+    @rule(data=st.data(), verb=st.sampled_from(["map_rows", "commit_rows", "trim_rows", "settle_rows", "ensure",
+                                                "commit", "trim", "truncate", "settle"]),
+          value=st.sampled_from(["negative", "beyond"]))
+    def bad_targets_rejected(self, data, verb, value):
+        """One rule for targets in every row and handle verb: negative or beyond ``L * P`` is a
+        ``TargetError`` naming the row and the value, nothing changed."""
+        store = self.store
+        h = self._pick_seq(data)
+        row = store.row(h)
+        bad = -data.draw(st.integers(1, 64)) if value == "negative" else self.L * P + data.draw(st.integers(1, 64))
+        pool = data.draw(st.sampled_from(self.kinds))
+        fn = {
+            "map_rows": lambda: store.map_rows([row], [bad], pool=pool),
+            "commit_rows": lambda: store.commit_rows([row], [bad], pool=pool),
+            "trim_rows": lambda: store.trim_rows([row], [bad], pool=pool),
+            "settle_rows": lambda: store.settle_rows([row], [bad], pool=pool),
+            "ensure": lambda: store.ensure_mapped_to_tokens(h, bad, pool=pool),
+            "commit": lambda: store.commit(h, bad, pool=pool),
+            "trim": lambda: store.trim(h, pool=pool, provisional=bad),
+            "truncate": lambda: store.truncate(h, bad, pool=pool),
+            "settle": lambda: store.settle(h, bad, pool=pool),
+        }[verb]
+        before = store.snapshot()
+        with pytest.raises(TargetError, match=f"= {bad} for row {row} is out of range"):
+            fn()
+        assert_same(before, store.snapshot())
 
     @precondition(lambda self: self.dead_seqs or self.dead_ckpts)
     @rule(data=st.data())
@@ -447,6 +552,8 @@ class StoreMachine(RuleBasedStateMachine):
                 self.live_seqs[h].content[MAIN].extend(vals)
         dev.state, report = resync(store, dev.state)
         dev.works = store.work_serial
+        assert all(plan.status == "cancelled" for plan in self.in_flight)  # a resync cancels them all
+        self.in_flight.clear()
         store.check_state(dev.state)
         store.check_invariants()
         assert dict(store.lost()) == {**report.lost_sequences, **report.lost_checkpoints}
@@ -538,6 +645,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self):
         store = self.store
+        for plan in list(self.in_flight):
+            store.cancel_offload(plan)
         for h in list(self.live_seqs):
             store.finish(h)
         for ck in list(self.live_ckpts):
