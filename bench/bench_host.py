@@ -29,7 +29,8 @@ import numpy as np
 
 from ninfer_kv import PagedKVStorageLayout
 from ninfer_kv.geometry import ceil_div
-from ninfer_kv.host import HostKVArena, HostKVPageLayout, offload_pages, restore_pages
+from ninfer_kv.device import offload_pages, restore_pages
+from ninfer_kv.host import HostKVArena, HostKVPageLayout
 
 
 def _timed(fn, repeat: int) -> float:

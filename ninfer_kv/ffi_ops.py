@@ -75,6 +75,7 @@ __all__ = [
     "cyclic_attention",
     "is_available",
     "load_error",
+    "unavailable_reason",
     "library_path",
     "num_threads",
     "info",
@@ -106,7 +107,7 @@ REBUILD_HINT = (
     "built elsewhere"
 )
 
-_CODEC_ID = {KVCodec.BF16: 0, KVCodec.INT8_G64: 1, KVCodec.FP8_E4M3FN_ROW: 2, KVCodec.NVFP4_G16: 3}
+_CODEC_ID = {codec: codec.spec.ffi_id for codec in KVCodec}  # the codec spec table (CODEC_SPECS)
 
 
 LIBRARY_ENV = "NINFER_KV_FFI_LIBRARY"
@@ -495,3 +496,20 @@ def cyclic_attention(q, view: CyclicKVCacheLayerView, rows, positions, kv_lens, 
         **_codec_attrs(lay.profile),
     )
     return out.astype(jnp.asarray(q).dtype)
+
+
+# -- ops registry ----------------------------------------------------------------------------------
+# ninfer_kv.ops.dispatch registers this module as the "ffi" backend of ninfer_kv.ops.registry
+# ("ninfer_kv.ffi_ops:<op>" entries with this check), so the registry imports it, and the library
+# loads, only when impl="ffi" or impl="auto" on a CPU first asks for it.
+
+
+def unavailable_reason() -> str | None:
+    """Why the ``"ffi"`` backend of :mod:`ninfer_kv.ops` cannot run here; ``None`` when it can.
+
+    The registry's availability check.  Raises :class:`FFILibraryPathError` like
+    :func:`is_available`: a bad ``$NINFER_KV_FFI_LIBRARY`` is an error, not a reason to fall back.
+    """
+    if is_available():
+        return None
+    return f"the XLA FFI library did not load ({load_error()})"

@@ -16,10 +16,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["PAGE_SIZE", "PlaneOrder", "KVPageGeometry", "ceil_div"]
+__all__ = ["PAGE_SIZE", "SENTINEL_PAGE", "PlaneOrder", "KVPageGeometry", "ceil_div"]
 
 PAGE_SIZE = 64
 """The fixed token page size P of every growing pool."""
+
+SENTINEL_PAGE = -1
+"""The block-table entry of a logical block that maps no page (outside ``[0, N)`` of every pool)."""
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -10,14 +10,24 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
-import jax.numpy as jnp
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .geometry import PAGE_SIZE, KVPageGeometry, PlaneOrder
 from .profiles import KVProfile, PlaneSpec
 
-__all__ = ["PlaneInventoryEntry", "PlaneMemory", "PoolMemorySummary", "PagedKVStorageLayout"]
+if TYPE_CHECKING:  # pragma: no cover
+    import jax
+
+__all__ = ["PlaneInventoryEntry", "PlaneMemory", "PoolMemorySummary", "PagedKVStorageLayout", "word_dtype"]
+
+_UINT_OF_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+
+
+def word_dtype(dtype) -> np.dtype:
+    """The unsigned word dtype of ``dtype``'s width (pages move as raw bits, byte-exactly)."""
+    return _UINT_OF_SIZE[np.dtype(dtype).itemsize]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +275,7 @@ class PagedKVStorageLayout:
         _positive_int("num_pages", num_pages)
         return sum(math.prod(self.plane_shape(p.name, num_pages)) * p.dtype.itemsize for p in self.planes)
 
-    def allocate(self, num_pages: int, *, device=None, fill=None) -> dict[str, jax.Array]:
+    def allocate(self, num_pages: int, *, device=None, fill=None) -> dict[str, "jax.Array"]:
         """Allocate the stacked device planes for ``num_pages`` physical page groups.
 
         Args:
@@ -281,6 +291,9 @@ class PagedKVStorageLayout:
         Raises:
           ValueError: ``num_pages`` is not an integer >= 1.
         """
+        import jax  # the layout itself is arithmetic: JAX is imported only to allocate
+        import jax.numpy as jnp
+
         num_pages = _positive_int("num_pages", num_pages)
         out = {}
         for p in self.planes:

@@ -34,7 +34,7 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
-__all__ = ["KVCodec", "KVProfile", "PlaneSpec", "PROFILE_ALIASES", "profile_names", "SUPPORTED_HEAD_DIMS_NOTE"]
+__all__ = ["KVCodec", "CodecSpec", "CODEC_SPECS", "KVProfile", "PlaneSpec", "PROFILE_ALIASES", "profile_names", "SUPPORTED_HEAD_DIMS_NOTE"]
 
 SUPPORTED_HEAD_DIMS_NOTE = (
     "head_dim must be a positive integer; INT8-G64 needs a multiple of 64, NVFP4-G16 a multiple of 16"
@@ -42,7 +42,8 @@ SUPPORTED_HEAD_DIMS_NOTE = (
 
 
 class KVCodec(enum.Enum):
-    """The codec of one tensor (K or V) of a profile."""
+    """The codec of one tensor (K or V) of a profile; every fact about it is its row of
+    :data:`CODEC_SPECS`."""
 
     BF16 = "bf16"
     INT8_G64 = "int8-g64"
@@ -50,24 +51,19 @@ class KVCodec(enum.Enum):
     NVFP4_G16 = "nvfp4-g16"
 
     @property
+    def spec(self) -> "CodecSpec":
+        """This codec's row of :data:`CODEC_SPECS`."""
+        return CODEC_SPECS[self]
+
+    @property
     def code_dtype(self) -> np.dtype:
         """Storage dtype of the codes: bfloat16, int8, float8_e4m3fn or uint8 (two e2m1 nibbles a byte)."""
-        return {
-            KVCodec.BF16: np.dtype(ml_dtypes.bfloat16),
-            KVCodec.INT8_G64: np.dtype(np.int8),
-            KVCodec.FP8_E4M3FN_ROW: np.dtype(ml_dtypes.float8_e4m3fn),
-            KVCodec.NVFP4_G16: np.dtype(np.uint8),
-        }[self]
+        return self.spec.code_dtype
 
     @property
     def scale_dtype(self) -> np.dtype | None:
         """Storage dtype of the scales: bfloat16 (INT8-G64, FP8 row), uint8 e4m3fn bits (NVFP4-G16), None (BF16)."""
-        return {
-            KVCodec.BF16: None,
-            KVCodec.INT8_G64: np.dtype(ml_dtypes.bfloat16),
-            KVCodec.FP8_E4M3FN_ROW: np.dtype(ml_dtypes.bfloat16),
-            KVCodec.NVFP4_G16: np.dtype(np.uint8),
-        }[self]
+        return self.spec.scale_dtype
 
     @property
     def has_scale(self) -> bool:
@@ -77,23 +73,19 @@ class KVCodec(enum.Enum):
     @property
     def pack(self) -> int:
         """Logical elements stored per code element (2 for packed e2m1 nibbles)."""
-        return 2 if self is KVCodec.NVFP4_G16 else 1
+        return self.spec.pack
 
     def group_size(self, head_dim: int) -> int:
-        """Elements along D that share one scale (1 for BF16: no scale)."""
-        return {
-            KVCodec.BF16: 1,
-            KVCodec.INT8_G64: 64,
-            KVCodec.FP8_E4M3FN_ROW: head_dim,
-            KVCodec.NVFP4_G16: 16,
-        }[self]
+        """Elements along D that share one scale (1 for BF16: no scale; ``D`` for a row scale)."""
+        group = self.spec.group
+        return head_dim if group is None else group
 
     def check_head_dim(self, head_dim: int, profile_name: str | None = None) -> None:
         """Check that this codec can store vectors of ``head_dim`` elements.
 
         Args:
-          head_dim: the head dim ``D``; a positive integer, a multiple of 64 for INT8-G64 and of 16
-            for NVFP4-G16 (BF16 and FP8 row take any ``D``).
+          head_dim: the head dim ``D``; a positive integer, a multiple of the codec's
+            ``head_dim_multiple`` (64 for INT8-G64, 16 for NVFP4-G16; BF16 and FP8 row take any ``D``).
           profile_name: the name the error message gives (default the codec's own name).
 
         Raises:
@@ -102,15 +94,12 @@ class KVCodec(enum.Enum):
         name = profile_name or self.value
         if not isinstance(head_dim, (int, np.integer)) or isinstance(head_dim, bool) or head_dim <= 0:
             raise ValueError(f"profile {name}: head_dim={head_dim!r} is invalid; {SUPPORTED_HEAD_DIMS_NOTE}")
-        if self is KVCodec.INT8_G64 and head_dim % 64:
+        multiple = self.spec.head_dim_multiple
+        if head_dim % multiple:
+            examples = ", ".join(str(multiple * i) for i in range(1, 5))
             raise ValueError(
-                f"profile {name}: head_dim={head_dim} is not supported; INT8-G64 needs head_dim % 64 == 0 "
-                f"(64, 128, 192, 256, ...)"
-            )
-        if self is KVCodec.NVFP4_G16 and head_dim % 16:
-            raise ValueError(
-                f"profile {name}: head_dim={head_dim} is not supported; NVFP4-G16 needs head_dim % 16 == 0 "
-                f"(16, 32, ..., 128, ..., 256, ...)"
+                f"profile {name}: head_dim={head_dim} is not supported; {self.spec.label} needs head_dim % "
+                f"{multiple} == 0 ({examples}, ...)"
             )
 
     def planes(self, tensor: str, head_dim: int) -> tuple["PlaneSpec", ...]:
@@ -141,6 +130,53 @@ class KVCodec(enum.Enum):
                 )
             )
         return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """One codec's row of the spec table: everything that differs between codecs, in one place.
+
+    Attributes:
+      codec: the :class:`KVCodec`.
+      label: its name in messages (``"INT8-G64"``).
+      code_dtype: storage dtype of the codes; ``scale_dtype``: of the scales (``None``: no scale).
+      pack: logical elements per stored code element (2 for packed e2m1 nibbles).
+      group: elements along D sharing one scale (``None``: the whole row of D; 1 without a scale).
+      head_dim_multiple: ``D`` must be a multiple of it.
+      ffi_id: the codec's number in the C++ FFI kernels (``ffi/src/common.h``, ``enum class Codec``).
+      quantize, dequantize: the names of its functions in :mod:`ninfer_kv.codecs` (the float32
+        reference semantics every kernel is tested against).
+      dense_tolerance: the largest absolute logit difference a model served through this codec may
+        show against the unpaged full-precision model (the demo's check; a profile takes its codecs'
+        largest).
+    """
+
+    codec: KVCodec
+    label: str
+    code_dtype: np.dtype
+    scale_dtype: np.dtype | None
+    pack: int
+    group: int | None
+    head_dim_multiple: int
+    ffi_id: int
+    quantize: str
+    dequantize: str
+    dense_tolerance: float
+
+
+_BF16, _E4M3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+
+CODEC_SPECS: Mapping[KVCodec, CodecSpec] = types.MappingProxyType({
+    KVCodec.BF16: CodecSpec(KVCodec.BF16, "BF16", _BF16, None, 1, 1, 1, 0, "quantize_bf16", "dequantize_bf16", 1e-3),
+    KVCodec.INT8_G64: CodecSpec(KVCodec.INT8_G64, "INT8-G64", np.dtype(np.int8), _BF16, 1, 64, 64, 1,
+                                "quantize_int8_g64", "dequantize_int8_g64", 3e-3),
+    KVCodec.FP8_E4M3FN_ROW: CodecSpec(KVCodec.FP8_E4M3FN_ROW, "FP8-E4M3FN-row", _E4M3, _BF16, 1, None, 1, 2,
+                                      "quantize_fp8_row", "dequantize_fp8_row", 3e-2),
+    KVCodec.NVFP4_G16: CodecSpec(KVCodec.NVFP4_G16, "NVFP4-G16", np.dtype(np.uint8), np.dtype(np.uint8), 2, 16, 16, 3,
+                                 "quantize_nvfp4_g16", "dequantize_nvfp4_g16", 3e-2),
+})
+"""The codec spec table: one :class:`CodecSpec` per codec (read by profiles, planning, the codecs,
+the FFI binding, the kernels' tests and the command line)."""
 
 
 @dataclasses.dataclass(frozen=True)

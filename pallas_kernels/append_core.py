@@ -13,8 +13,10 @@ a GPU and an out-of-range one in the interpreter, whose scatter then drops them 
 with a written token.  Quantization repeats the float32 arithmetic of
 :mod:`ninfer_kv.codecs` on whole tiles (see :mod:`pallas_kernels.codec_tiles`).
 
-:func:`run_append` is the public-op body (config check, head-dim limit, backend dispatch) and
+:func:`run_append` is the public-op body (config check, head-dim limit, kernel backend) and
 :func:`append_call` builds and runs the kernel around an addresser factory; both are shared too.
+Memory access, program ids and the ``pallas_call`` go through the kernel backend object
+(:mod:`pallas_kernels.backend`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.profiles import KVCodec, KVProfile
 
-from .backends import implementation, resolve_interpret
-from .addressing import check_plane_addressing
+from .backend import KernelBackend, kernel_backend, resolve_interpret
 from .codec_tiles import (
     Cols,
     and_masks,
@@ -77,6 +76,7 @@ def quantize_and_store(
     head_dim: int,
     num_tokens: int,
     block_t: int,
+    backend: KernelBackend,
     *,
     b,
     h,
@@ -93,6 +93,7 @@ def quantize_and_store(
       head_dim: D (static).
       num_tokens: T of the ``(B, T, H, D)`` inputs (static).
       block_t: tokens per program (static power of two).
+      backend: the kernel backend (memory access).
       b, h, t0: row, KV head and first token of this program (traced int32 scalars).
       k_ref, v_ref: the ``(B, T, H, D)`` inputs.
       out_refs: output plane refs keyed by plane name (in the planes' dtypes or, see
@@ -108,17 +109,17 @@ def quantize_and_store(
 
     def load(x_ref, cols: Cols) -> jax.Array:
         mask = and_masks(write2, cols.mask())
-        tile = pl_triton.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=mask, other=0)
+        tile = backend.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=mask, other=0)
         return tile.astype(jnp.float32)
 
     def store_tile(name: str, value: jax.Array, cols: Cols) -> None:
         ref = out_refs[name]
         value = _as_stored(value, plane_dtypes[name], ref.dtype)
-        pl_triton.store(ref.at[index(cols.index())], value, mask=and_masks(write2, cols.mask()))
+        backend.store(ref.at[index(cols.index())], value, mask=and_masks(write2, cols.mask()))
 
     def store_lane(name: str, value: jax.Array, lane: int) -> None:
         ref = out_refs[name]
-        pl_triton.store(ref.at[index(jnp.int32(lane))], _as_stored(value, plane_dtypes[name], ref.dtype), mask=write)
+        backend.store(ref.at[index(jnp.int32(lane))], _as_stored(value, plane_dtypes[name], ref.dtype), mask=write)
 
     d = head_dim
     for tensor, x_ref in (("k", k_ref), ("v", v_ref)):
@@ -143,11 +144,13 @@ def quantize_and_store(
             raise ValueError(f"unsupported codec {codec}")
 
 
-def run_append(op: str, config_type: type, view, rows, positions, k, v, valid, *, config, interpret):
-    """Body of a public append op: default/check ``config``, check the head dim, dispatch.
+def run_append(op: str, config_type: type, kernel: Callable, view, rows, positions, k, v, valid, *, config,
+               interpret):
+    """Body of a public append op: default/check ``config``, check the head dim, run.
 
-    ``config`` must be ``None`` (a default ``config_type()``) or a ``config_type``; the
-    implementation registered for ``(op, config.backend)`` returns the new planes and the result is
+    ``config`` must be ``None`` (a default ``config_type()``) or a ``config_type``;
+    ``kernel(backend, view, rows, positions, k, v, valid, config=, interpret=)`` returns the new
+    planes on the kernel backend ``config.backend`` names and the result is
     ``view.replace(planes=...)``.
     """
     config = config_type() if config is None else config
@@ -155,9 +158,9 @@ def run_append(op: str, config_type: type, view, rows, positions, k, v, valid, *
         raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
     check_head_dim(view.layout.profile, view.layout.head_dim)
     interpret = resolve_interpret(interpret)
-    check_plane_addressing(view.planes, interpret=interpret)
-    impl = implementation(op, config.backend)
-    planes = impl(view, rows, positions, k, v, valid, config=config, interpret=interpret)
+    backend = kernel_backend(config.backend, op)
+    backend.check_planes(view.planes, interpret=interpret)
+    planes = kernel(backend, view, rows, positions, k, v, valid, config=config, interpret=interpret)
     return view.replace(planes=planes)
 
 
@@ -165,7 +168,7 @@ AddresserFactory = Callable[..., Addresser]
 
 
 def append_call(
-    backend,
+    backend: KernelBackend,
     *,
     view,
     names: list,
@@ -202,13 +205,16 @@ def append_call(
         table_refs = refs[:n_tables]
         k_ref, v_ref = refs[n_tables], refs[n_tables + 1]
         out_refs = dict(zip(names, refs[n_tables + 2 + len(names):]))
-        b, tile, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        row = rows_ref[b]
+        b, tile, h = backend.program_id(0), backend.program_id(1), backend.program_id(2)
+        row = backend.load_scalar(rows_ref, (b,))
         row_ok = (row >= 0) & (row < row_limit)
-        n_valid = jnp.where(row_ok, jnp.clip(valid_ref[b], 0, t_len), 0)  # valid is clipped to [0, T]
-        address = make_address(layer_ref[0], jnp.where(row_ok, row, 0), pos_ref[b], n_valid, h, *table_refs)
+        n_valid = backend.load_scalar(valid_ref, (b,))
+        n_valid = jnp.where(row_ok, jnp.clip(n_valid, 0, t_len), 0)  # valid is clipped to [0, T]
+        layer = backend.load_scalar(layer_ref, (0,))
+        row = jnp.where(row_ok, row, 0)
+        address = make_address(layer, row, backend.load_scalar(pos_ref, (b,)), n_valid, h, *table_refs)
         quantize_and_store(
-            profile, d, t_len, cfg.block_t, b=b, h=h, t0=tile * cfg.block_t,
+            profile, d, t_len, cfg.block_t, backend, b=b, h=h, t0=tile * cfg.block_t,
             k_ref=k_ref, v_ref=v_ref, out_refs=out_refs, address=address,
         )
 

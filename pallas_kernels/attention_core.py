@@ -25,8 +25,9 @@ The context of a (row, query tile) is ``[lo, hi)`` with ``hi = min(kv_len, last 
 and writes the output; otherwise it writes ``(acc, m, l)`` and :func:`combine_splits` merges them.
 
 :func:`run_attention` is the public-op body (config check and resolution, head-dim limit,
-``sm_scale`` default, backend dispatch) and :func:`attention_call` builds and runs the kernel
-around a key-source factory; both serve the paged and the cyclic ops.
+``sm_scale`` default, kernel backend) and :func:`attention_call` builds and runs the kernel around
+a key-source factory; both serve the paged and the cyclic ops.  Memory access, program ids and
+the ``pallas_call`` go through the kernel backend object (:mod:`pallas_kernels.backend`).
 """
 
 from __future__ import annotations
@@ -36,13 +37,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.profiles import KVCodec, KVProfile
 
-from .backends import implementation, resolve_interpret
-from .addressing import check_plane_addressing
+from .backend import KernelBackend, kernel_backend, resolve_interpret
 from .codec_tiles import Cols, and_masks, fp8_bits_to_f32, nvfp4_dequantize_halves, value_columns
 from .config import ResolvedAttention
 from .limits import check_head_dim
@@ -135,6 +133,7 @@ KeySource = Callable[[jax.Array, jax.Array, jax.Array], tuple[TileLoader, jax.Ar
 
 def attention_program(
     spec: AttentionSpec,
+    backend: KernelBackend,
     *,
     b,
     h,
@@ -151,6 +150,7 @@ def attention_program(
 
     Args:
       spec: static kernel description.
+      backend: the kernel backend (memory access).
       b, h, qt, sp: program ids (row, KV head, query tile, context split).
       pos, kv_len: the row's first query position and key count (int32 scalars).
       q_ref: queries ``(B, T, Hq, D)``.
@@ -195,7 +195,7 @@ def attention_program(
 
     row_ok2 = row_ok[:, None]
     qs = [
-        pl_triton.load(
+        backend.load(
             q_ref.at[b, tq[:, None], hq[:, None], cols.index()], mask=and_masks(row_ok2, cols.mask()), other=0
         ).astype(cdt)
         for cols in value_columns(profile.k_codec, d)
@@ -232,19 +232,19 @@ def attention_program(
         (o_ref,) = out_refs
         inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)[:, None]
         for acc, cols in zip(accs, vcols):
-            pl_triton.store(
+            backend.store(
                 o_ref.at[b, tq_store[:, None], hq[:, None], cols.index()], (acc * inv).astype(o_ref.dtype),
                 mask=and_masks(row_ok2, cols.mask()),
             )
     else:
         acc_ref, m_ref, l_ref = out_refs
         for acc, cols in zip(accs, vcols):
-            pl_triton.store(
+            backend.store(
                 acc_ref.at[sp, b, tq_store[:, None], hq[:, None], cols.index()], acc,
                 mask=and_masks(row_ok2, cols.mask()),
             )
-        pl_triton.store(m_ref.at[sp, b, tq_store, hq], m, mask=row_ok)
-        pl_triton.store(l_ref.at[sp, b, tq_store, hq], l, mask=row_ok)
+        backend.store(m_ref.at[sp, b, tq_store, hq], m, mask=row_ok)
+        backend.store(l_ref.at[sp, b, tq_store, hq], l, mask=row_ok)
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
@@ -262,28 +262,32 @@ def compute_dtype_for(q_dtype) -> object:
     return jnp.bfloat16 if jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
 
 
-def masked_tile_load(ref_view, key_ok: jax.Array, cols) -> jax.Array:
+def masked_tile_load(backend: KernelBackend, ref_view, key_ok: jax.Array, cols) -> jax.Array:
     """Load a key tile (``(block_k, n)`` for lane rows, ``(block_k,)`` for one lane), 0 where not ``key_ok``.
 
-    float8 planes are loaded without a fill value (the Triton lowering cannot build an f8
-    constant) and zeroed after an exact conversion to bfloat16.
+    ``ref_view`` is a plane ref indexed by the tile's addresses (``plane.at[...]``).
+
+    float8 planes are loaded without a fill value (no backend needs to build an f8 constant; the
+    Triton lowering cannot) and zeroed after an exact conversion to bfloat16.
     """
     mask = key_ok if isinstance(cols, int) else and_masks(key_ok[:, None], cols.mask())
     if jnp.dtype(ref_view.dtype).itemsize == 1 and jnp.issubdtype(ref_view.dtype, jnp.floating):
-        tile = pl_triton.load(ref_view, mask=mask).astype(jnp.bfloat16)
+        tile = backend.load(ref_view, mask=mask).astype(jnp.bfloat16)
         return jnp.where(mask, tile, jnp.zeros((), jnp.bfloat16))
-    return pl_triton.load(ref_view, mask=mask, other=0)
+    return backend.load(ref_view, mask=mask, other=0)
 
 
 def run_attention(
-    op: str, config_type: type, q, view, rows, positions, kv_lens, *, max_keys: int, sm_scale, config, interpret
+    op: str, config_type: type, kernel: Callable, q, view, rows, positions, kv_lens, *, max_keys: int, sm_scale,
+    config, interpret,
 ) -> jax.Array:
-    """Body of a public attention op: default/check ``config``, check the head dim, resolve, dispatch.
+    """Body of a public attention op: default/check ``config``, check the head dim, resolve, run.
 
     ``config`` must be ``None`` (a default ``config_type()``) or a ``config_type``; it is resolved
     from the shapes of ``q (B, T, Hq, D)``, the view's KV heads and ``max_keys`` (the most keys a
-    row can see).  ``sm_scale`` defaults to ``1 / sqrt(D)``.  The implementation registered for
-    ``(op, resolved.backend)`` computes the output.
+    row can see).  ``sm_scale`` defaults to ``1 / sqrt(D)``.  ``kernel(backend, q, view, rows,
+    positions, kv_lens, sm_scale=, cfg=, interpret=)`` computes the output on the kernel backend
+    ``config.backend`` names.
     """
     config = config_type() if config is None else config
     if not isinstance(config, config_type):
@@ -291,22 +295,22 @@ def run_attention(
     lay = view.layout
     check_head_dim(lay.profile, lay.head_dim)
     interpret = resolve_interpret(interpret)
-    check_plane_addressing(view.planes, interpret=interpret)
+    backend = kernel_backend(config.backend, op)
+    backend.check_planes(view.planes, interpret=interpret)
     b, t, hq, d = q.shape
     cfg = config.resolve(
         num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
         max_keys=max_keys,
     )
     sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
-    impl = implementation(op, cfg.backend)
-    return impl(q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, interpret=interpret)
+    return kernel(backend, q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, interpret=interpret)
 
 
 KeySourceFactory = Callable[..., KeySource]
 
 
 def attention_call(
-    backend,
+    backend: KernelBackend,
     *,
     q: jax.Array,
     view,
@@ -343,15 +347,17 @@ def attention_call(
         q_ref = refs[n_tables]
         plane_refs = dict(zip(names, refs[n_tables + 1:n_tables + 1 + n_planes]))
         out_refs = refs[n_tables + 1 + n_planes:]
-        b, h, qt, sp = (pl.program_id(i) for i in range(4))
-        pos = pos_ref[b]
-        row = rows_ref[b]
+        b, h, qt, sp = (backend.program_id(i) for i in range(4))
+        pos = backend.load_scalar(pos_ref, (b,))
+        row = backend.load_scalar(rows_ref, (b,))
         row_ok = (row >= 0) & (row < row_limit)
-        kv_len = lens_ref[b] if key_limit is None else jnp.minimum(lens_ref[b], key_limit)
+        kv_len = backend.load_scalar(lens_ref, (b,))
+        kv_len = kv_len if key_limit is None else jnp.minimum(kv_len, key_limit)
         kv_len = jnp.where(row_ok, jnp.maximum(kv_len, 0), 0)
-        key_source = make_key_source(layer_ref[0], jnp.where(row_ok, row, 0), h, plane_refs, *table_refs)
+        layer = backend.load_scalar(layer_ref, (0,))
+        key_source = make_key_source(layer, jnp.where(row_ok, row, 0), h, plane_refs, *table_refs)
         attention_program(
-            spec, b=b, h=h, qt=qt, sp=sp, pos=pos, kv_len=kv_len, q_ref=q_ref, key_source=key_source,
+            spec, backend, b=b, h=h, qt=qt, sp=sp, pos=pos, kv_len=kv_len, q_ref=q_ref, key_source=key_source,
             out_refs=out_refs, key_floor=None if key_floor_offset is None else pos + key_floor_offset,
         )
 

@@ -74,7 +74,7 @@ class PagedAppendConfig(_AppendConfig):
         ``(B, ceil(T / block_t), H)``.
       num_warps: warps per program (1..32, power of two).
       num_stages: software-pipelining depth (1..8).
-      backend: kernel backend name (see :mod:`pallas_kernels.backends`).
+      backend: kernel backend name (see :mod:`pallas_kernels.backend`).
     """
 
 
@@ -176,7 +176,7 @@ class PagedAttentionConfig(_AttentionConfig):
         a GPU a few hundred programs, never more than the table has steps.
       num_warps: warps per program; ``None``: 4 for head dim <= 128, else 8.
       num_stages: software-pipelining depth of the key loop.
-      backend: kernel backend name (see :mod:`pallas_kernels.backends`).
+      backend: kernel backend name (see :mod:`pallas_kernels.backend`).
     """
 
     _min_block_k = PAGE_SIZE

@@ -25,7 +25,7 @@ from ninfer_kv.views import CyclicKVCacheLayerView
 
 from .append_core import append_call, run_append
 from .attention_core import AttentionSpec, attention_call, compute_dtype_for, masked_tile_load, run_attention
-from .backends import TRITON, register
+from .backend import KernelBackend
 from .config import CyclicAppendConfig, CyclicAttentionConfig
 
 __all__ = ["cyclic_append", "cyclic_attention"]
@@ -51,7 +51,7 @@ def cyclic_append(
       config: block sizes (default :class:`CyclicAppendConfig`).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
-    return run_append("cyclic_append", CyclicAppendConfig, view, rows, positions, k, v, valid,
+    return run_append("cyclic_append", CyclicAppendConfig, _cyclic_append_planes, view, rows, positions, k, v, valid,
                       config=config, interpret=interpret)
 
 
@@ -78,13 +78,12 @@ def cyclic_attention(
     """
     lay = view.layout
     return run_attention(
-        "cyclic_attention", CyclicAttentionConfig, q, view, rows, positions, kv_lens,
+        "cyclic_attention", CyclicAttentionConfig, _cyclic_attention_kernel, q, view, rows, positions, kv_lens,
         max_keys=min(lay.slots, lay.window + q.shape[1] - 1), sm_scale=sm_scale, config=config, interpret=interpret,
     )
 
 
-@register("cyclic_append", "triton")
-def _cyclic_append_triton(view, rows, positions, k, v, valid, *, config, interpret) -> dict:
+def _cyclic_append_planes(backend: KernelBackend, view, rows, positions, k, v, valid, *, config, interpret) -> dict:
     lay = view.layout
     slots, n_rows = lay.slots, lay.rows
     bsz, t_len = k.shape[:2]
@@ -110,14 +109,13 @@ def _cyclic_append_triton(view, rows, positions, k, v, valid, *, config, interpr
         return address
 
     return append_call(
-        TRITON, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions, valid=valid,
+        backend, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions, valid=valid,
         tables=(), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
         name=f"cyclic_append_{lay.profile.value}_d{lay.head_dim}", make_address=make_address, row_limit=n_rows,
     )
 
 
-@register("cyclic_attention", "triton")
-def _cyclic_attention_triton(q, view, rows, positions, kv_lens, *, sm_scale, cfg, interpret):
+def _cyclic_attention_kernel(backend: KernelBackend, q, view, rows, positions, kv_lens, *, sm_scale, cfg, interpret):
     lay = view.layout
     bsz, t_len, hq_len, d = q.shape
     if bsz == 0 or t_len == 0:
@@ -137,14 +135,14 @@ def _cyclic_attention_triton(q, view, rows, positions, kv_lens, *, sm_scale, cfg
                     idx = (layer, ring, h, slot, jnp.int32(cols))
                 else:
                     idx = (layer, ring, h, slot[:, None], cols.index())
-                return masked_tile_load(plane_refs[name].at[idx], key_ok, cols)
+                return masked_tile_load(backend, plane_refs[name].at[idx], key_ok, cols)
 
             return load, key_ok
 
         return key_source
 
     return attention_call(
-        TRITON, q=q, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions,
+        backend, q=q, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions,
         kv_lens=kv_lens, tables=(), spec=spec, interpret=interpret,
         name=f"cyclic_attention_{lay.profile.value}_d{d}_w{window}_q{cfg.block_q}_k{cfg.block_k}_s{cfg.k_splits}",
         make_key_source=make_key_source, row_limit=lay.rows,

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.views import PagedKVBatchLayerView
 
 from .append_core import append_call, run_append
-from .backends import TRITON, register
+from .backend import KernelBackend
 from .config import PagedAppendConfig
 
 __all__ = ["paged_append"]
@@ -53,12 +52,12 @@ def paged_append(
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     Returns: the view with the updated planes (the same buffers when the caller donated them).
     """
-    return run_append("paged_append", PagedAppendConfig, view, table_rows, positions, k, v, valid,
-                      config=config, interpret=interpret)
+    return run_append("paged_append", PagedAppendConfig, _paged_append_planes, view, table_rows, positions, k, v,
+                      valid, config=config, interpret=interpret)
 
 
-@register("paged_append", "triton")
-def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, interpret) -> dict:
+def _paged_append_planes(backend: KernelBackend, view, table_rows, positions, k, v, valid, *, config,
+                         interpret) -> dict:
     lay = view.layout
     order = lay.order
     bsz, t_len = k.shape[:2]
@@ -79,7 +78,7 @@ def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, in
             blk = jax.lax.shift_right_arithmetic(p, jnp.int32(shift))
             off = p & jnp.int32(page - 1)
             write = (t < n_valid) & (p >= 0) & (blk < n_blocks)
-            pg = pl_triton.load(bt_ref.at[row, jnp.where(write, blk, 0)], mask=write, other=0)
+            pg = backend.load(bt_ref.at[row, jnp.where(write, blk, 0)], mask=write, other=0)
             write = write & (pg >= 0) & (pg < n_pages)  # an entry outside [0, N): the block is dropped
             pg = jnp.where(write, pg, drop_page)
 
@@ -97,7 +96,7 @@ def _paged_append_triton(view, table_rows, positions, k, v, valid, *, config, in
         return address
 
     return append_call(
-        TRITON, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions, valid=valid,
+        backend, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions, valid=valid,
         tables=(view.block_tables,), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
         name=f"paged_append_{lay.profile.value}_{order.value}_d{lay.head_dim}", make_address=make_address,
         row_limit=view.block_tables.shape[0],

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as pl_triton
 
 from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.views import PagedKVBatchLayerView
 
 from .attention_core import AttentionSpec, attention_call, compute_dtype_for, masked_tile_load, run_attention
-from .backends import TRITON, register
+from .backend import KernelBackend
 from .config import PagedAttentionConfig
 
 __all__ = ["paged_attention"]
@@ -58,13 +57,13 @@ def paged_attention(
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
     return run_attention(
-        "paged_attention", PagedAttentionConfig, q, view, table_rows, positions, kv_lens,
+        "paged_attention", PagedAttentionConfig, _paged_attention_kernel, q, view, table_rows, positions, kv_lens,
         max_keys=view.logical_pages * view.layout.page_size, sm_scale=sm_scale, config=config, interpret=interpret,
     )
 
 
-@register("paged_attention", "triton")
-def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale, cfg, interpret):
+def _paged_attention_kernel(backend: KernelBackend, q, view, table_rows, positions, kv_lens, *, sm_scale, cfg,
+                            interpret):
     lay = view.layout
     order, page = lay.order, lay.page_size
     shift = page.bit_length() - 1
@@ -83,10 +82,10 @@ def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale
         def key_source(step, j, key_ok):
             tok = j & jnp.int32(page - 1)
             if bk == page:
-                pg = bt_ref[row, step]  # one page per step: a scalar table load (step < L: kv_len <= L * 64)
+                pg = backend.load_scalar(bt_ref, (row, step))  # one page per step (step < L: kv_len <= L * 64)
             else:
                 blk = jax.lax.shift_right_arithmetic(j, jnp.int32(shift))
-                pg = pl_triton.load(bt_ref.at[row, jnp.where(key_ok, blk, 0)], mask=key_ok, other=0)
+                pg = backend.load(bt_ref.at[row, jnp.where(key_ok, blk, 0)], mask=key_ok, other=0)
             # A table entry that is not a page of the pool hides its block's keys; address page 0.
             pg_ok = (pg >= 0) & (pg < n_pages)
             key_ok = key_ok & pg_ok
@@ -99,14 +98,14 @@ def _paged_attention_triton(q, view, table_rows, positions, kv_lens, *, sm_scale
                 else:
                     pp, tt, cc = pg_tile, tok[:, None], cols.index()
                 idx = (layer, pp, h, tt, cc) if order is PlaneOrder.PAGE_MAJOR else (layer, h, pp, tt, cc)
-                return masked_tile_load(plane_refs[name].at[idx], key_ok, cols)
+                return masked_tile_load(backend, plane_refs[name].at[idx], key_ok, cols)
 
             return load, key_ok
 
         return key_source
 
     return attention_call(
-        TRITON, q=q, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions,
+        backend, q=q, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions,
         kv_lens=kv_lens, tables=(view.block_tables,), spec=spec, interpret=interpret,
         name=f"paged_attention_{lay.profile.value}_{order.value}_d{d}_q{cfg.block_q}_k{bk}_s{cfg.k_splits}",
         make_key_source=make_key_source, row_limit=view.block_tables.shape[0], key_limit=view.logical_pages * page,

@@ -32,9 +32,25 @@ NINFER_KV_NAMESPACE_BEGIN
 // library whose version differs from its own (a stale build).
 constexpr int kAbiVersion = 2;
 
-enum class Codec : int32_t { kBF16 = 0, kInt8G64 = 1, kFp8Row = 2, kNvfp4G16 = 3 };
+// The codec table of the kernels, one row per codec: X(enumerator, id, name, data dtype, scale dtype).
+// The id is the codec's `ffi_id` in ninfer_kv/profiles.py (CODEC_SPECS); the dtypes name
+// xla::ffi::DataType members (INVALID: no scale plane).  Everything that only names a codec's
+// storage (the enum, validation, plane checks) is generated from it.
+#define NINFER_KV_CODECS(X)                       \
+  X(kBF16, 0, "bf16", BF16, INVALID)              \
+  X(kInt8G64, 1, "int8-g64", S8, BF16)            \
+  X(kFp8Row, 2, "fp8-e4m3fn-row", F8E4M3FN, BF16) \
+  X(kNvfp4G16, 3, "nvfp4-g16", U8, U8)
 
-inline bool ValidCodec(int32_t c) { return c >= 0 && c <= 3; }
+#define NINFER_KV_CODEC_ENUMERATOR(e, id, name, data, scale) e = id,
+enum class Codec : int32_t { NINFER_KV_CODECS(NINFER_KV_CODEC_ENUMERATOR) };
+#undef NINFER_KV_CODEC_ENUMERATOR
+
+#define NINFER_KV_CODEC_COUNT(e, id, name, data, scale) +1
+constexpr int32_t kNumCodecs = 0 NINFER_KV_CODECS(NINFER_KV_CODEC_COUNT);
+#undef NINFER_KV_CODEC_COUNT
+
+inline bool ValidCodec(int32_t c) { return c >= 0 && c < kNumCodecs; }
 
 // Storage facts of one codec for head dim D.
 struct CodecPlanes {

@@ -7,27 +7,30 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Generated from the codec table (NINFER_KV_CODECS in common.h).
 const char* CodecName(Codec c) {
-  switch (c) {
-    case Codec::kBF16: return "bf16";
-    case Codec::kInt8G64: return "int8-g64";
-    case Codec::kFp8Row: return "fp8-e4m3fn-row";
-    case Codec::kNvfp4G16: return "nvfp4-g16";
-  }
+#define NINFER_KV_CODEC_NAME(e, id, name, data, scale) \
+  case Codec::e: return name;
+  switch (c) { NINFER_KV_CODECS(NINFER_KV_CODEC_NAME) }
+#undef NINFER_KV_CODEC_NAME
   return "?";
 }
 
 ffi::DataType DataDtype(Codec c) {
-  switch (c) {
-    case Codec::kBF16: return ffi::DataType::BF16;
-    case Codec::kInt8G64: return ffi::DataType::S8;
-    case Codec::kFp8Row: return ffi::DataType::F8E4M3FN;
-    case Codec::kNvfp4G16: return ffi::DataType::U8;
-  }
+#define NINFER_KV_CODEC_DATA(e, id, name, data, scale) \
+  case Codec::e: return ffi::DataType::data;
+  switch (c) { NINFER_KV_CODECS(NINFER_KV_CODEC_DATA) }
+#undef NINFER_KV_CODEC_DATA
   return ffi::DataType::INVALID;
 }
 
-ffi::DataType ScaleDtype(Codec c) { return c == Codec::kNvfp4G16 ? ffi::DataType::U8 : ffi::DataType::BF16; }
+ffi::DataType ScaleDtype(Codec c) {
+#define NINFER_KV_CODEC_SCALE(e, id, name, data, scale) \
+  case Codec::e: return ffi::DataType::scale;
+  switch (c) { NINFER_KV_CODECS(NINFER_KV_CODEC_SCALE) }
+#undef NINFER_KV_CODEC_SCALE
+  return ffi::DataType::INVALID;
+}
 
 ffi::Error CheckPlane(const ffi::AnyBuffer& buf, const char* name, ffi::DataType dtype, int64_t extent,
                       const int64_t* lead, Codec codec) {

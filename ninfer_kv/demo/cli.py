@@ -18,6 +18,7 @@ import os
 import sys
 
 from ..cli import BYTES, POSITIVE_INT, PROFILE, CommandOutput, bounded_int, register_subcommand
+from ..profiles import KVProfile
 
 __all__ = ["configure", "run"]
 
@@ -67,7 +68,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     model.add_argument("--model", type=_choice("model", _MODELS), default="small",
                        help="tiny (2 layers, head dim 64) or small (4 layers, head dim 128; default)")
     model.add_argument("--profile", "--kv-cache-dtype", dest="profile", type=PROFILE, default="bf16",
-                       help="KV profile: bf16 (default), int8-g64, fp8-e4m3fn-row256, nvfp4-g16, k8v4")
+                       help=f"KV profile: {', '.join(p.value for p in KVProfile)} (default bf16; short names too)")
     model.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
                        help="op implementation: auto (Pallas on GPU, FFI on CPU; default), pallas, ffi, reference")
     model.add_argument("--mesh", type=_mesh, default=None, metavar="data=D,model=T",

@@ -38,13 +38,10 @@ from .scheduler import RequestRecord
 __all__ = ["DenseCheck", "DENSE_TOLERANCES", "DENSE_BATCH", "check_dense", "tolerance_for"]
 
 DENSE_TOLERANCES: dict[KVProfile, float] = {
-    KVProfile.BF16: 1e-3,
-    KVProfile.INT8_G64: 3e-3,
-    KVProfile.FP8_E4M3FN_ROW256: 3e-2,
-    KVProfile.NVFP4_G16: 3e-2,
-    KVProfile.K8V4: 3e-2,
+    profile: max(profile.k_codec.spec.dense_tolerance, profile.v_codec.spec.dense_tolerance) for profile in KVProfile
 }
-"""Max absolute logit difference between served and dense logits, per KV profile (float32 model)."""
+"""Max absolute logit difference between served and dense logits, per KV profile (float32 model): the
+largest ``dense_tolerance`` of its codecs' rows in :data:`~ninfer_kv.profiles.CODEC_SPECS`."""
 
 DENSE_BATCH = 8
 

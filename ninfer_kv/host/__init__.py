@@ -4,8 +4,13 @@
   extent allocator (:class:`ExtentAllocator`), byte-exact occupancy and whole-recipe plan
   validation.
 * :class:`HostKVPageLayout` — the packed, logical-order byte layout of one pool's Host pages.
-* :func:`offload_pages` / :func:`restore_pages` — Device <-> Host copies of whole pages, run by run
-  over adjacent physical IDs (:func:`coalesce_runs`).
+* :class:`TransferReport`, :func:`coalesce_runs` — what a transfer moved, run by run over adjacent
+  physical IDs.  The copies themselves (:func:`~ninfer_kv.device.host_transfer.offload_pages`,
+  :func:`~ninfer_kv.device.host_transfer.restore_pages`) are device work: they live in the device
+  layer (also importable as ``ninfer_kv.host.transfer``).
+
+The package is host-only: importing it imports no JAX (the arena stages through JAX only when a
+transfer runs).
 """
 
 from .arena import HostKVArena, select_memory_kind
@@ -19,9 +24,8 @@ from .extent_allocator import (
     StaleExtentError,
     TagOccupancy,
 )
-from .host_layout import HostKVPageLayout, HostPageSegment
+from .host_layout import HostKVPageLayout, HostPageSegment, TransferReport, host_layout_of
 from .runs import TransferChunk, check_page_ids, coalesce_runs, split_runs
-from .transfer import TRANSFER_PATHS, TransferReport, host_layout_of, offload_pages, restore_pages
 
 __all__ = [
     "HostKVArena",
@@ -40,9 +44,6 @@ __all__ = [
     "check_page_ids",
     "coalesce_runs",
     "split_runs",
-    "TRANSFER_PATHS",
     "TransferReport",
     "host_layout_of",
-    "offload_pages",
-    "restore_pages",
 ]

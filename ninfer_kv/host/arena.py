@@ -28,12 +28,15 @@ returns.  The arena is not thread-safe; one host thread owns it.
 
 from __future__ import annotations
 
-import jax
+from typing import TYPE_CHECKING
+
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from ..units import ByteSize, byte_count
 from .extent_allocator import ExtentAllocator, ExtentOccupancy, ExtentPlan, HostExtent
+
+if TYPE_CHECKING:  # pragma: no cover
+    import jax
 
 __all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT"]
 
@@ -73,7 +76,7 @@ def select_memory_kind(device, staging: str = "auto") -> str:
     return "pinned_host" if pinned and device.platform in _GPU_PLATFORMS else "host"
 
 
-def _aliases(array: jax.Array, host: np.ndarray) -> bool:
+def _aliases(array: "jax.Array", host: np.ndarray) -> bool:
     """Whether ``array``'s buffer lies inside ``host``'s memory."""
     try:
         pointer = array.unsafe_buffer_pointer()
@@ -83,13 +86,15 @@ def _aliases(array: jax.Array, host: np.ndarray) -> bool:
     return base <= pointer < base + host.nbytes
 
 
-def _put_private(host: np.ndarray, where) -> jax.Array:
+def _put_private(host: np.ndarray, where) -> "jax.Array":
     """``device_put`` that never leaves the result aliasing ``host``.
 
     ``may_alias=False`` is not honoured everywhere (the CPU client of jaxlib 0.10 wraps suitably
     aligned numpy memory in place regardless), and an extent's bytes are reused as soon as the
     extent is freed, so aliasing is detected and replaced by a private copy.
     """
+    import jax  # the host package imports no JAX until a transfer runs
+
     out = jax.device_put(host, where, may_alias=False)
     if _aliases(out, host):
         out = jax.device_put(np.array(host, copy=True), where)
@@ -132,15 +137,17 @@ class HostKVArena:
         if not isinstance(alignment, (int, np.integer)) or alignment < 1 or alignment & (alignment - 1):
             raise ValueError(f"alignment={alignment!r} is invalid; it must be a power of two >= 1")
         capacity = -(-capacity_bytes // alignment) * alignment
-        self.device = device if device is not None else jax.devices()[0]
+        if device is None:
+            import jax
+
+            device = jax.devices()[0]
+        self.device = device
         self.memory_kind = select_memory_kind(self.device, staging)
         self.allocator = ExtentAllocator(capacity, alignment)
         self.buffer = _aligned_buffer(capacity, max(HOST_BUFFER_ALIGNMENT, int(alignment)))
         if prefault:
             self.buffer.fill(0)
-        self._pinned = (
-            SingleDeviceSharding(self.device, memory_kind="pinned_host") if self.memory_kind == "pinned_host" else None
-        )
+        self._pinned_sharding = None  # built at the first transfer (the host package imports no JAX)
 
     # -- allocator facade --------------------------------------------------------------------------
     @property
@@ -205,20 +212,35 @@ class HostKVArena:
         return self.buffer[extent.offset : extent.offset + extent.nbytes]
 
     # -- staging (the only place that knows the memory kind) -------------------------------------
-    def start_to_host(self, x: jax.Array) -> jax.Array:
+    @property
+    def _pinned(self):
+        """The page-locked staging sharding of a ``pinned_host`` arena (``None``: direct)."""
+        if self.memory_kind != "pinned_host":
+            return None
+        if self._pinned_sharding is None:
+            from jax.sharding import SingleDeviceSharding
+
+            self._pinned_sharding = SingleDeviceSharding(self.device, memory_kind="pinned_host")
+        return self._pinned_sharding
+
+    def start_to_host(self, x: "jax.Array") -> "jax.Array":
         """Start the Device -> Host copy of ``x``; ``np.asarray`` of the result completes it."""
+        import jax
+
         if self._pinned is not None:
             return jax.device_put(x, self._pinned)
         x.copy_to_host_async()
         return x
 
-    def to_device(self, host: np.ndarray, sharding=None) -> jax.Array:
+    def to_device(self, host: np.ndarray, sharding=None) -> "jax.Array":
         """Start copying host bytes to ``sharding`` (``None``: uncommitted, default device).
 
         The result never aliases the arena; the host bytes must stay unchanged until the returned
         array is ready.
         """
         if self._pinned is not None:
+            import jax
+
             staged = _put_private(host, self._pinned)
             return jax.device_put(staged, sharding if sharding is not None else self.device)
         return _put_private(host, sharding)

@@ -23,12 +23,13 @@ with different strides live side by side in one :class:`~ninfer_kv.host.arena.Ho
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from ..layout import PagedKVStorageLayout
 
-__all__ = ["HostKVPageLayout", "HostPageSegment"]
+__all__ = ["HostKVPageLayout", "HostPageSegment", "TransferReport", "host_layout_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,3 +188,27 @@ class HostKVPageLayout:
     def __repr__(self) -> str:
         return f"HostKVPageLayout({self.layout!r}, stride={self.stride})"
 
+
+@dataclasses.dataclass(frozen=True)
+class TransferReport:
+    """What one offload or restore moved.
+
+    ``runs``: runs of adjacent physical IDs (the contract's transfer runs); ``chunks``: copies
+    issued (``>= runs``: power-of-two pieces of runs for the jitted copies); ``pages`` and ``bytes``:
+    payload moved; ``path``: ``"packed"`` or ``"host"``.
+    """
+
+    pages: int
+    runs: int
+    chunks: int
+    bytes: int
+    path: str
+
+
+@functools.lru_cache(maxsize=64)
+def host_layout_of(layout: PagedKVStorageLayout) -> HostKVPageLayout:
+    """The (cached) :class:`HostKVPageLayout` of a pool layout."""
+    return HostKVPageLayout(layout)
+
+
+# -- word views -----------------------------------------------------------------------------------

@@ -56,14 +56,17 @@ from jax.typing import ArrayLike
 from ..page_copy import copy_page_columns
 from ..views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
 from . import validation
-from .dispatch import (
+from .dispatch import (  # registers the built-in backends in ninfer_kv.ops.registry
     ImplFallbackWarning,
     ImplUnavailableError,
     OpImpl,
     available_impls,
     override_impls,
+    register_backend,
     register_impl,
+    register_op,
     registered_impls,
+    registered_ops,
     resolve_impl,
 )
 from .page_runs import gather_page_runs, scatter_page_runs
@@ -90,6 +93,9 @@ __all__ = [
     "available_impls",
     "registered_impls",
     "register_impl",
+    "register_backend",
+    "register_op",
+    "registered_ops",
     "override_impls",
     "OpImpl",
     "ImplUnavailableError",

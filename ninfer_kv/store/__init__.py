@@ -3,14 +3,22 @@
 Public entry points: :class:`KVStore` (host-only bookkeeping), :class:`KVDeviceState` (the
 caller-owned device arrays) and :func:`apply_work` (the pure function that applies a store's
 :class:`RoundWork` to a state).  See ``docs/API.md`` ("## Store", "## Host tier") for the verbs.
+
+The package is host-only: importing it imports no JAX.  The device names it re-exports
+(:class:`KVDeviceState`, :func:`apply_work`, :func:`apply_work_jit`, :func:`gather_pages`,
+:func:`resync`, :func:`take_step_work`) live in :mod:`ninfer_kv.device` and are loaded on first use.
 """
 
+from __future__ import annotations
+
 from .address_space import AddressSpaceTable, KVAddressSpace
-from .block_tables import PUBLISH_BUCKETS, SENTINEL_PAGE, BlockTableMatrix
-from .device_state import BLANK, POISONED, KVDeviceState, SyncStatus
+from ..geometry import SENTINEL_PAGE
+from ..step_shapes import StepWorkShapes, step_work_shape, step_work_shapes
+from ..work import BLANK, POISONED, GatherRequest, OffloadPayload, PendingWork, PoolWork, RoundWork, SyncStatus
+from .block_tables import PUBLISH_BUCKETS, BlockTableMatrix
 from .bundle import CheckpointHandle, CheckpointInfo, SequenceHandle, SequenceKVBundle
 from .entitlement import EntitlementPolicy, RoundGrant
-from .errors import (
+from ..errors import (
     EntitlementError,
     HostCapacityError,
     StaleReplicaError,
@@ -31,21 +39,6 @@ from .frontier_history import FrontierHistory
 from .host_replicas import OFFLOAD_STAGES, RESTORE_STAGES, HostTransferReport, OffloadPlan
 from .logical_page import HostReplica, LogicalKVPage, LogicalPageTable, ReplicaRef, replica_valid
 from .pool import DeviceKVPageLease, DevicePagePool
-from .round_work import (
-    PoolWork,
-    RoundWork,
-    apply_work,
-    apply_work_jit,
-    gather_pages,
-    GatherRequest,
-    OffloadPayload,
-    PendingWork,
-    resync,
-    step_work_shape,
-    step_work_shapes,
-    StepWorkShapes,
-    take_step_work,
-)
 from .repair import ResyncReport
 from .rows import ExecutionRows
 from .store import ACTIVATION_STAGES, FaultInjector, KVStore
@@ -118,3 +111,14 @@ __all__ = [
     "GatherRequest",
     "OffloadPayload",
 ]
+
+_DEVICE_NAMES = ("KVDeviceState", "apply_work", "apply_work_jit", "gather_pages", "resync", "take_step_work")
+
+
+def __getattr__(name: str):
+    """The device-layer names, loaded on first use (the store itself never imports JAX)."""
+    if name in _DEVICE_NAMES:
+        from .. import device
+
+        return getattr(device, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

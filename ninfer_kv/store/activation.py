@@ -16,16 +16,18 @@ COW copy there.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from ..geometry import PAGE_SIZE
-from ..planning import PoolKind
+from ..kinds import PoolKind
 from .bundle import CheckpointHandle, SequenceHandle, _Record
 from .entitlement import pages_for_tokens
-from .errors import EntitlementError, IncompleteContinuationError, LifecycleError, PoolCapacityError
+from ..errors import EntitlementError, IncompleteContinuationError, LifecycleError, PoolCapacityError
 from .rows import as_index as _int
+from .core import StoreCore
 
 __all__ = ["ActivationVerbs", "ACTIVATION_STAGES"]
 
@@ -42,8 +44,40 @@ ACTIVATION_STAGES: tuple[str, ...] = (
 """Activation stages in order; ``lease_rows`` and ``publish_active`` are store-wide (pool ``None``)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolActivationPlan:
+    """What an activation does in one pool, planned before anything changes.
+
+    Attributes:
+      kind: the pool.
+      rt: its :class:`~ninfer_kv.store.runtime.PoolRuntime`.
+      ent: entitlement pages of the new address space.
+      reserve: pages reserved for it (entitlement beyond the carried pages, plus Host-only pages
+        that must come back to the device).
+      restore: Host-only pages of the source restored to the device.
+      src: the source checkpoint's space slot (``None``: the root).
+      move: the source is moved (no copy; its partial tail continues in place).
+      carried: pages carried from the source; ``carried_committed``: their committed tokens.
+      tail: ``(source tail page slot, block, columns)`` of a partial tail to copy (COW), or ``None``.
+    """
+
+    kind: PoolKind
+    rt: Any
+    ent: int
+    reserve: int
+    restore: int
+    src: int | None
+    move: bool
+    carried: int
+    carried_committed: int
+    tail: tuple | None
+
+
 class ActivationVerbs:
     """``activate``, ``finish`` and ``release_checkpoint`` of :class:`~ninfer_kv.store.KVStore`."""
+
+    def __init__(self, core: StoreCore):
+        self.core = core
 
     def activate(
         self,
@@ -70,33 +104,33 @@ class ActivationVerbs:
         prompt = _int("prompt_tokens", prompt_tokens)
         budget = _int("max_new_tokens", max_new_tokens)
         target = prompt + budget
-        if target > self.max_context:
+        if target > self.core.max_context:
             raise EntitlementError(
-                f"prompt_tokens + max_new_tokens = {target} exceeds max_context={self.max_context} "
-                f"(allowed: 0..{self.max_context})"
+                f"prompt_tokens + max_new_tokens = {target} exceeds max_context={self.core.max_context} "
+                f"(allowed: 0..{self.core.max_context})"
             )
         src_rec = None
         if source is not None:
-            src_rec = self._checkpoint(source, "activate")
-            if not self._reusable(src_rec):
+            src_rec = self.core.checkpoint_record(source, "activate")
+            if not self.core.reusable(src_rec):
                 raise IncompleteContinuationError(
                     "the checkpoint holds no state image and the model requires one: KV pages alone are not a "
                     "reusable continuation"
                 )
-            f_main = int(self._main.spaces.committed[src_rec.slots[PoolKind.MAIN]])
+            f_main = int(self.core.main.spaces.committed[src_rec.slots[PoolKind.MAIN]])
             if prompt < f_main:
                 raise ValueError(f"prompt_tokens={prompt} is below the checkpoint frontier {f_main}")
         elif release_source:
             raise ValueError("release_source=True needs a source checkpoint")
-        if not self._rows.free:
-            raise PoolCapacityError(f"all {self.max_concurrency} execution rows are leased")
+        if not self.core.rows.free:
+            raise PoolCapacityError(f"all {self.core.max_concurrency} execution rows are leased")
 
         # -- plan every pool (no state changes) --------------------------------------------------------
-        growth = self.policy.kv_lease_growth
-        min_tok, want_tok = self.policy.activation_tokens(prompt, target)
-        cap = self.logical_pages * PAGE_SIZE
+        growth = self.core.policy.kv_lease_growth
+        min_tok, want_tok = self.core.policy.activation_tokens(prompt, target)
+        cap = self.core.logical_pages * PAGE_SIZE
         plans = []
-        for kind, rt in self._rt.items():
+        for kind, rt in self.core.runtimes.items():
             lo = pages_for_tokens(min(cap, min_tok + rt.lead_tokens))
             hi = pages_for_tokens(min(cap, want_tok + rt.lead_tokens))
             src_slot = tail_slot = None
@@ -121,7 +155,7 @@ class ActivationVerbs:
                 hi = max(hi, lo)
             ent = max(lo, min(hi, carried + rt.pool.available - restore)) if growth else hi
             plans.append(
-                dict(
+                PoolActivationPlan(
                     kind=kind,
                     rt=rt,
                     ent=ent,
@@ -139,49 +173,49 @@ class ActivationVerbs:
 
         undo: list[Callable[[], None]] = []
         try:
-            row = self._rows.take()
-            undo.append(lambda: self._rows.untake(row))
-            handle = self._registry.add(_Record("sequence", {p["kind"]: row for p in plans}, row=row))
-            undo.append(lambda: self._registry.undo_add(handle))
+            row = self.core.rows.take()
+            undo.append(lambda: self.core.rows.untake(row))
+            handle = self.core.registry.add(_Record("sequence", {p.kind: row for p in plans}, row=row))
+            undo.append(lambda: self.core.registry.undo_add(handle))
             for p in plans:
-                self._fault("claim_spaces", p["kind"])
-                undo.append(p["rt"].claim(row, handle.id, p["ent"], target, growth))
+                self.core.fault("claim_spaces", p.kind)
+                undo.append(p.rt.claim(row, handle.id, p.ent, target, growth))
             for p in plans:
-                self._fault("reserve", p["kind"])
-                undo.append(p["rt"].reserve(row, p["reserve"]))
+                self.core.fault("reserve", p.kind)
+                undo.append(p.rt.reserve(row, p.reserve))
             for p in plans:
-                self._fault("restore_host", p["kind"])
+                self.core.fault("restore_host", p.kind)
                 undo.append(self._restore_host_pages(p, row))
             for p in plans:
-                self._fault("move_fork", p["kind"])
-                if p["src"] is not None:
-                    undo.append(p["rt"].carry(row, p["src"], p["carried"], p["carried_committed"]))
+                self.core.fault("move_fork", p.kind)
+                if p.src is not None:
+                    undo.append(p.rt.carry(row, p.src, p.carried, p.carried_committed))
             for p in plans:
-                self._fault("private_tail", p["kind"])
-                if p["tail"] is not None:
-                    undo.append(p["rt"].private_tail(row, *p["tail"]))
-            self._fault("lease_rows", None)
-            self._rows.lease(row, handle.id)
-            undo.append(lambda: self._rows.unlease(row))
+                self.core.fault("private_tail", p.kind)
+                if p.tail is not None:
+                    undo.append(p.rt.private_tail(row, *p.tail))
+            self.core.fault("lease_rows", None)
+            self.core.rows.lease(row, handle.id)
+            undo.append(lambda: self.core.rows.unlease(row))
             for p in plans:
-                self._fault("publish_tables", p["kind"])
-                undo.append(p["rt"].publish_row(row))
-            self._fault("publish_active", None)
+                self.core.fault("publish_tables", p.kind)
+                undo.append(p.rt.publish_row(row))
+            self.core.fault("publish_active", None)
         except BaseException:
             for action in reversed(undo):
                 action()
             raise
         # -- commit: infallible --------------------------------------------------------------------------
         for p in plans:
-            p["rt"].commit_activation(row, p["src"], p["move"])
+            p.rt.commit_activation(row, p.src, p.move)
         if source is not None and release_source:
             for p in plans:
-                if not p["move"]:
-                    p["rt"].release_inactive(p["src"])
-            self._registry.remove(source)
+                if not p.move:
+                    p.rt.release_inactive(p.src)
+            self.core.registry.remove(source)
         return handle
 
-    def _restore_host_pages(self, plan: dict, row: int) -> Callable[[], None]:
+    def _restore_host_pages(self, plan: PoolActivationPlan, row: int) -> Callable[[], None]:
         """Stage ``restore_host``: bring Host-only pages of the source back to Device replicas.
 
         Every page of the source is needed on Device (carried pages are read by the new sequence, a
@@ -190,9 +224,9 @@ class ActivationVerbs:
         epoch and coverage are verified, and the Device lease is published on the logical page (the
         Host replica stays: placement Both).  Returns the exact undo of that work.
         """
-        if not plan["restore"]:
+        if not plan.restore:
             return lambda: None
-        return self._host.restore_for_activation(plan["kind"], plan["src"], row)
+        return self.core.host.restore_for_activation(plan.kind, plan.src, row)
 
     # -- finish and release ----------------------------------------------------------------------------------------
     def finish(
@@ -214,22 +248,22 @@ class ActivationVerbs:
 
         Returns the :class:`CheckpointHandle`, or ``None`` when released.
         """
-        rec = self._sequence(handle, "finish(retain=True)" if retain else None)
+        rec = self.core.sequence_record(handle, "finish(retain=True)" if retain else None)
         if retain:
-            if self.requires_state_image and state_image is None:
+            if self.core.requires_state_image and state_image is None:
                 raise IncompleteContinuationError(
                     "retain needs the model's state image for this frontier (requires_state_image=True); "
                     "KV pages alone are not a reusable continuation"
                 )
             if frontiers is not None:
                 stated = {PoolKind.parse(k): v for k, v in frontiers.items()}
-                if set(stated) != set(self._rt):
+                if set(stated) != set(self.core.runtimes):
                     raise IncompleteContinuationError(
                         f"frontiers name pools {sorted(k.value for k in stated)}; every enabled pool "
-                        f"{sorted(k.value for k in self._rt)} must be stated"
+                        f"{sorted(k.value for k in self.core.runtimes)} must be stated"
                     )
                 for kind, f in stated.items():
-                    c = int(self._rt[kind].spaces.committed[rec.row])
+                    c = int(self.core.runtimes[kind].spaces.committed[rec.row])
                     if f != c:
                         raise IncompleteContinuationError(
                             f"pool {kind.value}: checkpoint frontier {f} != committed frontier {c}; commit the "
@@ -238,28 +272,28 @@ class ActivationVerbs:
         elif state_image is not None or frontiers is not None:
             raise ValueError("state_image and frontiers are only meaningful with retain=True")
         row = rec.row
-        for rt in self._rt.values():
+        for rt in self.core.runtimes.values():
             rt.check_deactivate(row, retain)
-        slots = {kind: rt.deactivate(row, retain) for kind, rt in self._rt.items()}
-        self._registry.remove(handle)
-        self._rows.release(row)
+        slots = {kind: rt.deactivate(row, retain) for kind, rt in self.core.runtimes.items()}
+        self.core.registry.remove(handle)
+        self.core.rows.release(row)
         if retain:
-            return self._registry.add(_Record("checkpoint", slots, state_image=state_image))
+            return self.core.registry.add(_Record("checkpoint", slots, state_image=state_image))
         return None
 
     def release_checkpoint(self, handle: CheckpointHandle) -> None:
         """Release a retained checkpoint: drop its references; pages losing their last reference
         release their Device lease and their Host extent membership (an extent is freed with its last
         page).  Refused while a copy pins one of its pages."""
-        rec = self._checkpoint(handle)
-        for kind, rt in self._rt.items():
+        rec = self.core.checkpoint_record(handle)
+        for kind, rt in self.core.runtimes.items():
             pinned = np.flatnonzero(rt.pages.pins[rt.spaces.pages_of(rec.slots[kind])] != 0)
             if pinned.size:
                 raise LifecycleError(
                     f"pool {kind.value}: cannot release the checkpoint: logical blocks {pinned.tolist()} are pinned "
                     f"by an in-flight copy"
                 )
-        for kind, rt in self._rt.items():
+        for kind, rt in self.core.runtimes.items():
             rt.release_inactive(rec.slots[kind])
-        self._registry.remove(handle)
+        self.core.registry.remove(handle)
 

@@ -29,64 +29,52 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..geometry import PAGE_SIZE
-from .errors import InvariantError, StaleHandleError
+from ..errors import InvariantError, StaleHandleError
+from .columns import Column, ColumnTable
 
 if TYPE_CHECKING:  # pragma: no cover
     from .logical_page import LogicalKVPage
-    from .runtime import PoolRuntime
 
 __all__ = ["AddressSpaceTable", "KVAddressSpace"]
 
 _SHIFT = PAGE_SIZE.bit_length() - 1
 
 
-class AddressSpaceTable:
+class AddressSpaceTable(ColumnTable):
     """Struct-of-arrays address spaces of one pool: ``rows`` row slots, then inactive slots."""
+
+    I64 = np.int64
+    COLUMNS = {
+        "generation": Column(I64, 0),
+        "live": Column(bool, False),
+        "active": Column(bool, False),
+        "membership": Column(I64, -1, ("logical_pages",)),
+        "n_blocks": Column(I64, 0),
+        "mapped": Column(I64, 0),
+        "committed": Column(I64, 0),
+        "protected": Column(I64, 0),
+        "ent_pages": Column(I64, 0),
+        "target": Column(I64, 0),
+        "growth": Column(bool, False),
+        "bundle": Column(I64, -1),
+    }
+    _CONTENT = tuple(n for n in COLUMNS if n != "generation")  # what a cleared slot forgets
 
     def __init__(self, rows: int, logical_pages: int, *, pool: str, inactive: int = 8):
         self.pool = pool
         self.rows = int(rows)
         self.logical_pages = int(logical_pages)
-        self.capacity = 0
-        self.generation = np.zeros(0, np.int64)
-        self.live = np.zeros(0, bool)
-        self.active = np.zeros(0, bool)
-        self.membership = np.zeros((0, self.logical_pages), np.int64)
-        self.n_blocks = np.zeros(0, np.int64)
-        self.mapped = np.zeros(0, np.int64)
-        self.committed = np.zeros(0, np.int64)
-        self.protected = np.zeros(0, np.int64)
-        self.ent_pages = np.zeros(0, np.int64)
-        self.target = np.zeros(0, np.int64)
-        self.growth = np.zeros(0, bool)
-        self.bundle = np.zeros(0, np.int64)
+        self.init_columns()
         self._free_inactive: list[int] = []
         self.grow(self.rows + max(int(inactive), 1))
 
     def grow(self, capacity: int) -> None:
+        """Enlarge the table to ``capacity`` slots (new inactive slots are free)."""
         old = self.capacity
-        if capacity <= old:
+        if not self.grow_columns(capacity):
             return
-        n = capacity - old
-
-        def ext(arr, fill):
-            return np.concatenate([arr, np.full((n,) + arr.shape[1:], fill, arr.dtype)])
-
-        self.generation = ext(self.generation, 0)
-        self.live = ext(self.live, False)
-        self.active = ext(self.active, False)
-        self.membership = ext(self.membership, -1)
-        self.n_blocks = ext(self.n_blocks, 0)
-        self.mapped = ext(self.mapped, 0)
-        self.committed = ext(self.committed, 0)
-        self.protected = ext(self.protected, 0)
-        self.ent_pages = ext(self.ent_pages, 0)
-        self.target = ext(self.target, 0)
-        self.growth = ext(self.growth, False)
-        self.bundle = ext(self.bundle, -1)
         fresh = [s for s in range(capacity - 1, old - 1, -1) if s >= self.rows]
         self._free_inactive = fresh + self._free_inactive  # pop() keeps returning the lowest first
-        self.capacity = capacity
 
     # -- slots ------------------------------------------------------------------------------------------
     def alloc_inactive(self) -> int:
@@ -96,17 +84,7 @@ class AddressSpaceTable:
 
     def clear(self, slot: int, *, bump: bool) -> None:
         """Reset ``slot`` to the empty state; ``bump`` advances its generation (a real end)."""
-        self.live[slot] = False
-        self.active[slot] = False
-        self.membership[slot] = -1
-        self.n_blocks[slot] = 0
-        self.mapped[slot] = 0
-        self.committed[slot] = 0
-        self.protected[slot] = 0
-        self.ent_pages[slot] = 0
-        self.target[slot] = 0
-        self.growth[slot] = False
-        self.bundle[slot] = -1
+        self.reset_columns(slot, self._CONTENT)
         if bump:
             self.generation[slot] += 1
         if slot >= self.rows:
@@ -200,21 +178,10 @@ class AddressSpaceTable:
         return self.membership[slot, : self.n_blocks[slot]]
 
     def snapshot(self) -> dict:
-        return {
-            "generation": self.generation.copy(),
-            "live": self.live.copy(),
-            "active": self.active.copy(),
-            "membership": self.membership.copy(),
-            "n_blocks": self.n_blocks.copy(),
-            "mapped": self.mapped.copy(),
-            "committed": self.committed.copy(),
-            "protected": self.protected.copy(),
-            "ent_pages": self.ent_pages.copy(),
-            "target": self.target.copy(),
-            "growth": self.growth.copy(),
-            "bundle": self.bundle.copy(),
-            "free_inactive": list(self._free_inactive),
-        }
+        """Every column and the free inactive slots, for comparisons."""
+        out = self.column_snapshot()
+        out["free_inactive"] = list(self._free_inactive)
+        return out
 
 
 class KVAddressSpace:
@@ -222,7 +189,7 @@ class KVAddressSpace:
 
     __slots__ = ("_rt", "slot", "generation")
 
-    def __init__(self, runtime: "PoolRuntime", slot: int, generation: int):
+    def __init__(self, runtime, slot: int, generation: int):
         self._rt = runtime
         self.slot = int(slot)
         self.generation = int(generation)

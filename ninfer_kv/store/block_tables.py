@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..geometry import SENTINEL_PAGE
 from .buckets import bucket
 
 __all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS", "SENTINEL_PAGE"]
 
-SENTINEL_PAGE = -1
-"""The block-table entry of a logical block that maps no page (outside ``[0, N)`` of every pool)."""
 
 PUBLISH_BUCKETS: tuple[int, ...] = (64, 512, 4096, 32768)
 """Update-buffer lengths below ``C * L`` (plus 0 and ``C * L`` itself)."""

@@ -56,9 +56,8 @@ import numpy as np
 
 from ..host import ExtentAllocationError, HostExtent, HostKVArena, StaleExtentError, TransferReport, host_layout_of
 from ..host.runs import coalesce_runs
-from ..planning import PoolKind
-from .device_state import POISONED
-from .errors import (
+from ..kinds import PoolKind
+from ..errors import (
     HostCapacityError,
     InvariantError,
     LifecycleError,
@@ -68,7 +67,9 @@ from .errors import (
     StaleReplicaError,
     WorkOrderError,
 )
-from .round_work import GatherRequest, OffloadPayload, bucket, ladder, word_dtype
+from ..layout import word_dtype
+from ..work import POISONED, GatherRequest, OffloadPayload
+from .buckets import bucket, ladder
 from .summary import HostOccupancy, HostPoolOccupancy, HostTransferStats
 
 __all__ = [
@@ -168,13 +169,13 @@ class PoolHostReplicas:
 
     def attach(self, slots: np.ndarray, extent: HostExtent, epochs: np.ndarray, coverages: np.ndarray) -> None:
         """Publish pages ``0..len(slots)-1`` of ``extent`` as the Host replicas of ``slots`` (infallible)."""
-        self.rt.pages.publish_host_replicas(slots, extent, epochs, coverages)
+        self.rt.publish_host_replicas(slots, extent, epochs, coverages)
         self.users[extent] = self.users.get(extent, 0) + int(slots.size)
 
     def detach(self, slots: np.ndarray) -> None:
         """Drop the Host replicas of ``slots``; an extent whose last page goes is freed (infallible)."""
         users = self.users
-        for extent in self.rt.pages.clear_host_replicas(slots):
+        for extent in self.rt.clear_host_replicas(slots):
             left = users[extent] - 1
             if left:
                 users[extent] = left
@@ -183,7 +184,7 @@ class PoolHostReplicas:
                 self.arena.free(extent)
 
     def stage_restores(self, slots: np.ndarray, dst_ids: np.ndarray, writes) -> None:
-        """Record, in ``writes`` (a :class:`~ninfer_kv.store.round_work.PageWrites`), the Host replica
+        """Record, in ``writes`` (a :class:`~ninfer_kv.store.page_writes.PageWrites`), the Host replica
         of each page ``slots[i]`` as a whole-page write onto Device page ``dst_ids[i]`` (logical order;
         the payload is copied, so the extent may go at once)."""
         pg = self.rt.pages
@@ -396,7 +397,7 @@ class HostTier:
         """Host -> Device: stage the pages' Host replicas, in logical order, as pending writes to
         Device pages ``job.ids`` (the next round work carries them; the extent may go at once)."""
         s = job.slots
-        job.table.stage_restores(s, job.ids, job.rt.writes)
+        job.rt.stage_host_restores(s, job.ids)
         runs = int(coalesce_runs(np.asarray(job.ids, np.int64))[0].size) if s.size else 0
         return TransferReport(pages=int(s.size), runs=runs, chunks=runs, bytes=int(s.size) * job.table.layout.stride,
                               path="work")
@@ -441,7 +442,7 @@ class HostTier:
             job.extent = extent
             job.ids = pg.device_page[job.slots].copy()
             job.id_gens = pg.device_gen[job.slots].copy()
-            pg.pin(job.slots)
+            job.rt.pin(job.slots)
             b = bucket(job.slots.size, ladder(1, 2, job.rt.pool.capacity))
             ids = np.zeros(b, np.int32)
             ids[: job.slots.size] = job.ids
@@ -600,8 +601,7 @@ class HostTier:
         released = 0
         for rt, sel in plans:
             pg = rt.pages
-            rt.pool.release(pg.device_page[sel], pg.device_gen[sel])
-            pg.clear_device(sel)
+            rt.drop_device_replicas(sel)
             released += int(sel.size)
         self.stats.dropped_device_pages += released
         return released
@@ -623,9 +623,7 @@ class HostTier:
         return jobs
 
     def _publish_restored(self, job: _Job) -> None:
-        pg = job.rt.pages
-        pg.set_device(job.slots, job.ids, job.id_gens)
-        job.rt.record_restores(job.slots)
+        job.rt.publish_device_replicas(job.slots, job.ids, job.id_gens)
         job.rt.unpin(job.slots)
         self.stats.restored_pages += job.report.pages
         self.stats.restored_bytes += job.report.bytes
@@ -648,13 +646,13 @@ class HostTier:
             self.fault("restore_reserve", None)
             taken: list[_Job] = []
             pinned: list[_Job] = []
-            marks = [(job.rt.writes, job.rt.writes.mark()) for job in jobs]
+            marks = [(job.rt, job.rt.mark_writes()) for job in jobs]
             try:
                 for job in jobs:
-                    job.ids, job.id_gens = job.rt.pool.acquire(job.slots.size)
+                    job.ids, job.id_gens = job.rt.acquire_pages(job.slots.size)
                     taken.append(job)
                 for job in jobs:
-                    job.rt.pages.pin(job.slots)
+                    job.rt.pin(job.slots)
                     pinned.append(job)
                 for job in jobs:
                     self.fault("restore_copy", job.kind)
@@ -664,12 +662,12 @@ class HostTier:
                     self._verify(job, restore=True)
                 self.fault("restore_publish", None)
             except BaseException:
-                for writes, mark in reversed(marks):
-                    writes.rollback(mark)
+                for rt, mark in reversed(marks):
+                    rt.rollback_writes(mark)
                 for job in pinned:
                     job.rt.unpin(job.slots)
                 for job in taken:
-                    job.rt.pool.undo_acquire(job.ids)
+                    job.rt.undo_acquire_pages(job.ids)
                 raise
             for job in jobs:
                 self._publish_restored(job)
@@ -693,26 +691,26 @@ class HostTier:
         if not pg.host_valid(job.slots, job.columns).all():
             raise InvariantError(f"pool {kind.value}: a Host-only page has no valid Host replica")
         rt = job.rt
-        job.ids, job.id_gens = rt.pool.materialize(row, job.slots.size)
-        pg.pin(job.slots)
-        mark = rt.writes.mark()
+        job.ids, job.id_gens = rt.materialize_pages(row, job.slots.size)
+        rt.pin(job.slots)
+        mark = rt.mark_writes()
         try:
             self.fault("restore_copy", kind)
             job.report = self._copy_in(job)
             self.fault("restore_verify", kind)
             self._verify(job, restore=True)
         except BaseException:
-            rt.writes.rollback(mark)
+            rt.rollback_writes(mark)
             rt.unpin(job.slots)
-            rt.pool.undo_materialize(row, job.ids)
+            rt.undo_materialize_pages(row, job.ids)
             raise
         self._publish_restored(job)
         stats = self.stats
 
         def undo():
-            rt.writes.rollback(mark)
-            pg.clear_device(job.slots)
-            rt.pool.undo_materialize(row, job.ids)
+            rt.rollback_writes(mark)
+            rt.unpublish_device_replicas(job.slots)
+            rt.undo_materialize_pages(row, job.ids)
             stats.restored_pages -= job.report.pages
             stats.restored_bytes -= job.report.bytes
 

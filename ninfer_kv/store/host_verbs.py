@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from .bundle import CheckpointHandle
-from .errors import LifecycleError
+from ..errors import LifecycleError
 from .host_replicas import HostTier, HostTransferReport, OffloadPlan
 from .summary import HostOccupancy
+from .core import StoreCore
 
 __all__ = ["HostVerbs"]
 
@@ -16,15 +17,18 @@ __all__ = ["HostVerbs"]
 class HostVerbs:
     """Host replica verbs of :class:`~ninfer_kv.store.KVStore`."""
 
+    def __init__(self, core: StoreCore):
+        self.core = core
+
     def _tier(self, verb: str) -> HostTier:
-        if self._host is None:
+        if self.core.host is None:
             raise LifecycleError(f"{verb} needs a Host tier; build the store with host_arena= or host_bytes=")
-        return self._host
+        return self.core.host
 
     @property
     def host_arena(self):
         """The :class:`~ninfer_kv.host.HostKVArena` of the Host tier, or ``None``."""
-        return None if self._host is None else self._host.arena
+        return None if self.core.host is None else self.core.host.arena
 
     def plan_offload(self, handle: CheckpointHandle) -> OffloadPlan:
         """Plan the Device -> Host copy of every page of a retained checkpoint, in every pool, that
@@ -41,14 +45,14 @@ class HostVerbs:
         the extents and :class:`LifecycleError` when a page is pinned by another copy; the store is
         then unchanged.
         """
-        rec = self._checkpoint(handle, "plan_offload")
-        return self._tier("plan_offload").plan_offload(rec.slots, self._serial_of)
+        rec = self.core.checkpoint_record(handle, "plan_offload")
+        return self._tier("plan_offload").plan_offload(rec.slots, self.core.serial_of)
 
     def gather_offload(self, plan: OffloadPlan, state):
-        """The :class:`~ninfer_kv.store.round_work.OffloadPayload` of ``plan`` gathered from ``state``
+        """The :class:`~ninfer_kv.work.OffloadPayload` of ``plan`` gathered from ``state``
         (a jitted :func:`~ninfer_kv.gather_pages` of ``plan.request``, then the Device -> Host copy
         started through the arena's staging memory)."""
-        from .round_work import gather_pages_jit
+        from ..device.work import gather_pages_jit
 
         tier = self._tier("gather_offload")
         payload = gather_pages_jit(state, plan.request)
@@ -61,7 +65,7 @@ class HostVerbs:
         :meth:`drop_device_replica`).
 
         ``payload`` is ``gather_pages(state, plan.request)`` (or :meth:`gather_offload`): an
-        :class:`~ninfer_kv.store.round_work.OffloadPayload` naming the plan, its pages and the serial
+        :class:`~ninfer_kv.work.OffloadPayload` naming the plan, its pages and the serial
         of the state it came from.  Raises :class:`PayloadError` (nothing published, the plan still in
         flight) for a payload gathered for another plan or other pages, ``TypeError`` for anything
         else than a payload; :class:`StaleReplicaError` when a page changed since the plan and
@@ -96,7 +100,7 @@ class HostVerbs:
         Refused (:class:`LifecycleError`, nothing changed) when a page with a Device replica has no
         valid Host replica, is pinned, or is referenced by an active address space.
         """
-        rec = self._checkpoint(handle, "drop_device_replica")
+        rec = self.core.checkpoint_record(handle, "drop_device_replica")
         return self._tier("drop_device_replica").drop_device(rec.slots)
 
     def restore_checkpoint(self, handle: CheckpointHandle, *, drop_host: bool = False) -> HostTransferReport:
@@ -108,22 +112,22 @@ class HostVerbs:
         checkpoint is released afterwards: placement ``device``).  Raises
         :class:`PoolCapacityError` (nothing changed) when a pool lacks available pages.
         """
-        rec = self._checkpoint(handle, "restore_checkpoint")
+        rec = self.core.checkpoint_record(handle, "restore_checkpoint")
         return self._tier("restore_checkpoint").restore(rec.slots, drop_host=bool(drop_host))
 
     def release_host_replica(self, handle: CheckpointHandle) -> int:
         """Release the Host replicas of a checkpoint's pages (placement ``both`` -> ``device``); an
         extent is freed with its last page.  Refused (nothing changed) when a page is Host-only (its
         Host replica is its only copy) or pinned.  Returns the replicas released."""
-        rec = self._checkpoint(handle, "release_host_replica")
+        rec = self.core.checkpoint_record(handle, "release_host_replica")
         return self._tier("release_host_replica").release_host(rec.slots)
 
     def host_occupancy(self) -> HostOccupancy | None:
         """The Host arena's occupancy, per-pool Host pages and the transfer counters (``None`` without
         a Host tier)."""
-        return None if self._host is None else self._host.occupancy()
+        return None if self.core.host is None else self.core.host.occupancy()
 
     def host_counters(self) -> dict:
         """The Host transfer counters as a dict (``offloaded_pages``, ``restored_pages``, ...)."""
-        return self.stats.to_json()
+        return self.core.stats.to_json()
 

@@ -36,15 +36,12 @@ when the writer lets go.  This keeps per-token commits off the page descriptors.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from .errors import InvariantError, StaleHandleError
+from ..errors import InvariantError, StaleHandleError
+from .columns import Column, ColumnTable
 from .pool import DeviceKVPageLease
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import PoolRuntime
 
 __all__ = ["ReplicaRef", "HostReplica", "replica_valid", "LogicalPageTable", "LogicalKVPage"]
 
@@ -81,7 +78,7 @@ def replica_valid(page_epoch: int, replica: ReplicaRef, columns: int) -> bool:
     return replica.epoch == page_epoch and replica.coverage >= columns
 
 
-class LogicalPageTable:
+class LogicalPageTable(ColumnTable):
     """Descriptors of one pool's logical pages, indexed by slot (struct of arrays).
 
     Free slots live on a stack; allocation pops the lowest slots first and :meth:`discard` (the exact
@@ -90,30 +87,36 @@ class LogicalPageTable:
     generation.
     """
 
+    I64 = np.int64
+    COLUMNS = {
+        "generation": Column(I64, 0),
+        "live": Column(bool, False),
+        "epoch": Column(I64, 0),
+        "committed": Column(I64, 0),  # stored columns; authoritative when writer < 0
+        "protected": Column(I64, 0),
+        "refs": Column(I64, 0),
+        "active_refs": Column(I64, 0),
+        "writer": Column(I64, -1),  # execution row of the writing address space, -1: none
+        "writer_block": Column(I64, 0),
+        "device_page": Column(I64, -1),  # -1: no Device replica
+        "device_gen": Column(I64, 0),
+        "pins": Column(I64, 0),
+        "host_extent": Column(object, None),  # HostExtent handle or None
+        "host_page": Column(I64, -1),  # page index in host_extent, -1: no Host replica
+        "host_epoch": Column(I64, 0),  # replica epoch / coverage as published
+        "host_coverage": Column(I64, 0),
+        "fill_work": Column(I64, -1),  # work serial of the last page write into the Device page, -1: none
+        "fill_seq": Column(I64, 0),  # order of page writes within the pool
+        "fill_src": Column(I64, -1),  # COW source slot, -1: a Host restore
+        "fill_src_gen": Column(I64, 0),
+        "fill_cols": Column(I64, 0),
+    }
+    _CONTENT = tuple(n for n in COLUMNS if n != "generation")  # what a cleared descriptor forgets
+    _FILL = ("fill_work", "fill_seq", "fill_src", "fill_src_gen", "fill_cols")
+
     def __init__(self, capacity: int, *, pool: str):
         self.pool = pool
-        self.capacity = 0
-        self.generation = np.zeros(0, np.int64)
-        self.live = np.zeros(0, bool)
-        self.epoch = np.zeros(0, np.int64)
-        self.committed = np.zeros(0, np.int64)  # stored columns; authoritative when writer < 0
-        self.protected = np.zeros(0, np.int64)
-        self.refs = np.zeros(0, np.int64)
-        self.active_refs = np.zeros(0, np.int64)
-        self.writer = np.zeros(0, np.int64)  # execution row of the writing address space, -1: none
-        self.writer_block = np.zeros(0, np.int64)
-        self.device_page = np.zeros(0, np.int64)  # -1: no Device replica
-        self.device_gen = np.zeros(0, np.int64)
-        self.pins = np.zeros(0, np.int64)
-        self.host_extent: list = []  # HostExtent handle or None
-        self.host_page = np.zeros(0, np.int64)  # page index in host_extent, -1: no Host replica
-        self.host_epoch = np.zeros(0, np.int64)  # replica epoch / coverage as published
-        self.host_coverage = np.zeros(0, np.int64)
-        self.fill_work = np.zeros(0, np.int64)  # work serial of the last page write into the Device page, -1: none
-        self.fill_seq = np.zeros(0, np.int64)  # order of page writes within the pool
-        self.fill_src = np.zeros(0, np.int64)  # COW source slot, -1: a Host restore
-        self.fill_src_gen = np.zeros(0, np.int64)
-        self.fill_cols = np.zeros(0, np.int64)
+        self.init_columns()
         self._stack = np.zeros(0, np.int64)
         self._top = 0
         self.grow(max(int(capacity), 1))
@@ -122,41 +125,15 @@ class LogicalPageTable:
     def grow(self, capacity: int) -> None:
         """Enlarge the table to ``capacity`` slots (new slots are free)."""
         old = self.capacity
-        if capacity <= old:
+        n = self.grow_columns(capacity)
+        if not n:
             return
-        n = capacity - old
-
-        def ext(arr, fill):
-            return np.concatenate([arr, np.full(n, fill, arr.dtype)])
-
-        self.generation = ext(self.generation, 0)
-        self.live = ext(self.live, False)
-        self.epoch = ext(self.epoch, 0)
-        self.committed = ext(self.committed, 0)
-        self.protected = ext(self.protected, 0)
-        self.refs = ext(self.refs, 0)
-        self.active_refs = ext(self.active_refs, 0)
-        self.writer = ext(self.writer, -1)
-        self.writer_block = ext(self.writer_block, 0)
-        self.device_page = ext(self.device_page, -1)
-        self.device_gen = ext(self.device_gen, 0)
-        self.pins = ext(self.pins, 0)
-        self.host_extent.extend([None] * n)
-        self.host_page = ext(self.host_page, -1)
-        self.host_epoch = ext(self.host_epoch, 0)
-        self.host_coverage = ext(self.host_coverage, 0)
-        self.fill_work = ext(self.fill_work, -1)
-        self.fill_seq = ext(self.fill_seq, 0)
-        self.fill_src = ext(self.fill_src, -1)
-        self.fill_src_gen = ext(self.fill_src_gen, 0)
-        self.fill_cols = ext(self.fill_cols, 0)
         # new slots go to the bottom of the stack so existing free slots keep their order
         stack = np.empty(capacity, np.int64)
         stack[:n] = np.arange(capacity - 1, old - 1, -1)
         stack[n : n + self._top] = self._stack[: self._top]
         self._stack = stack
         self._top += n
-        self.capacity = capacity
 
     @property
     def num_live(self) -> int:
@@ -183,31 +160,10 @@ class LogicalPageTable:
         return slots
 
     def _clear(self, slots: np.ndarray) -> None:
-        self.live[slots] = False
-        self.epoch[slots] = 0
-        self.committed[slots] = 0
-        self.protected[slots] = 0
-        self.refs[slots] = 0
-        self.active_refs[slots] = 0
-        self.writer[slots] = -1
-        self.writer_block[slots] = 0
-        self.device_page[slots] = -1
-        self.device_gen[slots] = 0
-        self.pins[slots] = 0
-        extents = self.host_extent
-        for s in slots[self.host_page[slots] >= 0].tolist():
-            extents[s] = None
-        self.host_page[slots] = -1
-        self.host_epoch[slots] = 0
-        self.host_coverage[slots] = 0
-        self._clear_fill(slots)
+        self.reset_columns(slots, self._CONTENT)
 
     def _clear_fill(self, slots: np.ndarray) -> None:
-        self.fill_work[slots] = -1
-        self.fill_seq[slots] = 0
-        self.fill_src[slots] = -1
-        self.fill_src_gen[slots] = 0
-        self.fill_cols[slots] = 0
+        self.reset_columns(slots, self._FILL)
 
     def discard(self, slots: np.ndarray) -> None:
         """Exact inverse of :meth:`create` for pages that never escaped (no generation advance)."""
@@ -371,26 +327,11 @@ class LogicalPageTable:
         return slot
 
     def snapshot(self) -> dict:
-        return {
-            "generation": self.generation.copy(),
-            "live": self.live.copy(),
-            "epoch": self.epoch.copy(),
-            "committed": self.committed.copy(),
-            "protected": self.protected.copy(),
-            "refs": self.refs.copy(),
-            "active_refs": self.active_refs.copy(),
-            "writer": self.writer.copy(),
-            "writer_block": self.writer_block.copy(),
-            "device_page": self.device_page.copy(),
-            "device_gen": self.device_gen.copy(),
-            "pins": self.pins.copy(),
-            "host_extent": [None if e is None else (e.offset, e.nbytes, e.tag) for e in self.host_extent],
-            "host_page": self.host_page.copy(),
-            "host_epoch": self.host_epoch.copy(),
-            "host_coverage": self.host_coverage.copy(),
-            "fill": np.stack([self.fill_work, self.fill_seq, self.fill_src, self.fill_src_gen, self.fill_cols]),
-            "free_slots": self.free_slots(),
-        }
+        """Every column (Host extents by offset, size and tag) and the free slots, for comparisons."""
+        out = self.column_snapshot()
+        out["host_extent"] = [None if e is None else (e.offset, e.nbytes, e.tag) for e in self.host_extent]
+        out["free_slots"] = self.free_slots()
+        return out
 
 
 class LogicalKVPage:
@@ -398,7 +339,7 @@ class LogicalKVPage:
 
     __slots__ = ("_rt", "slot", "generation")
 
-    def __init__(self, runtime: "PoolRuntime", slot: int, generation: int):
+    def __init__(self, runtime, slot: int, generation: int):
         self._rt = runtime
         self.slot = int(slot)
         self.generation = int(generation)

@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from .errors import InvariantError, PoolCapacityError, StaleHandleError
+from ..errors import InvariantError, PoolCapacityError, StaleHandleError
 
 __all__ = ["DeviceKVPageLease", "DevicePagePool"]
 

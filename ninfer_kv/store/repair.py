@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from ..planning import PoolKind
-from .device_state import BLANK, SyncStatus
+from ..kinds import PoolKind
+from ..work import BLANK, SyncStatus
 
 __all__ = ["ResyncReport", "dated_epoch"]
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..geometry import PAGE_SIZE
-from ..planning import PoolKind
+from ..kinds import PoolKind
 from .bundle import SequenceHandle
 from .entitlement import RoundGrant, pages_for_tokens
-from .errors import LifecycleError
+from ..errors import LifecycleError
 from .rows import as_index as _int
 from .rows import as_integer, check_targets
+from .core import StoreCore
 
 __all__ = ["RowVerbs"]
 
@@ -34,45 +35,48 @@ class RowVerbs:
     :class:`ShardedKVStore`) before applying any.
     """
 
+    def __init__(self, core: StoreCore):
+        self.core = core
+
     # -- validation -----------------------------------------------------------------------------------------
     def check_rows(self, rows) -> np.ndarray:
         """The one row validation of every row verb: ``rows`` as ``int64``, each leased to an active
         (not quarantined) sequence, none twice; else :class:`RowError` (or ``TypeError`` for a
         non-integer array) naming the first bad row.  Changes nothing."""
-        return self._rows.check(rows)
+        return self.core.rows.check(rows)
 
     def _targets(self, name: str, rows: np.ndarray, values) -> np.ndarray:
-        return check_targets(name, rows, values, self.logical_pages * PAGE_SIZE)
+        return check_targets(name, rows, values, self.core.logical_pages * PAGE_SIZE)
 
     def check_map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> tuple:
         """Validate a :meth:`map_rows` call (raises what it would raise; changes nothing); returns the
         ``(runtime, rows, targets)`` it would apply."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
+        rt = self.core.runtime(pool)
+        rows = self.core.rows.check(rows)
         targets = self._targets("targets", rows, targets)
         rt.check_map(rows, targets)
         return rt, rows, targets
 
     def check_commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> tuple:
         """Validate a :meth:`commit_rows` call (see :meth:`check_map_rows`)."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
+        rt = self.core.runtime(pool)
+        rows = self.core.rows.check(rows)
         frontiers = self._targets("frontiers", rows, frontiers)
         rt.check_commit(rows, frontiers)
         return rt, rows, frontiers
 
     def check_trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> tuple:
         """Validate a :meth:`trim_rows` call (see :meth:`check_map_rows`)."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
+        rt = self.core.runtime(pool)
+        rows = self.core.rows.check(rows)
         keep = np.zeros_like(rows) if keep_tokens is None else self._targets("keep_tokens", rows, keep_tokens)
         rt.check_trim(rows, keep)
         return rt, rows, keep
 
     def check_settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> tuple:
         """Validate a :meth:`settle_rows` call (see :meth:`check_map_rows`)."""
-        rt = self._runtime(pool)
-        rows = self._rows.check(rows)
+        rt = self.core.runtime(pool)
+        rows = self.core.rows.check(rows)
         accepted = self._targets("accepted", rows, accepted)
         keep = accepted if provisional is None else self._targets("provisional", rows, provisional)
         rt.check_commit(rows, accepted)
@@ -91,19 +95,19 @@ class RowVerbs:
         entitlement (:class:`EntitlementError`).  Never advances a frontier, never trims, never
         changes the entitlement.  Returns the number of pages materialized.
         """
-        rows = self._handle_row(handle, "ensure_mapped_to_tokens")
+        rows = self.core.handle_row(handle, "ensure_mapped_to_tokens")
         rt, rows, targets = self.check_map_rows(rows, self._one("tokens", tokens), pool=pool)
         return rt.map_rows(rows, targets)
 
     def commit(self, handle: SequenceHandle, frontier: int, *, pool="main") -> None:
         """Advance the committed frontier after a unit succeeded (within the mapped extent)."""
-        rows = self._handle_row(handle, "commit")
+        rows = self.core.handle_row(handle, "commit")
         rt, rows, frontiers = self.check_commit_rows(rows, self._one("frontier", frontier), pool=pool)
         rt.commit_rows(rows, frontiers)
 
     def trim(self, handle: SequenceHandle, *, pool="main", provisional: int = 0) -> int:
         """Keep ``ceil(max(committed, provisional) / P)`` pages; leases return to the reservation."""
-        rows = self._handle_row(handle, "trim")
+        rows = self.core.handle_row(handle, "trim")
         rt, rows, keep = self.check_trim_rows(rows, self._one("provisional", provisional), pool=pool)
         return rt.trim_rows(rows, keep)
 
@@ -113,16 +117,16 @@ class RowVerbs:
         A sequence quarantined by a resync may be truncated to at most the intact frontier the resync
         reported for ``pool``; once no pool commits beyond its intact frontier the sequence returns
         to service (its block-table rows are published again)."""
-        rec = self._sequence(handle)
+        rec = self.core.sequence_record(handle)
         row = rec.row
-        rt = self._runtime(pool)
+        rt = self.core.runtime(pool)
         rows = np.array([row], np.int64)
         frontier = int(self._targets("frontier", rows, self._one("frontier", frontier))[0])
         provisional = int(self._targets("provisional", rows, self._one("provisional", provisional))[0])
         if rec.lost is None:
-            self._handle_row(handle, "truncate")
+            self.core.handle_row(handle, "truncate")
         elif frontier > rec.lost[rt.kind]:
-            raise self._lost_error(handle, rec, f"truncate of pool {rt.kind.value} to {frontier} (above its intact "
+            raise self.core.lost_error(handle, rec, f"truncate of pool {rt.kind.value} to {frontier} (above its intact "
                                                 f"frontier)")
         lo, hi = int(rt.spaces.protected[row]), int(rt.spaces.committed[row])
         if not lo <= frontier <= hi:
@@ -132,14 +136,14 @@ class RowVerbs:
             )
         rt.check_trim(rows, np.array([provisional], np.int64), committed=np.array([frontier], np.int64))
         rt.truncate_row(row, frontier, provisional)
-        self._revive_if_intact(rec)
+        self.core.revive_if_intact(rec)
 
     def settle(self, handle: SequenceHandle, accepted_frontier: int, *, pool="main", provisional: int | None = None):
         """Speculative settlement: commit the accepted frontier, then trim rejected trailing pages.
 
         ``provisional`` keeps mappings up to that many tokens (e.g. the next round's draft window).
         """
-        rows = self._handle_row(handle, "settle")
+        rows = self.core.handle_row(handle, "settle")
         accepted = self._one("accepted_frontier", accepted_frontier)
         keep = None if provisional is None else self._one("provisional", provisional)
         rt, rows, accepted, keep = self.check_settle_rows(rows, accepted, keep, pool=pool)
@@ -174,17 +178,17 @@ class RowVerbs:
         next ``step_tokens`` tokens is ``length_limited``: end it with finish reason ``length``.
         Lanes with a full entitlement never change.
         """
-        main = self._main
-        rows = self._rows.active() if rows is None else self._rows.check(rows)
+        main = self.core.main
+        rows = self.core.rows.active() if rows is None else self.core.rows.check(rows)
         step = _int("step_tokens", step_tokens, 1)
         committed = main.spaces.committed[rows]
         target = main.spaces.target[rows]
         growth = main.spaces.growth[rows]
-        desired = np.where(growth, self.policy.desired_tokens(committed, target), 0)
-        cap = self.logical_pages * PAGE_SIZE
+        desired = np.where(growth, self.core.policy.desired_tokens(committed, target), 0)
+        cap = self.core.logical_pages * PAGE_SIZE
         granted = {}
         covered = target.copy()
-        for kind, rt in self._rt.items():
+        for kind, rt in self.core.runtimes.items():
             want = pages_for_tokens(np.minimum(cap, desired + rt.lead_tokens * (desired > 0)))
             granted[kind] = rt.grow(rows, want)
             pool_cover = rt.spaces.ent_pages[rows] * PAGE_SIZE - rt.lead_tokens

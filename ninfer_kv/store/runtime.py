@@ -3,7 +3,7 @@
 One runtime bundles a :class:`DevicePagePool` (physical IDs, reservations, leases), a
 :class:`LogicalPageTable` (descriptors), an :class:`AddressSpaceTable` (memberships and
 frontiers), a :class:`BlockTableMatrix` (host mirror and pending updates) and the pool's pending
-:class:`~ninfer_kv.store.round_work.PageWrites` (COW copies and Host restores for the next work).
+:class:`~ninfer_kv.store.page_writes.PageWrites` (COW copies and Host restores for the next work).
 It holds no device array.  Its methods are the pool-level
 verbs the :class:`~ninfer_kv.store.KVStore` facade composes: vectorized mapping / commit / trim over
 execution rows, activation pieces that return exact undo actions, deactivation and release.
@@ -25,12 +25,14 @@ import numpy as np
 from ..geometry import PAGE_SIZE
 from ..planning import PoolKind, PoolPlan
 from .address_space import AddressSpaceTable
-from .block_tables import SENTINEL_PAGE, BlockTableMatrix
-from .errors import EntitlementError, InvariantError, LifecycleError
+from ..geometry import SENTINEL_PAGE
+from ..work import PendingWork, PoolWork
+from .block_tables import BlockTableMatrix
+from ..errors import EntitlementError, InvariantError, LifecycleError
 from .frontier_history import DEFAULT_WINDOW, FrontierHistory
 from .logical_page import LogicalPageTable
 from .pool import DevicePagePool
-from .round_work import PageWrites, PendingWork, PoolWork
+from .page_writes import PageWrites
 
 __all__ = ["PoolRuntime"]
 
@@ -84,6 +86,71 @@ class PoolRuntime:
         seq = np.arange(self._fills, self._fills + n, dtype=np.int64)
         self._fills += n
         return seq
+
+    # -- transitions the Host tier composes (it changes pool and page state only through these) ---------
+    def pin(self, slots: np.ndarray) -> None:
+        """One transaction pin more on each page (a copy in flight reads or writes it)."""
+        self.pages.pin(slots)
+
+    def acquire_pages(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Lease ``count`` available Device pages outside any reservation: ``(ids, generations)``."""
+        return self.pool.acquire(count)
+
+    def undo_acquire_pages(self, ids: np.ndarray) -> None:
+        """Exact inverse of :meth:`acquire_pages`."""
+        self.pool.undo_acquire(ids)
+
+    def materialize_pages(self, row: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Lease ``count`` Device pages from ``row``'s reservation: ``(ids, generations)``."""
+        return self.pool.materialize(row, count)
+
+    def undo_materialize_pages(self, row: int, ids: np.ndarray) -> None:
+        """Exact inverse of :meth:`materialize_pages`."""
+        self.pool.undo_materialize(row, ids)
+
+    def publish_device_replicas(self, slots: np.ndarray, ids: np.ndarray, generations: np.ndarray) -> None:
+        """Leases ``(ids, generations)`` become the Device replicas of ``slots``, filled from their
+        Host replicas by the next work."""
+        self.pages.set_device(slots, ids, generations)
+        self.record_restores(slots)
+
+    def unpublish_device_replicas(self, slots: np.ndarray) -> None:
+        """Exact inverse of :meth:`publish_device_replicas` (the caller gives the leases back)."""
+        self.pages.clear_device(slots)
+
+    def drop_device_replicas(self, slots: np.ndarray) -> None:
+        """Release the Device leases of ``slots`` (their Host replicas remain)."""
+        pg = self.pages
+        self.pool.release(pg.device_page[slots], pg.device_gen[slots])
+        pg.clear_device(slots)
+
+    def publish_host_replicas(self, slots: np.ndarray, extent, epochs: np.ndarray, coverages: np.ndarray) -> None:
+        """Page ``i`` of ``extent`` becomes the Host replica ``(epochs[i], coverages[i])`` of ``slots[i]``."""
+        self.pages.publish_host_replicas(slots, extent, epochs, coverages)
+
+    def clear_host_replicas(self, slots: np.ndarray) -> list:
+        """Drop the Host replicas of ``slots``; returns their former extents, in order."""
+        return self.pages.clear_host_replicas(slots)
+
+    def stage_host_restores(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Record the Host replicas of ``slots`` as page writes onto Device pages ``ids`` (next work)."""
+        self.host.stage_restores(slots, ids, self.writes)
+
+    def mark_writes(self):
+        """A mark of the pending page writes, for :meth:`rollback_writes`."""
+        return self.writes.mark()
+
+    def rollback_writes(self, mark) -> None:
+        """Forget every page write recorded since ``mark``."""
+        self.writes.rollback(mark)
+
+    def quarantine_row(self, row: int) -> None:
+        """Row ``row``'s block-table entries become sentinels (a sequence a resync found lost)."""
+        self.table.clear_row(row)
+
+    def republish_tables(self) -> None:
+        """The next take republishes every block-table entry (a resync)."""
+        self.table.mark_all()
 
     def record_restores(self, slots: np.ndarray) -> None:
         """Pages ``slots`` get their Device pages filled from their Host replicas by the next work."""

@@ -25,19 +25,21 @@ own (identical) copy.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
 from ..planning import MeshKVPlan, PoolKind, PoolPlan
 from .bundle import CheckpointHandle, SequenceHandle, next_store_serial
-from .device_state import KVDeviceState
 from .entitlement import RoundGrant
-from .errors import KVStoreError, LifecycleError, RowError, WorkOrderError
+from ..errors import KVStoreError, LifecycleError, RowError, WorkOrderError
 from .repair import ResyncReport
-from .round_work import OffloadPayload, PoolWork, RoundWork
+from ..work import OffloadPayload, ShardedRoundWork, stack_works
 from .rows import as_index, as_index_vector
 from .store import KVStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..device.state import KVDeviceState
 
 __all__ = ["ShardedKVStore", "ShardedRoundWork", "ShardedSequence", "ShardedCheckpoint", "CrossShardError"]
 
@@ -61,139 +63,6 @@ class ShardedCheckpoint:
     shard: int
     handle: CheckpointHandle
 
-
-# -- stacked round work -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedRoundWork:
-    """Every data shard's :class:`RoundWork` of one take, stacked on a leading shard axis.
-
-    Per pool a :class:`PoolWork` whose arrays are ``tables (D, 3, U)``, ``copies (D, 3, K)``,
-    ``restores (D, 2, R)`` and ``payload[plane] (D, R, layers, H, P, X)`` (each shard's work padded
-    to the largest shard's buckets; padding does nothing).  ``serial`` and ``store`` (the sharded
-    store's identity, which every shard's work carries) are shared: every take covers every shard.
-    """
-
-    serial: Any
-    pools: dict
-    store: Any = dataclasses.field(default_factory=lambda: np.asarray(0, np.int32))
-
-    def shard(self, d: int) -> RoundWork:
-        """Data shard ``d``'s part as a plain :class:`RoundWork` (host arrays)."""
-        pools = {}
-        for kind, pw in self.pools.items():
-            pools[kind] = PoolWork(
-                np.asarray(pw.tables[d]), np.asarray(pw.copies[d]), np.asarray(pw.restores[d]),
-                {n: np.asarray(x[d]) for n, x in pw.payload.items()}, pw.pad_row, pw.pad_page,
-            )
-        return RoundWork(np.asarray(self.serial), pools, np.asarray(self.store))
-
-    def counts(self) -> dict:
-        """``{PoolKind: (table updates, copies, restores)}`` per shard, in bucketed sizes."""
-        return {k: (p.tables.shape[-1], p.copies.shape[-1], p.restores.shape[-1]) for k, p in self.pools.items()}
-
-    def pad_to(self, tables: int, copies: int = 0, restores: int = 0) -> "ShardedRoundWork":
-        """Every shard's work padded to fixed sizes (one signature for a step that applies works)."""
-        d = next(iter(self.pools.values())).tables.shape[0]
-        return stack_works([self.shard(i).pad_to(tables, copies, restores) for i in range(d)])
-
-    def fits(self, tables: int, copies: int = 0, restores: int = 0) -> bool:
-        """Whether every shard's part fits buffers of these sizes (see :meth:`pad_to`)."""
-        return all(t <= tables and k <= copies and r <= restores for t, k, r in self.counts().values())
-
-    def leaf_specs(self, kv_mesh) -> list:
-        """Partition specs of this work's leaves, in ``jax.tree_util.tree_flatten`` order: per-shard
-        arrays over ``data``, the payload's heads also over ``model``, the serial replicated."""
-        specs = []
-        for x in _flatten(self)[0]:
-            nd = np.ndim(x)
-            if nd == 0:
-                specs.append(kv_mesh.replicated_spec())
-            elif nd == 6:  # payload (D, R, layers, H, P, X)
-                specs.append(kv_mesh.per_shard_spec(head_axis=3, ndim=6))
-            else:
-                specs.append(kv_mesh.per_shard_spec(ndim=nd))
-        return specs
-
-    def device_put(self, kv_mesh) -> "ShardedRoundWork":
-        """The work as global ``jax.Array`` s on the mesh (each device gets only its shard's part and
-        its heads of the payload).  Works in a multi-process program: every process builds its
-        addressable shards from its own identical host copy."""
-        import jax
-
-        leaves, treedef = _flatten(self)
-        out = []
-        for x, spec in zip(leaves, self.leaf_specs(kv_mesh)):
-            if isinstance(x, jax.Array):
-                out.append(x)
-                continue
-            x = np.asarray(x)
-            out.append(jax.make_array_from_callback(x.shape, kv_mesh.sharding(spec), lambda idx, x=x: x[idx], dtype=x.dtype))
-        return treedef.unflatten(out)
-
-
-def _flatten(work: ShardedRoundWork):
-    import jax
-
-    return jax.tree_util.tree_flatten(work)
-
-
-def _work_flatten(work: ShardedRoundWork):
-    # every array is a leaf, empty buckets included (their shapes are static), so the leaves never
-    # need inspecting: jit's argument records flatten through here too
-    kids, aux = [work.serial, work.store], []
-    for kind, pw in work.pools.items():
-        names = tuple(sorted(pw.payload))
-        kids += [pw.tables, pw.copies, pw.restores] + [pw.payload[n] for n in names]
-        aux.append((kind, names, pw.pad_row, pw.pad_page))
-    return kids, tuple(aux)
-
-
-def _work_unflatten(aux, kids) -> ShardedRoundWork:
-    it = iter(kids)
-    serial, store = next(it), next(it)
-    pools = {}
-    for kind, names, pad_row, pad_page in aux:
-        t, k, r = next(it), next(it), next(it)
-        pools[kind] = PoolWork(t, k, r, {n: next(it) for n in names}, pad_row, pad_page)
-    return ShardedRoundWork(serial, pools, store)
-
-
-def _register():
-    import jax
-
-    jax.tree_util.register_pytree_node(ShardedRoundWork, _work_flatten, _work_unflatten)
-
-
-_register()
-
-
-def stack_works(works: list[RoundWork]) -> ShardedRoundWork:
-    """Stack per-shard works (same pools, serial and store) into one :class:`ShardedRoundWork`."""
-    serials = {int(np.asarray(w.serial)) for w in works}
-    if len(serials) != 1:
-        raise WorkOrderError(f"the shards' works have different serials {sorted(serials)}")
-    stores = {int(np.asarray(w.store)) for w in works}
-    if len(stores) != 1:
-        raise WorkOrderError(f"the shards' works come from different stores {sorted(stores)}")
-    pools = {}
-    for kind in works[0].pools:
-        parts = [w.pools[kind] for w in works]
-        t = max(p.tables.shape[1] for p in parts)
-        k = max(p.copies.shape[1] for p in parts)
-        r = max(p.restores.shape[1] for p in parts)
-        parts = [p.pad_to(t, k, r) for p in parts]
-        pools[kind] = PoolWork(
-            np.stack([p.tables for p in parts]), np.stack([p.copies for p in parts]),
-            np.stack([p.restores for p in parts]),
-            {n: np.stack([p.payload[n] for p in parts]) for n in parts[0].payload},
-            parts[0].pad_row, parts[0].pad_page,
-        )
-    return ShardedRoundWork(np.asarray(serials.pop(), np.int32), pools, np.asarray(stores.pop(), np.int32))
-
-
-# -- the store ----------------------------------------------------------------------------------------
 
 
 class ShardedKVStore:
@@ -424,7 +293,7 @@ class ShardedKVStore:
         """The layout each **device** holds (``H_local`` heads): build views inside ``shard_map`` with it."""
         return self.plan.device.pools[PoolKind.parse(pool)].layout
 
-    def allocate_state(self, *, fill=None, memory_kind: str | None = None) -> KVDeviceState:
+    def allocate_state(self, *, fill=None, memory_kind: str | None = None) -> "KVDeviceState":
         """A fresh sharded :class:`KVDeviceState` on the mesh: every leaf a ``NamedSharding``
         (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data)``, serial
         replicated), each device allocating only its own block.  ``memory_kind="pinned_host"`` places
@@ -435,6 +304,8 @@ class ShardedKVStore:
             raise LifecycleError("this ShardedKVStore was built without a mesh; pass mesh= to allocate a state")
         pools = self.global_pools()
         blank = self.work_serial > 0  # a state allocated after takes holds none of their content
+        from ..device.state import KVDeviceState
+
         build = lambda: KVDeviceState.zeros(pools, fill=fill, blank=blank, owner=self.identity)  # noqa: E731
         shardings = self.kv_mesh.state_shardings(jax.eval_shape(build), memory_kind=memory_kind)
         return jax.jit(build, out_shardings=shardings)()
@@ -444,22 +315,22 @@ class ShardedKVStore:
         :func:`~ninfer_kv.sharded_ops.sharded_apply_work` after :meth:`ShardedRoundWork.device_put`)."""
         return stack_works([s.take_work() for s in self.shards])
 
-    def apply_work_alone(self, state: KVDeviceState, work: ShardedRoundWork) -> KVDeviceState:
+    def apply_work_alone(self, state: "KVDeviceState", work: ShardedRoundWork) -> "KVDeviceState":
         """Apply a work outside any step: one jitted program over the mesh, the state donated."""
         import jax
 
-        from ..sharded_ops import sharded_apply_work
+        from ..device.sharded_ops import sharded_apply_work
 
         if self._apply_alone is None:
             self._apply_alone = jax.jit(lambda s, w: sharded_apply_work(self.kv_mesh, s, w), donate_argnums=0)
         return self._apply_alone(state, work.device_put(self.kv_mesh))
 
-    def take_step_work(self, state: KVDeviceState, shapes=None):
+    def take_step_work(self, state: "KVDeviceState", shapes=None):
         """The sharded :func:`~ninfer_kv.take_step_work`: ``(state, work)`` with ``work`` padded to
         the step shape (global arrays on the mesh) for a step that applies works; a work that does
         not fit is padded to the smallest alone shape holding it and applied alone first (jitted,
         per shard), and the step gets the next, empty, take.  ``shapes`` as there (of one shard)."""
-        from .round_work import _shapes
+        from ..device.work import _shapes
 
         shapes = _shapes(self.shards[0], shapes)
         work = self.take_work()
@@ -468,10 +339,10 @@ class ShardedKVStore:
             work = self.take_work()
         return state, work.pad_to(*shapes.step).device_put(self.kv_mesh)
 
-    def check_state(self, state: KVDeviceState) -> None:
+    def check_state(self, state: "KVDeviceState") -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far (the
         message says what happened and how to repair it: :func:`~ninfer_kv.resync`)."""
-        if not isinstance(state, KVDeviceState):
+        if not hasattr(state, "sync_status"):
             raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
         problem = self.shards[0].sync_problem(state.sync_status())
         if problem is not None:
@@ -513,7 +384,7 @@ class ShardedKVStore:
         this process.  Returns the plan's :class:`OffloadPayload` (naming the plan and its pages)."""
         import jax
 
-        from ..sharded_ops import sharded_gather_pages
+        from ..device.sharded_ops import sharded_gather_pages
 
         d = self._shard_index(shard)
         serial = np.asarray(state.serial.addressable_data(0))

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from ninfer_kv import KVProfile, PagedKVStorageLayout, PlaneOrder
-from ninfer_kv.host import HostKVArena, HostKVPageLayout, StaleExtentError, offload_pages, restore_pages
-from ninfer_kv.host import transfer as transfer_mod
+from ninfer_kv.device import offload_pages, restore_pages
+from ninfer_kv.host import HostKVArena, HostKVPageLayout, StaleExtentError
+from ninfer_kv.device import host_transfer as transfer_mod
 from ninfer_kv.ops.reference import paged_append_reference, paged_attention_reference
 from ninfer_kv.views import PagedKVBatchLayerView
 

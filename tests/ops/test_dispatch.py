@@ -130,3 +130,96 @@ def test_kernel_impl_matches_reference_when_available(impl):
     want = jax.jit(lambda *a: ops.paged_attention(*a, impl="reference"))(q, case.view(), rows, pos, lens)
     got = jax.jit(lambda *a: ops.paged_attention(*a, impl=impl))(q, case.view(), rows, pos, lens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-2)
+
+
+# -- the registry: a leaf module of (op, backend) entries -----------------------------------------
+
+
+def test_the_registry_imports_no_backend():
+    """Importing the registry (and the ops, which register the built-in backends) loads no kernel package."""
+    import ast
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ninfer_kv.ops import registry
+
+    tree = ast.parse(Path(registry.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    relative = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0]
+    assert not relative, f"the registry imports package modules: {relative}"
+    third_party = sorted(m for m in imported if m.split(".")[0] not in sys.stdlib_module_names | {"__future__", "jax"})
+    assert not third_party, f"the registry imports {third_party}"
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys\n"
+        "import ninfer_kv.ops.registry as registry\n"
+        "from ninfer_kv import ops\n"
+        "assert ops.registered_impls() == ('reference', 'pallas', 'ffi'), ops.registered_impls()\n"
+        "assert len(ops.registered_ops()) == 12\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'pallas_kernels' or m == 'ninfer_kv.ffi_ops')\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert proc.returncode == 0, f"importing the registry loaded backends: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+
+
+def _tiny_paged_attention(q, view, table_rows, positions, kv_lens, *, sm_scale=None):
+    """A backend of one op (a stand-in, not attention): ``positions + 1`` broadcast to the shape of ``q``."""
+    return jnp.broadcast_to((positions + 1).astype(q.dtype)[:, None, None, None], q.shape)
+
+
+def test_a_backend_for_one_op_is_selectable_and_listed():
+    case, q, rows, pos, lens = _small_case()
+    with override_impls():  # the registration below is scoped to the block
+        dispatch.register_op("paged_attention", "tiny", _tiny_paged_attention)
+        assert "tiny" in dispatch.registered_impls() and "tiny" in ops.registered_impls()
+        assert dispatch.registered_ops("tiny") == (("paged_attention", "tiny"),)
+        assert ("paged_attention", "tiny") in ops.registered_ops()
+        assert "tiny" in dispatch.available_impls()
+        out = jax.jit(lambda *a: ops.paged_attention(*a, impl="tiny"))(q, case.view(), rows, pos, lens)
+        np.testing.assert_array_equal(np.asarray(out), np.broadcast_to((np.asarray(pos) + 1)[:, None, None, None], q.shape))
+        k = jnp.zeros((2, 1, 2, 64), jnp.float32)
+        with pytest.raises(ImplUnavailableError, match="'tiny' has no paged_append .*provides paged_attention"):
+            ops.paged_append(case.view(), rows, pos, k, k, jnp.zeros((2,), jnp.int32), impl="tiny")
+        with pytest.raises(ValueError, match="paged_attention of implementation 'tiny' is already registered"):
+            dispatch.register_op("paged_attention", "tiny", _tiny_paged_attention)
+        dispatch.register_op("paged_attention", "tiny", _tiny_paged_attention, replace=True)
+        # auto takes only complete backends: "tiny" is skipped (with the fallback warning)
+        with override_impls(preference={"cpu": ("tiny", "reference")}):
+            with pytest.warns(ImplFallbackWarning, match="'tiny' does not provide paged_append, cyclic_append"):
+                assert dispatch.resolve_impl("auto", platform="cpu").name == "reference"
+    assert "tiny" not in dispatch.registered_impls()
+    with pytest.raises(ValueError, match="impl='tiny' is unknown"):
+        dispatch.resolve_impl("tiny")
+
+
+def test_register_backend_targets_load_lazily():
+    with override_impls():
+        dispatch.register_backend(
+            "lazy",
+            {"paged_attention": "ninfer_kv.ops.reference:paged_attention_reference",
+             "paged_append": "ninfer_kv_no_such_module:paged_append"},
+            hint="install ninfer_kv_no_such_module",
+        )
+        assert dispatch.registered_ops("lazy") == (("paged_append", "lazy"), ("paged_attention", "lazy"))
+        with pytest.raises(ImplUnavailableError, match=r"'lazy' is unavailable: cannot import ninfer_kv_no_such_module .*; "
+                                                      r"install ninfer_kv_no_such_module"):
+            dispatch.resolve_impl("lazy")
+        assert "lazy" not in dispatch.available_impls()
+        dispatch.register_backend("checked", {"paged_attention": _tiny_paged_attention},
+                                  check=lambda: "no such device here", hint="run it elsewhere")
+        with pytest.raises(ImplUnavailableError, match="'checked' is unavailable: no such device here; run it elsewhere"):
+            dispatch.resolve_impl("checked")
+        dispatch.register_backend("checked", {"paged_attention": _tiny_paged_attention}, replace=True)
+        assert dispatch.resolve_impl("checked").paged_attention is _tiny_paged_attention
+        with pytest.raises(ValueError, match="unknown op 'paged_copy'"):
+            dispatch.register_backend("bad", {"paged_copy": _tiny_paged_attention})
+        with pytest.raises(ValueError, match="'module:attribute'"):
+            dispatch.register_op("paged_attention", "bad", "no_colon")
+    assert dispatch.registered_impls() == ("reference", "pallas", "ffi")

@@ -70,15 +70,20 @@ def test_every_codec_head_dim_is_accepted(profile, head_dim):
 
 
 def test_unknown_backend_is_clear():
-    from pallas_kernels.backends import implementation
-
-    with pytest.raises(ValueError, match="no 'mosaic_gpu' implementation of paged_attention; available backends: trit"):
-        implementation("paged_attention", "mosaic_gpu")
+    with pytest.raises(ValueError, match=r"no 'mosaic_gpu' implementation of paged_attention .*; available backends: trit"):
+        pk.kernel_backend("mosaic_gpu", "paged_attention")
+    with pytest.raises(ValueError, match="not a backend name"):
+        pk.kernel_backend("../triton")
 
 
 def test_every_op_has_a_triton_implementation():
-    ops = {op for op, backend in pk.IMPLEMENTATIONS if backend == "triton"}
+    from ninfer_kv.ops import registry
+
+    ops = {op for op, backend in registry.registered_ops() if backend == "pallas"}
     assert ops == {"paged_append", "paged_attention", "cyclic_append", "cyclic_attention"}
+    assert pk.kernel_backend("triton") is pk.TRITON and "triton" in pk.kernel_backend_names()
+    assert {pk.PagedAppendConfig().backend, pk.PagedAttentionConfig().backend, pk.CyclicAppendConfig().backend,
+            pk.CyclicAttentionConfig().backend} == {"triton"}
 
 
 def test_empty_batches_and_chunks_run_no_kernel():

@@ -223,7 +223,7 @@ def test_the_check_sees_32_bit_offsets_without_the_wide_offset_rule(monkeypatch)
     """Control: with JAX's own offset rule the same kernel addresses the key plane with i32 offsets."""
     from jax._src.pallas.triton import lowering
 
-    from pallas_kernels import addressing
+    from pallas_kernels import triton_addressing as addressing
 
     addressing.install_wide_offsets()
     monkeypatch.setattr(lowering, "_compute_offsets_from_indices", lowering._compute_offsets_from_indices.__wrapped__)
@@ -235,7 +235,7 @@ def test_the_check_sees_32_bit_offsets_without_the_wide_offset_rule(monkeypatch)
 
 
 def test_without_a_known_offset_rule_large_one_byte_planes_are_refused(monkeypatch):
-    from pallas_kernels import addressing
+    from pallas_kernels import triton_addressing as addressing
 
     monkeypatch.setattr(addressing, "install_wide_offsets", lambda: False)
     view = _paged_view("k8v4", "page-major", 128, **_BIG)

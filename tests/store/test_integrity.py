@@ -68,8 +68,10 @@ def test_a_payload_of_another_plan_is_refused_and_nothing_is_published():
     store.check_invariants()  # two plans in flight: their extents and pins are accounted for
     payload_a = store.gather_offload(plan_a, state)
     before = store.snapshot()
-    with pytest.raises(PayloadError, match=f"gathered for offload plan {plan_a.token} of store {store.identity}; "
-                                           f"this is plan {plan_b.token}"):
+    with pytest.raises(
+        PayloadError,
+        match=f"gathered for offload plan {plan_a.token} of store {store.identity}; this is plan {plan_b.token}",
+    ):
         store.complete_offload(plan_b, payload_a)
     assert_same(before, store.snapshot())
     assert plan_b.status == "planned" and store.checkpoint(b).placement == "device"
@@ -105,8 +107,12 @@ def test_a_plan_or_payload_of_another_store_is_refused():
 
 def test_invariants_hold_with_a_plan_in_flight():
     """The case that failed: a retained checkpoint's offload planned and not completed."""
-    store = KVStore(plan_kv_cache(ModelKVConfig(1, 1, 16, "bf16"), max_context=256, max_concurrency=2,
-                                  policy=ExplicitCapacity(512)), host_bytes=1 << 20)
+    store = KVStore(
+        plan_kv_cache(
+            ModelKVConfig(1, 1, 16, "bf16"), max_context=256, max_concurrency=2, policy=ExplicitCapacity(512)
+        ),
+        host_bytes=1 << 20,
+    )
     h = store.activate(100, 0)
     store.ensure_mapped_to_tokens(h, 100)
     store.commit(h, 100)
@@ -153,8 +159,13 @@ def test_another_stores_work_poisons_the_state_and_check_state_names_the_store()
 def _one_sequence_stores():
     """A single store and a bookkeeping-only sharded store (2 data shards), one sequence at row 0."""
     single = KVStore(tiny_plan(pages=12))
-    plan = plan_kv_cache_mesh(ModelKVConfig(1, 2, 8, "bf16"), MeshSpec.parse("data=2,model=1"), max_context=256,
-                              max_concurrency=6, policy=ExplicitCapacity(2 * 12 * P))
+    plan = plan_kv_cache_mesh(
+        ModelKVConfig(1, 2, 8, "bf16"),
+        MeshSpec.parse("data=2,model=1"),
+        max_context=256,
+        max_concurrency=6,
+        policy=ExplicitCapacity(2 * 12 * P),
+    )
     sharded = ShardedKVStore(plan)
     out = []
     for store, h in ((single, single.activate(100, 20)), (sharded, sharded.activate(100, 20, shard=0))):
@@ -184,7 +195,9 @@ def test_bad_targets_are_one_error_naming_row_and_value_on_both_stores(verb, val
     for store, h in _one_sequence_stores():
         row = store.row(h)
         before = store.snapshot()
-        with pytest.raises(TargetError, match=f"= {value} for row 0 is out of range; token targets lie in \\[0, 256\\]"):
+        with pytest.raises(
+            TargetError, match=f"= {value} for row 0 is out of range; token targets lie in \\[0, 256\\]"
+        ):
             VERBS[verb](store, h, row, value)
         assert_same(before, store.snapshot())
 
@@ -192,8 +205,12 @@ def test_bad_targets_are_one_error_naming_row_and_value_on_both_stores(verb, val
 @pytest.mark.parametrize("rows", [[0.0], [True], ["0"]])
 def test_non_integer_rows_are_a_type_error_on_both_stores(rows):
     for store, _ in _one_sequence_stores():
-        for call in (lambda: store.map_rows(rows, [60]), lambda: store.commit_rows(rows, [60]),
-                     lambda: store.trim_rows(rows), lambda: store.round_boundary(rows)):
+        for call in (
+            lambda: store.map_rows(rows, [60]),
+            lambda: store.commit_rows(rows, [60]),
+            lambda: store.trim_rows(rows),
+            lambda: store.round_boundary(rows),
+        ):
             with pytest.raises(TypeError):
                 call()
 

@@ -47,8 +47,9 @@ class Serving:
     """The caller: a store, its state, a model of every sequence's and checkpoint's tokens."""
 
     def __init__(self, slip: str | None = None, at: int = -1):
-        self.store = KVStore(tiny_plan(head_dim=D, pages=12, max_concurrency=3, layers=1, max_context=256),
-                             host_bytes=1 << 20)
+        self.store = KVStore(
+            tiny_plan(head_dim=D, pages=12, max_concurrency=3, layers=1, max_context=256), host_bytes=1 << 20
+        )
         self.state = self.store.allocate_state(fill=float("nan"))
         self.slip, self.at = slip, at
         self.model: dict = {}  # handle -> committed token values
@@ -292,8 +293,11 @@ def test_a_quarantined_row_is_refused_by_row_verbs_with_a_clear_error():
     s.state, report = resync(s.store, s.state)
     e = names["e"]
     row = s.store.row(e)
-    for verb in (lambda: s.store.commit_rows([row], [0]), lambda: s.store.trim_rows([row]),
-                 lambda: s.store.settle_rows([row], [len(s.model[e])])):
+    for verb in (
+        lambda: s.store.commit_rows([row], [0]),
+        lambda: s.store.trim_rows([row]),
+        lambda: s.store.settle_rows([row], [len(s.model[e])]),
+    ):
         with pytest.raises(LostContentError, match=f"row {row} holds a sequence whose content a resync found lost"):
             verb()
     with pytest.raises(LostContentError, match="above its intact"):

@@ -78,8 +78,14 @@ def _slip(store, state, kind: str):
 def _run_step(store, state, impl, work, rows, positions, valid, value=3.0):
     step = model_step(store.layout(MAIN), impl, attend=True)
     k = jnp.full((len(rows), T, 1, 16), value, jnp.float32)
-    return step(state, work.pad_to(64, 8, 8), np.asarray(rows, np.int32), np.asarray(positions, np.int32),
-                np.asarray(valid, np.int32), k)
+    return step(
+        state,
+        work.pad_to(64, 8, 8),
+        np.asarray(rows, np.int32),
+        np.asarray(positions, np.int32),
+        np.asarray(valid, np.int32),
+        k,
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -122,8 +128,14 @@ def test_a_forgotten_work_drops_the_new_rows_tokens(impl):
     step = model_step(store.layout(MAIN), impl, attend=True)
     empty = store.take_work()
     # the step applies the next work: out of order, so it poisons the state and drops everything
-    state, out = step(state, empty.pad_to(64, 8, 8), np.array([store.row(b)], np.int32), np.zeros(1, np.int32),
-                      np.array([4], np.int32), jnp.full((1, T, 1, 16), 7.0, jnp.float32))
+    state, out = step(
+        state,
+        empty.pad_to(64, 8, 8),
+        np.array([store.row(b)], np.int32),
+        np.zeros(1, np.int32),
+        np.array([4], np.int32),
+        jnp.full((1, T, 1, 16), 7.0, jnp.float32),
+    )
     assert all(np.array_equal(before[n], x) for n, x in _planes_bytes(state).items())
 
 
@@ -157,6 +169,8 @@ def test_a_donated_state_names_the_fix():
         lambda: state.table("main"),
         lambda: jax.tree.leaves(state),
     ):
-        with pytest.raises(DonatedStateError, match="use the state that step returned|Use the state that step returned"):
+        with pytest.raises(
+            DonatedStateError, match="use the state that step returned|Use the state that step returned"
+        ):
             use()
     assert new.host_serial() == 1

@@ -64,8 +64,9 @@ def _rungs(first: int, cap: int, factor: int) -> list[int]:
     return out
 
 
-def step_work_shapes(store, *, tables: int | None = None, copies: int = 0, restores: int = 0,
-                     factor: int = 8) -> StepWorkShapes:
+def step_work_shapes(
+    store, *, tables: int | None = None, copies: int = 0, restores: int = 0, factor: int = 8
+) -> StepWorkShapes:
     """The step shape and alone ladder for ``store`` (a :class:`KVStore`, or one shard's).
 
     Args:

@@ -1,4 +1,4 @@
-"""Element offsets wide enough for every plane the planner can produce.
+"""Triton backend: element offsets wide enough for every plane the planner can produce.
 
 The Pallas Triton lowering addresses each kernel operand as ``base pointer + element offset`` and
 picks the offset type from the operand's size in *bytes*: 64-bit above 2**32 bytes, 32-bit
@@ -12,8 +12,9 @@ pages).  Wider dtypes are safe (2**32 bytes of bf16 are 2**31 elements).
 elements is addressed with 64-bit offsets whatever its byte size (the wrapper changes nothing
 else: it hands the lowering a block description whose only difference is an element type wide
 enough to cross the byte threshold; strides are computed from the shape).  The Triton backend
-installs it before it lowers a kernel.  Where the installed JAX has no such function (a later
-version, whose rule is unknown here), :func:`check_plane_addressing` refuses the planes that the
+(:mod:`pallas_kernels.triton_backend`) installs it before it lowers a kernel.  Where the installed
+JAX has no such function (a later version, whose rule is unknown here),
+:func:`check_plane_addressing` (the Triton backend's ``check_planes``) refuses the planes that the
 32-bit rule above could not address, naming the plane, its size and the limit, before a kernel is
 built.
 """

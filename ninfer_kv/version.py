@@ -1,0 +1,3 @@
+"""The package version (a leaf module)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,146 @@
+"""The package's import graph: no cycles, and the host-only store imports no JAX.
+
+Every module of ``ninfer_kv`` and ``pallas_kernels`` is parsed (never imported) and every import it
+can run is an edge: top-level, inside functions and under ``TYPE_CHECKING``.  Importing ``a.b.c``
+also runs ``a/__init__.py`` and ``a/b/__init__.py``, so those are edges too, and ``from a import b``
+is an edge to the submodule ``a.b`` when there is one.  The graph must have no cycle.
+
+The edges to the importer's own ancestor packages are left out: they ran before the importer
+did, whatever it imports.  So that this is sound, a module may never import a re-exported name
+from one of its ancestor packages (``from ninfer_kv import KVStore`` inside ``ninfer_kv``, whose
+``__init__`` may still be running): it imports the module that defines it.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ninfer_kv", "pallas_kernels")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _with_parents(name: str, modules: dict) -> list[str]:
+    """``a.b.c`` -> the modules importing it runs: ``a``, ``a.b``, ``a.b.c`` (those that exist)."""
+    parts = name.split(".")
+    return [m for m in (".".join(parts[: i + 1]) for i in range(len(parts))) if m in modules]
+
+
+def _is_descendant(m: str, pkg: str) -> bool:
+    return m.startswith(pkg + ".")
+
+
+def _imports(name: str, path: Path):
+    """``(target module, imported names or None, line)`` of every import statement of a module."""
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            yield mod, [a.name for a in node.names], node.lineno
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for mod, names, _ in _imports(name, path):
+            targets = [mod] + [f"{mod}.{n}" for n in names or ()]
+            for t in targets:
+                for m in _with_parents(t, modules):
+                    if m != name and not _is_descendant(name, m):  # an ancestor of the importer: ran already
+                        graph[name].add(m)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (as a path that returns to its start), or ``None``."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return stack[stack.index(m) :] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_walker_sees_every_kind_of_import():
+    g = import_graph()
+    assert "ninfer_kv" in g["ninfer_kv.store.store"] or any(
+        m.startswith("ninfer_kv") for m in g["ninfer_kv.store.store"]
+    )
+    # a dotted import counts its parent packages; a cycle through a function-level import is found
+    assert find_cycle({"a": {"a.b"}, "a.b": {"c"}, "c": {"a"}}) == ["a", "a.b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_imports_a_re_export_of_its_own_package():
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        for mod, names, line in _imports(name, path):
+            if (
+                names
+                and mod in modules
+                and (name == mod or _is_descendant(name, mod))
+                and modules[mod].name == "__init__.py"
+            ):
+                for n in names:
+                    if f"{mod}.{n}" not in modules:
+                        bad.append(f"{path.relative_to(ROOT)}:{line}: from {mod} import {n}")
+    assert not bad, "import the defining module instead:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_store_imports_no_jax():
+    code = (
+        "import sys; import ninfer_kv.store, ninfer_kv.store.sharded, ninfer_kv.planning; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')); print(bad); "
+        "sys.exit(1 if bad else 0)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, f"importing the store imported JAX modules: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
