@@ -9,6 +9,9 @@ The store (:mod:`ninfer_kv.store`) is host-only bookkeeping; it hands the device
   :func:`gather_pages` and :func:`resync`;
 * :mod:`.page_copy` — the page writes of works and ``copy_page_columns``;
 * :mod:`.memory` — reading free device memory (the automatic capacity policy);
+* :mod:`.allocation` — a plan's plane buffers (``KVPoolSetLayout.allocate``);
+* :mod:`.sharded_store` — the mesh programs of a sharded store (allocate a state, apply a work
+  alone, pad a step's work, gather an offload per device);
 * :mod:`.mesh` — :class:`KVMesh`, the JAX mesh of a sharded cache;
 * :mod:`.host_transfer` — Device <-> Host page copies of the Host tier;
 * :mod:`.sharded_ops` — every op per shard inside ``shard_map`` (imported on its own: it sits

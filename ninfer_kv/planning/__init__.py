@@ -33,7 +33,7 @@ Modules: :mod:`.config` (what a deployment states: model, backend, capacity poli
 :mod:`.bounds` (the limits and :class:`PlanBoundError`), :mod:`.pool_set` (the pool-set builder and
 the capacity curve), :mod:`.plan` (:func:`plan_kv_cache`), :mod:`.mesh_plan` (planning over a
 device mesh).  All of it is arithmetic: reading free device memory lives in
-:mod:`ninfer_kv.device.memory`, allocating planes in :mod:`ninfer_kv.device.allocation`.
+:mod:`ninfer_kv.device.memory`, allocating a plan's planes in :mod:`ninfer_kv.device.allocation`.
 """
 
 from __future__ import annotations

@@ -246,8 +246,10 @@ class KVPoolSetLayout:
 
     def allocate(self, m: int, *, device=None) -> dict[PoolKind, dict[str, "jax.Array"]]:
         """Allocate every pool's device planes at ``M`` (block tables are owned by the store)."""
+        from ..device.allocation import allocate_pools  # planning is arithmetic; buffers are device work
+
         self.check_bounds(self._check_m(m))
-        return {kind: p.layout.allocate(p.physical_pages, device=device) for kind, p in self.pools(m).items()}
+        return allocate_pools(self, m, device=device)
 
     def allocated_bytes(self, m: int) -> int:
         """Bytes of really allocated planes plus tables and fixed part (for curve verification)."""

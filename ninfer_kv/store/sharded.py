@@ -89,7 +89,6 @@ class ShardedKVStore:
         self.max_concurrency = self.num_shards * self.rows_per_shard
         self.max_context = plan.max_context
         self.logical_pages = plan.logical_pages
-        self._apply_alone = None
         self.identity = next_store_serial()
         self.shards: tuple[KVStore, ...] = tuple(
             KVStore(plan.shard, entitlement=entitlement, requires_state_image=requires_state_image,
@@ -297,18 +296,11 @@ class ShardedKVStore:
         """A fresh sharded :class:`KVDeviceState` on the mesh: every leaf a ``NamedSharding``
         (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data)``, serial
         replicated), each device allocating only its own block.  ``memory_kind="pinned_host"`` places
-        the same specs in pinned host memory (a Host-tier copy)."""
-        import jax
+        the same specs in pinned host memory (a Host-tier copy).  The program is the device layer's
+        (:func:`~ninfer_kv.device.sharded_store.allocate_sharded_state`)."""
+        from ..device.sharded_store import allocate_sharded_state
 
-        if self.kv_mesh is None:
-            raise LifecycleError("this ShardedKVStore was built without a mesh; pass mesh= to allocate a state")
-        pools = self.global_pools()
-        blank = self.work_serial > 0  # a state allocated after takes holds none of their content
-        from ..device.state import KVDeviceState
-
-        build = lambda: KVDeviceState.zeros(pools, fill=fill, blank=blank, owner=self.identity)  # noqa: E731
-        shardings = self.kv_mesh.state_shardings(jax.eval_shape(build), memory_kind=memory_kind)
-        return jax.jit(build, out_shardings=shardings)()
+        return allocate_sharded_state(self, fill=fill, memory_kind=memory_kind)
 
     def take_work(self) -> ShardedRoundWork:
         """Every shard's round work since the last take, stacked per shard (host arrays; apply with
@@ -316,28 +308,21 @@ class ShardedKVStore:
         return stack_works([s.take_work() for s in self.shards])
 
     def apply_work_alone(self, state: "KVDeviceState", work: ShardedRoundWork) -> "KVDeviceState":
-        """Apply a work outside any step: one jitted program over the mesh, the state donated."""
-        import jax
+        """Apply a work outside any step: one jitted program over the mesh, the state donated
+        (:func:`~ninfer_kv.device.sharded_store.apply_sharded_work_alone`)."""
+        from ..device.sharded_store import apply_sharded_work_alone
 
-        from ..device.sharded_ops import sharded_apply_work
-
-        if self._apply_alone is None:
-            self._apply_alone = jax.jit(lambda s, w: sharded_apply_work(self.kv_mesh, s, w), donate_argnums=0)
-        return self._apply_alone(state, work.device_put(self.kv_mesh))
+        return apply_sharded_work_alone(self, state, work)
 
     def take_step_work(self, state: "KVDeviceState", shapes=None):
         """The sharded :func:`~ninfer_kv.take_step_work`: ``(state, work)`` with ``work`` padded to
         the step shape (global arrays on the mesh) for a step that applies works; a work that does
         not fit is padded to the smallest alone shape holding it and applied alone first (jitted,
-        per shard), and the step gets the next, empty, take.  ``shapes`` as there (of one shard)."""
-        from ..device.work import _shapes
+        per shard), and the step gets the next, empty, take.  ``shapes`` as there (of one shard)
+        (:func:`~ninfer_kv.device.sharded_store.take_sharded_step_work`)."""
+        from ..device.sharded_store import take_sharded_step_work
 
-        shapes = _shapes(self.shards[0], shapes)
-        work = self.take_work()
-        if not work.fits(*shapes.step):
-            state = self.apply_work_alone(state, work.pad_to(*shapes.alone_shape(work.counts().values())))
-            work = self.take_work()
-        return state, work.pad_to(*shapes.step).device_put(self.kv_mesh)
+        return take_sharded_step_work(self, state, shapes)
 
     def check_state(self, state: "KVDeviceState") -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far (the
@@ -381,37 +366,11 @@ class ShardedKVStore:
         every device gathers its own pages and heads inside ``shard_map``; the pages then move to
         the host through the same specs in ``pinned_host`` memory on a GPU (directly on a CPU,
         where pinned host memory is ordinary memory).  Needs the shard's devices addressable by
-        this process.  Returns the plan's :class:`OffloadPayload` (naming the plan and its pages)."""
-        import jax
+        this process.  Returns the plan's :class:`OffloadPayload` (naming the plan and its pages).
+        The program is the device layer's (:func:`~ninfer_kv.device.sharded_store.gather_sharded_offload`)."""
+        from ..device.sharded_store import gather_sharded_offload
 
-        from ..device.sharded_ops import sharded_gather_pages
-
-        d = self._shard_index(shard)
-        serial = np.asarray(state.serial.addressable_data(0))
-        request = plan.request
-
-        def payload_of(planes: dict) -> OffloadPayload:
-            return OffloadPayload(request.store, request.token, serial, request.pages, planes)
-
-        if not plan.pages:
-            return payload_of({})
-        stacked = {}
-        for kind, ids in plan.pages.items():
-            rows = np.zeros((self.num_shards, len(ids)), np.int32)
-            rows[d] = ids
-            stacked[kind] = rows
-        _, words = jax.jit(lambda s, p: sharded_gather_pages(self.kv_mesh, s, p))(state, stacked)
-        pinned = self.kv_mesh.devices[0].platform in ("gpu", "cuda", "rocm")
-        payload = {}
-        for kind, planes in words.items():
-            payload[kind] = {}
-            for name, x in planes.items():
-                if pinned:
-                    x = jax.device_put(x, self.kv_mesh.sharding(x.sharding.spec, memory_kind="pinned_host"))
-                if not x.is_fully_addressable:
-                    raise LifecycleError("a Host offload needs every device of the shard in this process")
-                payload[kind][name] = np.asarray(x[d])
-        return payload_of(payload)
+        return gather_sharded_offload(self, self._shard_index(shard), plan, state)
 
     def offload_checkpoint(self, handle: ShardedCheckpoint, state):
         """Plan, gather (per device) and complete the Host offload of a checkpoint on its shard's

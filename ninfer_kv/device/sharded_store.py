@@ -1,0 +1,108 @@
+"""The device programs of a :class:`~ninfer_kv.store.sharded.ShardedKVStore`.
+
+The sharded store is host-only bookkeeping, like every store; what runs on the mesh lives here:
+allocating a sharded :class:`~ninfer_kv.device.state.KVDeviceState`, applying a stacked
+:class:`~ninfer_kv.work.ShardedRoundWork` outside a step, padding the next work to a step's shape,
+and gathering one shard's offload payload per device.  The store's methods of the same names
+(``allocate_state``, ``apply_work_alone``, ``take_step_work``, ``gather_offload``) call these.
+
+The store is taken by duck type (``kv_mesh``, ``identity``, ``work_serial``, ``global_pools()``,
+``take_work()``, ``shards``, ``num_shards``): this module imports nothing of :mod:`ninfer_kv.store`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import numpy as np
+
+from ..errors import LifecycleError
+from ..work import OffloadPayload
+from .sharded_ops import sharded_apply_work, sharded_gather_pages
+from .state import KVDeviceState
+from .work import _shapes
+
+__all__ = ["allocate_sharded_state", "apply_sharded_work_alone", "take_sharded_step_work", "gather_sharded_offload"]
+
+# One jitted "apply alone" program per store (its mesh closed over, the state donated); the entry
+# goes with the store.
+_APPLY_ALONE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _mesh_of(store):
+    if store.kv_mesh is None:
+        raise LifecycleError("this ShardedKVStore was built without a mesh; pass mesh= to use device programs")
+    return store.kv_mesh
+
+
+def allocate_sharded_state(store, *, fill=None, memory_kind: str | None = None) -> KVDeviceState:
+    """A fresh sharded state on ``store``'s mesh, each device allocating only its own block
+    (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data)``, serial
+    replicated); ``memory_kind="pinned_host"`` places the same specs in pinned host memory."""
+    mesh = _mesh_of(store)
+    pools = store.global_pools()
+    blank = store.work_serial > 0  # a state allocated after takes holds none of their content
+
+    def build():
+        return KVDeviceState.zeros(pools, fill=fill, blank=blank, owner=store.identity)
+
+    shardings = mesh.state_shardings(jax.eval_shape(build), memory_kind=memory_kind)
+    return jax.jit(build, out_shardings=shardings)()
+
+
+def apply_sharded_work_alone(store, state: KVDeviceState, work) -> KVDeviceState:
+    """Apply a stacked work outside any step: one jitted program over the mesh, the state donated."""
+    mesh = _mesh_of(store)
+    program = _APPLY_ALONE.get(store)
+    if program is None:
+        program = jax.jit(lambda s, w: sharded_apply_work(mesh, s, w), donate_argnums=0)
+        _APPLY_ALONE[store] = program
+    return program(state, work.device_put(mesh))
+
+
+def take_sharded_step_work(store, state: KVDeviceState, shapes=None):
+    """``(state, work)``: the next stacked work padded to the step shape (global arrays on the
+    mesh); a work that does not fit is padded to the smallest alone shape holding it and applied
+    alone first, and the step gets the next, empty, take.  ``shapes`` as
+    :func:`~ninfer_kv.device.work.take_step_work` (of one shard)."""
+    mesh = _mesh_of(store)
+    shapes = _shapes(store.shards[0], shapes)
+    work = store.take_work()
+    if not work.fits(*shapes.step):
+        state = apply_sharded_work_alone(store, state, work.pad_to(*shapes.alone_shape(work.counts().values())))
+        work = store.take_work()
+    return state, work.pad_to(*shapes.step).device_put(mesh)
+
+
+def gather_sharded_offload(store, shard: int, plan, state: KVDeviceState) -> OffloadPayload:
+    """Shard ``shard``'s offload payload for ``plan``: every device gathers its own pages and heads
+    inside ``shard_map``; the pages then move to the host through the same specs in
+    ``pinned_host`` memory on a GPU (directly on a CPU, where pinned host memory is ordinary
+    memory).  Needs the shard's devices addressable by this process."""
+    mesh = _mesh_of(store)
+    serial = np.asarray(state.serial.addressable_data(0))
+    request = plan.request
+
+    def payload_of(planes: dict) -> OffloadPayload:
+        return OffloadPayload(request.store, request.token, serial, request.pages, planes)
+
+    if not plan.pages:
+        return payload_of({})
+    stacked = {}
+    for kind, ids in plan.pages.items():
+        rows = np.zeros((store.num_shards, len(ids)), np.int32)
+        rows[shard] = ids
+        stacked[kind] = rows
+    _, words = jax.jit(lambda s, p: sharded_gather_pages(mesh, s, p))(state, stacked)
+    pinned = mesh.devices[0].platform in ("gpu", "cuda", "rocm")
+    payload = {}
+    for kind, planes in words.items():
+        payload[kind] = {}
+        for name, x in planes.items():
+            if pinned:
+                x = jax.device_put(x, mesh.sharding(x.sharding.spec, memory_kind="pinned_host"))
+            if not x.is_fully_addressable:
+                raise LifecycleError("a Host offload needs every device of the shard in this process")
+            payload[kind][name] = np.asarray(x[shard])
+    return payload_of(payload)
