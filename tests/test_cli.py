@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import ninfer_kv
 from ninfer_kv import cli
 from ninfer_kv.cli import main, parse_bytes
+from ninfer_kv.profiles import PROFILE_ALIASES, KVProfile
 
 REALISTIC = (
     "plan --layers 16 --kv-heads 2 --head-dim 256 --profile k8v4 --max-context 32768 "
@@ -315,7 +316,7 @@ def test_fuzz_plan_numeric_flags(data, backend):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    profile=st.sampled_from(["bf16", "int8", "fp8", "nvfp4", "k8v4"]),
+    profile=st.sampled_from(sorted({p.value for p in KVProfile} | set(PROFILE_ALIASES))),  # every name --kv-cache-dtype takes
     head_dim=_NUMBERS,
     pool=st.one_of(st.none(), st.tuples(_NUMBERS, _NUMBERS, st.one_of(st.none(), _NUMBERS))),
 )

@@ -63,9 +63,11 @@ def test_rope_at_position_zero_is_identity():
 
 def test_swiglu_matches_formula():
     r = np.random.default_rng(0)
-    x, wg, wu, wd = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((2, 8), (8, 16), (8, 16), (16, 8)))
+    # projections are (out, in), as nn.Linear weights
+    x, wg, wu, wd = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((2, 8), (16, 8), (16, 8), (8, 16)))
     silu = lambda z: z / (1 + jnp.exp(-z))  # noqa: E731
-    np.testing.assert_allclose(np.asarray(swiglu(x, wg, wu, wd)), np.asarray((silu(x @ wg) * (x @ wu)) @ wd), rtol=1e-5, atol=1e-5)
+    want = (silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+    np.testing.assert_allclose(np.asarray(swiglu(x, wg, wu, wd)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 # -- config ------------------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def test_init_params_is_deterministic_and_seeded():
     chex.assert_trees_all_equal(a, b)
     assert not np.array_equal(np.asarray(a["embed"]), np.asarray(c["embed"]))
     assert len(a["layers"]) == cfg.num_layers and "mtp" in a
-    chex.assert_shape(a["layers"][0]["wk"], (cfg.d_model, cfg.num_kv_heads * cfg.head_dim))
+    chex.assert_shape(a["layers"][0]["wk"], (cfg.num_kv_heads * cfg.head_dim, cfg.d_model))  # (out, in)
     assert "mtp" not in init_params(ModelConfig.tiny(), 3)
     # Adding the MTP head does not change the main weights.
     chex.assert_trees_all_equal(init_params(ModelConfig.tiny(), 3)["layers"], a["layers"])

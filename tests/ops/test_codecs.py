@@ -1,4 +1,4 @@
-"""The jnp codecs are bit-identical to the independent numpy oracle (tests/ops/np_codecs.py)."""
+"""The jnp codecs are bit-identical to the independent numpy oracle (tests/conformance/np_codecs.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import pytest
 from ninfer_kv import codecs
 from ninfer_kv.profiles import KVCodec, KVProfile
 
-from . import np_codecs
+from tests.conformance import np_codecs
 
 HEAD_DIMS = (64, 128, 256)
 CODECS = list(KVCodec)

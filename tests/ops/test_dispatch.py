@@ -11,7 +11,7 @@ from ninfer_kv import ops
 from ninfer_kv.ops import dispatch, reference
 from ninfer_kv.ops.dispatch import ImplFallbackWarning, ImplUnavailableError, OpImpl, override_impls
 
-from .cases import make_paged_case
+from tests.conformance.cases import make_paged_case
 
 
 def _unavailable(reason="simulated: library not built"):

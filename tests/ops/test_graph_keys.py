@@ -16,7 +16,7 @@ import pytest
 from ninfer_kv import PagedKVStorageLayout
 from ninfer_kv.ops import dispatch
 
-from .cases import decode_step
+from .steps import decode_step
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

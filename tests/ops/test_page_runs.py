@@ -11,7 +11,7 @@ from ninfer_kv import PagedKVStorageLayout, PlaneOrder, ops
 from ninfer_kv.ops import gather_page_runs, scatter_page_runs
 from ninfer_kv.ops import page_runs
 
-from .cases import poison_planes
+from tests.conformance.cases import poison_planes
 
 N = 12
 

@@ -12,7 +12,7 @@ import pytest
 from ninfer_kv import PagedKVStorageLayout
 from ninfer_kv.ops import dispatch
 
-from .cases import decode_step, step_arg_specs
+from .steps import decode_step, step_arg_specs
 
 SLACK = 16 * 1024  # fixed per-launch scratch allowed to vary; a gather here costs megabytes
 SMALL_L = 4

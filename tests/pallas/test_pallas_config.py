@@ -90,28 +90,30 @@ def test_empty_batches_and_chunks_run_no_kernel():
     import jax.numpy as jnp
     import numpy as np
 
-    import pallas_cases as pc
+    from tests.conformance.cases import make_paged_case
+    from tests.conformance.checks import assert_same_planes
 
-    case = pc.make_paged_case("k8v4", "page-major", head_dim=64, kv_heads=1, kv_lens=[10])
+    case = make_paged_case("k8v4", "page-major", kv_lens=[10], heads=1, poison="bytes")
+    view, rows = case.view(), jnp.asarray(case.table_rows)
     q = jnp.zeros((1, 0, 2, 64), jnp.bfloat16)
     i32 = jnp.zeros((1,), jnp.int32)
-    out = pk.paged_attention(q, case.view, case.table_rows, i32, i32)
+    out = pk.paged_attention(q, view, rows, i32, i32)
     assert out.shape == q.shape and out.dtype == q.dtype
     k = jnp.zeros((1, 0, 1, 64), jnp.float32)
-    view = pk.paged_append(case.view, case.table_rows, i32, k, k, i32)
-    for name in case.view.planes:
-        np.testing.assert_array_equal(pc.as_bytes(view.planes[name]), pc.as_bytes(case.view.planes[name]))
+    after = pk.paged_append(view, rows, i32, k, k, i32)
+    assert_same_planes({n: np.asarray(x) for n, x in after.planes.items()}, case.planes, "empty chunk")
 
 
 def test_ops_reject_the_other_ops_config():
     import jax.numpy as jnp
 
-    import pallas_cases as pc
+    from tests.conformance.cases import make_paged_case
 
-    case = pc.make_paged_case("bf16", "page-major", head_dim=64, kv_heads=1, kv_lens=[10])
+    case = make_paged_case("bf16", "page-major", kv_lens=[10], heads=1)
+    view, rows = case.view(), jnp.asarray(case.table_rows)
     q = jnp.zeros((1, 1, 1, 64), jnp.float32)
     i32 = jnp.zeros((1,), jnp.int32)
     with pytest.raises(TypeError, match="PagedAttentionConfig"):
-        pk.paged_attention(q, case.view, case.table_rows, i32, i32, config=pk.CyclicAttentionConfig(block_k=16))
+        pk.paged_attention(q, view, rows, i32, i32, config=pk.CyclicAttentionConfig(block_k=16))
     with pytest.raises(TypeError, match="PagedAppendConfig"):
-        pk.paged_append(case.view, case.table_rows, i32, q, q, i32, config=pk.CyclicAppendConfig())
+        pk.paged_append(view, rows, i32, q, q, i32, config=pk.CyclicAppendConfig())

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as peer
 
-import pallas_cases as pc
 import pallas_kernels as pk
 from ninfer_kv.ops.reference import paged_attention_reference
+from tests.conformance.cases import PAGE, make_paged_case
 
 
 @pytest.mark.slow  # the CPU rehearsal of bench/gpu_check.py compares the peer with ours in the default run
@@ -23,24 +23,25 @@ from ninfer_kv.ops.reference import paged_attention_reference
 def test_bf16_head_major_decode_matches_jax_peer(group, k_splits):
     kv_heads, head_dim = 2, 128
     kv_lens = np.array([100, 64, 200, 1])
-    case = pc.make_paged_case("bf16", "head-major", head_dim=head_dim, kv_heads=kv_heads, kv_lens=kv_lens, seed=3)
-    view = case.view
+    case = make_paged_case("bf16", "head-major", kv_lens=kv_lens, heads=kv_heads, head_dim=head_dim, logical_pages=4,
+                           seed=3)
+    view = case.view()
     planes = {n: jnp.where(jnp.isnan(p), jnp.zeros((), p.dtype), p) for n, p in view.planes.items()}
     table = np.array(view.block_tables)
     rows = np.asarray(case.table_rows)
     for b, n in enumerate(kv_lens):  # entries past a row's last page -> a valid page (peer tables must be)
-        table[rows[b], -(-n // pc.PAGE):] = table[rows[b], 0]
+        table[rows[b], -(-n // PAGE):] = table[rows[b], 0]
     view = view.replace(planes=planes, block_tables=jnp.asarray(table))
     bsz = len(kv_lens)
-    q = pc.random_tokens(9, (bsz, 1, kv_heads * group, head_dim), jnp.bfloat16, scale=0.1)
+    q = (jax.random.normal(jax.random.key(9), (bsz, 1, kv_heads * group, head_dim)) * 0.1).astype(jnp.bfloat16)
 
     per_row_tables = jnp.asarray(table[rows])  # (B, L): the peer indexes tables by batch row
     width = per_row_tables.shape[1]
     want_peer = peer.paged_attention(
-        q[:, 0], planes["k"][pc.LAYER], planes["v"][pc.LAYER], per_row_tables, jnp.asarray(kv_lens, jnp.int32),
+        q[:, 0], planes["k"][case.layer], planes["v"][case.layer], per_row_tables, jnp.asarray(kv_lens, jnp.int32),
         pages_per_compute_block=1, k_splits=k_splits if width % k_splits == 0 else 1, interpret=True,
     )
-    args = (q, view, case.table_rows, jnp.asarray(kv_lens - 1, jnp.int32), jnp.asarray(kv_lens, jnp.int32))
+    args = (q, view, jnp.asarray(case.table_rows), jnp.asarray(kv_lens - 1, jnp.int32), jnp.asarray(kv_lens, jnp.int32))
     cfg = pk.PagedAttentionConfig(k_splits=k_splits)
     got = jax.jit(lambda *a: pk.paged_attention(*a, sm_scale=1.0, config=cfg))(*args)
     ref = jax.jit(lambda *a: paged_attention_reference(*a, sm_scale=1.0))(*args)

@@ -24,20 +24,18 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ninfer_kv.profiles import KVProfile
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 F32 = np.float32
 
-# codec value strings of ninfer_kv.profiles.KVCodec
-CODECS = ("bf16", "int8-g64", "fp8-e4m3fn-row", "nvfp4-g16")
-PROFILE_CODECS = {
-    "bf16": ("bf16", "bf16"),
-    "int8-g64": ("int8-g64", "int8-g64"),
-    "fp8-e4m3fn-row256": ("fp8-e4m3fn-row", "fp8-e4m3fn-row"),
-    "nvfp4-g16": ("nvfp4-g16", "nvfp4-g16"),
-    "k8v4": ("fp8-e4m3fn-row", "nvfp4-g16"),
-}
+
+def profile_codecs(profile) -> tuple[str, str]:
+    """The codec names of K and V of a profile (a name or a ``KVProfile``), read from the spec table."""
+    p = KVProfile.parse(profile)
+    return p.k_codec.value, p.v_codec.value
 
 
 def _groups(x: np.ndarray, size: int) -> np.ndarray:
@@ -134,9 +132,9 @@ def decode(codec: str, code, scale) -> np.ndarray:
     raise ValueError(f"unknown codec {codec!r}")
 
 
-def encode_kv(profile: str, k, v) -> dict[str, np.ndarray]:
-    """Plane values keyed ``k``, [``k_scale``], ``v``, [``v_scale``] for a profile's CLI name."""
-    kc, vc = PROFILE_CODECS[profile]
+def encode_kv(profile, k, v) -> dict[str, np.ndarray]:
+    """Plane values keyed ``k``, [``k_scale``], ``v``, [``v_scale``] for a profile (name or member)."""
+    kc, vc = profile_codecs(profile)
     out = {}
     for name, codec, x in (("k", kc, k), ("v", vc, v)):
         code, scale = encode(codec, x)
@@ -146,8 +144,9 @@ def encode_kv(profile: str, k, v) -> dict[str, np.ndarray]:
     return out
 
 
-def decode_kv(profile: str, planes: dict) -> tuple[np.ndarray, np.ndarray]:
-    kc, vc = PROFILE_CODECS[profile]
+def decode_kv(profile, planes: dict) -> tuple[np.ndarray, np.ndarray]:
+    """float32 K and V ``(..., D)`` of plane values keyed as :func:`encode_kv` returns them."""
+    kc, vc = profile_codecs(profile)
     return (
         decode(kc, planes["k"], planes.get("k_scale")),
         decode(vc, planes["v"], planes.get("v_scale")),

@@ -1,0 +1,1 @@
+"""Kernel conformance: every registered backend against the numpy oracle, for every profile."""
