@@ -5,6 +5,7 @@ Usage::
     ninfer-kv layout --profile k8v4 --head-dim 256 [--layers 16 --kv-heads 2 [--order page-major] [--pages 8]] [--json]
     ninfer-kv plan --layers 16 --kv-heads 2 --head-dim 256 --profile k8v4 \\
         --max-context 32768 --max-concurrency 64 --free-bytes 40GiB --backend mtp --draft-window 4 [--json]
+    ninfer-kv generate --model DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S]
 
 Output contract:
 
@@ -40,7 +41,7 @@ JSON by ``--json``) or ``None`` when it has written its own output.  A ``ValueEr
 Modules: :mod:`.registry` (the subcommand registry and :data:`SUBCOMMAND_MODULES`, where the
 ``demo`` command of :mod:`ninfer_kv.demo.cli` is hooked in), :mod:`.types` (argparse ``type=``
 callables), :mod:`.parser` (the one-line-error parser), :mod:`.flags` (library parameter names
-spoken as flags), :mod:`.tables` (text tables), :mod:`.layout_cmd` and :mod:`.plan_cmd` (the
+spoken as flags), :mod:`.tables` (text tables), :mod:`.layout_cmd`, :mod:`.plan_cmd` and :mod:`.generate_cmd` (the
 built-in commands, registered when this package is imported) and :mod:`.app` (:func:`main`).
 """
 
@@ -50,7 +51,7 @@ import sys
 import types as _module_types
 
 from ..units import format_bytes, parse_bytes
-from . import layout_cmd, plan_cmd  # noqa: F401  (the built-in commands; importing registers them, in this order)
+from . import layout_cmd, plan_cmd, generate_cmd  # noqa: F401  (the built-in commands; importing registers them, in this order)
 from . import registry as _registry
 from .app import main
 from .parser import build_parser

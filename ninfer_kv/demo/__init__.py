@@ -1,6 +1,6 @@
 """An end-to-end serving demo over the KV store: ``ninfer-kv demo``.
 
-A small Qwen-style model (:mod:`ninfer_kv.models.qwen_tiny`) serves a workload of requests that
+A small Qwen-style model (:mod:`ninfer_kv.models.decoder`) serves a workload of requests that
 share system prompts, with continuous batching through a :class:`~ninfer_kv.store.KVStore`:
 admission under capacity, chunked prefill, batch buckets, prefix checkpoints forked with COW tails,
 memory pressure handled by offloading cold checkpoints to the Host tier, optional MTP speculative

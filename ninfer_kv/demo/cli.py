@@ -65,8 +65,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                       help="distinct system prompts shared by 3/4 of the requests (default 3; 0: all unique)")
     work.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0, help="seed of the weights and the workload (default 0)")
     model = p.add_argument_group("model and kernels")
-    model.add_argument("--model", type=_choice("model", _MODELS), default="small",
-                       help="tiny (2 layers, head dim 64) or small (4 layers, head dim 128; default)")
+    model.add_argument("--model", type=_model, default="small", metavar="tiny|small|DIR",
+                       help="tiny (2 layers, head dim 64), small (4 layers, head dim 128; default) or a Hugging Face "
+                            "checkpoint directory (Qwen3, Qwen2, Llama, Mistral; served in float32, stops at its EOS)")
     model.add_argument("--profile", "--kv-cache-dtype", dest="profile", type=PROFILE, default="bf16",
                        help=f"KV profile: {', '.join(p.value for p in KVProfile)} (default bf16; short names too)")
     model.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
@@ -107,6 +108,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--no-dense-check", action="store_true", help="skip the dense recomputation after the run")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _model(text: str) -> str:
+    """``--model``: a demo size (case-insensitive) or an existing checkpoint directory."""
+    value = str(text).strip()
+    if value.lower() in _MODELS:
+        return value.lower()
+    if os.path.isdir(value):
+        return value
+    raise argparse.ArgumentTypeError(f"model {text!r} is neither {' nor '.join(_MODELS)} nor a checkpoint directory")
 
 
 def _mesh(text: str):

@@ -2,7 +2,7 @@
 
 For a request with prompt ``p`` and generated tokens ``g_1 .. g_m`` the dense reference runs the
 same model over ``p + g_1 .. g_{m-1}`` from position 0 with plain causal attention and the same
-codec round trip applied to K/V (:func:`ninfer_kv.models.qwen_tiny.dense_logits`), and compares,
+codec round trip applied to K/V (:func:`ninfer_kv.models.decoder.dense_logits`), and compares,
 at every generated position ``j``:
 
 * the logits: ``max |served - dense| <= tol(profile)``;
@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from ..geometry import PAGE_SIZE, ceil_div
-from ..models.qwen_tiny import ModelConfig, dense_logits
+from ..models.decoder import ModelConfig, dense_logits
 from ..profiles import KVProfile
 from .scheduler import RequestRecord
 

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.qwen_tiny import ModelConfig, dense_mtp_forward
-from ..models.qwen_tiny.dense import dense_forward
-from ..models.qwen_tiny.mtp import mtp_input
+from ..models.decoder import ModelConfig, dense_mtp_forward
+from ..models.decoder.dense import dense_forward
+from ..models.decoder.mtp import mtp_input
 
 __all__ = ["CalibratedHead", "fit_mtp_head", "CALIBRATION_SHAPE", "RIDGE"]
 
@@ -102,6 +102,6 @@ def fit_mtp_head(params: dict, model: ModelConfig, seed: int = 0) -> CalibratedH
 
 @functools.partial(jax.jit, static_argnames=("model",))
 def _main_logits(params: dict, hidden, *, model: ModelConfig):
-    from ..models.qwen_tiny.model import logits_from_hidden
+    from ..models.decoder.model import logits_from_hidden
 
     return logits_from_hidden(params, model, hidden)

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..planning import PoolKind
 from ..store import KVDeviceState, KVStore, SequenceHandle, apply_work_jit, step_work_shape, take_step_work
-from ..models.qwen_tiny import ModelConfig, ModelSteps, bucket_for, pad_rows
+from ..models.decoder import ModelConfig, ModelSteps, bucket_for, pad_rows
 from .requests import Request
 
 __all__ = ["StateImage", "Lane", "ModelEngine", "model_fingerprint"]
@@ -125,9 +125,11 @@ class Lane:
 
     @property
     def done(self) -> bool:
-        """Budget spent, or a prefix job whose system prompt is complete in every pool."""
+        """Budget spent, a stop token generated, or a prefix job whose system prompt is complete in every pool."""
         if self.prefix_job:
             return not self.prefilling
+        if self.generated > 0 and self.tokens[-1] in self.request.stop_tokens:
+            return True
         return self.remaining <= 0
 
 
@@ -361,8 +363,11 @@ class ModelEngine:
         self.store.settle_rows(rows, front, pool=MTP)
         for i, lane in enumerate(lanes):
             a = int(accepted[i])
-            lane.tokens.extend(int(x) for x in target[i, : a + 1])
-            lane.generated_logits.extend(logits[i, j].copy() for j in range(a + 1))
+            kept = [int(x) for x in target[i, : a + 1]]
+            stops = [j for j, x in enumerate(kept) if x in lane.request.stop_tokens]
+            kept = kept[: stops[0] + 1] if stops else kept  # nothing after a stop token
+            lane.tokens.extend(kept)
+            lane.generated_logits.extend(logits[i, j].copy() for j in range(len(kept)))
             lane.hidden_tail = vhidden[i, : a + 1].copy()  # h_n .. h_{n+a}: the next round's pending pairs
             lane.mtp_frontier = lane.frontier
             lane.frontier += a + 1

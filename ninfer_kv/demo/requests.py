@@ -87,6 +87,7 @@ class Request:
       prefix_group: index of the system prompt the prompt starts with, or ``None``.
       prefix_tokens: length of that system prompt (0 when ``prefix_group`` is ``None``);
         ``prefix_tokens < len(prompt)``.
+      stop_tokens: token ids that end the request when generated (the model's EOS ids).
     """
 
     id: int
@@ -94,6 +95,7 @@ class Request:
     max_new_tokens: int
     prefix_group: int | None = None
     prefix_tokens: int = 0
+    stop_tokens: tuple[int, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:

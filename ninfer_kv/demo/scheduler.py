@@ -37,10 +37,13 @@ from .engine import Lane, ModelEngine
 from .prefix_cache import CachedPrefix, PrefixCache
 from .requests import Request
 
-__all__ = ["RequestRecord", "SchedulerStats", "Scheduler", "FINISH_LENGTH", "check_workload_fits"]
+__all__ = ["RequestRecord", "SchedulerStats", "Scheduler", "FINISH_LENGTH", "FINISH_STOP", "check_workload_fits"]
 
 FINISH_LENGTH = "length"
 """Finish reason of a request that spent its budget or whose lease could not grow further."""
+
+FINISH_STOP = "stop"
+"""Finish reason of a request that generated one of its stop tokens (the model's EOS)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,8 @@ class RequestRecord:
       request: the request.
       generated: int32 generated tokens.
       logits: float32 ``(len(generated), V)``: the logits that chose each token.
-      finish_reason: :data:`FINISH_LENGTH`.
+      finish_reason: :data:`FINISH_STOP` when the last generated token is a stop token, else
+        :data:`FINISH_LENGTH`.
       bounded: ``True`` when the lease could not grow and the request ended before its budget.
       prefix_hit: the request forked a checkpoint that already existed when it was admitted.
       admitted_round, finished_round: scheduler rounds.
@@ -336,8 +340,10 @@ class Scheduler:
         logits = np.stack(lane.generated_logits) if lane.generated_logits else np.zeros((0, self.engine.model.vocab_size), np.float32)
         if bounded:
             self.stats.bounded_completions += 1
+        stopped = not bounded and gen.size > 0 and int(gen[-1]) in req.stop_tokens
         record = RequestRecord(
-            req, gen, logits, FINISH_LENGTH, bounded, lane.prefix_hit, lane.admitted_round, self.round
+            req, gen, logits, FINISH_STOP if stopped else FINISH_LENGTH, bounded, lane.prefix_hit,
+            lane.admitted_round, self.round
         )
         self.records.append(record)
         if self.on_finish is not None:

@@ -1,9 +1,15 @@
 """Models that run over the paged KV cache.
 
-* :mod:`ninfer_kv.models.qwen_tiny` — a small Qwen-style decoder (GQA, QK-norm, RoPE, SwiGLU, an
-  optional MTP head) with jitted chunked-prefill / decode / verify / MTP step functions whose
-  attention goes only through ``ninfer_kv.ops``, and dense no-cache references.  It is what the
-  ``ninfer-kv demo`` serving loop, the examples and the end-to-end tests run.
+* :mod:`ninfer_kv.models.decoder` — a configurable decoder (Qwen3, Qwen2/2.5, Llama, Mistral
+  options: GQA, optional QK-norm and attention biases, RoPE with its scalings, SwiGLU, tied
+  embeddings, an optional MTP head) with jitted chunked-prefill / decode / verify / MTP step
+  functions whose attention goes only through ``ninfer_kv.ops``, sampling inside the steps, and
+  dense no-cache references.  It is what the ``ninfer-kv demo`` serving loop, the examples and the
+  end-to-end tests run; :mod:`ninfer_kv.models.qwen_tiny` is an alias kept for older imports.
+* :mod:`ninfer_kv.models.hf` — Hugging Face checkpoint directories: ``config.json`` mapping,
+  safetensors loading and writing, tokenizer and EOS.
+* :mod:`ninfer_kv.models.generate` — :class:`~ninfer_kv.models.generate.PagedGenerator`, text
+  generation through the paged store (the ``ninfer-kv generate`` command).
 
 Submodules are imported on demand; importing :mod:`ninfer_kv` does not import any model.
 """

@@ -1,66 +1,12 @@
-"""A small Qwen-style decoder in plain JAX whose attention reads and writes the paged KV cache
-only through ``ninfer_kv.ops``, with jitted step functions (chunked prefill, decode, speculative
-verify, MTP drafting) and dense references.
+"""The small Qwen-style decoder the demo, the examples and the tests run: an alias of
+:mod:`ninfer_kv.models.decoder`.
 
-Modules: ``config`` (ModelConfig, StepConfig), ``weights`` (init_params), ``layers`` (RMSNorm,
-RoPE, SwiGLU), ``model`` (paged forward), ``mtp`` (MTP head), ``steps`` (jitted steps with compile
-counters), ``dense`` (no-cache and contiguous-cache references), ``buckets`` (batch buckets and
-padding rows).
-
-The serving demo (``ninfer-kv demo``) and ``examples/`` run this model; ``examples.model`` is an
-alias of this package kept for scripts written against the examples tree.
+The decoder was generalized (QK-norm on or off, attention and MLP biases, tied embeddings, RoPE
+scaling) to serve Hugging Face Qwen3, Qwen2/2.5, Llama and Mistral checkpoints
+(:mod:`ninfer_kv.models.hf`).  Every name and submodule of this package (``config``, ``weights``,
+``layers``, ``model``, ``mtp``, ``steps``, ``dense``, ``buckets``, ``mesh_steps``) is the decoder's
+own object: ``ninfer_kv.models.qwen_tiny.steps is ninfer_kv.models.decoder.steps``.
 """
 
-from .buckets import PaddedRows, bucket_for, pad_rows, prompt_chunks
-from .config import DEFAULT_BATCH_BUCKETS, IMPLS, PREFILL_CHUNK, ModelConfig, StepConfig
-from .dense import (
-    DenseCacheSteps,
-    DenseKVCache,
-    dense_greedy_generate,
-    dense_logits,
-    dense_mtp_forward,
-    init_dense_cache,
-    make_dense_cache_steps,
-)
-from .steps import (
-    CompileCounter,
-    CountedStep,
-    DecodeOutput,
-    ModelSteps,
-    MTPDraftOutput,
-    MTPExtendOutput,
-    PrefillOutput,
-    VerifyOutput,
-    make_steps,
-)
-from .weights import init_params, param_count
-
-__all__ = [
-    "PaddedRows",
-    "bucket_for",
-    "pad_rows",
-    "prompt_chunks",
-    "DEFAULT_BATCH_BUCKETS",
-    "IMPLS",
-    "PREFILL_CHUNK",
-    "ModelConfig",
-    "StepConfig",
-    "DenseCacheSteps",
-    "DenseKVCache",
-    "dense_greedy_generate",
-    "dense_logits",
-    "dense_mtp_forward",
-    "init_dense_cache",
-    "make_dense_cache_steps",
-    "CompileCounter",
-    "CountedStep",
-    "DecodeOutput",
-    "ModelSteps",
-    "MTPDraftOutput",
-    "MTPExtendOutput",
-    "PrefillOutput",
-    "VerifyOutput",
-    "make_steps",
-    "init_params",
-    "param_count",
-]
+from ninfer_kv.models.decoder import *  # noqa: F401,F403
+from ninfer_kv.models.decoder import __all__  # noqa: F401

@@ -1,0 +1,82 @@
+"""A pre-norm decoder in plain JAX whose attention reads and writes the paged KV cache only through
+``ninfer_kv.ops``, with jitted step functions (chunked prefill, decode, speculative verify, MTP
+drafting) that decode greedily or sample, and dense references.
+
+Its options (:class:`ModelConfig`: QK-norm, attention and MLP biases, tied embeddings, RoPE scaling)
+cover Hugging Face Qwen3, Qwen2/2.5, Llama 2/3/3.1 and Mistral checkpoints, which
+:mod:`ninfer_kv.models.hf` loads; with its defaults it is the small Qwen3-style model of the demo
+and the tests.
+
+Modules: ``config`` (ModelConfig, RopeScaling, StepConfig), ``weights`` (init_params,
+param_shapes), ``layers`` (RMSNorm, RoPE with scaling, SwiGLU), ``model`` (paged forward), ``mtp``
+(MTP head), ``sampling`` (greedy / temperature / top-k / top-p with per-sequence keys), ``steps``
+(jitted steps with compile counters), ``dense`` (no-cache and contiguous-cache references),
+``buckets`` (batch buckets and padding rows), ``mesh_steps`` (steps over a sharded cache).
+
+``ninfer_kv.models.qwen_tiny`` and ``examples.model`` are aliases of this package.
+"""
+
+from .buckets import PaddedRows, bucket_for, bucket_ladder, pad_rows, prompt_chunks
+from .config import DEFAULT_BATCH_BUCKETS, IMPLS, PREFILL_CHUNK, ROPE_SCALING_KINDS, ModelConfig, RopeScaling, StepConfig
+from .dense import (
+    DenseCacheSteps,
+    DenseKVCache,
+    dense_greedy_generate,
+    dense_logits,
+    dense_mtp_forward,
+    init_dense_cache,
+    make_dense_cache_steps,
+)
+from .steps import (
+    CompileCounter,
+    CountedStep,
+    DecodeOutput,
+    ModelSteps,
+    MTPDraftOutput,
+    MTPExtendOutput,
+    PrefillOutput,
+    VerifyOutput,
+    make_steps,
+)
+from .sampling import GREEDY, SamplingConfig, SamplingParams, sample_tokens, sampling_rows, sequence_key
+from .weights import init_params, param_count, param_shapes
+
+__all__ = [
+    "PaddedRows",
+    "bucket_for",
+    "bucket_ladder",
+    "pad_rows",
+    "prompt_chunks",
+    "DEFAULT_BATCH_BUCKETS",
+    "IMPLS",
+    "PREFILL_CHUNK",
+    "ModelConfig",
+    "RopeScaling",
+    "ROPE_SCALING_KINDS",
+    "StepConfig",
+    "GREEDY",
+    "SamplingConfig",
+    "SamplingParams",
+    "sample_tokens",
+    "sampling_rows",
+    "sequence_key",
+    "DenseCacheSteps",
+    "DenseKVCache",
+    "dense_greedy_generate",
+    "dense_logits",
+    "dense_mtp_forward",
+    "init_dense_cache",
+    "make_dense_cache_steps",
+    "CompileCounter",
+    "CountedStep",
+    "DecodeOutput",
+    "ModelSteps",
+    "MTPDraftOutput",
+    "MTPExtendOutput",
+    "PrefillOutput",
+    "VerifyOutput",
+    "make_steps",
+    "init_params",
+    "param_count",
+    "param_shapes",
+]

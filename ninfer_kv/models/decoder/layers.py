@@ -1,0 +1,160 @@
+"""Building blocks of the decoder: RMSNorm, rotary position embedding (with scaling), SwiGLU MLP.
+
+All functions are pure jnp and shape-polymorphic over leading axes.  The arithmetic follows
+transformers' order, so a bfloat16 model rounds where transformers rounds:
+
+* RMSNorm: statistics and normalization in float32, cast to the input dtype, then multiplied by the
+  gain in that dtype (``weight * x_normed.to(input_dtype)``);
+* RoPE: angles ``position * inv_freq`` in float32, ``cos``/``sin`` (times the scaling's
+  ``cos_sin_scale``) cast to the input dtype, then ``x * cos + rotate_half(x) * sin`` in that dtype;
+* inverse frequencies: transformers' formulas in float32 (:func:`scaled_inv_freq`).
+
+For a float32 model every cast is the identity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "rms_norm",
+    "matmul_t",
+    "rope_frequencies",
+    "scaled_inv_freq",
+    "apply_rope",
+    "token_positions",
+    "swiglu",
+    "linear",
+]
+
+_F32 = jnp.float32
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """``(x / sqrt(mean(x^2) + eps)).astype(x.dtype) * gain`` over the last axis (statistics in float32)."""
+    xf = x.astype(_F32)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + _F32(eps))
+    return (xf * inv).astype(x.dtype) * gain.astype(x.dtype)
+
+
+def _default_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    """``1 / theta ** (2i / head_dim)`` in float32, transformers' operation order."""
+    expo = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / (np.float32(theta) ** expo)).astype(np.float32)
+
+
+def scaled_inv_freq(head_dim: int, theta: float, scaling: "RopeScaling | None") -> np.ndarray:
+    """float32 ``(head_dim / 2,)`` inverse frequencies of plain or scaled RoPE.
+
+    ``linear``: ``inv / factor``.  ``llama3``: wavelengths ``2 pi / inv`` above
+    ``original / low_freq_factor`` divided by ``factor``, below ``original / high_freq_factor``
+    kept, and in between ``(1 - s) * inv / factor + s * inv`` with
+    ``s = (original / wavelength - low) / (high - low)``.  ``yarn``: the ramp
+    ``1 - clip((i - low) / (high - low), 0, 1)`` over ``i < head_dim / 2`` (``low``/``high`` the
+    dimensions where ``beta_fast``/``beta_slow`` rotations fit the original context) blends
+    ``inv`` (extrapolation) and ``inv / factor`` (interpolation).
+    """
+    inv = _default_inv_freq(head_dim, theta)
+    if scaling is None:
+        return inv
+    f32 = np.float32
+    if scaling.kind == "linear":
+        return (inv / f32(scaling.factor)).astype(np.float32)
+    if scaling.kind == "llama3":
+        old = float(scaling.original_max_position_embeddings)
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = f32(2 * math.pi) / inv
+        llama = np.where(wavelen > f32(low_wavelen), inv / f32(scaling.factor), inv).astype(np.float32)
+        smooth = ((f32(old) / wavelen - f32(scaling.low_freq_factor))
+                  / f32(scaling.high_freq_factor - scaling.low_freq_factor)).astype(np.float32)
+        smoothed = ((f32(1) - smooth) * llama / f32(scaling.factor) + smooth * llama).astype(np.float32)
+        medium = ~(wavelen < f32(high_wavelen)) & ~(wavelen > f32(low_wavelen))
+        return np.where(medium, smoothed, llama).astype(np.float32)
+    # yarn
+    dim = head_dim
+    orig = scaling.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = f32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / f32(dim))
+    extrapolation = (f32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (f32(1.0) / (f32(scaling.factor) * pos_freqs)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - f32(low)) / f32(high - low), 0, 1).astype(np.float32)
+    extra_factor = (f32(1) - ramp).astype(np.float32)
+    return (interpolation * (f32(1) - extra_factor) + extrapolation * extra_factor).astype(np.float32)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: "RopeScaling | None" = None) -> jax.Array:
+    """Inverse frequencies ``(head_dim / 2,)`` float32 (:func:`scaled_inv_freq` as a JAX array)."""
+    return jnp.asarray(scaled_inv_freq(head_dim, theta, scaling))
+
+
+def token_positions(start: jax.Array, length: int) -> jax.Array:
+    """Absolute positions ``start[b] + t`` of a chunk: int32 ``(B,) -> (B, length)``."""
+    return jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: "RopeScaling | None" = None) -> jax.Array:
+    """Rotate ``x (B, T, heads, D)`` at integer ``positions (B, T)`` (half-split convention).
+
+    Dimension ``i < D/2`` pairs with ``i + D/2``: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``
+    with angle ``position * inv_freq[i]`` (:func:`scaled_inv_freq`); cos and sin are multiplied by
+    the scaling's ``cos_sin_scale`` and cast to ``x.dtype`` before the products (transformers' order).
+    """
+    d = x.shape[-1]
+    inv = rope_frequencies(d, theta, scaling)
+    ang = positions.astype(_F32)[..., None] * inv  # (B, T, D/2)
+    scale = 1.0 if scaling is None else scaling.cos_sin_scale
+    cos = jnp.cos(ang)
+    sin = jnp.sin(ang)
+    if scale != 1.0:
+        cos, sin = cos * _F32(scale), sin * _F32(scale)
+    cos = cos.astype(x.dtype)[:, :, None, :]
+    sin = sin.astype(x.dtype)[:, :, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for ``w (out, in)``, accumulated and returned in float32.
+
+    Spelled as a matmul with the transposed weight: XLA's CPU backend lowers this form of a bf16
+    product to its fast matrix-vector and matrix-matrix kernels at every batch size, where the
+    equivalent ``dot_general`` contracting ``w``'s second axis takes a loop several times slower
+    for one row (a decode step at batch 1) — same result, different lowering.
+    """
+    return jnp.matmul(x, w.T, preferred_element_type=jnp.float32)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """``x @ w.T (+ b)`` with ``w (out, in)`` (an ``nn.Linear`` weight), float32 accumulation, the bias
+    added before the one rounding to ``x.dtype``."""
+    y = matmul_t(x, w)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def swiglu(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    b_gate: jax.Array | None = None,
+    b_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+) -> jax.Array:
+    """``down(silu(gate(x)) * up(x))`` with :func:`linear` projections ``(out, in)`` (biases optional)."""
+    return linear(jax.nn.silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)

@@ -1,0 +1,156 @@
+"""The decoder's forward pass over the paged KV cache.
+
+One decoder layer (pre-norm; bracketed parts are :class:`~ninfer_kv.models.decoder.config.ModelConfig`
+options)::
+
+    x = rms_norm(h, attn_norm)
+    q = rope([q_norm](x @ wq [+ bq])), k = rope([k_norm](x @ wk [+ bk])), v = x @ wv [+ bv]   (per head)
+    h = h + attention(q, k, v) @ wo [+ bo]
+    h = h + swiglu(rms_norm(h, mlp_norm))            ([b_gate], [b_up], [b_down] with mlp_bias)
+
+Projections are ``(out, in)`` matrices (``nn.Linear`` weights) contracted over ``in`` with float32
+accumulation.  Logits are float32: ``rms_norm(h, final_norm)`` contracted with the LM head ``(V, d)``;
+with tied embeddings the LM head is the embedding matrix itself (no copy).
+
+The attention is a callable ``attend(q, k, v) -> (out, state)`` so the same layer code serves the
+paged forward (this module: K/V go through ``ninfer_kv.ops.paged_append`` into layer ``l`` of the
+Main pool and queries read them back through ``ninfer_kv.ops.paged_attention``) and the dense
+reference (:mod:`ninfer_kv.models.decoder.dense`).
+
+Paged chunk semantics (row ``b`` of a chunk of ``T`` tokens): token ``t`` sits at position
+``positions[b] + t`` and is real iff ``t < valid[b]``.  Only real tokens are written; with
+``kv_lens = positions + valid`` the ops' visibility rule ``j <= positions[b] + t and j < kv_lens[b]``
+makes attention causal within the chunk.  Outputs at ``t >= valid[b]`` are finite but meaningless
+and must be ignored by the caller; a row with ``valid[b] == 0`` writes nothing and, with
+``positions[b] == 0``, sees no key at all (its attention output is zero).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_kv import ops
+from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.views import PagedKVBatchLayerView
+
+from .config import ModelConfig
+from .layers import apply_rope, linear, matmul_t, rms_norm, swiglu, token_positions
+
+__all__ = [
+    "Attend",
+    "project_qkv",
+    "decoder_layer",
+    "paged_attend",
+    "embed_tokens",
+    "logits_from_hidden",
+    "forward_paged",
+]
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
+"""``attend(q (B,T,Hq,D), k (B,T,H,D), v (B,T,H,D)) -> (out (B,T,Hq,D), state)``; k has RoPE applied."""
+
+
+def embed_tokens(params: dict, tokens: jax.Array) -> jax.Array:
+    """Token embeddings ``(B, T) -> (B, T, d_model)``; token IDs are clipped into the vocabulary."""
+    emb = params["embed"]
+    return jnp.take(emb, jnp.clip(tokens, 0, emb.shape[0] - 1), axis=0)
+
+
+def logits_from_hidden(params: dict, config: ModelConfig, hidden: jax.Array, final_norm: jax.Array | None = None):
+    """float32 logits of hidden states ``(..., d_model) -> (..., vocab)`` (final RMSNorm + LM head)."""
+    gain = params["final_norm"] if final_norm is None else final_norm
+    x = rms_norm(hidden, gain, config.rms_eps)
+    head = params["embed"] if config.tie_embeddings else params["lm_head"]  # (V, d): contract d, no copy
+    return matmul_t(x, head)
+
+
+def project_qkv(lp: dict, config: ModelConfig, x: jax.Array, token_pos: jax.Array):
+    """q ``(B,T,Hq,D)``, k, v ``(B,T,H,D)`` of normed input ``x``; q and k are (QK-normed and) rotated."""
+    b, t, _ = x.shape
+    c = config
+    q = linear(x, lp["wq"], lp.get("bq")).reshape(b, t, c.num_heads, c.head_dim)
+    k = linear(x, lp["wk"], lp.get("bk")).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = linear(x, lp["wv"], lp.get("bv")).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, lp["q_norm"], c.rms_eps)
+        k = rms_norm(k, lp["k_norm"], c.rms_eps)
+    q = apply_rope(q, token_pos, c.rope_theta, c.rope_scaling)
+    k = apply_rope(k, token_pos, c.rope_theta, c.rope_scaling)
+    return q, k, v
+
+
+def decoder_layer(lp: dict, config: ModelConfig, h: jax.Array, token_pos: jax.Array, attend: Attend):
+    """One pre-norm decoder layer on ``h (B, T, d_model)``; returns ``(h, attend's state)``."""
+    b, t, _ = h.shape
+    x = rms_norm(h, lp["attn_norm"], config.rms_eps)
+    q, k, v = project_qkv(lp, config, x, token_pos)
+    o, state = attend(q, k, v)
+    h = h + linear(o.astype(h.dtype).reshape(b, t, config.num_heads * config.head_dim), lp["wo"], lp.get("bo"))
+    x = rms_norm(h, lp["mlp_norm"], config.rms_eps)
+    h = h + swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"], lp.get("b_gate"), lp.get("b_up"), lp.get("b_down"))
+    return h, state
+
+
+def paged_attend(
+    view: PagedKVBatchLayerView,
+    table_rows: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    impl: str,
+) -> Attend:
+    """Attention through the paged ops: append K/V at ``positions + t`` (t < valid), then attend.
+
+    The returned state is the view holding the updated (aliased, donated) planes.
+    """
+    kv_lens = positions + valid
+
+    def attend(q, k, v):
+        new_view = ops.paged_append(view, table_rows, positions, k, v, valid, impl=impl)
+        out = ops.paged_attention(q, new_view, table_rows, positions, kv_lens, impl=impl)
+        return out, new_view
+
+    return attend
+
+
+def forward_paged(
+    params: dict,
+    config: ModelConfig,
+    layout: PagedKVStorageLayout,
+    planes: dict,
+    block_tables: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    table_rows: jax.Array,
+    *,
+    impl: str,
+) -> tuple[jax.Array, dict]:
+    """Run all decoder layers on a chunk, appending its K/V to the Main pool.
+
+    Args:
+      params: :func:`ninfer_kv.models.decoder.weights.init_params` or
+        :func:`ninfer_kv.models.hf.load_checkpoint` output.
+      config: the model config; ``layout`` must be ``config.main_layout(profile)``.
+      planes: the Main pool's stacked planes ``(num_layers, N, H, 64, X)`` (donated by the caller).
+      block_tables: Main block tables ``int32 (C, L)``.
+      tokens: int32 ``(B, T)``; positions, valid, table_rows: int32 ``(B,)``.
+      impl: op implementation (see ``ninfer_kv.ops``).
+    Returns:
+      ``(hidden (B, T, d_model), planes)``: final hidden states before the final norm, and the
+      updated planes.
+    """
+    if layout.num_layers != config.num_layers:
+        raise ValueError(f"layout has {layout.num_layers} layers, the model has {config.num_layers}")
+    positions = jnp.asarray(positions, jnp.int32)
+    valid = jnp.asarray(valid, jnp.int32)
+    table_rows = jnp.asarray(table_rows, jnp.int32)
+    token_pos = token_positions(positions, tokens.shape[1])
+    h = embed_tokens(params, tokens)
+    for layer, lp in enumerate(params["layers"]):
+        view = PagedKVBatchLayerView(planes, block_tables, layer, layout)
+        h, view = decoder_layer(lp, config, h, token_pos, paged_attend(view, table_rows, positions, valid, impl))
+        planes = view.planes
+    return h, planes

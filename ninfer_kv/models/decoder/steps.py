@@ -1,0 +1,510 @@
+"""Jitted step functions of the decoder over the paged KV cache.
+
+Every step is a ``jax.jit`` of a fixed positional signature whose arguments 1 and 2 — the pool's
+stacked ``planes`` and its block-table matrix ``block_tables int32 (C, L)`` — are **donated**; the
+step returns both (the planes updated in place by the ops, the tables passed through, aliased to
+their input buffers).  The caller must not touch a donated array again: use the returned planes for
+the next step and publish fresh block tables per step.
+
+Graph keys: everything that varies per step — token IDs, positions, valid counts, table rows, page
+IDs in the tables, the layer index — is int32 array *data*.  The static part is only the
+:class:`~ninfer_kv.models.decoder.config.StepConfig` (closed over, fixed per :class:`ModelSteps`) and the
+input shapes: the batch bucket ``B`` and the chunk length (``prefill_chunk`` for prefill, 1 for
+decode, ``K + 1`` for verify).  So each step compiles once per (bucket, chunk length, pool size).
+
+Steps (``B`` in ``step_config.batch_buckets``; pad with :func:`ninfer_kv.models.decoder.buckets.pad_rows`)::
+
+    prefill(params, planes, block_tables, tokens (B, chunk), positions, valid, table_rows)
+        -> PrefillOutput(planes, block_tables, logits (B, V), next_tokens (B,), hidden (B, chunk, d))
+    decode(params, planes, block_tables, tokens (B, 1), positions, valid, table_rows)
+        -> DecodeOutput(planes, block_tables, logits (B, V), next_tokens (B,), hidden (B, 1, d))
+    verify(params, planes, block_tables, tokens (B, K + 1), positions, valid, table_rows)
+        -> VerifyOutput(planes, block_tables, logits (B, K + 1, V), target_tokens (B, K + 1),
+                        num_accepted (B,), hidden (B, K + 1, d))
+    mtp_extend(params, mtp_planes, mtp_block_tables, hidden (B, T, d), next_tokens (B, T),
+               positions, valid, table_rows)
+        -> MTPExtendOutput(planes, block_tables, logits (B, V), hidden (B, d))
+    mtp_draft(params, mtp_planes, mtp_block_tables, hidden (B, T, d), next_tokens (B, T),
+              positions, valid, table_rows)
+        -> MTPDraftOutput(planes, block_tables, drafts (B, K), draft_logits (B, K, V))
+
+positions, valid, table_rows are int32 ``(B,)``; ``kv_lens = positions + valid`` is formed inside.
+
+Sampling: prefill, decode and verify take an optional last argument ``sampling``, a
+:class:`~ninfer_kv.models.decoder.sampling.SamplingParams` of ``(B,)`` rows (temperature, top-k,
+top-p, the sequence's key), and then choose ``next_tokens`` / ``target_tokens`` with
+:func:`~ninfer_kv.models.decoder.sampling.sample_tokens`, folding each row's key with the sequence
+position of the token it produces (``positions + valid`` for prefill and decode,
+``positions + i + 1`` for verify).  Without it the choice is greedy.  A call with and one without
+``sampling`` are two signatures (each compiles once per bucket).  Verify accepts a draft iff it equals
+the token sampling would produce at that position, so speculative rounds produce exactly the tokens of
+plain decoding with the same keys.
+Padding rows (``tokens 0, positions 0, valid 0``, table row = any scratch row) write nothing and
+read nothing; their outputs are finite and must be ignored (:mod:`ninfer_kv.models.decoder.buckets`).
+``logits``/``next_tokens``/``hidden`` of prefill, decode and MTP extend are taken at each row's last
+valid token (index ``max(valid - 1, 0)``).  Verify: row ``b`` feeds ``tokens[b] = (t, d_1 .. d_K)``;
+``target_tokens[b, i]`` is the greedy target at position ``positions[b] + i + 1`` and
+``num_accepted[b]`` is the length of the longest prefix of drafts with ``d_i == target_tokens[b, i - 1]``
+among ``i < valid[b]``; the bonus token is ``target_tokens[b, num_accepted[b]]``.
+
+Compile counter: every step counts (a) *traces* — a Python side effect in the traced function,
+recorded per input signature, and (b) *compiles* — XLA backend compilations of this very function,
+observed through ``jax.monitoring``'s backend-compile event filtered by the step's unique function
+name.  ``compiles`` is what a recompilation check should assert; ``traces`` cross-checks it (a
+trace without a compile or a compile without a trace both indicate a bug).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import weakref
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import monitoring
+
+from ...planning import PoolKind
+from ...store import KVDeviceState, apply_work
+from .config import StepConfig
+from .model import forward_paged, logits_from_hidden
+from .mtp import mtp_draft_paged, mtp_forward_paged
+from .sampling import SamplingParams, greedy_tokens, sample_tokens
+
+__all__ = [
+    "CompileCounter",
+    "CountedStep",
+    "ModelSteps",
+    "make_steps",
+    "PrefillOutput",
+    "DecodeOutput",
+    "VerifyOutput",
+    "MTPExtendOutput",
+    "MTPDraftOutput",
+    "DONATED_ARGNUMS",
+    "STATE_DONATED_ARGNUMS",
+    "accepted_prefix",
+]
+
+DONATED_ARGNUMS = (1, 2)
+"""Positional indices of the donated arguments of every step: ``planes`` and ``block_tables``."""
+
+STATE_DONATED_ARGNUMS = (1,)
+"""The donated argument of every state step: the :class:`~ninfer_kv.KVDeviceState`."""
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class PrefillOutput(NamedTuple):
+    planes: dict
+    block_tables: jax.Array
+    logits: jax.Array  # float32 (B, V) at the last valid token
+    next_tokens: jax.Array  # int32 (B,) greedy, or sampled with a sampling argument
+    hidden: jax.Array  # (B, chunk, d) every position, before the final norm (input of mtp_extend)
+
+
+class DecodeOutput(NamedTuple):
+    planes: dict
+    block_tables: jax.Array
+    logits: jax.Array  # float32 (B, V)
+    next_tokens: jax.Array  # int32 (B,)
+    hidden: jax.Array  # (B, 1, d)
+
+
+class VerifyOutput(NamedTuple):
+    planes: dict
+    block_tables: jax.Array
+    logits: jax.Array  # float32 (B, K + 1, V)
+    target_tokens: jax.Array  # int32 (B, K + 1)
+    num_accepted: jax.Array  # int32 (B,)
+    hidden: jax.Array  # (B, K + 1, d)
+
+
+class MTPExtendOutput(NamedTuple):
+    planes: dict
+    block_tables: jax.Array
+    logits: jax.Array  # float32 (B, V) MTP logits at the last valid pair
+    hidden: jax.Array  # (B, d) MTP hidden at the last valid pair
+
+
+class MTPDraftOutput(NamedTuple):
+    planes: dict
+    block_tables: jax.Array
+    drafts: jax.Array  # int32 (B, K)
+    draft_logits: jax.Array  # float32 (B, K, V)
+
+
+# -- compile counter -------------------------------------------------------------------------------
+
+
+class CompileCounter:
+    """Thread-safe counts of traces and backend compiles of one jitted function.
+
+    ``traces_by_signature`` / ``compiles_by_signature`` key each count by the abstract signature
+    of the trace that preceded it (shapes and dtypes of the array arguments, params excluded).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._traces: collections.Counter = collections.Counter()
+        self._compiles: collections.Counter = collections.Counter()
+        self._last_signature = None
+
+    def record_trace(self, signature) -> None:
+        with self._lock:
+            self._traces[signature] += 1
+            self._last_signature = signature
+
+    def record_compile(self) -> None:
+        with self._lock:
+            self._compiles[self._last_signature] += 1
+
+    @property
+    def traces(self) -> int:
+        with self._lock:
+            return sum(self._traces.values())
+
+    @property
+    def compiles(self) -> int:
+        with self._lock:
+            return sum(self._compiles.values())
+
+    def traces_by_signature(self) -> dict:
+        with self._lock:
+            return dict(self._traces)
+
+    def compiles_by_signature(self) -> dict:
+        with self._lock:
+            return dict(self._compiles)
+
+
+class _CompileEvents:
+    """One process-wide ``jax.monitoring`` listener routing backend-compile events to counters."""
+
+    _lock = threading.Lock()
+    _counters: "weakref.WeakValueDictionary[str, CompileCounter]" = weakref.WeakValueDictionary()
+    _registered = False
+
+    @classmethod
+    def watch(cls, fun_name: str, counter: CompileCounter) -> None:
+        with cls._lock:
+            if not cls._registered:
+                monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._registered = True
+            cls._counters[fun_name] = counter
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event != _BACKEND_COMPILE_EVENT:
+            return
+        name = kwargs.get("fun_name", "")
+        # jit reports "jit(<function name>)"; the step names are unique in the process.
+        inner = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+        counter = cls._counters.get(inner)
+        if counter is not None:
+            counter.record_compile()
+
+
+def _signature(args) -> tuple:
+    """Shapes and dtypes of every array leaf of ``args`` (the graph key jit sees)."""
+    leaves = jax.tree_util.tree_leaves(args)
+    return tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+_step_ids = itertools.count()
+
+
+class CountedStep:
+    """A jitted step with a :class:`CompileCounter`.
+
+    Args:
+      name: the step's name (``prefill``, ``decode``, ...); the jitted function is named
+        ``<name>_step<N>`` with a process-unique ``N`` so compile events can be attributed.
+      fn: the step body, ``fn(params, planes, block_tables, *int32_and_activation_args)``.
+      check: host-side argument check run before every dispatch (raises ``ValueError``).
+      donate_argnums: donated positional arguments (default: planes and block tables).
+    """
+
+    def __init__(self, name: str, fn: Callable, check: Callable, donate_argnums=DONATED_ARGNUMS):
+        self.name = name
+        self.counter = CompileCounter()
+        self._check = check
+        fun_name = f"{name}_step{next(_step_ids)}"
+
+        def traced(params, *args):
+            self.counter.record_trace(_signature(args))
+            return fn(params, *args)
+
+        traced.__name__ = traced.__qualname__ = fun_name
+        self.fun_name = fun_name
+        self.donate_argnums = tuple(donate_argnums)
+        _CompileEvents.watch(fun_name, self.counter)
+        self._jitted = jax.jit(traced, donate_argnums=self.donate_argnums)
+
+    def __call__(self, *args):
+        self._check(*args)
+        return self._jitted(*args)
+
+    def lower(self, *args):
+        """``jax.jit(...).lower`` of the step (e.g. for ``.compile().memory_analysis()``).
+
+        Lowering traces and compiling the lowered step compiles: both are counted like a call.
+        """
+        self._check(*args)
+        return self._jitted.lower(*args)
+
+    @property
+    def compiles(self) -> int:
+        """XLA backend compilations of this step so far."""
+        return self.counter.compiles
+
+    @property
+    def traces(self) -> int:
+        """Traces of this step so far (one per new input signature)."""
+        return self.counter.traces
+
+    def __repr__(self) -> str:
+        return f"CountedStep({self.name!r}, compiles={self.compiles}, traces={self.traces})"
+
+
+# -- argument checks ---------------------------------------------------------------------------------
+
+
+def _shape(x) -> tuple:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"expected an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+
+def _check_int32_vector(name: str, x, b: int) -> None:
+    shape = _shape(x)
+    if shape != (b,) or np.dtype(x.dtype) != np.int32:
+        raise ValueError(f"{name} must be int32 ({b},), got {np.dtype(x.dtype).name} {shape}")
+
+
+def _check_common(cfg: StepConfig, what: str, planes, block_tables, lead, positions, valid, table_rows, t_expected):
+    """Checks of the per-row arguments; ``lead`` is tokens (B, T) or hidden (B, T, d)."""
+    if not isinstance(planes, dict):
+        raise TypeError(f"{what}: planes must be the dict of stacked plane arrays, got {type(planes).__name__}")
+    bt = _shape(block_tables)
+    if len(bt) != 2 or np.dtype(block_tables.dtype) != np.int32:
+        raise ValueError(f"{what}: block_tables must be int32 (C, L), got {np.dtype(block_tables.dtype).name} {bt}")
+    shape = _shape(lead)
+    b = shape[0]
+    if b not in cfg.batch_buckets:
+        raise ValueError(
+            f"{what}: batch size {b} is not a bucket {cfg.batch_buckets}; pad the batch with "
+            f"ninfer_kv.models.decoder.buckets.pad_rows"
+        )
+    if t_expected is not None and shape[1] != t_expected:
+        raise ValueError(f"{what}: expected {t_expected} tokens per row, got shape {shape}")
+    for name, x in (("positions", positions), ("valid", valid), ("table_rows", table_rows)):
+        _check_int32_vector(f"{what}: {name}", x, b)
+    return b, shape[1]
+
+
+def _check_tokens(name: str, tokens) -> None:
+    if np.dtype(tokens.dtype) != np.int32 or len(_shape(tokens)) != 2:
+        raise ValueError(f"{name} must be int32 (B, T), got {np.dtype(tokens.dtype).name} {_shape(tokens)}")
+
+
+def _check_sampling(what: str, sampling, b: int) -> None:
+    if sampling is None:
+        return
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"{what}: sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+    want = {"temperature": ((b,), np.float32), "top_k": ((b,), np.int32), "top_p": ((b,), np.float32),
+            "key": ((b, 2), np.uint32)}
+    for name, (shape, dtype) in want.items():
+        x = getattr(sampling, name)
+        if _shape(x) != shape or np.dtype(x.dtype) != dtype:
+            raise ValueError(f"{what}: sampling.{name} must be {np.dtype(dtype).name} {shape}, got "
+                             f"{np.dtype(x.dtype).name} {_shape(x)}")
+
+
+def _token_check(cfg: StepConfig, what: str, t_expected: int):
+    def check(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
+        _check_tokens(f"{what}: tokens", tokens)
+        b, _ = _check_common(cfg, what, planes, block_tables, tokens, positions, valid, table_rows, t_expected)
+        _check_sampling(what, sampling, b)
+
+    return check
+
+
+def _mtp_check(cfg: StepConfig, what: str):
+    d = cfg.model.d_model
+
+    def check(params, planes, block_tables, hidden, next_tokens, positions, valid, table_rows):
+        hs = _shape(hidden)
+        if len(hs) != 3 or hs[2] != d:
+            raise ValueError(f"{what}: hidden must be (B, T, {d}), got {hs}")
+        _check_tokens(f"{what}: next_tokens", next_tokens)
+        if _shape(next_tokens) != hs[:2]:
+            raise ValueError(f"{what}: next_tokens shape {_shape(next_tokens)} must equal hidden's (B, T) {hs[:2]}")
+        _check_common(cfg, what, planes, block_tables, hidden, positions, valid, table_rows, None)
+
+    return check
+
+
+# -- step bodies -----------------------------------------------------------------------------------
+
+
+def _at_index(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """``x[b, idx[b]]`` for ``x (B, T, ...)``."""
+    return jax.vmap(lambda row, i: row[i])(x, idx)
+
+
+def _greedy(logits: jax.Array) -> jax.Array:
+    return greedy_tokens(logits)
+
+
+def _choose(logits: jax.Array, sampling: SamplingParams | None, produced: jax.Array) -> jax.Array:
+    """Tokens from ``logits (B, V)``: greedy without ``sampling``, else sampled at positions ``produced (B,)``."""
+    if sampling is None:
+        return _greedy(logits)
+    return sample_tokens(logits, sampling, produced)
+
+
+def _choose_chunk(logits: jax.Array, sampling: SamplingParams | None, positions: jax.Array) -> jax.Array:
+    """Tokens from ``logits (B, T, V)``; token ``t`` of row ``b`` is produced at ``positions[b] + t + 1``."""
+    if sampling is None:
+        return _greedy(logits)
+    b, t, v = logits.shape
+    rep = jax.tree_util.tree_map(lambda x: jnp.repeat(jnp.asarray(x), t, axis=0), sampling)
+    produced = (positions[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None, :]).reshape(b * t)
+    return sample_tokens(logits.reshape(b * t, v), rep, produced).reshape(b, t)
+
+
+def accepted_prefix(tokens: jax.Array, target: jax.Array, valid: jax.Array) -> jax.Array:
+    """Accepted drafts per row: longest ``n`` with ``tokens[:, i] == target[:, i - 1]`` for ``1 <= i <= n``, ``i < valid``."""
+    k = tokens.shape[1] - 1
+    i = jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]
+    ok = (tokens[:, 1:] == target[:, :-1]) & (i < valid[:, None])
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+class ModelSteps:
+    """The jitted step functions for one :class:`StepConfig` (see the module docstring).
+
+    Attributes ``prefill``, ``decode``, ``verify`` (Main pool) and, when ``model.mtp``,
+    ``mtp_extend`` and ``mtp_draft`` (MTP pool) are :class:`CountedStep` objects.
+    """
+
+    def __init__(self, step_config: StepConfig):
+        if not isinstance(step_config, StepConfig):
+            raise TypeError(f"step_config must be a StepConfig, got {type(step_config).__name__}")
+        self.config = step_config
+        cfg = step_config
+        model = cfg.model
+        main_layout = cfg.main_layout
+        impl = cfg.impl
+
+        def run_main(params, planes, block_tables, tokens, positions, valid, table_rows):
+            return forward_paged(
+                params, model, main_layout, planes, block_tables, tokens, positions, valid, table_rows, impl=impl
+            )
+
+        def prefill(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
+            hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
+            last = _at_index(hidden, jnp.maximum(valid - 1, 0))
+            logits = logits_from_hidden(params, model, last)
+            chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + jnp.asarray(valid, jnp.int32))
+            return PrefillOutput(planes, block_tables, logits, chosen, hidden)
+
+        def decode(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
+            hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
+            logits = logits_from_hidden(params, model, hidden[:, 0])
+            chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + jnp.asarray(valid, jnp.int32))
+            return DecodeOutput(planes, block_tables, logits, chosen, hidden)
+
+        def verify(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
+            hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
+            logits = logits_from_hidden(params, model, hidden)
+            target = _choose_chunk(logits, sampling, jnp.asarray(positions, jnp.int32))
+            accepted = accepted_prefix(tokens, target, valid)
+            return VerifyOutput(planes, block_tables, logits, target, accepted, hidden)
+
+        self.prefill = CountedStep("prefill", prefill, _token_check(cfg, "prefill", cfg.prefill_chunk))
+        self.decode = CountedStep("decode", decode, _token_check(cfg, "decode", 1))
+        self.verify = CountedStep("verify", verify, _token_check(cfg, "verify", cfg.draft_window + 1))
+        self._steps = {"prefill": self.prefill, "decode": self.decode, "verify": self.verify}
+        self._state_steps = {
+            name: _state_step(name, PoolKind.MAIN, fn, self._steps[name]._check)
+            for name, fn in (("prefill", prefill), ("decode", decode), ("verify", verify))
+        }
+
+        if model.mtp:
+            mtp_layout = cfg.mtp_layout
+
+            def mtp_extend(params, planes, block_tables, hidden, next_tokens, positions, valid, table_rows):
+                g, logits, planes = mtp_forward_paged(
+                    params, model, mtp_layout, planes, block_tables, hidden, next_tokens, positions, valid,
+                    table_rows, impl=impl,
+                )
+                idx = jnp.maximum(valid - 1, 0)
+                return MTPExtendOutput(planes, block_tables, _at_index(logits, idx), _at_index(g, idx))
+
+            def mtp_draft(params, planes, block_tables, hidden, next_tokens, positions, valid, table_rows):
+                drafts, draft_logits, planes = mtp_draft_paged(
+                    params, model, mtp_layout, planes, block_tables, hidden, next_tokens, positions, valid,
+                    table_rows, num_drafts=cfg.draft_window, impl=impl,
+                )
+                return MTPDraftOutput(planes, block_tables, drafts, draft_logits)
+
+            self.mtp_extend = CountedStep("mtp_extend", mtp_extend, _mtp_check(cfg, "mtp_extend"))
+            self.mtp_draft = CountedStep("mtp_draft", mtp_draft, _mtp_check(cfg, "mtp_draft"))
+            self._steps.update(mtp_extend=self.mtp_extend, mtp_draft=self.mtp_draft)
+            for name, fn in (("mtp_extend", mtp_extend), ("mtp_draft", mtp_draft)):
+                self._state_steps[name] = _state_step(name, PoolKind.MTP, fn, self._steps[name]._check)
+        self._steps.update({f"{name}_state": step for name, step in self._state_steps.items()})
+
+    @property
+    def steps(self) -> dict[str, CountedStep]:
+        """The step functions by name (``<name>`` over planes and tables, ``<name>_state`` over a
+        :class:`~ninfer_kv.KVDeviceState`)."""
+        return dict(self._steps)
+
+    def on_state(self, name: str) -> CountedStep:
+        """The state step of ``name``: ``(params, state, work, *args) -> (state, output)``.
+
+        It applies the round ``work`` to the donated ``state`` (:func:`~ninfer_kv.apply_work`),
+        then runs step ``name`` on the pool's planes and block tables, all in one dispatch.  The
+        output's ``planes`` and ``block_tables`` are ``None``: they live in the returned state.
+        """
+        try:
+            return self._state_steps[name]
+        except KeyError:
+            raise ValueError(f"unknown step {name!r}; steps: {sorted(self._state_steps)}") from None
+
+    def compiles(self) -> dict[str, int]:
+        """Backend compilations per step function."""
+        return {name: s.compiles for name, s in self._steps.items()}
+
+    def traces(self) -> dict[str, int]:
+        """Traces per step function."""
+        return {name: s.traces for name, s in self._steps.items()}
+
+
+def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable) -> CountedStep:
+    """``fn(params, planes, tables, *args)`` as a step over a state and a round work."""
+
+    def body(params, state, work, *args):
+        state = apply_work(state, work)
+        out = fn(params, state.planes[pool], state.tables[pool], *args)
+        state = state.replace(planes={**state.planes, pool: out.planes})
+        return state, out._replace(planes=None, block_tables=None)
+
+    def check_state(params, state, work, *args):
+        if not isinstance(state, KVDeviceState):
+            raise TypeError(f"{name}: state must be a KVDeviceState, got {type(state).__name__}")
+        check(params, state.pool_planes(pool), state.table(pool), *args)
+
+    return CountedStep(f"{name}_state", body, check_state, donate_argnums=STATE_DONATED_ARGNUMS)
+
+
+def make_steps(step_config: StepConfig) -> ModelSteps:
+    """Build the jitted step functions for ``step_config``."""
+    return ModelSteps(step_config)

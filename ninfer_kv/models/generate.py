@@ -1,0 +1,286 @@
+"""Serve a few sequences of one decoder through the paged store: chunked prefill, decode, sampling, EOS.
+
+:class:`PagedGenerator` owns a :class:`~ninfer_kv.store.KVStore` (Main pool only), the caller-side
+:class:`~ninfer_kv.KVDeviceState` and the decoder's jitted state steps.  Each :meth:`~PagedGenerator.step`
+is one round: every sequence still in its prompt gets one prefill chunk (batched), every other one
+decodes one token (batched), following the store's protocol (``map_rows`` -> ``take_step_work`` ->
+one dispatch -> ``commit_rows``).  A sequence ends at one of its stop tokens (finish reason
+``"stop"``), when its output budget is spent or when it reaches the context (``"length"``); it is then
+released, or retained as a checkpoint another sequence can fork (``add(..., source=checkpoint)``).
+
+Tokens are chosen inside the steps (:mod:`ninfer_kv.models.decoder.sampling`): greedy rows take the
+argmax, sampled rows fold their sequence's key with the position of the token produced, so a fixed
+seed gives the same tokens whatever the batch and across forks.  A batch whose rows are all greedy
+runs the steps without sampling inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+
+from ..device import KVDeviceState, take_step_work
+from ..geometry import PAGE_SIZE, ceil_div
+from ..planning import ExplicitCapacity, plan_kv_cache
+from ..profiles import KVProfile
+from ..store import CheckpointHandle, KVStore, SequenceHandle
+from .decoder.buckets import bucket_for, bucket_ladder, pad_rows
+from .decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig
+from .decoder.sampling import GREEDY, SamplingConfig, sampling_rows
+from .decoder.steps import ModelSteps, make_steps
+
+__all__ = ["GeneratedSequence", "PagedGenerator", "FINISH_STOP", "FINISH_LENGTH", "generator_buckets"]
+
+FINISH_STOP = "stop"
+"""Finish reason of a sequence that produced one of its stop tokens."""
+FINISH_LENGTH = "length"
+"""Finish reason of a sequence that spent its output budget or reached the context."""
+
+
+def generator_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch buckets: powers of two below ``max_batch``, then ``max_batch``."""
+    return bucket_ladder(max_batch, 2)
+
+
+@dataclasses.dataclass(eq=False)
+class GeneratedSequence:
+    """One sequence of a :class:`PagedGenerator`.
+
+    Attributes:
+      tokens: every token so far (the prompt, then the generated ones).
+      prompt_tokens: the prompt's length.
+      max_new_tokens: the output budget.
+      sampling: how it chooses tokens.
+      stop_tokens: ids that end it.
+      retain: keep its pages as a checkpoint when it finishes.
+      frontier: tokens whose K/V are in the store.
+      finish_reason: ``None`` while active, else :data:`FINISH_STOP` or :data:`FINISH_LENGTH`.
+      checkpoint: with ``retain``, the checkpoint it left (frontier ``len(tokens) - 1``).
+      logits: with the generator's ``keep_logits``, the float32 logits that chose each generated token.
+    """
+
+    handle: SequenceHandle
+    row: int
+    tokens: list
+    prompt_tokens: int
+    max_new_tokens: int
+    sampling: SamplingConfig
+    stop_tokens: frozenset
+    retain: bool
+    frontier: int
+    finish_reason: str | None = None
+    checkpoint: CheckpointHandle | None = None
+    logits: list = dataclasses.field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        """The generated tokens."""
+        return self.tokens[self.prompt_tokens:]
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt tokens are still missing from the store."""
+        return self.frontier < self.prompt_tokens
+
+    @property
+    def done(self) -> bool:
+        """It has finished."""
+        return self.finish_reason is not None
+
+
+class PagedGenerator:
+    """Generates continuations of prompts through a paged KV store (see the module docstring).
+
+    Args:
+      params: the decoder's parameters (``init_params`` or a loaded checkpoint's).
+      config: the decoder configuration.
+      profile: the KV profile of the Main pool.
+      max_context: tokens per sequence, prompt and output (S).
+      max_batch: sequences served at once (C, the largest batch bucket).
+      impl: op implementation (``"auto"``: FFI on CPU, Pallas on GPU).
+      kv_capacity: Main capacity in tokens (default ``max_batch * ceil(S / 64) * 64``: every
+        sequence can reach ``max_context``).
+      prefill_chunk: tokens per prefill call (a multiple of 64).
+      keep_logits: keep the logits that chose each token (tests, margins).
+    """
+
+    def __init__(
+        self,
+        params: dict,
+        config: ModelConfig,
+        *,
+        profile: KVProfile | str = KVProfile.BF16,
+        max_context: int = 2048,
+        max_batch: int = 8,
+        impl: str = "auto",
+        kv_capacity: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        keep_logits: bool = False,
+    ):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        for name, value in (("max_context", max_context), ("max_batch", max_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= 1")
+        self.config = config
+        self.params = params
+        self.max_context = max_context
+        self.keep_logits = keep_logits
+        step_config = StepConfig(model=config, profile=profile, impl=impl, prefill_chunk=prefill_chunk,
+                                 batch_buckets=generator_buckets(max_batch))
+        capacity = kv_capacity if kv_capacity is not None else max_batch * ceil_div(max_context, PAGE_SIZE) * PAGE_SIZE
+        plan = plan_kv_cache(config.kv_config(step_config.profile), max_context=max_context,
+                             max_concurrency=max_batch, policy=ExplicitCapacity(capacity))
+        self.plan = plan
+        self.store = KVStore(plan)
+        self.steps: ModelSteps = make_steps(step_config)
+        self.chunk = step_config.prefill_chunk
+        self.buckets = step_config.batch_buckets
+        self.state: KVDeviceState = self.store.allocate_state()
+        self.active: list[GeneratedSequence] = []
+
+    # -- sequences ---------------------------------------------------------------------------------
+    def add(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig = GREEDY,
+        stop_tokens: Iterable[int] = (),
+        retain: bool = False,
+        source: GeneratedSequence | None = None,
+    ) -> GeneratedSequence:
+        """Start a sequence; ``source`` forks a finished, retained sequence whose tokens the prompt extends.
+
+        The store reserves ``len(prompt) + max_new_tokens`` tokens (at most ``max_context``); the
+        activation fails with the store's error when the pool cannot hold it.
+        """
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise ValueError("prompt is empty; it must hold at least one token")
+        v = self.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"prompt token {bad[0]} is outside the vocabulary [0, {v})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+        if len(tokens) >= self.max_context:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; max_context={self.max_context} leaves no room to "
+                             f"generate (allowed: at most {self.max_context - 1})")
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        budget = min(max_new_tokens, self.max_context - len(tokens))
+        frontier = 0
+        checkpoint = None
+        if source is not None:
+            if source.checkpoint is None:
+                raise ValueError("source has no checkpoint: it must be a finished sequence added with retain=True")
+            base = source.tokens[: len(source.tokens) - 1]
+            if len(tokens) <= len(base) or tokens[: len(base)] != base:
+                raise ValueError(f"a fork's prompt must extend its source's {len(base)} tokens by at least one token")
+            frontier, checkpoint = len(base), source.checkpoint
+        handle = self.store.activate(len(tokens), budget, source=checkpoint)
+        seq = GeneratedSequence(handle, self.store.row(handle), tokens, len(tokens), budget, sampling,
+                                frozenset(int(t) for t in stop_tokens), retain, frontier)
+        self.active.append(seq)
+        return seq
+
+    def release(self, seq: GeneratedSequence) -> None:
+        """Release a retained sequence's checkpoint."""
+        if seq.checkpoint is not None:
+            self.store.release_checkpoint(seq.checkpoint)
+            seq.checkpoint = None
+
+    # -- rounds --------------------------------------------------------------------------------------
+    def _run(self, name: str, seqs: list[GeneratedSequence], tokens: np.ndarray, pos: np.ndarray, valid: np.ndarray):
+        rows = np.array([s.row for s in seqs], np.int64)
+        ends = pos.astype(np.int64) + valid
+        self.store.map_rows(rows, ends)
+        bucket = bucket_for(len(seqs), self.buckets)
+        padded = pad_rows(tokens, pos, valid, rows, bucket=bucket)
+        args = [padded.tokens, padded.positions, padded.valid, padded.table_rows]
+        if any(not s.sampling.greedy for s in seqs):
+            args.append(sampling_rows([s.sampling for s in seqs], bucket))
+        self.state, work = take_step_work(self.store, self.state)
+        self.state, out = self.steps.on_state(name)(self.params, self.state, work, *args)
+        self.store.commit_rows(rows, ends)
+        chosen = np.asarray(out.next_tokens)[: len(seqs)]
+        logits = np.asarray(out.logits)[: len(seqs)] if self.keep_logits else None
+        return chosen, logits, ends
+
+    def _append(self, seq: GeneratedSequence, token: int, logits) -> None:
+        seq.tokens.append(int(token))
+        if logits is not None:
+            seq.logits.append(np.array(logits, np.float32))
+        if int(token) in seq.stop_tokens:
+            seq.finish_reason = FINISH_STOP
+        elif len(seq.generated) >= seq.max_new_tokens or len(seq.tokens) >= self.max_context:
+            seq.finish_reason = FINISH_LENGTH
+
+    def step(self) -> list[tuple[GeneratedSequence, int]]:
+        """One round (module docstring); returns the ``(sequence, token)`` pairs it produced, in order."""
+        produced: list[tuple[GeneratedSequence, int]] = []
+        batch_max = max(self.buckets)
+        pre = [s for s in self.active if s.prefilling]
+        for i in range(0, len(pre), batch_max):
+            group = pre[i : i + batch_max]
+            t = self.chunk
+            tokens = np.zeros((len(group), t), np.int32)
+            pos = np.zeros(len(group), np.int32)
+            valid = np.zeros(len(group), np.int32)
+            for j, s in enumerate(group):
+                n = min(t, s.prompt_tokens - s.frontier)
+                tokens[j, :n] = s.tokens[s.frontier : s.frontier + n]
+                pos[j], valid[j] = s.frontier, n
+            chosen, logits, ends = self._run("prefill", group, tokens, pos, valid)
+            for j, s in enumerate(group):
+                s.frontier = int(ends[j])
+                if not s.prefilling:
+                    self._append(s, chosen[j], None if logits is None else logits[j])
+                    produced.append((s, int(chosen[j])))
+        dec = [s for s in self.active if not s.prefilling and not s.done and not any(s is p for p, _ in produced)]
+        for i in range(0, len(dec), batch_max):
+            group = dec[i : i + batch_max]
+            tokens = np.array([[s.tokens[-1]] for s in group], np.int32)
+            pos = np.array([s.frontier for s in group], np.int32)
+            chosen, logits, ends = self._run("decode", group, tokens, pos, np.ones(len(group), np.int32))
+            for j, s in enumerate(group):
+                s.frontier = int(ends[j])
+                self._append(s, chosen[j], None if logits is None else logits[j])
+                produced.append((s, int(chosen[j])))
+        for s in [s for s in self.active if s.done]:
+            self.active.remove(s)
+            if s.retain:
+                s.checkpoint = self.store.finish(s.handle, retain=True)
+            else:
+                self.store.finish(s.handle)
+        return produced
+
+    def run(self, on_token: Callable[[GeneratedSequence, int], None] | None = None) -> None:
+        """Run rounds until every sequence has finished, calling ``on_token`` for each produced token."""
+        while self.active:
+            for seq, token in self.step():
+                if on_token is not None:
+                    on_token(seq, token)
+        jax.block_until_ready(self.state)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
+        stop_tokens: Iterable[int] = (),
+        on_token: Callable[[GeneratedSequence, int], None] | None = None,
+    ) -> list[GeneratedSequence]:
+        """Add every prompt (one sampling config for all, or one each), run to completion, return them in order."""
+        configs = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
+        if len(configs) != len(prompts):
+            raise ValueError(f"{len(configs)} sampling configs for {len(prompts)} prompts")
+        stops = tuple(stop_tokens)
+        seqs = [self.add(p, max_new_tokens=max_new_tokens, sampling=c, stop_tokens=stops) for p, c in zip(prompts, configs)]
+        self.run(on_token)
+        return seqs
