@@ -15,6 +15,12 @@ Two cases per head dim, both at the end of a ``--context``-token history:
 The per-tensor codec errors ``||k' - k|| / ||k||`` and ``||v' - v|| / ||v||`` are printed beside
 them.  The table is Markdown, ready for docs/ACCURACY.md.
 
+With ``--impl ffi`` (or ``auto`` on a CPU) a further table reports the error the kernel's own
+arithmetic adds (``ninfer_kv.ffi_ops.arithmetic``: float32, or the ``int8x2`` products of NVFP4 keys
+at the ``avx512vnni`` level): the relative L2 of the FFI output against a float64 oracle over the
+same quantized cache, next to the codec's own error (that oracle against float64 attention over the
+unquantized k and v) and their ratio, which the kernels keep at or below 0.1.
+
 ``--query-bits 16 8`` adds a second table: what reduced-precision products would add on top of
 the codec.  The query is rounded to a symmetric fixed point of that many bits with one scale per
 query row (``round(q / s) * s``, ``s = max|q| / (2^(bits-1) - 1)``), as an integer-product kernel
@@ -28,6 +34,8 @@ Usage::
     PYTHONPATH=. python bench/accuracy.py                    # impl="reference", 3 head dims
     PYTHONPATH=. python bench/accuracy.py --impl ffi --context 4096
     PYTHONPATH=. python bench/accuracy.py --head-dims 128 --query-bits 16 8
+    PYTHONPATH=. python bench/accuracy.py --impl ffi --head-dims 128     # + the kernel's added error
+    NINFER_KV_FFI_ISA=avx2 PYTHONPATH=. python bench/accuracy.py --impl ffi --head-dims 128   # one level
 """
 
 from __future__ import annotations
@@ -61,6 +69,19 @@ def fixed_point(q: np.ndarray, bits: int) -> np.ndarray:
     return (np.round(q / step) * step).astype(np.float32)
 
 
+def oracle64(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray, sm_scale: float) -> np.ndarray:
+    """float64 GQA attention: q ``(B, T, Hq, D)``, k, v ``(B, S, H, D)``, visible ``(B, T, S)``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    kh = np.repeat(k, g, axis=2)  # (B, S, Hq, D)
+    vh = np.repeat(v, g, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, kh) * sm_scale
+    s = np.where(visible[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", p, vh)
+
+
 def tolerance_units(got, ref) -> float:
     """Worst |got - ref| / (1e-5 * |ref| + 1e-5 * max|ref|): the FFI tests' float32 tolerance."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
@@ -68,7 +89,7 @@ def tolerance_units(got, ref) -> float:
 
 
 def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk: int, batch: int, kv_heads: int,
-            group: int, seed: int, query_bits: tuple[int, ...] = ()) -> dict[str, float]:
+            group: int, seed: int, query_bits: tuple[int, ...] = (), added: bool = False) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     layout = PagedKVStorageLayout(profile, num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim)
     blocks = -(-context // P)
@@ -85,6 +106,11 @@ def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk
     view = append(view, jnp.asarray(k), jnp.asarray(v))
 
     out = {}
+    if added:  # the exactly dequantized cache (the planes' values), for the float64 oracles
+        from ninfer_kv import codecs
+
+        kq64, vq64 = (np.asarray(x, np.float64) for x in
+                      jax.jit(lambda a, b: codecs.codec_roundtrip(profile, a, b))(jnp.asarray(k), jnp.asarray(v)))
     for case, t in (("decode", 1), ("chunk", chunk)):
         q = rng.standard_normal((batch, t, kv_heads * group, head_dim)).astype(np.float32)
         positions = jnp.full((batch,), context - t, jnp.int32)
@@ -97,6 +123,11 @@ def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk
             jnp.asarray(visible), 1.0 / head_dim**0.5,
         )
         out[case] = _rel(got, want)
+        if added:
+            scale = 1.0 / head_dim**0.5
+            quantized = oracle64(q, kq64, vq64, visible, scale)
+            out[f"{case}/added"] = _rel(got, quantized)
+            out[f"{case}/codec64"] = _rel(quantized, oracle64(q, k, v, visible, scale))
         for bits in query_bits:
             rounded = attend(jnp.asarray(fixed_point(q, bits)), view, positions)
             out[f"{case}/q{bits}"] = _rel(rounded, got)
@@ -133,11 +164,12 @@ def main() -> None:
     print("| profile | D | decode rel L2 | chunk rel L2 | K codec rel L2 | V codec rel L2 |")
     print("|---|---:|---:|---:|---:|---:|")
     bits = tuple(args.query_bits)
+    added = ops.resolve_impl(args.impl).name == "ffi"
     results = []
     for profile in KVProfile:
         for d in args.head_dims:
             r = measure(profile, d, impl=args.impl, context=args.context, chunk=args.chunk, batch=args.batch,
-                        kv_heads=args.kv_heads, group=args.group, seed=args.seed, query_bits=bits)
+                        kv_heads=args.kv_heads, group=args.group, seed=args.seed, query_bits=bits, added=added)
             results.append((profile, d, r))
             print(f"| {profile.value} | {d} | {r['decode']:.2e} | {r['chunk']:.2e} | {r['k']:.2e} | {r['v']:.2e} |",
                   flush=True)
@@ -150,6 +182,20 @@ def main() -> None:
             for b in bits:
                 print(f"| {profile.value} | {d} | {b} | {r[f'decode/q{b}']:.2e} | {r[f'decode/q{b}/tol']:.1f} "
                       f"| {r[f'chunk/q{b}']:.2e} | {r[f'chunk/q{b}/tol']:.1f} | {r['decode']:.2e} |")
+    if added:
+        from ninfer_kv import ffi_ops
+
+        print(f"\nerror the FFI kernel's arithmetic adds ({ffi_ops.info().summary()}): relative L2 against a "
+              "float64 oracle over the same quantized cache, and the codec's own error (that oracle against "
+              "float64 attention over the unquantized k, v):\n")
+        print("| profile | D | arithmetic (scores / values) | decode added | chunk added | codec decode rel L2 "
+              "| codec chunk rel L2 | added / codec (worst) |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|")
+        for profile, d, r in results:
+            ar = ffi_ops.arithmetic(profile, d)
+            worst = max(r["decode/added"] / r["decode/codec64"], r["chunk/added"] / r["chunk/codec64"])
+            print(f"| {profile.value} | {d} | {ar.scores} / {ar.values} | {r['decode/added']:.2e} | {r['chunk/added']:.2e} "
+                  f"| {r['decode/codec64']:.2e} | {r['chunk/codec64']:.2e} | {worst:.1e} |")
     print(f"\n({time.perf_counter() - start:.0f} s)")
 
 

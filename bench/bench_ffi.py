@@ -7,7 +7,9 @@ Decode attention (one layer, B rows of one context length, pages in random physi
 * copy bandwidth = a large numpy copy (src -> dst, 2 x the size of L3-busting buffers), counted
   as bytes read + bytes written = 2 x the buffer size per copy (write-allocate traffic not
   counted), run on every FFI thread at once (each thread copies its own slice) and on one
-  thread; the larger figure is the denominator of "of copy BW";
+  thread, at the start and again right before each profile's timing; the largest figure of the
+  run is the denominator of "of copy BW" and of the roofline (on a machine shared with other work
+  a copy timed in a busy moment would otherwise inflate every fraction);
 * read bandwidth = the same buffer read once (summed) by the FFI library's own threads, one
   contiguous slice each, and by one thread; the larger figure is the denominator of "of read BW"
   (attention only reads, so this is the ceiling it could reach);
@@ -15,6 +17,14 @@ Decode attention (one layer, B rows of one context length, pages in random physi
   with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` when THP is in ``madvise`` mode);
 * the instruction-set level in use (``NINFER_KV_FFI_ISA`` forces one, e.g. ``avx2`` on an
   AVX-512 machine) is printed in the header;
+* the roofline (``bench/ffi_peaks.py``): the arithmetic the kernel uses for each profile
+  (``ninfer_kv.ffi_ops.arithmetic``: ``float32`` FMAs, or ``int8x2`` byte products), its multiply-add
+  peak measured in this run by ``bench/ffi_compute.cc`` built for the level in use (on every FFI
+  thread at once, each timing its own CPU time), the compute ceiling (the K/V bytes per second
+  those peaks allow: ``cores * bytes per key-head / (G * D / peak_scores + G * D / peak_values)``),
+  the roofline ``min(copy bandwidth, ceiling)`` and the fraction of it the kernel reaches (the
+  peak is the larger of the all-threads sum and threads x the one-thread figure, so that a peak
+  timed while other work shared a core cannot lower the ceiling);
 * speed-up over the jnp reference (``ninfer_kv.ops.reference``, jitted, XLA CPU) on the same data;
 * the FFI series is timed before and after the reference, and the faster median is reported;
 * "cores used": CPU seconds the process consumed per wall second during the FFI calls (2.0 = both
@@ -29,6 +39,9 @@ Usage::
     PYTHONPATH=. python bench/bench_ffi.py                 # the full table (needs ~4 GiB free)
     PYTHONPATH=. python bench/bench_ffi.py --contexts 4096 --profiles bf16 --quick
     NINFER_KV_FFI_ISA=avx2 PYTHONPATH=. python bench/bench_ffi.py --contexts 32768   # the AVX2 level
+
+Needs ``tabulate`` (``pip install .[bench]``) and, for the roofline columns, a C++ compiler (levels
+that ``bench/ffi_compute.cc`` cannot measure print "-" there).
 """
 
 from __future__ import annotations
@@ -46,6 +59,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import ffi_peaks  # noqa: E402  (bench/ is the script's directory)
 
 from ninfer_kv import ffi_ops  # noqa: E402
 from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
@@ -257,7 +273,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--profiles", nargs="+", default=["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"])
-    p.add_argument("--append-profiles", nargs="+", default=["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"])
+    p.add_argument("--append-profiles", nargs="*", default=["bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--gqa", type=int, default=4)
@@ -292,39 +308,70 @@ def main() -> None:
         f"read bandwidth (one pass over {args.copy_mib} MiB): {rd_all / 1e9:.1f} GB/s on {threads} threads, "
         f"{rd_one / 1e9:.1f} GB/s on 1 thread; denominator {read_bw / 1e9:.1f} GB/s"
     )
+    info = ffi_ops.info()
+    peaks = None
+    if ffi_peaks.measurable(info.isa):
+        peaks = ffi_peaks.measure_peaks(info.isa, threads, tuple(sorted(set(ffi_peaks.ARITHMETIC_PEAK.values()) &
+                                                                        set(ffi_peaks.PEAK_KINDS[info.isa]))))
+        print(f"multiply-add peaks of level {info.isa} (bench/ffi_compute.cc, this run), G per second: " + ", ".join(
+            f"{k} {peaks.one[k] / 1e9:.1f} on 1 thread, {peaks.all[k] / 1e9:.1f} on {threads}" for k in peaks.one))
+    else:
+        print(f"multiply-add peaks: bench/ffi_compute.cc cannot measure level {info.isa} here (no roofline columns)")
     print()
     print(
         f"decode attention: B={args.batch}, H={args.kv_heads}, GQA {args.gqa}, D={args.head_dim}, T=1, "
         f"one layer, pages in random physical order"
     )
-    print(
-        "| profile | context | FFI ms | FFI GB/s | of copy BW | of read BW | cores used | GB per CPU-second "
-        "| jnp ref ms | speed-up |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    measured = []
     for ctx in args.contexts:
         for prof in args.profiles:
+            # the copy once more, right before the timing: the run's best copy is the denominator
+            bandwidth = max(bandwidth, memory_bandwidth(args.copy_mib << 20, 3, threads))
             r = bench_attention(prof, ctx, args, rng, bandwidth, read_bw)
-            ref = "-" if r["ref_ms"] is None else f"{r['ref_ms']:.2f}"
-            spd = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
-            print(
-                f"| {prof} | {ctx} | {r['ms']:.2f} | {r['gbps']:.1f} | {100 * r['frac']:.0f}% "
-                f"| {100 * r['read_frac']:.0f}% | {r['cores']:.2f} | {r['gbps'] / max(r['cores'], 1e-9):.1f} "
-                f"| {ref} | {spd} |",
-                flush=True,
-            )
+            measured.append((prof, ctx, r))
+            print(f"  {prof} {ctx}: {r['ms']:.2f} ms, {r['gbps']:.1f} GB/s, {r['cores']:.2f} cores used", flush=True)
+    print(f"copy bandwidth, best of the run (the denominator below): {bandwidth / 1e9:.1f} GB/s")
+    def peak(arithmetic: str) -> float:
+        kind = ffi_peaks.ARITHMETIC_PEAK[arithmetic]
+        return max(peaks.all[kind], peaks.threads * peaks.one[kind])
+
+    table = []
+    for prof, ctx, r in measured:
+        ar = ffi_ops.arithmetic(prof, args.head_dim)
+        gbps = r["gbps"] * 1e9
+        if peaks is not None and ar.scores in ffi_peaks.ARITHMETIC_PEAK and ar.values in ffi_peaks.ARITHMETIC_PEAK:
+            sp, vp = peak(ar.scores), peak(ar.values)
+            ceil = ffi_peaks.ceiling(prof, args.head_dim, args.gqa, sp, vp)
+            roof = min(bandwidth, ceil)
+            peak_txt = f"{sp / 1e9:.0f} / {vp / 1e9:.0f}"
+            ceil_txt, roof_txt, frac_roof = f"{ceil / 1e9:.1f}", f"{roof / 1e9:.1f}", f"{100 * gbps / roof:.0f}%"
+        else:
+            peak_txt = ceil_txt = roof_txt = frac_roof = "-"
+        table.append([
+            prof, ctx, f"{r['ms']:.2f}", f"{r['gbps']:.1f}", f"{ar.scores} / {ar.values}", peak_txt, ceil_txt,
+            f"{bandwidth / 1e9:.1f}", roof_txt, frac_roof, f"{100 * gbps / bandwidth:.0f}%",
+            f"{100 * r['read_frac']:.0f}%", f"{r['cores']:.2f}", "-" if r["ref_ms"] is None else f"{r['ref_ms']:.2f}",
+            "-" if r["speedup"] is None else f"{r['speedup']:.1f}x",
+        ])
+    print()
+    print(tabulate(table, headers=[
+        "profile", "context", "FFI ms", "FFI GB/s", "arithmetic (scores / values)", "peak G MAC/s (scores / values)",
+        "compute ceiling GB/s", "copy BW GB/s", "roofline GB/s", "of roofline", "of copy BW", "of read BW",
+        "cores used", "jnp ref ms", "speed-up"], tablefmt="github"))
+    if not args.append_profiles:
+        return
     print()
     print(
         f"append (jitted, planes donated): B={args.batch} rows x T={args.append_tokens} tokens per call, "
         f"H={args.kv_heads}, D={args.head_dim}, float32 input"
     )
-    print("| profile | FFI tokens/s | jnp ref tokens/s | speed-up |")
-    print("|---|---|---|---|")
+    rows = []
     for prof in args.append_profiles:
         r = bench_append(prof, args, rng)
         ref = "-" if r["ref_tps"] is None else f"{r['ref_tps']:.3g}"
         spd = "-" if r["ref_tps"] is None else f"{r['ffi_tps'] / r['ref_tps']:.1f}x"
-        print(f"| {prof} | {r['ffi_tps']:.3g} | {ref} | {spd} |", flush=True)
+        rows.append([prof, f"{r['ffi_tps']:.3g}", ref, spd])
+    print(tabulate(rows, headers=["profile", "FFI tokens/s", "jnp ref tokens/s", "speed-up"], tablefmt="github"))
 
 
 if __name__ == "__main__":

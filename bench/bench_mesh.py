@@ -1,9 +1,10 @@
-"""Decode step over a device mesh versus one device doing the same total work, in one run.
+"""Decode step over a device mesh versus one device doing the same lanes, in one run.
 
     python bench/bench_mesh.py [--mesh data=2,model=4] [--batch 16] [--context 1024] [--steps 20]
 
-Forces 8 host devices before JAX starts (on a CPU).  Both programs decode one token for every
-sequence in every layer (append + attention through the FFI kernels), with the same total batch,
+Forces 8 host devices before JAX starts (on a CPU).  One mesh step serves every data shard's lanes
+together (``--batch`` = ``D * C_local`` tokens per step, as the demo's lockstep rounds do); both
+programs decode one token for every sequence in every layer (append + attention through the FFI kernels), with the same total batch,
 heads and context: the sharded one per device inside ``shard_map``, the single-device one on device
 0 over the whole cache.  Also prints the per-device bytes of the mesh plan next to the bytes of one
 device holding the same cache.
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
     from ninfer_kv.mesh import KVMesh
     from ninfer_kv.planning import PoolKind, plan_kv_cache_mesh
     from ninfer_kv.sharded_ops import sharded_paged_append, sharded_paged_attention
-    from ninfer_kv.store.device_state import KVDeviceState
+    from ninfer_kv.device.state import KVDeviceState
 
     mesh = KVMesh(args.mesh)
     dd, hh = mesh.data, args.kv_heads
@@ -129,8 +130,10 @@ def main(argv=None) -> None:
     t_single, t_sharded = (float(np.median(times[n])) for n in ("single", "sharded"))
     print(f"decode step, {args.layers} layers x (append + attention), batch {args.batch}, context {args.context}, "
           f"{hh} KV heads, {hq} query heads, D={args.head_dim}, {args.profile}, impl={args.impl}")
-    print(f"  one device          {t_single * 1e3:9.3f} ms/step")
-    print(f"  mesh {str(mesh.spec):<14} {t_sharded * 1e3:9.3f} ms/step  ({mesh.spec.size} devices)")
+    print(f"  tokens per step     {args.batch:9d}  (mesh: {c_local} lanes of each of {dd} data shards, one step)")
+    print(f"  one device          {t_single * 1e3:9.3f} ms/step  {args.batch / t_single:9.0f} tokens/s")
+    print(f"  mesh {str(mesh.spec):<14} {t_sharded * 1e3:9.3f} ms/step  {args.batch / t_sharded:9.0f} tokens/s  "
+          f"({mesh.spec.size} devices)")
     print(f"  one device / mesh   {t_single / t_sharded:9.3f}x")
     print(f"plan bytes (max_context {logical * PAGE_SIZE}, C = {args.batch}):")
     print(f"  per device          {plan.device_bytes:>14,} B")

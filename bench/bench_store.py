@@ -150,7 +150,7 @@ def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
         upd = work.pools[MAIN].tables
         t0 = time.perf_counter()
         state = inside(state, work, rows32, pos, kv, kv)
-        jax.block_until_ready(state.serial)
+        jax.block_until_ready(state.sync)
         t1 = time.perf_counter()
         tables = publish(tables, upd)
         planes, tables = step(planes, tables, rows32, pos, kv, kv)

@@ -6,17 +6,21 @@
 // pages of 64 tokens that stay in L2, so memory bandwidth plays no part: what is left is the
 // arithmetic and the instructions around it.  Decode attention needs 2 * rows * 128 multiply-adds
 // per key (scores and values); "of FMA peak" is that count over the peak measured here by a loop
-// of independent multiply-adds of the same vector width.  `peak int16` and `peak int8` measure the
-// integer pair products a reduced-precision kernel would use instead, with the adds that
-// accumulate them: vpmaddwd + vpaddd (int16 x int16 into int32), and vpmaddubsw + vpmaddwd-by-one
-// + vpaddd (8-bit x 8-bit into int32, as 8-bit dot-product kernels chain them).
+// of independent multiply-adds of the same vector width.  The other peaks measure integer
+// products, with the adds that accumulate them: `int16` vpmaddwd + vpaddd (int16 x int16 into
+// int32), `int8` vpmaddubsw + vpmaddwd-by-one + vpaddd (8-bit x 8-bit into int32, as 8-bit
+// dot-product kernels chain them), and on levels with AVX-512 VNNI `vnni16` vpdpwssd and `vnni8`
+// vpdpbusd (the product and the add in one instruction); `int8x2` is half the vnni8 rate: the
+// multiply-adds of the kernels' int8x2 arithmetic, two byte products each (int_scores.h).
+// Times are the thread's CPU time (a share of the machine taken by other work does not count).
 //
 // Usage: ffi_compute <k codec> <v codec> [rows] [repeats]    (codecs: 0 BF16, 1 INT8-G64,
-//        ffi_compute peak [int16 | int8]                      2 FP8-row, 3 NVFP4-G16)
+//        ffi_compute peak [float32 | int16 | int8 | vnni16 | vnni8 | int8x2]   2 FP8-row, 3 NVFP4-G16)
 #include <immintrin.h>
 
+#include <time.h>
+
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,7 +35,11 @@ using namespace ninfer_kv_ffi;
 
 namespace {
 
-double Seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+double Seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 #if defined(__AVX512F__)
 using IntVec = __m512i;
@@ -97,6 +105,23 @@ double PeakIntLanesPerSecond() {
   return (sizeof(IntVec) * 8 / bits) * ChainStepsPerSecond(NINFER_KV_BENCH_OPS(set1_epi32)(1), step);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// Multiply lanes per second of one thread through the VNNI dot products (the multiply and the
+// accumulation in one instruction): vpdpwssd (16-bit pairs) or vpdpbusd (8-bit quadruples).
+template <int bits>
+double PeakVnniLanesPerSecond() {
+  const __m512i m = _mm512_set1_epi16(3);
+  auto step = [=](__m512i acc) {
+    if constexpr (bits == 16) {
+      return _mm512_dpwssd_epi32(acc, m, m);
+    } else {
+      return _mm512_dpbusd_epi32(acc, m, m);
+    }
+  };
+  return (512 / bits) * ChainStepsPerSecond(_mm512_set1_epi32(1), step);
+}
+#endif
+
 // Random valid codes and scales of `pages` pages of 64 tokens for codec c (head dim d).
 RowSource MakePlane(int c, int d, int pages, std::mt19937& rng, std::vector<uint8_t>* data, std::vector<uint8_t>* sc) {
   const CodecPlanes cp = PlanesOf(static_cast<Codec>(c), d);
@@ -135,8 +160,17 @@ int main(int argc, char** argv) {
       std::printf("%.4g\n", PeakIntLanesPerSecond<16>());
     } else if (std::strcmp(kind, "int8") == 0) {
       std::printf("%.4g\n", PeakIntLanesPerSecond<8>());
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    } else if (std::strcmp(kind, "vnni16") == 0) {
+      std::printf("%.4g\n", PeakVnniLanesPerSecond<16>());
+    } else if (std::strcmp(kind, "vnni8") == 0) {
+      std::printf("%.4g\n", PeakVnniLanesPerSecond<8>());
+    } else if (std::strcmp(kind, "int8x2") == 0) {
+      std::printf("%.4g\n", 0.5 * PeakVnniLanesPerSecond<8>());
+#endif
     } else {
-      std::fprintf(stderr, "peak kind %s: allowed float32, int16, int8\n", kind);
+      std::fprintf(stderr, "peak kind %s: not measured at this level (float32, int16, int8; vnni16, vnni8, int8x2 "
+                   "with AVX-512 VNNI)\n", kind);
       return 2;
     }
     return 0;
@@ -182,6 +216,8 @@ int main(int argc, char** argv) {
     check += out[0];
   }
   const double lanes = 2.0 * rows * kD * kKeys;  // multiply-add lanes of the task
-  std::printf("%.3f %.4g %g\n", best / kKeys * 1e9, lanes / best, check);
+  const ArithmeticChoice ar = ArithmeticOf(static_cast<Codec>(kc), static_cast<Codec>(vc), kD);
+  auto name = [](Arithmetic a) { return a == Arithmetic::kInt8x2 ? "int8x2" : "float32"; };
+  std::printf("%.3f %.4g %g %s %s\n", best / kKeys * 1e9, lanes / best, check, name(ar.scores), name(ar.values));
   return 0;
 }

@@ -10,7 +10,10 @@ the CPU platform:
 * ``paged_attention`` / ``cyclic_attention`` run a single-pass online softmax in float32 over the
   pages (or ring slots) each query sees, dequantizing page by page, with the work split over
   (batch row, KV head[, query block][, context split]) on a persistent thread pool.  They never
-  read a page outside a row's visible range.
+  read a page outside a row's visible range.  Their products are float32, except the scores of
+  NVFP4 keys at the ``avx512vnni`` level, which multiply the query rounded to 15 bits with the
+  key codes in integers (:func:`arithmetic` reports the products per profile; docs/ACCURACY.md
+  measures what they add).
 
 The library ``libninfer_kv_ffi`` is built by ``pip install .`` / ``pip install -e .`` (CMake, see
 ``ffi/CMakeLists.txt``) and loaded once, with ctypes, when this module is imported.  When
@@ -36,11 +39,12 @@ Threads: ``NINFER_KV_FFI_THREADS`` (read when the library first runs) sets the t
 (the calling thread included); the default is the number of hardware threads.
 
 Instruction sets: the library holds the kernels compiled for several levels (x86-64: ``baseline``,
-``avx2`` = x86-64-v3, ``avx512`` = x86-64-v4; aarch64: ``neon``; a ``-march=native`` build:
-``native``) and picks the best level this CPU supports when it loads.  ``NINFER_KV_FFI_ISA`` (read
-once, on import) forces a level; a level that is not compiled in or that the CPU cannot run is
-refused: the library is then unavailable and :func:`load_error` says why.  :func:`info` reports the
-level in use, the compiled-in and the supported levels.
+``avx2`` = x86-64-v3, ``avx512`` = x86-64-v4, ``avx512vnni`` = x86-64-v4 with AVX512-VNNI and
+AVX512-VBMI; aarch64: ``neon``; a ``-march=native`` build: ``native``) and picks the best level this
+CPU supports when it loads.  ``NINFER_KV_FFI_ISA`` (read once, on import) forces a level; a level
+that is not compiled in or that the CPU cannot run is refused: the library is then unavailable and
+:func:`load_error` says why.  :func:`info` reports the level in use, the compiled-in and the
+supported levels.
 
 ``jax.vmap`` over an op uses ``vmap_method="sequential"``: one custom call per mapped element.
 The kernels are already batched over B, so vmap is a convenience, and "sequential" keeps two
@@ -59,12 +63,14 @@ import threading
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .geometry import PlaneOrder
+from .layout import word_dtype
 from .profiles import KVCodec, KVProfile
 from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 
@@ -73,6 +79,8 @@ __all__ = [
     "paged_attention",
     "cyclic_append",
     "cyclic_attention",
+    "apply_tables",
+    "write_pages",
     "is_available",
     "load_error",
     "unavailable_reason",
@@ -80,6 +88,9 @@ __all__ = [
     "num_threads",
     "info",
     "FFIInfo",
+    "arithmetic",
+    "Arithmetic",
+    "ARITHMETIC_NAMES",
     "FFIUnavailableError",
     "FFILibraryPathError",
     "LIBRARY_ENV",
@@ -87,7 +98,7 @@ __all__ = [
     "TARGETS",
 ]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """Version of the handler contract (operands, attributes, semantics) this module speaks."""
 
 TARGETS = {
@@ -95,6 +106,8 @@ TARGETS = {
     "ninfer_kv_paged_attention": "NinferKvPagedAttention",
     "ninfer_kv_cyclic_append": "NinferKvCyclicAppend",
     "ninfer_kv_cyclic_attention": "NinferKvCyclicAttention",
+    "ninfer_kv_apply_tables": "NinferKvApplyTables",
+    "ninfer_kv_write_pages": "NinferKvWritePages",
 }
 """XLA custom-call target name -> exported handler symbol."""
 
@@ -281,7 +294,8 @@ class FFIInfo:
     """What the loaded library runs on this machine."""
 
     isa: str
-    """The instruction-set level in use (``baseline``, ``avx2``, ``avx512``, ``neon`` or ``native``)."""
+    """The instruction-set level in use (``baseline``, ``avx2``, ``avx512``, ``avx512vnni``, ``neon`` or
+    ``native``)."""
     compiled: tuple[str, ...]
     """Levels compiled into the library, best first."""
     supported: tuple[str, ...]
@@ -329,6 +343,52 @@ def info() -> FFIInfo:
         cpu_features=names(lib.NinferKvFfiCpuFeatures),
         library=str(_LIBRARY.path),
     )
+
+
+ARITHMETIC_NAMES = ("float32", "int8x2")
+"""The products an attention kernel may use, by the library's code (``NinferKvFfiArithmetic``):
+
+* ``float32``: float32 multiply-adds (results agree with the float32 reference to rounding);
+* ``int8x2``: the query rounded to 15 bits (one scale per query row, ``|q16| <= 16383``) and split
+  exactly into two signed bytes, multiplied by the codes as unsigned bytes with ``vpdpbusd``
+  (two byte products per multiply-add of ``q . k``), exact int32 sums scaled back per group.
+"""
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """The products the attention kernel of the level in use takes for one profile and head dim."""
+
+    scores: str
+    """Products of ``q . k`` (a name of :data:`ARITHMETIC_NAMES`)."""
+    values: str
+    """Products of ``p . v`` (a name of :data:`ARITHMETIC_NAMES`)."""
+
+    @property
+    def reduced(self) -> bool:
+        """Whether either product rounds an operand beyond float32 (its results then differ from the
+        float32 reference by more than float32 rounding; docs/ACCURACY.md states by how much)."""
+        return self.scores != "float32" or self.values != "float32"
+
+
+def arithmetic(profile: KVProfile | str, head_dim: int) -> Arithmetic:
+    """The products the attention kernel of the level in use multiplies with, for ``profile`` at
+    ``head_dim`` (runs holding a non-finite scale, and non-finite queries, always take float32).
+
+    Raises :class:`FFIUnavailableError` when the library is unavailable, ``ValueError`` for a head
+    dim that is not positive.
+    """
+    lib = _require()
+    prof = KVProfile(profile)
+    if head_dim <= 0:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    fn = lib.NinferKvFfiArithmetic
+    fn.restype = ctypes.c_int32
+    fn.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+    code = int(fn(_CODEC_ID[prof.k_codec], _CODEC_ID[prof.v_codec], int(head_dim)))
+    if code < 0:
+        raise FFIUnavailableError(f"the FFI library reports no arithmetic for {prof.value} at head dim {head_dim}")
+    return Arithmetic(ARITHMETIC_NAMES[code & 0xFF], ARITHMETIC_NAMES[(code >> 8) & 0xFF])
 
 
 def _stream_read(buf: np.ndarray, threads: int = 0) -> int:
@@ -496,6 +556,66 @@ def cyclic_attention(q, view: CyclicKVCacheLayerView, rows, positions, kv_lens, 
         **_codec_attrs(lay.profile),
     )
     return out.astype(jnp.asarray(q).dtype)
+
+
+# -- round work (the CPU lowering of ninfer_kv.device.work.apply_work) ------------------------------
+
+
+def apply_tables(sync, stamp, tables: Sequence, updates: Sequence) -> tuple[jax.Array, list[jax.Array]]:
+    """One round work's block-table updates and order check, in place (CPU).
+
+    ``sync``: the state's ``int32 (5,)`` order record; ``stamp``: the work's ``int32 (2,)``
+    ``(serial, store)``; ``tables[i]``: ``int32 (C, L)`` block tables (donate them: they are the
+    results' buffers); ``updates[i]``: ``int32 (3, U)`` ``(row, block, page)`` entries (an index
+    outside its range, after one wrap of a negative one, is dropped).  Returns the new record and
+    tables with exactly the semantics of :func:`ninfer_kv.device.work.apply_work`: applied when
+    the work is next in order, else nothing applied, every entry the sentinel and the slip recorded.
+    """
+    _require()
+    tables = [_i32(t) for t in tables]
+    if len(tables) != len(updates):
+        raise ValueError(f"{len(tables)} tables and {len(updates)} update lists")
+    call = jax.ffi.ffi_call(
+        "ninfer_kv_apply_tables",
+        (jax.ShapeDtypeStruct((5,), jnp.int32),) + tuple(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables),
+        input_output_aliases={0: 0, **{2 + i: 1 + i for i in range(len(tables))}},
+        vmap_method="sequential",
+    )
+    out = call(_i32(sync), _i32(stamp), *tables, *(_i32(u) for u in updates))
+    return out[0], list(out[1:])
+
+
+def write_pages(sync, stamp, planes: Mapping[str, jax.Array], copies, restores, payload: Mapping, *,
+                page_axis: int) -> dict[str, jax.Array]:
+    """One pool's page writes of a round work, in place (CPU): COW copies ``(src, dst, columns)``
+    and Host restores ``(dst, columns)`` from ``payload[plane]`` words ``(R, layers, H, P, X)``.
+
+    Written only when the work is next in order (``sync``, ``stamp`` as :func:`apply_tables`);
+    every source is read before any destination is written; entries with ``columns == 0`` or a
+    destination outside the pool write nothing.  ``planes`` are the results' buffers (donate
+    them); ``page_axis`` 1 (page-major) or 2 (head-major).  The semantics of
+    :func:`ninfer_kv.device.page_copy.write_pages`, without its whole-plane copies on XLA's CPU
+    backend.
+    """
+    _require()
+    names = list(planes)
+    words = []
+    for n in names:
+        x = planes[n]
+        if payload and n in payload:
+            words.append(jnp.asarray(payload[n]))
+        else:  # no restores: a zero-entry payload (0, layers, H, P, X) of the plane's word type
+            heads = x.shape[2] if page_axis == 1 else x.shape[1]
+            words.append(jnp.zeros((0, x.shape[0], heads, x.shape[3], x.shape[4]), word_dtype(x.dtype)))
+    call = jax.ffi.ffi_call(
+        "ninfer_kv_write_pages",
+        tuple(jax.ShapeDtypeStruct(planes[n].shape, planes[n].dtype) for n in names),
+        input_output_aliases={4 + i: i for i in range(len(names))},
+        vmap_method="sequential",
+    )
+    out = call(_i32(sync), _i32(stamp), _i32(copies), _i32(restores), *(planes[n] for n in names), *words,
+               page_axis=np.int64(page_axis))
+    return dict(zip(names, out))
 
 
 # -- ops registry ----------------------------------------------------------------------------------

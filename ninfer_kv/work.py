@@ -142,20 +142,43 @@ class PoolWork:
         return PoolWork(out_t, out_k, out_r, payload, self.pad_row, self.pad_page)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RoundWork:
     """Everything the device must do before the next unit reads (one :meth:`KVStore.take_work`).
 
+    ``RoundWork(serial, pools, store=0)``.
+
     Attributes:
-      serial: ``int32 ()`` works the store handed out before this one.
+      stamp: ``int32 (2,)`` ``(serial, store)``, read through :attr:`serial` and :attr:`store`
+        (one small array, so a step that applies the work transfers one buffer for its order).
       pools: ``{PoolKind: PoolWork}``.
-      store: ``int32 ()`` the identity of the store that took it (``KVStore.identity``; 0 for a work
-        built by hand, which any state accepts); a state bound to another store is poisoned by it.
     """
 
-    serial: np.ndarray
+    stamp: Any
     pools: dict
-    store: np.ndarray = dataclasses.field(default_factory=lambda: np.asarray(0, np.int32))
+
+    def __init__(self, serial, pools: dict, store=0):
+        object.__setattr__(self, "stamp", np.array([int(np.asarray(serial)), int(np.asarray(store))], np.int32))
+        object.__setattr__(self, "pools", pools)
+
+    @classmethod
+    def from_stamp(cls, stamp, pools: dict) -> "RoundWork":
+        """A work of an existing ``(serial, store)`` stamp of any array type (e.g. traced)."""
+        work = object.__new__(cls)
+        object.__setattr__(work, "stamp", stamp)
+        object.__setattr__(work, "pools", pools)
+        return work
+
+    @property
+    def serial(self):
+        """``int32 ()`` works the store handed out before this one."""
+        return self.stamp[0]
+
+    @property
+    def store(self):
+        """``int32 ()`` the identity of the store that took it (``KVStore.identity``; 0 for a work built
+        by hand, which any state accepts); a state bound to another store is poisoned by it."""
+        return self.stamp[1]
 
     @property
     def empty(self) -> bool:

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "int_scores.h"
 #include "row_decoders.h"
 #include "simd.h"
 
@@ -257,6 +258,10 @@ void AttentionAccumulator::Begin(int rows, int d, int run_capacity, float sm_sca
   hi_.assign(rows_, -1);
   seg_a_.assign(rows_, 0);
   seg_b_.assign(rows_, 0);
+  srow_.assign(rows_, sm_scale);
+  qscale_.assign(rows_, 1.0f);
+  qbytes_ready_ = false;
+  qbytes_ok_ = false;
 }
 
 void AttentionAccumulator::SetVisible(int m, int64_t lo, int64_t hi) {
@@ -273,9 +278,9 @@ void AttentionAccumulator::SetVisible(int m, int64_t lo, int64_t hi) {
 // any row sees any of these keys.
 bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
   bool any = false;
-  const VFloat scale = Splat(sm_scale_);
   const VInt lane = Iota();
   for (int m = 0; m < rows_; ++m) {
+    const VFloat scale = Splat(srow_[m]);
     const int a = static_cast<int>(std::max<int64_t>(lo_[m] - ja, 0));
     const int b = static_cast<int>(std::min<int64_t>(hi_[m] - ja + 1, cnt));
     seg_a_[m] = a;
@@ -285,30 +290,47 @@ bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
     float* s = s_ + static_cast<int64_t>(m) * sld_;
     const int va = a / kVL * kVL;  // vector-aligned span covering [a, b)
     const int vb = static_cast<int>(RoundUp(b, kVL));
+    const bool whole = va == a && vb == b;  // [a, b) is whole vectors: no lane masks
     VFloat vmax = Splat(kNegInf);
-    VInt vnan = VInt{} + 0;
-    for (int j = va; j < vb; j += kVL) {
-      const VInt idx = lane + j;
-      const VFloat x = Load(s + j) * scale;
-      Store(s + j, x);
-      const VInt in = (idx >= a) & (idx < b);
-      vmax = in & (x > vmax) ? x : vmax;
-      vnan |= in & (x != x);
+    VInt vnan = VInt{};
+    if (whole) {
+      for (int j = va; j < vb; j += kVL) {
+        const VFloat x = Load(s + j) * scale;
+        Store(s + j, x);
+        vmax = x > vmax ? x : vmax;
+        vnan |= x != x;
+      }
+    } else {
+      for (int j = va; j < vb; j += kVL) {
+        const VInt idx = lane + j;
+        const VFloat x = Load(s + j) * scale;
+        Store(s + j, x);
+        const VInt in = (idx >= a) & (idx < b);
+        vmax = in & (x > vmax) ? x : vmax;
+        vnan |= in & (x != x);
+      }
     }
     float row_max = HorizontalMax(vmax);
-    for (int i = 0; i < kVL; ++i) {
-      if (vnan[i]) row_max = std::numeric_limits<float>::quiet_NaN();  // NaN propagates, as in the reference
-    }
+    if (AnyLane(vnan)) row_max = std::numeric_limits<float>::quiet_NaN();  // NaN propagates, as in the reference
     const float new_max = row_max != row_max ? row_max : std::max(max_[m], row_max);
-    const float alpha = (max_[m] == kNegInf) ? 0.0f : std::exp(max_[m] - new_max);
+    // exp(0) == 1 exactly: the common case of an unchanged maximum needs no exp.
+    const float alpha = (max_[m] == kNegInf) ? 0.0f : (new_max == max_[m] ? 1.0f : std::exp(max_[m] - new_max));
     VFloat vsum = Splat(0.0f);
     const VFloat shift = Splat(new_max);
-    for (int j = va; j < vb; j += kVL) {
-      const VInt idx = lane + j;
-      const VFloat e = Exp(Load(s + j) - shift);
-      const VFloat pv = (idx >= a) & (idx < b) ? e : Splat(0.0f);
-      Store(s + j, pv);
-      vsum += pv;
+    if (whole) {
+      for (int j = va; j < vb; j += kVL) {
+        const VFloat e = Exp(Load(s + j) - shift);
+        Store(s + j, e);
+        vsum += e;
+      }
+    } else {
+      for (int j = va; j < vb; j += kVL) {
+        const VInt idx = lane + j;
+        const VFloat e = Exp(Load(s + j) - shift);
+        const VFloat pv = (idx >= a) & (idx < b) ? e : Splat(0.0f);
+        Store(s + j, pv);
+        vsum += pv;
+      }
     }
     // Probabilities outside [a, b) that a grouped V pass may read are zero.
     for (int j = 0; j < va; ++j) s[j] = 0.0f;
@@ -348,9 +370,15 @@ void AttentionAccumulator::FoldScales(const PreparedRows& v, int cnt) {
 
 template <class KDec, class VDec>
 void AttentionAccumulator::FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf) {
+  for (int m = 0; m < rows_; ++m) srow_[m] = sm_scale_;
   Scores<KDec>(q_, rows_, ld_, k, cnt, s_, sld_, pf);
   pf->IssueAll();
   if (!UpdateSoftmax(ja, cnt)) return;
+  ValuesFloat<VDec>(v, cnt);
+}
+
+template <class VDec>
+void AttentionAccumulator::ValuesFloat(const PreparedRows& v, int cnt) {
   FoldScales<VDec>(v, cnt);
   const int64_t wstride = static_cast<int64_t>(rows_padded_) * sld_;
   const int nchunks = ld_ / kVL;
@@ -387,6 +415,105 @@ void AttentionAccumulator::FoldRun(const PreparedRows& k, const PreparedRows& v,
   flush();
 }
 
+bool AttentionAccumulator::PrepareQueryBytes() {
+  if (qbytes_ready_) return qbytes_ok_;
+  qbytes_ready_ = true;
+  qbytes_ok_ = false;
+#if defined(NINFER_KV_INT_SCORES)
+  const int groups = ld_ / 16;
+  qhi_ = reinterpret_cast<uint8_t*>(qbytes_.Get(static_cast<size_t>(rows_padded_) * ld_ / 2));
+  qlo_ = qhi_ + static_cast<int64_t>(rows_padded_) * ld_;
+  std::memset(qhi_, 0, static_cast<size_t>(rows_padded_) * ld_ * 2);
+  qcorr_.assign(static_cast<size_t>(rows_padded_) * groups, 0);
+  for (int m = 0; m < rows_; ++m) {
+    const float* q = q_ + static_cast<int64_t>(m) * ld_;
+    VFloat top = Splat(0.0f);
+    VInt bad = VInt{};
+    for (int c = 0; c < ld_; c += kVL) {
+      const VFloat a = AsFloat(AsUInt(Load(q + c)) & 0x7FFFFFFFu);
+      bad |= !(a <= Splat(3.4028235e38f));  // NaN or infinite: that query keeps float32 scores
+      top = a > top ? a : top;
+    }
+    if (AnyLane(bad)) return false;
+    const float amax = HorizontalMax(top);
+    // q ~ q16 * step with |q16| <= kNvfp4QueryMax; an all-zero row keeps zeros.
+    const float step = amax > 0.0f ? amax / static_cast<float>(kNvfp4QueryMax) : 1.0f;
+    const float inv = amax > 0.0f ? static_cast<float>(kNvfp4QueryMax) / amax : 1.0f;
+    uint8_t* hi = qhi_ + static_cast<int64_t>(m) * ld_;
+    uint8_t* lo = qlo_ + static_cast<int64_t>(m) * ld_;
+    for (int i = 0; i < d_; ++i) {
+      const int q16 = std::max(-kNvfp4QueryMax, std::min(kNvfp4QueryMax, static_cast<int>(std::nearbyint(q[i] * inv))));
+      const int dst = (i & ~7) + (i & 1) * 4 + (i & 7) / 2;  // the key columns' order (int_scores.h)
+      hi[dst] = static_cast<uint8_t>(q16 >> 7);               // arithmetic shift: q16 = 128 * hi + lo
+      lo[dst] = static_cast<uint8_t>(q16 & 127);
+      qcorr_[m * groups + i / 16] -= 12 * q16;
+    }
+    qscale_[m] = step;
+  }
+  qbytes_ok_ = true;
+#endif
+  return qbytes_ok_;
+}
+
+void AttentionAccumulator::ScoresNvfp4Int(const PreparedRows& k, int cnt, Prefetcher* pf) {
+#if defined(NINFER_KV_INT_SCORES)
+  const int groups = d_ / 16;
+  const int fld = static_cast<int>(RoundUp(cnt, 16));
+  float* sk = facbuf_.Get(static_cast<size_t>(groups) * fld);
+  GroupMajor(k.scales, cnt, groups, sk, fld);
+  // the block sums are 2 * (q16 . e2m1) (int_scores.h)
+  for (int m = 0; m < rows_; ++m) srow_[m] = 0.5f * sm_scale_ * qscale_[m];
+  const QueryBytes qb{qhi_, qlo_, ld_, qcorr_.data(), groups};
+  const int64_t blocks = (cnt + 15) / 16;
+  const int64_t per_block = (pf->total_lines() + blocks - 1) / std::max<int64_t>(blocks, 1);
+  for (int j0 = 0; j0 < cnt; j0 += 16) {
+    pf->Issue(per_block);
+    const uint8_t* rows16[16];
+    for (int jj = 0; jj < 16; ++jj) rows16[jj] = k.data + static_cast<int64_t>(std::min(j0 + jj, cnt - 1)) * k.stride;
+    ScoreBlockNvfp4(rows16, d_, qb, rows_, sk + j0, fld, s_ + j0, sld_);
+  }
+#else
+  (void)k, (void)cnt, (void)pf;
+#endif
+}
+
+namespace {
+
+// Whether every scale of run p is finite (the integer scores have no NaN or infinity to carry).
+bool ScalesFinite(const PreparedRows& p, int cnt) {
+  const int n = cnt * p.groups;
+  VInt bad = VInt{};
+  int i = 0;
+  for (; i + kVL <= n; i += kVL) bad |= !(AsFloat(AsUInt(Load(p.scales + i)) & 0x7FFFFFFFu) <= Splat(3.4028235e38f));
+  if (AnyLane(bad)) return false;
+  for (; i < n; ++i) {
+    if (!(std::fabs(p.scales[i]) <= 3.4028235e38f)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+ArithmeticChoice ArithmeticOf(Codec k, Codec v, int d) {
+  (void)v;
+  ArithmeticChoice a{Arithmetic::kFloat32, Arithmetic::kFloat32};
+#if defined(NINFER_KV_INT_SCORES)
+  if (k == Codec::kNvfp4G16 && d % 16 == 0 && d <= 256) a.scores = Arithmetic::kInt8x2;
+#else
+  (void)k, (void)d;
+#endif
+  return a;
+}
+
+template <class VDec>
+void AttentionAccumulator::FoldRunIntScores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt,
+                                            Prefetcher* pf) {
+  ScoresNvfp4Int(k, cnt, pf);
+  pf->IssueAll();
+  if (!UpdateSoftmax(ja, cnt)) return;
+  ValuesFloat<VDec>(v, cnt);
+}
+
 void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const KVRunSource* prefetch) {
   const int64_t ja = std::max(j0, min_lo_);
   const int64_t jb = std::min(j0 + n, max_hi_ + 1);
@@ -420,7 +547,22 @@ void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const
   }
   const PreparedRows kp = PrepareRows(k, cnt, d_, &kscale_, &knan_);
   const PreparedRows vp = PrepareRows(v, cnt, d_, &vscale_, &vnan_);
-
+  if (k.codec == Codec::kNvfp4G16 && ArithmeticOf(k.codec, v.codec, d_).scores == Arithmetic::kInt8x2 &&
+      ScalesFinite(kp, cnt) && PrepareQueryBytes()) {
+    switch (v.codec) {
+      case Codec::kBF16: FoldRunIntScores<Decoder<Codec::kBF16>>(kp, vp, ja, cnt, &pf); break;
+      case Codec::kInt8G64: FoldRunIntScores<Decoder<Codec::kInt8G64>>(kp, vp, ja, cnt, &pf); break;
+      case Codec::kFp8Row:
+        if (vp.any_nan()) {
+          FoldRunIntScores<Fp8ExactDecoder>(kp, vp, ja, cnt, &pf);
+        } else {
+          FoldRunIntScores<Decoder<Codec::kFp8Row>>(kp, vp, ja, cnt, &pf);
+        }
+        break;
+      case Codec::kNvfp4G16: FoldRunIntScores<Decoder<Codec::kNvfp4G16>>(kp, vp, ja, cnt, &pf); break;
+    }
+    return;
+  }
 #define NINFER_KV_FOLD_V(KC)                                                                                   \
   switch (v.codec) {                                                                                           \
     case Codec::kBF16: FoldRun<Decoder<KC>, Decoder<Codec::kBF16>>(kp, vp, ja, cnt, &pf); break;        \

@@ -10,9 +10,12 @@
 // never read (poisoned or unwritten memory is never touched), and a probability outside a row's
 // interval is exactly zero.
 //
-// Arithmetic: float32 throughout.  Scores sm_scale * (q . k); per row the running maximum, the
-// running denominator and the unnormalized output are rescaled when the maximum grows.  A row
-// with no visible key produces zeros.
+// Arithmetic (ArithmeticOf below): float32 throughout, except NVFP4 keys on the levels with
+// AVX-512 VNNI, whose scores are exact integer sums against the query rounded to 15 bits
+// (int_scores.h).  Runs whose K scales are not all finite, and query rows that are not finite,
+// take the float32 path.  Scores sm_scale * (q . k); per row the running maximum, the running
+// denominator and the unnormalized output are rescaled when the maximum grows.  A row with no
+// visible key produces zeros.
 #ifndef NINFER_KV_FFI_ATTENTION_CORE_H_
 #define NINFER_KV_FFI_ATTENTION_CORE_H_
 
@@ -26,6 +29,21 @@
 NINFER_KV_NAMESPACE_BEGIN
 
 class Prefetcher;
+
+// The products a task uses for the scores (q . k) and for the value sums (p . v).
+enum class Arithmetic : int32_t {
+  kFloat32 = 0,  // float32 multiply-adds
+  kInt8x2 = 1,   // the query rounded to 15 bits and split into two signed bytes, vpdpbusd against
+                 // the key codes as unsigned bytes, exact int32 sums (two byte products per
+                 // multiply-add of q . k)
+};
+struct ArithmeticChoice {
+  Arithmetic scores, values;
+};
+
+// What a task of head dim d over codecs (k, v) uses, on the level this file is compiled for, for
+// runs whose scales are finite.
+ArithmeticChoice ArithmeticOf(Codec k, Codec v, int d);
 
 class AttentionAccumulator {
  public:
@@ -62,6 +80,14 @@ class AttentionAccumulator {
   void FoldScales(const PreparedRows& v, int cnt);
   template <class KDec, class VDec>
   void FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
+  template <class VDec>
+  void ValuesFloat(const PreparedRows& v, int cnt);
+  template <class VDec>
+  void FoldRunIntScores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
+  void ScoresNvfp4Int(const PreparedRows& k, int cnt, Prefetcher* pf);
+  // Rounds the query rows to 15 bits and splits them into bytes (int_scores.h), once per task;
+  // false when a row is not finite (the task's scores then stay float32).
+  bool PrepareQueryBytes();
   bool UpdateSoftmax(int64_t ja, int cnt);
 
   int rows_ = 0, rows_padded_ = 0, d_ = 0, ld_ = 0, cap_ = 0, sld_ = 0;
@@ -77,7 +103,14 @@ class AttentionAccumulator {
   std::vector<int> seg_a_, seg_b_;
   std::vector<uint8_t> knan_, vnan_;
   float* w_ = nullptr;   // groups x rows_padded_ x sld_ (probabilities times V scales)
-  AlignedFloats qbuf_, sbuf_, obuf_, kbuf_, vbuf_, kscale_, vscale_, wbuf_, fold_scale_;
+  std::vector<float> srow_;     // per row: the factor UpdateSoftmax applies to the raw scores
+  std::vector<float> qscale_;   // per row: the step of the rounded query (q ~ q16 * qscale)
+  bool qbytes_ready_ = false;   // whether PrepareQueryBytes ran for this task
+  bool qbytes_ok_ = false;      // its result
+  uint8_t* qhi_ = nullptr;      // rows_padded_ x ld_: the high bytes of the rounded queries
+  uint8_t* qlo_ = nullptr;      // rows_padded_ x ld_: the low bytes
+  std::vector<int32_t> qcorr_;  // per row and 16-dim group: the sums' starting values (int_scores.h)
+  AlignedFloats qbuf_, sbuf_, obuf_, kbuf_, vbuf_, kscale_, vscale_, wbuf_, fold_scale_, facbuf_, qbytes_;
 };
 
 // Combines `parts` partial states (each d + 2 floats, as ExportPartial writes them) into the

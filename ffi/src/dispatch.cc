@@ -23,7 +23,7 @@ namespace {
 constexpr const char* kFeatureNames[kNumFeatures] = {
     "sse3",    "ssse3",    "sse4.1",   "sse4.2",   "popcnt",   "cx16",     "avx",
     "avx2",    "fma",      "f16c",     "bmi1",     "bmi2",     "lzcnt",    "movbe",
-    "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512vbmi", "neon",
+    "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512vbmi", "neon",    "avx512vnni",
 };
 
 const KernelTable* const kLevels[] = {
@@ -71,6 +71,7 @@ uint64_t DetectX86() {
       if (bit(b, 30)) f |= kAvx512bw;
       if (bit(b, 31)) f |= kAvx512vl;
       if (bit(c, 1)) f |= kAvx512vbmi;
+      if (bit(c, 11)) f |= kAvx512vnni;
     }
   }
   if (__get_cpuid(0x80000001u, &a, &b, &c, &d) && bit(c, 5)) f |= kLzcnt;

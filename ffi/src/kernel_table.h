@@ -16,6 +16,9 @@
 namespace ninfer_kv_ffi {
 
 using HandlerFn = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+// The products a level's attention uses for codecs (k, v) at head dim d: scores | values << 8, each
+// an Arithmetic (attention_core.h: 0 float32, 1 int8x2).
+using ArithmeticFn = int32_t (*)(int32_t k_codec, int32_t v_codec, int32_t head_dim);
 
 // CPU features a level's code may use (bit i = Feature(i)); names in dispatch.cc.
 enum Feature : uint64_t {
@@ -40,14 +43,16 @@ enum Feature : uint64_t {
   kAvx512vl = 1ull << 18,
   kAvx512vbmi = 1ull << 19,
   kNeon = 1ull << 20,
-  kNumFeatures = 21,
+  kAvx512vnni = 1ull << 21,
+  kNumFeatures = 22,
 };
 
 struct KernelTable {
-  const char* level;      // "baseline", "avx2", "avx512", "neon" or "native"
+  const char* level;      // "baseline", "avx2", "avx512", "avx512vnni", "neon" or "native"
   int vector_width;       // float lanes per vector
   uint64_t features;      // Feature bits the level's code may use
   HandlerFn paged_append, paged_attention, cyclic_append, cyclic_attention;
+  ArithmeticFn arithmetic;
 };
 
 // The CPU features a translation unit is compiled to use, from the predefined macros.
@@ -113,6 +118,9 @@ constexpr uint64_t CompiledFeatures() {
 #if defined(__AVX512VBMI__)
          | kAvx512vbmi
 #endif
+#if defined(__AVX512VNNI__)
+         | kAvx512vnni
+#endif
 #if defined(__ARM_NEON)
          | kNeon
 #endif
@@ -130,6 +138,7 @@ XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
+int32_t AttentionArithmetic(int32_t k_codec, int32_t v_codec, int32_t head_dim);
 NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_KERNEL_TABLE_H_

@@ -65,6 +65,14 @@ NINFER_KV_EXPORT const char* NinferKvFfiIsaSupported() { return ninfer_kv_ffi::S
 // The CPU features detected (comma separated).
 NINFER_KV_EXPORT const char* NinferKvFfiCpuFeatures() { return ninfer_kv_ffi::Selected().cpu_features.c_str(); }
 
+// The products the level in use takes for attention over codecs (k, v) at head dim d (the codec
+// ids of ninfer_kv.ffi_ops): scores | values << 8, each 0 (float32) or 1 (int8x2: the query rounded
+// to 15 bits as two signed bytes, vpdpbusd); -1 for invalid arguments or no level in use.
+NINFER_KV_EXPORT int32_t NinferKvFfiArithmetic(int32_t k_codec, int32_t v_codec, int32_t head_dim) {
+  const auto* t = Table();
+  return t ? t->arithmetic(k_codec, v_codec, head_dim) : -1;
+}
+
 // Float lanes per SIMD vector of the level in use (0 when none is).
 NINFER_KV_EXPORT int NinferKvFfiVectorWidth() {
   const auto* t = Table();

@@ -154,6 +154,15 @@ inline float HorizontalSum(VFloat v) {
   return v[0];
 }
 
+// Whether any lane of v is nonzero.
+inline bool AnyLane(VInt v) {
+  uint64_t w[kVL / 2];
+  std::memcpy(w, &v, sizeof w);
+  uint64_t x = 0;
+  for (int i = 0; i < kVL / 2; ++i) x |= w[i];
+  return x != 0;
+}
+
 // Largest lane; NaN lanes are ignored (callers track NaN separately).
 inline float HorizontalMax(VFloat v) {
   for (int step = kVL / 2; step >= 1; step /= 2) {

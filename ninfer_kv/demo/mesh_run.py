@@ -3,8 +3,9 @@
 The scheduler, not the store, places every request on a data shard (:func:`shard_for`): a request
 of system prompt ``g`` goes to shard ``g % D``, so its prefix checkpoint and every fork of it live on
 one shard (pages never cross shards); a request without one goes to shard ``id % D``.  Each shard
-has its own scheduler, prefix cache and engine over its :class:`KVStore`; they run in lockstep
-rounds over the one sharded device state (:mod:`ninfer_kv.demo.mesh_engine`).
+has its own scheduler, prefix cache and engine over its :class:`KVStore`; their rounds run in
+lockstep over the one sharded device state, every unit kind of a round one mesh step for all the
+shards' lanes together (:mod:`ninfer_kv.demo.lockstep`, :mod:`ninfer_kv.demo.mesh_engine`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Callable, Sequence
 import jax
 
 from ..mesh import KVMesh
-from ..models.qwen_tiny import StepConfig
-from ..models.qwen_tiny.mesh_steps import MeshSteps
+from ..models.decoder import StepConfig
+from ..models.decoder.mesh_steps import MeshSteps
 from ..store.sharded import ShardedKVStore
 from .engine import UnitStats
 from .mesh_engine import MeshEngine, MeshState
@@ -53,6 +54,17 @@ class MeshServing:
     def records(self) -> list:
         return [r for s in self.schedulers for r in s.records]
 
+    def step_stats(self) -> dict:
+        """Mesh steps run and the real lanes they served (each step has ``D * b`` batch slots)."""
+        lanes, slots = self.shared.lanes, self.shared.slots
+        steps = len(lanes)
+        return {
+            "steps": steps,
+            "lanes_per_step": sum(lanes) / steps if steps else 0.0,
+            "max_lanes_per_step": max(lanes, default=0),
+            "slots_per_step": sum(slots) / steps if steps else 0.0,
+        }
+
 
 def serve_mesh(plan, kv_mesh: KVMesh, step_config: StepConfig, local_buckets: Sequence[int], params: dict,
                fingerprint: str, requests: Sequence[Request], *, entitlement, host_bytes: int | None,
@@ -63,7 +75,7 @@ def serve_mesh(plan, kv_mesh: KVMesh, step_config: StepConfig, local_buckets: Se
     sharded = ShardedKVStore(plan, kv_mesh, entitlement=entitlement, requires_state_image=True, host_bytes=host_bytes)
     d = kv_mesh.data
     steps = MeshSteps(mesh_step_config(step_config, local_buckets, d), kv_mesh, sharded.layout("main"))
-    shared = MeshState(sharded)
+    shared = MeshState(sharded, steps, params, local_buckets)
     engines = [MeshEngine(steps, params, shared, s, fingerprint) for s in range(d)]
     caches = [PrefixCache(e.store, shared.flush) for e in engines]
     parts: list[list[Request]] = [[] for _ in range(d)]
@@ -73,9 +85,7 @@ def serve_mesh(plan, kv_mesh: KVMesh, step_config: StepConfig, local_buckets: Se
     if before_serve is not None:
         before_serve(steps)
     while any(s.busy for s in schedulers):
-        for s in schedulers:
-            if s.busy:
-                s.step_round()
+        shared.lockstep.round([(i, s.step_round) for i, s in enumerate(schedulers) if s.busy])
     jax.block_until_ready(shared.state)
     sharded.check_state(shared.state)  # every shard's round work applied once, in order
     return MeshServing(sharded, steps, shared, engines, caches, schedulers)

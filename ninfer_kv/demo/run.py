@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 import time
 import warnings
 
@@ -24,7 +25,8 @@ from ..planning import (
 from ..mesh import KVMesh, MeshSpec
 from ..profiles import KVProfile
 from ..store import EntitlementPolicy, KVStore
-from ..models.qwen_tiny import IMPLS, ModelConfig, ModelSteps, StepConfig, init_params, make_steps
+from ..models.decoder import IMPLS, ModelConfig, ModelSteps, StepConfig, init_params, make_steps
+from ..models.decoder.buckets import bucket_ladder
 from .dense_check import check_dense
 from .drafter import fit_mtp_head
 from .engine import ModelEngine, model_fingerprint
@@ -40,7 +42,39 @@ MODELS = {
     "tiny": dict(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=256),
     "small": dict(vocab_size=512, d_model=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=128, mlp_dim=512),
 }
-"""Demo model sizes (float32 Qwen-style decoders with random weights)."""
+"""Demo model sizes (float32 Qwen-style decoders with random weights).  ``DemoConfig.model`` may also be a
+Hugging Face checkpoint directory (:mod:`ninfer_kv.models.hf`), served in float32 so the dense check's
+tolerances apply, stopping at its EOS ids."""
+
+
+def _stamp(directory: str) -> tuple:
+    """The names, sizes and modification times of a directory's files (a changed checkpoint is re-read)."""
+    entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+
+
+def _checkpoint_config(directory: str, max_context: int) -> tuple[ModelConfig, tuple[int, ...]]:
+    """The float32 model configuration and the stop tokens of a checkpoint directory (no weights read)."""
+    return _checkpoint_config_at(directory, max_context, _stamp(directory))
+
+
+@functools.lru_cache(maxsize=8)
+def _checkpoint_config_at(directory: str, max_context: int, stamp: tuple) -> tuple[ModelConfig, tuple[int, ...]]:
+    from ..models.hf import eos_token_ids, model_config_from_hf, read_config
+
+    model, info = model_config_from_hf(read_config(directory), dtype="float32", max_context=max_context)
+    return model, eos_token_ids(directory, info.eos_token_ids)
+
+
+def _checkpoint_params(directory: str, max_context: int) -> dict:
+    return _checkpoint_params_at(directory, max_context, _stamp(directory))
+
+
+@functools.lru_cache(maxsize=2)
+def _checkpoint_params_at(directory: str, max_context: int, stamp: tuple) -> dict:
+    from ..models.hf import load_checkpoint
+
+    return load_checkpoint(directory, dtype="float32", max_context=max_context).params
 
 BACKENDS = ("off", "mtp")
 
@@ -56,11 +90,7 @@ def _int_at_least(name: str, value, minimum: int) -> int:
 
 def demo_buckets(max_concurrency: int) -> tuple[int, ...]:
     """Batch buckets: powers of 4 below ``max_concurrency``, then ``max_concurrency`` itself."""
-    out, b = [], 1
-    while b < max_concurrency:
-        out.append(b)
-        b *= 4
-    return tuple(out + [max_concurrency])
+    return bucket_ladder(max_concurrency, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +99,7 @@ class DemoConfig:
 
     Attributes:
       workload: the requests to serve.
-      model: a key of :data:`MODELS`.
+      model: a key of :data:`MODELS`, or a Hugging Face checkpoint directory (``backend="off"``).
       profile: the KV profile of the Main (and MTP) pool.
       backend: ``"off"`` or ``"mtp"`` (speculative decoding with the model's MTP head).
       draft_window: MTP draft window K (``backend="mtp"`` only).
@@ -109,8 +139,12 @@ class DemoConfig:
     def __post_init__(self):
         if not isinstance(self.workload, WorkloadSpec):
             raise TypeError(f"workload must be a WorkloadSpec, got {type(self.workload).__name__}")
-        if self.model not in MODELS:
-            raise ValueError(f"model={self.model!r} is not a demo model; allowed: {', '.join(MODELS)}")
+        if self.model not in MODELS and not os.path.isdir(self.model):
+            raise ValueError(f"model={self.model!r} is neither a demo model ({', '.join(MODELS)}) nor a checkpoint "
+                             f"directory")
+        if self.checkpoint is not None and self.backend != "off":
+            raise ValueError(f"backend={self.backend!r} needs the demo model's MTP head; a checkpoint directory "
+                             f"({self.model}) is served with backend 'off'")
         object.__setattr__(self, "profile", KVProfile.parse(self.profile))
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not supported by the demo; allowed: {', '.join(BACKENDS)}")
@@ -145,8 +179,21 @@ class DemoConfig:
                 )
 
     @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint directory when ``model`` names one, else ``None``."""
+        return None if self.model in MODELS else self.model
+
+    @property
     def model_config(self) -> ModelConfig:
+        """The model served (a demo size, or the checkpoint's configuration in float32)."""
+        if self.checkpoint is not None:
+            return _checkpoint_config(self.checkpoint, self.max_context)[0]
         return ModelConfig(**MODELS[self.model], mtp=self.backend == "mtp")
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        """Token ids that end a request: the checkpoint's EOS ids (none for the demo sizes)."""
+        return () if self.checkpoint is None else _checkpoint_config(self.checkpoint, self.max_context)[1]
 
     @property
     def lease_cushion_tokens(self) -> int:
@@ -240,6 +287,8 @@ def validate(config: DemoConfig):
     """
     model = config.model_config
     requests = make_workload(config.workload, model.vocab_size)
+    if config.stop_tokens:
+        requests = [dataclasses.replace(r, stop_tokens=config.stop_tokens) for r in requests]
     lead = config.draft_window - 1 if config.backend == "mtp" else 0
     check_workload_fits(requests, config.max_context, ceil_div(config.max_context, PAGE_SIZE), lead)
     kv = ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile)
@@ -272,6 +321,7 @@ class _Served:
     leaked_extents: int
     pool_pages: dict
     compiles: dict
+    mesh_steps: dict | None = None  # a mesh run: merged steps and the lanes they served
 
 
 def _unit_compiles(after: dict, before: dict) -> dict[str, int]:
@@ -326,6 +376,7 @@ def _serve_mesh(config: DemoConfig, plan, requests, params, fingerprint: str, on
         sum(x[0] for x in leaks), sum(x[1] for x in leaks),
         pool_pages,
         _unit_compiles(served.steps.compiles(), {}),
+        served.step_stats(),
     )
 
 
@@ -333,7 +384,10 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
     """Serve ``config.workload`` with continuous batching through a KV store; see :class:`DemoResult`."""
     plan, requests = validate(config)
     model = config.model_config
-    params, calibration = _params(model, config.seed)
+    if config.checkpoint is not None:
+        params, calibration = _checkpoint_params(config.checkpoint, config.max_context), None
+    else:
+        params, calibration = _params(model, config.seed)
     impl = _resolved_impl(config.impl)
     fingerprint = model_fingerprint(model, config.seed, config.profile.value)
     bar = make_progress(len(requests), enabled=progress)
@@ -408,6 +462,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
         "kv_lease_growth": config.kv_lease_growth,
         "device": jax.devices()[0].platform,
         "mesh": None if config.mesh is None else {"data": config.mesh.data, "model": config.mesh.model},
+        "mesh_steps": served.mesh_steps,
         "tokens_digest": tokens_digest(records),
         "model": {
             "name": config.model,

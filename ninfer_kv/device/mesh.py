@@ -124,7 +124,7 @@ class KVMesh:
         return P(self.data_axis)
 
     def replicated_spec(self) -> "PartitionSpec":
-        """``P()``: the spec of a leaf every device holds whole (the applied-work serial, the fault flag)."""
+        """``P()``: the spec of a leaf every device holds whole (the state's order record, a work's serial)."""
         from jax.sharding import PartitionSpec as P
 
         return P()
@@ -155,7 +155,7 @@ class KVMesh:
             planes[kind] = {name: self.plane_spec(order) for name in pool}
         tables = {kind: self.table_spec() for kind in state.tables}
         rep = self.replicated_spec()
-        return state.replace(planes=planes, tables=tables, serial=rep, fault=rep, owner=rep)
+        return state.replace(planes=planes, tables=tables, sync=rep)
 
     def state_shardings(self, state: "KVDeviceState", memory_kind: str | None = None) -> "KVDeviceState":
         """The ``NamedSharding`` of every leaf of ``state`` (``memory_kind``: e.g. ``"pinned_host"``)."""

@@ -1,9 +1,9 @@
 """The pytree structure of the data the store hands the device (:mod:`ninfer_kv.work`).
 
 Registered once, when the device layer is imported, so the store's numpy dataclasses pass through
-``jax.jit``, ``shard_map`` and ``jax.tree_util`` as explicit pytrees: ``RoundWork(serial, pools,
-store)``, ``PoolWork`` (its leaves are the non-empty arrays only: an empty bucket is part of the
-static structure, so a decode round's work transfers its table updates and nothing else),
+``jax.jit``, ``shard_map`` and ``jax.tree_util`` as explicit pytrees: ``RoundWork(stamp, pools)``,
+``PoolWork`` (its leaves are the non-empty arrays only: an empty bucket is part of the static
+structure, so a decode round's work transfers its table updates and nothing else),
 ``ShardedRoundWork`` (every array a leaf, empty buckets included), ``GatherRequest`` and
 ``OffloadPayload``.
 """
@@ -18,25 +18,28 @@ from ..work import GatherRequest, OffloadPayload, PoolWork, RoundWork, ShardedRo
 __all__: list[str] = []
 
 
-def _empty(x) -> bool:
-    """An empty numpy buffer: static structure, not a leaf (any other leaf object is kept)."""
-    return isinstance(x, np.ndarray) and x.size == 0
-
-
 def _pool_work_flatten(pw: PoolWork):
-    arrays = [("tables", pw.tables), ("copies", pw.copies), ("restores", pw.restores)]
-    arrays += [(f"payload/{n}", x) for n, x in sorted(pw.payload.items())]
-    kids = [x for _, x in arrays if not _empty(x)]
-    spec = tuple((name, (tuple(x.shape), x.dtype.str) if _empty(x) else None) for name, x in arrays)
-    return kids, (pw.pad_row, pw.pad_page, spec)
+    # Runs on every jitted call that takes a work (a decode round's hot path): plain attribute
+    # reads and tuples only.  ``aux`` names each empty numpy bucket's shape and dtype (part of the
+    # static structure, rebuilt by unflatten) and holds ``None`` for a leaf (any other object: a
+    # non-empty array, a tracer, a spec).
+    payload = pw.payload
+    names = tuple(sorted(payload)) if payload else ()
+    kids, spec = [], []
+    for x in (pw.tables, pw.copies, pw.restores, *(payload[n] for n in names)):
+        if isinstance(x, np.ndarray) and not x.size:
+            spec.append((x.shape, x.dtype))
+        else:
+            kids.append(x)
+            spec.append(None)
+    return kids, (pw.pad_row, pw.pad_page, names, tuple(spec))
 
 
 def _pool_work_unflatten(aux, kids) -> PoolWork:
-    pad_row, pad_page, spec = aux
+    pad_row, pad_page, names, spec = aux
     it = iter(kids)
-    vals = {name: next(it) if empty is None else np.zeros(empty[0], np.dtype(empty[1])) for name, empty in spec}
-    payload = {name[len("payload/") :]: v for name, v in vals.items() if name.startswith("payload/")}
-    return PoolWork(vals["tables"], vals["copies"], vals["restores"], payload, pad_row, pad_page)
+    vals = [next(it) if empty is None else np.zeros(empty[0], empty[1]) for empty in spec]
+    return PoolWork(vals[0], vals[1], vals[2], dict(zip(names, vals[3:])), pad_row, pad_page)
 
 
 def _work_flatten(work: ShardedRoundWork):
@@ -62,7 +65,9 @@ def _work_unflatten(aux, kids) -> ShardedRoundWork:
 
 jax.tree_util.register_pytree_node(PoolWork, _pool_work_flatten, _pool_work_unflatten)
 jax.tree_util.register_pytree_node(ShardedRoundWork, _work_flatten, _work_unflatten)
-jax.tree_util.register_dataclass(RoundWork, data_fields=["serial", "pools", "store"], meta_fields=[])
+jax.tree_util.register_pytree_node(
+    RoundWork, lambda w: ((w.stamp, w.pools), None), lambda _, kids: RoundWork.from_stamp(*kids)
+)
 jax.tree_util.register_dataclass(GatherRequest, data_fields=["pages", "store", "token"], meta_fields=[])
 jax.tree_util.register_dataclass(
     OffloadPayload, data_fields=["store", "token", "serial", "pages", "planes"], meta_fields=[]

@@ -37,8 +37,9 @@ def _is_spec(x) -> bool:
 
 
 def _shard_map(kv_mesh: KVMesh, fn, in_specs, out_specs, *, kernels: bool = False):
-    # kernels=True: the body may call Pallas kernels, whose output shapes carry no varying-axes
-    # annotation; the specs still say exactly how every output is split
+    # kernels=True: the body may call Pallas kernels or custom calls (the CPU lowering of
+    # apply_work), whose output shapes carry no varying-axes annotation; the specs still say
+    # exactly how every output is split
     return jax.shard_map(fn, mesh=kv_mesh.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not kernels)
 
 
@@ -62,9 +63,9 @@ def sharded_apply_work(kv_mesh: KVMesh, state: KVDeviceState, work: ShardedRound
 
     def local(st, leaves):
         wk = treedef.unflatten([x if x.ndim == 0 else x[0] for x in leaves])
-        return apply_work(st, RoundWork(wk.serial, wk.pools, wk.store))
+        return apply_work(st, RoundWork.from_stamp(jnp.stack([wk.serial, wk.store]), wk.pools))
 
-    return _shard_map(kv_mesh, local, (state_specs, leaf_specs), state_specs)(state, leaves)
+    return _shard_map(kv_mesh, local, (state_specs, leaf_specs), state_specs, kernels=True)(state, leaves)
 
 
 def _repeat_heads(x: jax.Array, stored: int) -> jax.Array:

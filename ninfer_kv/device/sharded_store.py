@@ -81,7 +81,7 @@ def gather_sharded_offload(store, shard: int, plan, state: KVDeviceState) -> Off
     ``pinned_host`` memory on a GPU (directly on a CPU, where pinned host memory is ordinary
     memory).  Needs the shard's devices addressable by this process."""
     mesh = _mesh_of(store)
-    serial = np.asarray(state.serial.addressable_data(0))
+    serial = np.asarray(state.sync.addressable_data(0))[0]
     request = plan.request
 
     def payload_of(planes: dict) -> OffloadPayload:

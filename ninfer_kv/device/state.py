@@ -10,13 +10,18 @@ Pytree structure (explicit, so a sharded step can name a partition spec per leaf
     KVDeviceState
       planes:  {PoolKind: {plane name: stacked plane (layers, N, H, P, X) or (layers, H, N, P, X)}}
       tables:  {PoolKind: int32 (C, L) block-table matrix; SENTINEL_PAGE (-1) where no page is mapped}
-      serial:  int32 ()    works applied in order so far; POISONED (-1) after an out-of-order work
-      fault:   int32 (3,)  (-1, -1, -1) while healthy; after the first out-of-order work
-                           (works applied before it, that work's serial, that work's store), or
-                           (0, BLANK, 0) for a state allocated after works were taken
-      owner:   int32 ()    the identity of the store whose works this state applies (0: not yet
-                           bound; the first work in order binds it)
+      sync:    int32 (5,)  the order record, read through three properties:
+        serial = sync[0]     works applied in order so far; POISONED (-1) after an out-of-order work
+        fault  = sync[1:4]   (-1, -1, -1) while healthy; after the first out-of-order work
+                             (works applied before it, that work's serial, that work's store), or
+                             (0, BLANK, 0) for a state allocated after works were taken
+        owner  = sync[4]     the identity of the store whose works this state applies (0: not yet
+                             bound; the first work in order binds it)
       page_axes: static ((PoolKind, page axis), ...)
+
+The order record is one array so that a step carries one small buffer for it, not three (every
+buffer of a jitted call costs a CPU decode step microseconds); inside ``jit`` the properties are
+slices, and :meth:`KVDeviceState.sync_status` reads the record to the host in one transfer.
 
 ``serial`` makes a skipped, repeated or reordered work detectable, and ``owner`` a work of another
 store: :func:`apply_work` advances the serial only when the work's serial equals it and the work
@@ -46,7 +51,7 @@ from ..geometry import SENTINEL_PAGE
 from ..kinds import PoolKind
 from ..work import BLANK, POISONED, SyncStatus
 
-__all__ = ["KVDeviceState", "POISONED", "BLANK", "SyncStatus", "check_live"]
+__all__ = ["KVDeviceState", "POISONED", "BLANK", "SyncStatus", "check_live", "sync_record"]
 
 _HEALTHY = (-1, -1, -1)
 
@@ -54,11 +59,11 @@ _HEALTHY = (-1, -1, -1)
 def check_live(state: "KVDeviceState") -> None:
     """Raise :class:`DonatedStateError` when ``state``'s buffers were donated or deleted.
 
-    Every leaf of a state is donated together, so the ``serial`` scalar stands for all of them.
+    Every leaf of a state is donated together, so the ``sync`` record stands for all of them.
     Tracers (inside ``jit``) and abstract values are always live.
     """
-    serial = state.serial
-    if isinstance(serial, jax.Array) and not isinstance(serial, jax.core.Tracer) and serial.is_deleted():
+    sync = state.sync
+    if isinstance(sync, jax.Array) and not isinstance(sync, jax.core.Tracer) and sync.is_deleted():
         raise DonatedStateError(
             "this KVDeviceState was donated to a jitted step (or deleted): its buffers no longer exist. Use the "
             "state that step returned and thread it through every call (`state, out = step(state, ...)`); a state "
@@ -67,28 +72,57 @@ def check_live(state: "KVDeviceState") -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+def sync_record(serial: int, fault=_HEALTHY, owner: int = 0) -> np.ndarray:
+    """The ``int32 (5,)`` order record ``(serial, *fault, owner)`` of host values."""
+    return np.array([int(serial), *(int(f) for f in np.asarray(fault).reshape(3)), int(owner)], np.int32)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class KVDeviceState:
-    """Device planes and block tables of every pool, plus the applied-work serial and fault record.
+    """Device planes and block tables of every pool, plus the order record: the applied-work
+    serial, the fault record and the owning store in one ``int32 (5,)`` array (:attr:`sync`; read
+    it through :attr:`serial`, :attr:`fault` and :attr:`owner`).
 
     Build it with :meth:`KVStore.allocate_state` (or :meth:`KVDeviceState.zeros`); advance it only
     through :func:`~ninfer_kv.apply_work` and the caller's own steps (which replace ``planes`` via
-    :meth:`replace_planes`).  ``fault`` defaults to the healthy ``(-1, -1, -1)``, ``owner`` to 0
-    (bound to the store of the first work applied in order).
+    :meth:`replace_planes`).  Built by hand it takes ``sync``, or ``serial`` with ``fault``
+    (default the healthy ``(-1, -1, -1)``) and ``owner`` (default 0: bound to the store of the
+    first work applied in order).
     """
 
     planes: dict
     tables: dict
-    serial: jax.Array
+    sync: Any
     page_axes: tuple = ()
-    fault: Any = None
-    owner: Any = None
 
-    def __post_init__(self):
-        if self.fault is None:
-            object.__setattr__(self, "fault", _like_serial(self.serial, _HEALTHY))
-        if self.owner is None:
-            object.__setattr__(self, "owner", _like_serial(self.serial, 0))
+    def __init__(self, planes: dict, tables: dict, serial=None, page_axes: tuple = (), fault=None, owner=None, *,
+                 sync=None):
+        if sync is None:
+            if serial is None:
+                raise TypeError("KVDeviceState needs sync (the int32 (5,) order record) or serial")
+            sync = _record_like(serial, fault, owner)
+        elif serial is not None or fault is not None or owner is not None:
+            raise TypeError("pass either sync or serial/fault/owner, not both")
+        object.__setattr__(self, "planes", planes)
+        object.__setattr__(self, "tables", tables)
+        object.__setattr__(self, "sync", sync)
+        object.__setattr__(self, "page_axes", tuple(page_axes))
+
+    # -- the order record ----------------------------------------------------------------------------
+    @property
+    def serial(self) -> jax.Array:
+        """``int32 ()``: works applied in order so far (``POISONED`` after an out-of-order work)."""
+        return self.sync[0]
+
+    @property
+    def fault(self) -> jax.Array:
+        """``int32 (3,)``: ``(-1, -1, -1)`` while healthy, else what the first slip left (module docstring)."""
+        return self.sync[1:4]
+
+    @property
+    def owner(self) -> jax.Array:
+        """``int32 ()``: the identity of the store whose works this state applies (0: not bound yet)."""
+        return self.sync[4]
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -105,10 +139,8 @@ class KVDeviceState:
             planes[kind] = pool_plan.layout.allocate(pool_plan.physical_pages, device=device, fill=fill)
             tables[kind] = put(jnp.full((pool_plan.max_concurrency, pool_plan.logical_pages), SENTINEL_PAGE, jnp.int32))
             axes.append((kind, pool_plan.layout.order.page_axis))
-        serial = put(jnp.asarray(POISONED if blank else 0, jnp.int32))
-        fault = put(jnp.asarray((0, BLANK, 0) if blank else _HEALTHY, jnp.int32))
-        owner = put(jnp.asarray(owner, jnp.int32))
-        return cls(planes=planes, tables=tables, serial=serial, page_axes=tuple(axes), fault=fault, owner=owner)
+        record = sync_record(POISONED, (0, BLANK, 0), owner) if blank else sync_record(0, _HEALTHY, owner)
+        return cls(planes, tables, page_axes=tuple(axes), sync=put(jnp.asarray(record)))
 
     # -- views ---------------------------------------------------------------------------------------
     def page_axis(self, pool) -> int:
@@ -150,24 +182,35 @@ class KVDeviceState:
         return dataclasses.replace(self, planes={**self.planes, kind: dict(planes)})
 
     def replace(self, **changes) -> "KVDeviceState":
-        """A copy with the given fields replaced (``planes``, ``tables``, ``serial``, ``fault``, ``owner``)."""
+        """A copy with the given fields replaced (``planes``, ``tables``, ``sync``, ``page_axes``;
+        ``serial``, ``fault`` and ``owner`` rebuild the order record, the parts not named kept)."""
+        parts = {name: changes.pop(name) for name in ("serial", "fault", "owner") if name in changes}
+        if parts:
+            if "sync" in changes:
+                raise TypeError("pass either sync or serial/fault/owner, not both")
+            if isinstance(self.sync, jax.sharding.PartitionSpec):  # a state of partition specs
+                changes["sync"] = parts.get("serial", self.sync)
+            else:
+                changes["sync"] = _record_like(
+                    parts.get("serial", self.serial), parts.get("fault", self.fault), parts.get("owner", self.owner),
+                    like=self.sync,
+                )
         return dataclasses.replace(self, **changes)
 
     def host_serial(self) -> int:
         """``serial`` as a Python int (a device -> host read: it waits for the state)."""
-        check_live(self)
-        return int(np.asarray(_first_shard(self.serial)))
+        return self._host_record()[0]
 
     def sync_status(self) -> SyncStatus:
         """``serial``, ``fault`` and ``owner`` read to the host in one transfer (waits for the state)."""
-        check_live(self)
-        serial, fault, owner = jax.device_get(
-            (_first_shard(self.serial), _first_shard(self.fault), _first_shard(self.owner))
-        )
-        serial, reached, offending, store, owner = int(serial), int(fault[0]), int(fault[1]), int(fault[2]), int(owner)
+        serial, reached, offending, store, owner = self._host_record()
         if offending == -1 and serial != POISONED:
             return SyncStatus(serial, False, None, owner)
         return SyncStatus(reached, True, offending, owner, None if offending == BLANK else store)
+
+    def _host_record(self) -> list[int]:
+        check_live(self)
+        return [int(x) for x in np.asarray(jax.device_get(_first_shard(self.sync))).reshape(5)]
 
 
 def _first_shard(x):
@@ -177,38 +220,42 @@ def _first_shard(x):
     return x
 
 
-def _like_serial(serial, value):
-    """``value`` as int32, placed like ``serial`` (concrete, abstract or traced)."""
-    value = np.asarray(value, np.int32)
-    if isinstance(serial, jax.core.Tracer) or not isinstance(serial, jax.Array):
-        if isinstance(serial, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(value.shape, jnp.int32, sharding=getattr(serial, "sharding", None))
-        return jnp.asarray(value)
-    return jax.device_put(value, serial.sharding)
+def _record_like(serial, fault=None, owner=None, like=None):
+    """The order record of ``serial``, ``fault`` (default healthy) and ``owner`` (default 0).
+
+    Traced parts make a traced record; abstract ones (``jax.ShapeDtypeStruct``) an abstract
+    record; host or device values a device array placed like ``like`` (default ``serial``).
+    """
+    fault = _HEALTHY if fault is None else fault
+    owner = 0 if owner is None else owner
+    parts = (serial, fault, owner)
+    ref = serial if like is None else like
+    if isinstance(ref, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((5,), jnp.int32, sharding=getattr(ref, "sharding", None))
+    if any(isinstance(x, jax.core.Tracer) for x in parts):
+        return jnp.concatenate([jnp.reshape(jnp.asarray(x, jnp.int32), (-1,)) for x in parts])
+    record = sync_record(*(np.asarray(jax.device_get(_first_shard(x))) for x in parts))
+    if isinstance(ref, jax.Array):
+        return jax.device_put(record, ref.sharding)
+    return jnp.asarray(record)
 
 
 def _flatten_with_keys(state: KVDeviceState):
     check_live(state)
     keys = jax.tree_util.GetAttrKey
-    children = (
-        (keys("planes"), state.planes),
-        (keys("tables"), state.tables),
-        (keys("serial"), state.serial),
-        (keys("fault"), state.fault),
-        (keys("owner"), state.owner),
-    )
+    children = ((keys("planes"), state.planes), (keys("tables"), state.tables), (keys("sync"), state.sync))
     return children, state.page_axes
 
 
 def _flatten(state: KVDeviceState):
     check_live(state)
-    return (state.planes, state.tables, state.serial, state.fault, state.owner), state.page_axes
+    return (state.planes, state.tables, state.sync), state.page_axes
 
 
 def _unflatten(page_axes, children) -> KVDeviceState:
     # not through __init__: a tree of other leaves (None, specs, layouts) keeps every field as given
     state = object.__new__(KVDeviceState)
-    for name, value in zip(("planes", "tables", "serial", "fault", "owner"), children):
+    for name, value in zip(("planes", "tables", "sync"), children):
         object.__setattr__(state, name, value)
     object.__setattr__(state, "page_axes", page_axes)
     return state

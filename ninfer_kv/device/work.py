@@ -17,6 +17,7 @@ layer imports nothing of :mod:`ninfer_kv.store`.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Mapping
 
 import jax
@@ -28,9 +29,17 @@ from ..step_shapes import StepWorkShapes, step_work_shapes
 from ..work import POISONED, GatherRequest, OffloadPayload, RoundWork
 from . import pytrees  # noqa: F401  (the work dataclasses as pytrees)
 from .page_copy import _words, cpu_float, write_pages, write_pages_donated
-from .state import KVDeviceState, check_live
+from .state import KVDeviceState, check_live, sync_record
 
-__all__ = ["apply_work", "apply_work_jit", "resync", "gather_pages", "gather_pages_jit", "take_step_work"]
+__all__ = [
+    "apply_work",
+    "apply_work_reference",
+    "apply_work_jit",
+    "resync",
+    "gather_pages",
+    "gather_pages_jit",
+    "take_step_work",
+]
 
 
 def _check_pair(state, work) -> None:
@@ -60,6 +69,21 @@ def _gate(entries: jax.Array, row: int, ok: jax.Array) -> jax.Array:
     return entries.at[row].set(jnp.where(ok, entries[row], 0))
 
 
+def _poisoned_unless(ok: jax.Array, table: jax.Array) -> jax.Array:
+    """``table`` when ``ok``, else every entry the sentinel page.
+
+    A loop that runs once when the work is out of order and not at all otherwise: a loop's carry
+    stays in the donated table's buffer, where a ``cond`` makes XLA's CPU backend copy the table
+    into the conditional's result (about a third of a decode step at C = 256, L = 512) and a
+    select reads and writes the whole table every step.
+    """
+
+    def fill(carry):
+        return jnp.full_like(carry[0], SENTINEL_PAGE), jnp.asarray(False)
+
+    return jax.lax.while_loop(lambda carry: carry[1], fill, (table, ~ok))[0]
+
+
 def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     """Apply one :class:`RoundWork` to the state (pure; call it inside a jitted step, donated).
 
@@ -69,33 +93,85 @@ def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     nothing of the work is applied, every table entry becomes the sentinel page (so the ops of
     this and later steps drop their tokens instead of touching pages), and ``fault`` records the
     first mismatch until :func:`resync` repairs the state.
+
+    Lowered per platform: on the CPU, when the FFI library is loaded, by two in-place custom calls
+    (:func:`~ninfer_kv.ffi_ops.apply_tables`, and :func:`~ninfer_kv.ffi_ops.write_pages` for a
+    pool with page writes), which touch only the entries and pages the work names; elsewhere by
+    :func:`apply_work_reference`.  Both give the same bits.
     """
     _check_pair(state, work)
-    ok = _in_order(state.serial, state.owner, work.serial, work.store)
-    serial, owner = jnp.asarray(state.serial, jnp.int32), jnp.asarray(state.owner, jnp.int32)
+    if not _ffi_lowering():
+        return apply_work_reference(state, work)
+    return jax.lax.platform_dependent(state, work, cpu=_apply_work_ffi, default=apply_work_reference)
+
+
+def apply_work_reference(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
+    """:func:`apply_work` in ``jax.numpy`` (the lowering on accelerators, and the reference of the
+    CPU custom calls): one scatter per table, a loop that fills the tables with the sentinel when
+    the work is out of order, and one batched page write per pool (:func:`write_pages`)."""
+    _check_pair(state, work)
+    sync = jnp.asarray(state.sync, jnp.int32)
+    serial, owner = sync[0], sync[4]
     work_serial, work_store = jnp.asarray(work.serial, jnp.int32), jnp.asarray(work.store, jnp.int32)
-    new_serial = jnp.where(ok, serial + 1, jnp.int32(POISONED))
-    new_owner = jnp.where(ok & (owner == 0), work_store, owner)
-    first = (serial >= 0) & ~ok
-    fault = jnp.asarray(state.fault, jnp.int32)
-    new_fault = jnp.where(first, jnp.stack([serial, work_serial, work_store]), fault)
+    ok = _in_order(serial, owner, work_serial, work_store)
+    first = (serial >= 0) & ~ok  # the first slip: the fault record keeps it
+    new_sync = jnp.stack([
+        jnp.where(ok, serial + 1, jnp.int32(POISONED)),
+        jnp.where(first, serial, sync[1]),
+        jnp.where(first, work_serial, sync[2]),
+        jnp.where(first, work_store, sync[3]),
+        jnp.where(ok & (owner == 0), work_store, owner),
+    ])
     tables, planes = {}, {}
     for kind, pw in work.pools.items():
         table = state.tables[kind]
         if pw.tables.shape[1]:
             upd = jnp.asarray(pw.tables, jnp.int32)
-            update = lambda t, upd=upd: t.at[upd[0], upd[1]].set(upd[2], mode="drop")  # noqa: E731
-        else:
-            update = lambda t: t  # noqa: E731
-        # a cond, not a select: the healthy branch updates the donated table in place
-        tables[kind] = jax.lax.cond(ok, update, lambda t: jnp.full_like(t, SENTINEL_PAGE), table)
+            rows = jnp.where(ok, upd[0], table.shape[0])  # out of order: every entry out of range, dropped
+            table = table.at[rows, upd[1]].set(upd[2], mode="drop")
+        tables[kind] = _poisoned_unless(ok, table)
         copies, restores = jnp.asarray(pw.copies, jnp.int32), jnp.asarray(pw.restores, jnp.int32)
         if copies.shape[1]:
             copies = _gate(copies, 2, ok)
         if restores.shape[1]:
             restores = _gate(restores, 1, ok)
         planes[kind] = write_pages(state.planes[kind], copies, restores, pw.payload, state.page_axis(kind))
-    return dataclasses.replace(state, planes=planes, tables=tables, serial=new_serial, fault=new_fault, owner=new_owner)
+    return dataclasses.replace(state, planes=planes, tables=tables, sync=new_sync)
+
+
+def _apply_work_ffi(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
+    """The CPU lowering: the order check and every table's updates in one in-place custom call,
+    then each pool's page writes in one in-place custom call (gated by the same check, on the
+    record as it was before the work)."""
+    from .. import ffi_ops
+
+    kinds = list(work.pools)
+    updates = [jnp.asarray(work.pools[k].tables, jnp.int32).reshape(3, -1) for k in kinds]
+    sync, tables = ffi_ops.apply_tables(state.sync, work.stamp, [state.tables[k] for k in kinds], updates)
+    planes = dict(state.planes)
+    for kind in kinds:
+        pw = work.pools[kind]
+        if pw.copies.shape[1] or pw.restores.shape[1]:
+            planes[kind] = ffi_ops.write_pages(
+                state.sync, work.stamp, state.planes[kind], pw.copies, pw.restores, pw.payload,
+                page_axis=state.page_axis(kind),
+            )
+    return dataclasses.replace(state, planes=planes, tables=dict(zip(kinds, tables)), sync=sync)
+
+
+_FFI_LOWERING: list = []
+
+
+def _ffi_lowering() -> bool:
+    """Whether the CPU lowering's custom calls are registered (the FFI library loaded); checked once."""
+    if not _FFI_LOWERING:
+        from .. import ffi_ops
+
+        try:
+            _FFI_LOWERING.append(ffi_ops.is_available())
+        except ffi_ops.FFIUnavailableError:  # a bad $NINFER_KV_FFI_LIBRARY: the ops say so; here, jnp
+            _FFI_LOWERING.append(False)
+    return _FFI_LOWERING[0]
 
 
 _apply_work_jit = jax.jit(apply_work, donate_argnums=(0,))
@@ -105,17 +181,17 @@ _in_order_jit = jax.jit(_in_order)
 def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     """:func:`apply_work` run alone, the state donated (when no step applies this work).
 
-    One jitted program; except on the CPU backend with page writes into float planes, where a
-    scatter is not kept in place by XLA (the whole plane would be copied): there the page writes run
-    as in-place per-page programs (:func:`~ninfer_kv.page_copy.write_pages_donated`, which write
-    nothing when the work is out of order), then the table updates and the serial as one program.
-    Same result either way.
+    One jitted program; except on the CPU backend without the FFI library, with page writes into
+    float planes, where XLA does not keep a scatter in place (the whole plane would be copied):
+    there the page writes run as in-place per-page programs
+    (:func:`~ninfer_kv.page_copy.write_pages_donated`, which write nothing when the work is out of
+    order), then the table updates and the serial as one program.  Same result either way.
     """
     _check_pair(state, work)
     writes = [k for k, p in work.pools.items() if p.copies.shape[1] or p.restores.shape[1]]
-    if not writes or not any(cpu_float(state.planes[k]) for k in writes):
+    if not writes or not any(cpu_float(state.planes[k]) for k in writes) or _ffi_lowering():
         return _apply_work_jit(state, work)
-    ok = _in_order_jit(state.serial, state.owner, work.serial, work.store)
+    ok = _in_order_jit(state.sync[0], state.sync[4], work.serial, work.store)
     planes = dict(state.planes)
     for kind in writes:
         pw = work.pools[kind]
@@ -124,11 +200,6 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
         )
     state = dataclasses.replace(state, planes=planes)
     return _apply_work_jit(state, work.without_page_writes())
-
-
-def _like(x: jax.Array, value) -> jax.Array:
-    """``value`` as an int32 array placed like ``x``."""
-    return jax.device_put(np.asarray(value, np.int32), x.sharding)
 
 
 def resync(store, state: KVDeviceState):
@@ -155,11 +226,7 @@ def resync(store, state: KVDeviceState):
     work, report = store.plan_resync(state.sync_status())
     if work is None:
         return state, report
-    state = state.replace(
-        serial=_like(state.serial, work.serial),
-        fault=_like(state.fault, (-1, -1, -1)),
-        owner=_like(state.owner, store.identity),
-    )
+    state = state.replace(sync=jax.device_put(sync_record(work.serial, (-1, -1, -1), store.identity), state.sync.sharding))
     if isinstance(work, RoundWork):
         state = apply_work_jit(state, work)
     else:  # a sharded store's stacked work
@@ -222,9 +289,15 @@ def take_step_work(store, state: KVDeviceState, shapes: "StepWorkShapes | tuple[
     return state, work.pad_to(*shapes.step)
 
 
+_DEFAULT_SHAPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _shapes(store, shapes) -> StepWorkShapes:
-    if shapes is None:
-        return step_work_shapes(store)
+    if shapes is None:  # fixed by the store's geometry: computed once per store
+        found = _DEFAULT_SHAPES.get(store)
+        if found is None:
+            found = _DEFAULT_SHAPES[store] = step_work_shapes(store)
+        return found
     if isinstance(shapes, StepWorkShapes):
         return shapes
     t, k, r = (int(x) for x in shapes)

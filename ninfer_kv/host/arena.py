@@ -38,7 +38,7 @@ from .extent_allocator import ExtentAllocator, ExtentOccupancy, ExtentPlan, Host
 if TYPE_CHECKING:  # pragma: no cover
     import jax
 
-__all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT"]
+__all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT", "aligned_empty"]
 
 HOST_BUFFER_ALIGNMENT = 4096
 """Alignment of the arena buffer's base address (one host page)."""
@@ -53,6 +53,20 @@ def _aligned_buffer(nbytes: int, alignment: int) -> np.ndarray:
     buf = raw[shift : shift + nbytes]
     assert buf.ctypes.data % alignment == 0
     return buf
+
+
+def aligned_empty(shape: tuple, dtype, alignment: int = HOST_BUFFER_ALIGNMENT) -> np.ndarray:
+    """An uninitialized C-ordered array whose data starts on an ``alignment``-byte boundary.
+
+    A CPU device reads such host memory in place when it is passed to a jitted function (an
+    unaligned numpy argument is copied first), which is what lets a staged payload cross to the
+    device without a second copy.
+    """
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if not count:
+        return np.empty(shape, dtype)
+    return _aligned_buffer(count * dtype.itemsize, alignment).view(dtype).reshape(shape)
 
 
 def _has_memory_kind(device, kind: str) -> bool:

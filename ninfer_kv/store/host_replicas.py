@@ -186,15 +186,21 @@ class PoolHostReplicas:
     def stage_restores(self, slots: np.ndarray, dst_ids: np.ndarray, writes) -> None:
         """Record, in ``writes`` (a :class:`~ninfer_kv.store.page_writes.PageWrites`), the Host replica
         of each page ``slots[i]`` as a whole-page write onto Device page ``dst_ids[i]`` (logical order;
-        the payload is copied, so the extent may go at once)."""
+        the payload is copied once, into the next work's payload, so the extent may go at once)."""
         pg = self.rt.pages
-        views: dict = {}
-        for i, x in enumerate(np.asarray(slots).tolist()):
-            extent = pg.host_extent[x]
-            if extent not in views:
-                views[extent] = self.layout.page_planes(self.arena.view(extent))
-            index = int(pg.host_page[x])
-            writes.restore(dst_ids[i : i + 1], {name: v[index : index + 1] for name, v in views[extent].items()})
+        slots = np.asarray(slots, np.int64)
+        dst_ids = np.asarray(dst_ids, np.int64)
+        extents = [pg.host_extent[x] for x in slots.tolist()]  # handles (an object column: a list)
+        pages = pg.host_page[slots].astype(np.int64)
+        for extent in dict.fromkeys(extents):  # one vectorized copy per extent, in order
+            at = np.array([i for i, e in enumerate(extents) if e is extent], np.int64)
+            views = self.layout.page_planes(self.arena.view(extent))
+            index = pages[at]
+            contiguous = bool(index.size) and np.array_equal(index, np.arange(index[0], index[0] + index.size))
+            if contiguous:
+                writes.restore(dst_ids[at], {n: v[index[0] : index[0] + index.size] for n, v in views.items()})
+            else:
+                writes.restore(dst_ids[at], views, index)
 
     def occupancy(self) -> HostPoolOccupancy:
         pg = self.rt.pages
@@ -244,6 +250,12 @@ class PoolHostReplicas:
 
 
 # -- the protocol -------------------------------------------------------------------------------------------------
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` is exactly the memory of ``b`` (same start, shape, strides and item size)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+            and a.strides == b.strides and a.dtype.itemsize == b.dtype.itemsize)
 
 
 @dataclasses.dataclass(eq=False)
@@ -496,6 +508,32 @@ class HostTier:
                 f"and the plan is still in flight"
             )
 
+    def gather_in_place(self, plan: "OffloadPlan", planes_of: Callable[[PoolKind], Mapping], serial: int) -> OffloadPayload:
+        """The payload of ``plan`` read straight from host-addressable planes into the plan's own
+        extents (one copy; a CPU device's planes are host memory): ``planes_of(kind)`` gives the
+        pool's planes as arrays numpy reads in place, ``serial`` the state's applied-work serial.
+
+        The payload's planes are the extents' pages, so :meth:`complete_offload` finds them in
+        place and only verifies and publishes.  Writing the extents now is harmless whatever
+        follows: they are this plan's until it completes or is cancelled.
+        """
+        self._check_plan(plan)
+        planes = {}
+        for job in plan.jobs:
+            views = job.table.layout.page_planes(self.arena.view(job.extent))
+            axis = job.table.layout.layout.order.page_axis
+            source = {name: np.asarray(x) for name, x in planes_of(job.kind).items()}
+            for name, view in views.items():
+                src = source[name]
+                if src.dtype != view.dtype:
+                    src = src.view(view.dtype)
+                # page by page: each page's layers are contiguous blocks of the plane, read in order
+                for i, page in enumerate(job.ids.tolist()):
+                    view[i] = src[:, page] if axis == 1 else src[:, :, page]
+            planes[job.kind] = views
+        request = plan.request
+        return OffloadPayload(request.store, request.token, np.asarray(serial, np.int32), request.pages, planes)
+
     def cancel_offload(self, plan: "OffloadPlan") -> None:
         """Abandon a planned offload: free its extents and unpin its pages (full rollback)."""
         self._check_plan(plan)
@@ -558,6 +596,7 @@ class HostTier:
         """Device -> Host: the gathered pages (logical order) into the job's extent."""
         n = int(job.slots.size)
         views = job.table.layout.page_planes(self.arena.view(job.extent))
+        in_place = True
         for name, view in views.items():
             words = np.asarray(planes[name])
             if words.shape[0] < n or words.shape[1:] != view.shape[1:]:
@@ -565,9 +604,13 @@ class HostTier:
                     f"pool {job.kind.value}: payload plane {name!r} has shape {words.shape}; the plan needs "
                     f"({n}+, {', '.join(map(str, view.shape[1:]))})"
                 )
+            if _same_memory(words[:n], view):  # gathered in place (gather_in_place): nothing to copy
+                continue
+            in_place = False
             view.view(word_dtype(view.dtype))[:n] = words[:n].view(word_dtype(view.dtype))
         runs = int(coalesce_runs(np.asarray(job.ids, np.int64))[0].size)
-        return TransferReport(pages=n, runs=runs, chunks=1, bytes=n * job.table.layout.stride, path="gather")
+        return TransferReport(pages=n, runs=runs, chunks=1 if not in_place else runs, bytes=n * job.table.layout.stride,
+                              path="in place" if in_place else "gather")
 
     # -- Device replica release ---------------------------------------------------------------------------------
     def drop_device(self, spaces: Mapping[PoolKind, int]) -> int:

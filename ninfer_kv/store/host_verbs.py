@@ -14,6 +14,19 @@ from .core import StoreCore
 __all__ = ["HostVerbs"]
 
 
+def _host_addressable(state) -> bool:
+    """Whether every plane of ``state`` is one array on one CPU device (numpy reads it in place)."""
+    for planes in state.planes.values():
+        for x in planes.values():
+            devices = getattr(x, "devices", None)
+            if devices is None:
+                return False
+            found = devices()
+            if len(found) != 1 or next(iter(found)).platform != "cpu":
+                return False
+    return True
+
+
 class HostVerbs:
     """Host replica verbs of :class:`~ninfer_kv.store.KVStore`."""
 
@@ -49,12 +62,17 @@ class HostVerbs:
         return self._tier("plan_offload").plan_offload(rec.slots, self.core.serial_of)
 
     def gather_offload(self, plan: OffloadPlan, state):
-        """The :class:`~ninfer_kv.work.OffloadPayload` of ``plan`` gathered from ``state``
-        (a jitted :func:`~ninfer_kv.gather_pages` of ``plan.request``, then the Device -> Host copy
-        started through the arena's staging memory)."""
+        """The :class:`~ninfer_kv.work.OffloadPayload` of ``plan`` gathered from ``state``.
+
+        Where the state's planes are host memory (one CPU device) the pages are copied straight
+        from them into the plan's extents, once (:meth:`HostTier.gather_in_place`); elsewhere a
+        jitted :func:`~ninfer_kv.gather_pages` of ``plan.request`` gathers them on the device and
+        the Device -> Host copy starts through the arena's staging memory."""
         from ..device.work import gather_pages_jit
 
         tier = self._tier("gather_offload")
+        if _host_addressable(state):
+            return tier.gather_in_place(plan, lambda kind: state.planes[kind], state.host_serial())
         payload = gather_pages_jit(state, plan.request)
         planes = {k: {n: tier.arena.start_to_host(x) for n, x in p.items()} for k, p in payload.planes.items()}
         return dataclasses.replace(payload, planes=planes)

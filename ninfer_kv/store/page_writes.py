@@ -11,23 +11,51 @@ sequential history.
 
 from __future__ import annotations
 
+import sys
 from typing import Mapping
 
 import numpy as np
 
 from ..geometry import PAGE_SIZE
+from ..host.arena import aligned_empty
 from ..layout import word_dtype
 from .buckets import bucket, ladder
 
 __all__ = ["PageWrites"]
 
 
+def _owner(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _unused(buffers: dict, name: str) -> bool:
+    """Whether nothing but its entry in ``buffers`` references ``buffers[name]`` or its memory.
+
+    A work's payload leaf is this very object, and JAX keeps a numpy argument referenced for as
+    long as a device buffer made from it (a CPU device reads aligned host memory in place) or a
+    computation reading it lives; any other view holds the memory's owner.  So a buffer that
+    neither is referenced nor has views can be written again.  (The counts below are exact: no
+    local name may hold the buffer while it is counted.)
+    """
+    if sys.getrefcount(buffers[name]) > 2:  # the dict entry and getrefcount's argument
+        return False
+    owner = _owner(buffers[name])
+    return owner is buffers[name] or sys.getrefcount(owner) <= 3  # the buffer's base, ``owner``, the argument
+
+
 class PageWrites:
     """Pending page writes of one pool between two takes, resolved to pre-work sources.
 
     ``writes[dst] = (from_payload, source, columns)``: ``source`` is a device page (content before
-    the work) or an index into ``payload``.  A journal makes every change undoable
+    the work) or an entry of the staged payload.  A journal makes every change undoable
     (:meth:`mark` / :meth:`rollback`), for activation and transfer rollbacks.
+
+    Restored pages are staged once: :meth:`restore` copies them from the Host extent straight into
+    the payload the next :meth:`take` hands out (per plane one ``(entries, layers, H, P, X)`` word
+    buffer, sized to a restore bucket and aligned to the host page, so a CPU device reads it in
+    place instead of copying it again).  The take hands the buffers over and starts new ones.
     """
 
     def __init__(self, layout, num_pages: int):
@@ -35,10 +63,19 @@ class PageWrites:
         self.num_pages = int(num_pages)
         self.names = tuple(layout.plane_names)
         self.writes: dict[int, tuple[bool, int, int]] = {}
-        self.payload: list[dict] = []
         self._journal: list[tuple[int, tuple | None]] = []
         self.copy_buckets = ladder(8, 8, self.num_pages)
         self.restore_buckets = ladder(1, 2, self.num_pages)
+        self._staged = 0  # payload entries staged (live or replaced) since the last take
+        self._buffers: dict[str, np.ndarray] = {}
+        self._retired: list[dict[str, np.ndarray]] = []
+        lay = layout
+        self._empty = (
+            np.zeros((3, 0), np.int32),
+            np.zeros((2, 0), np.int32),
+            {spec.name: np.zeros((0, lay.num_layers, lay.num_kv_heads, lay.page_size, spec.extent), word_dtype(spec.dtype))
+             for spec in lay.planes},
+        )
 
     def __len__(self) -> int:
         return len(self.writes)
@@ -50,7 +87,7 @@ class PageWrites:
         return len(self.writes) - restores, restores
 
     def mark(self) -> tuple[int, int]:
-        return len(self._journal), len(self.payload)
+        return len(self._journal), self._staged
 
     def rollback(self, mark: tuple[int, int]) -> None:
         n, m = mark
@@ -60,7 +97,7 @@ class PageWrites:
                 del self.writes[dst]
             else:
                 self.writes[dst] = prev
-        del self.payload[m:]
+        self._staged = m  # entries staged after the mark are no longer referenced
 
     def _put(self, dst: int, entry: tuple) -> None:
         self._journal.append((dst, self.writes.get(dst)))
@@ -78,19 +115,79 @@ class PageWrites:
         else:
             self._put(dst, (False, src, columns))
 
-    def restore(self, dst_ids: np.ndarray, pages: Mapping[str, np.ndarray]) -> None:
-        """Whole pages from a Host payload: ``pages[name][i]`` (``(layers, H, P, X)``) onto
-        ``dst_ids[i]``.  The payload is copied (the Host extent may be reused at once)."""
-        for i, dst in enumerate(np.asarray(dst_ids).tolist()):
-            self.payload.append({name: np.array(pages[name][i], copy=True) for name in self.names})
-            self._put(int(dst), (True, len(self.payload) - 1, PAGE_SIZE))
+    def _payload_rows(self, n: int) -> dict[str, np.ndarray]:
+        """Room for ``n`` more staged entries: per plane the rows ``[staged, staged + n)`` of the
+        buffers (grown to the next restore bucket, keeping what is staged)."""
+        need = self._staged + n
+        first = next(iter(self._buffers.values()), None)
+        if first is None or first.shape[0] < need:
+            rows = bucket(need, self.restore_buckets) if need <= self.restore_buckets[-1] else need
+            grown = self._reuse(rows) or self._allocate(rows)
+            if self._staged:
+                for name, buf in grown.items():
+                    buf[: self._staged] = self._buffers[name][: self._staged]
+            self._buffers = grown
+        return {name: buf[self._staged : need] for name, buf in self._buffers.items()}
+
+    def _allocate(self, rows: int) -> dict[str, np.ndarray]:
+        lay = self.layout
+        out = {}
+        for spec in lay.planes:
+            shape = (rows, lay.num_layers, lay.num_kv_heads, lay.page_size, spec.extent)
+            out[spec.name] = aligned_empty(shape, word_dtype(spec.dtype))
+        self._retired.append(out)  # kept for reuse once nothing else holds it
+        del self._retired[: -self.KEEP]
+        return out
+
+    KEEP = 3
+    """Payload buffer sets kept for reuse: touching fresh memory (page faults) costs a restore more
+    than its copy, so a buffer set handed to a work is reused once the work and every device array
+    and computation made from it are gone (:func:`_unused`)."""
+
+    def _reuse(self, rows: int) -> dict[str, np.ndarray] | None:
+        for buffers in self._retired:
+            size = next(iter(buffers.values())).shape[0]  # no name may hold a buffer while it is counted
+            if size == rows and all(_unused(buffers, name) for name in buffers):
+                return buffers
+        return None
+
+    def restore(self, dst_ids: np.ndarray, pages: Mapping[str, np.ndarray], index=None) -> None:
+        """Whole pages from a Host payload onto ``dst_ids``: entry ``i`` is ``pages[name][index[i]]``
+        (``index`` default ``range(len(dst_ids))``), each ``(layers, H, P, X)``.  The bytes are
+        copied once, into the next take's payload (the Host extent may be reused at once)."""
+        dst_ids = np.asarray(dst_ids, np.int64).reshape(-1)
+        n = int(dst_ids.size)
+        if not n:
+            return
+        rows = self._payload_rows(n)
+        for name, out in rows.items():
+            src = pages[name]
+            src = src.view(out.dtype) if src.dtype != out.dtype else src
+            if index is None:
+                out[...] = src[:n]
+            else:
+                np.take(src, np.asarray(index, np.int64), axis=0, out=out)
+        first = self._staged
+        self._staged += n
+        for i, dst in enumerate(dst_ids.tolist()):
+            self._put(int(dst), (True, first + i, PAGE_SIZE))
 
     def touches(self, pages: np.ndarray) -> bool:
         """Whether a pending write targets one of the device ``pages``."""
         return bool(self.writes) and any(int(p) in self.writes for p in np.asarray(pages).tolist())
 
     def take(self) -> tuple[np.ndarray, np.ndarray, dict]:
-        """The pending writes as bucketed ``copies``, ``restores`` and ``payload``; clears them."""
+        """The pending writes as bucketed ``copies``, ``restores`` and ``payload``; clears them
+        (a round without page writes shares one set of empty buffers: nothing to mutate in them).
+
+        The payload is the staged buffers themselves when the live restores are exactly the staged
+        entries in order (the usual case: nothing was replaced or rolled back in between), else
+        the live entries gathered into new buffers; padding entries' bytes are never read."""
+        if not self.writes:
+            self._journal = []
+            self._staged = 0
+            self._buffers = {}
+            return self._empty
         n_pages = self.num_pages
         dev = [(d, s, c) for d, (p, s, c) in self.writes.items() if not p]
         host = [(d, s, c) for d, (p, s, c) in self.writes.items() if p]
@@ -102,24 +199,32 @@ class PageWrites:
         r = bucket(len(host), self.restore_buckets)
         restores = np.zeros((2, r), np.int32)
         restores[0] = n_pages
-        payload = {}
-        lay = self.layout
-        for spec in lay.planes:
-            payload[spec.name] = np.zeros(
-                (r, lay.num_layers, lay.num_kv_heads, lay.page_size, spec.extent), word_dtype(spec.dtype)
-            )
+        sources = np.array([s for _, s, _ in host], np.int64)
         if host:
             arr = np.array(host, np.int64)
             restores[0, : len(host)] = arr[:, 0]
             restores[1, : len(host)] = arr[:, 2]
-            for j, (_, s, _) in enumerate(host):
-                row = self.payload[s]
-                for name, out in payload.items():
-                    out[j] = row[name].view(out.dtype)
+        payload = self._take_payload(sources, r)
         self.writes = {}
-        self.payload = []
         self._journal = []
+        self._staged = 0
+        self._buffers = {}
         return copies, restores, payload
 
+    def _take_payload(self, sources: np.ndarray, r: int) -> dict:
+        lay = self.layout
+        have = next(iter(self._buffers.values()), None)
+        in_place = have is not None and have.shape[0] == r and np.array_equal(sources, np.arange(sources.size))
+        if in_place:
+            return dict(self._buffers)
+        payload = {}
+        for spec in lay.planes:
+            out = aligned_empty((r, lay.num_layers, lay.num_kv_heads, lay.page_size, spec.extent), word_dtype(spec.dtype))
+            if sources.size:
+                np.take(self._buffers[spec.name], sources, axis=0, out=out[: sources.size])
+            out[sources.size :] = 0
+            payload[spec.name] = out
+        return payload
+
     def snapshot(self) -> dict:
-        return {"writes": sorted(self.writes.items()), "payload": len(self.payload)}
+        return {"writes": sorted(self.writes.items()), "payload": self._staged}

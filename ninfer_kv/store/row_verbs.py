@@ -51,19 +51,23 @@ class RowVerbs:
     def check_map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> tuple:
         """Validate a :meth:`map_rows` call (raises what it would raise; changes nothing); returns the
         ``(runtime, rows, targets)`` it would apply."""
+        return self._checked_map(rows, targets, pool)[:3]
+
+    def _checked_map(self, rows, targets, pool) -> tuple:
         rt = self.core.runtime(pool)
         rows = self.core.rows.check(rows)
         targets = self._targets("targets", rows, targets)
-        rt.check_map(rows, targets)
-        return rt, rows, targets
+        return rt, rows, targets, rt.check_map(rows, targets)
 
     def check_commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> tuple:
         """Validate a :meth:`commit_rows` call (see :meth:`check_map_rows`)."""
+        return self._checked_commit(rows, frontiers, pool)[:3]
+
+    def _checked_commit(self, rows, frontiers, pool) -> tuple:
         rt = self.core.runtime(pool)
         rows = self.core.rows.check(rows)
         frontiers = self._targets("frontiers", rows, frontiers)
-        rt.check_commit(rows, frontiers)
-        return rt, rows, frontiers
+        return rt, rows, frontiers, rt.check_commit(rows, frontiers)
 
     def check_trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> tuple:
         """Validate a :meth:`trim_rows` call (see :meth:`check_map_rows`)."""
@@ -152,13 +156,13 @@ class RowVerbs:
     # -- vectorized row verbs (decode rounds) ------------------------------------------------------------------
     def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``ensure_mapped_to_tokens`` over execution rows; returns pages materialized."""
-        rt, rows, targets = self.check_map_rows(rows, targets, pool=pool)
-        return rt.map_rows(rows, targets)
+        rt, rows, targets, crossing = self._checked_map(rows, targets, pool)
+        return rt.map_rows(rows, targets, crossing)
 
     def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
         """Vectorized ``commit`` over execution rows."""
-        rt, rows, frontiers = self.check_commit_rows(rows, frontiers, pool=pool)
-        rt.commit_rows(rows, frontiers)
+        rt, rows, frontiers, committed = self._checked_commit(rows, frontiers, pool)
+        rt.commit_rows(rows, frontiers, committed)
 
     def trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
         """Vectorized ``trim``: keep ``ceil(max(committed, keep_tokens) / P)`` pages per row."""

@@ -90,7 +90,7 @@ def check_targets(name: str, rows: np.ndarray, values, high: int) -> np.ndarray:
     values = as_index_vector(name, values)
     if values.shape != rows.shape:
         raise ValueError(f"rows {rows.shape} and {name} {values.shape} must be 1-D of one length")
-    if values.size:
+    if values.size and (values.min() < 0 or values.max() > high):
         bad = (values < 0) | (values > high)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
@@ -114,6 +114,9 @@ class ExecutionRows:
         self._stamp = np.zeros(self.count, np.int64)
         self.quarantined = np.zeros(self.count, bool)
         self._any_quarantined = False
+        # The last row set :meth:`check` accepted, kept until a lease or quarantine changes: a
+        # decode loop names the same rows every round, and comparing them is one numpy call.
+        self._checked: np.ndarray | None = None
 
     # -- leases ----------------------------------------------------------------------------------------
     @property
@@ -129,9 +132,11 @@ class ExecutionRows:
 
     def lease(self, row: int, owner: int) -> None:
         self.owner[row] = owner
+        self._checked = None
 
     def unlease(self, row: int) -> None:
         self.owner[row] = -1
+        self._checked = None
 
     def release(self, row: int) -> None:
         self.owner[row] = -1
@@ -142,6 +147,7 @@ class ExecutionRows:
         """Mark ``row`` (not) quarantined: a quarantined row is refused by :meth:`check`."""
         self.quarantined[row] = value
         self._any_quarantined = bool(self.quarantined.any())
+        self._checked = None
 
     def active(self) -> np.ndarray:
         return np.flatnonzero(self.owner >= 0)
@@ -154,6 +160,9 @@ class ExecutionRows:
         n = rows.size
         if n == 0:
             return rows
+        last = self._checked
+        if last is not None and last.size == n and (last == rows).all():
+            return rows  # the same rows as the last accepted call, no lease changed since
         lo, hi = int(rows.min()), int(rows.max())
         if lo < 0 or hi >= self.count:
             bad = int(rows[(rows < 0) | (rows >= self.count)][0])
@@ -177,6 +186,7 @@ class ExecutionRows:
             if dup.any():
                 bad = int(rows[dup][0])
                 raise RowError(f"{name}: row {bad} is named more than once in one call")
+        self._checked = rows.copy()
         return rows
 
     def check_one(self, row: int) -> np.ndarray:

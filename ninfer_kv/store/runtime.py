@@ -171,13 +171,14 @@ class PoolRuntime:
         return np.where(has, derived, stored)
 
     # -- mapping ----------------------------------------------------------------------------------------
-    def check_map(self, rows: np.ndarray, targets: np.ndarray) -> None:
+    def check_map(self, rows: np.ndarray, targets: np.ndarray) -> np.ndarray | None:
         """Raise :class:`EntitlementError` (changing nothing) when a target needs more pages than its
-        row's entitlement."""
+        row's entitlement.  Returns the rows' positions whose target crosses their mapped extent
+        (``None`` when none does), which :meth:`map_rows` takes as ``crossing``."""
         sp = self.spaces
         cross = targets > sp.mapped[rows]
         if not cross.any():
-            return
+            return None
         r, t = rows[cross], targets[cross]
         over = ((t + (PAGE_SIZE - 1)) >> _SHIFT) > sp.ent_pages[r]
         if over.any():
@@ -186,8 +187,9 @@ class PoolRuntime:
                 f"pool {self.kind.value}: row {int(r[i])} asks to map {int(t[i])} tokens but its entitlement "
                 f"covers {int(sp.ent_pages[r[i]]) * PAGE_SIZE} tokens ({int(sp.ent_pages[r[i]])} pages)"
             )
+        return cross.nonzero()[0]
 
-    def map_rows(self, rows: np.ndarray, targets: np.ndarray) -> int:
+    def map_rows(self, rows: np.ndarray, targets: np.ndarray, crossing: np.ndarray | None | bool = False) -> int:
         """Make each row's membership cover ``targets[i]`` tokens (a lower bound); returns new pages.
 
         ``rows`` are distinct active rows (validated by the store's :class:`ExecutionRows`).
@@ -196,15 +198,14 @@ class PoolRuntime:
         reservation into leases.  Never moves a frontier, never trims, never changes an entitlement.
         """
         sp = self.spaces
-        cross = targets > sp.mapped[rows]
-        if not cross.any():
+        if crossing is False:  # not checked by the caller: check (raises) and find the crossing rows
+            crossing = self.check_map(rows, targets)
+        if crossing is None:
             return 0
-        idx = cross.nonzero()[0]
+        idx = crossing
         r = rows[idx]
         t = targets[idx]
         need = (t + (PAGE_SIZE - 1)) >> _SHIFT
-        if (need > sp.ent_pages[r]).any():
-            self.check_map(rows, targets)
         n = r.size
         have = sp.n_blocks[r]
         counts = need - have
@@ -222,8 +223,9 @@ class PoolRuntime:
         return k
 
     # -- frontiers ----------------------------------------------------------------------------------------
-    def check_commit(self, rows: np.ndarray, frontiers: np.ndarray) -> None:
-        """Raise (changing nothing) unless every frontier lies in ``[committed, mapped]`` of its row."""
+    def check_commit(self, rows: np.ndarray, frontiers: np.ndarray) -> np.ndarray:
+        """Raise (changing nothing) unless every frontier lies in ``[committed, mapped]`` of its row;
+        returns the rows' committed frontiers (what :meth:`commit_rows` takes as ``committed``)."""
         sp = self.spaces
         old = sp.committed[rows]
         bad = (frontiers < old) | (frontiers > sp.mapped[rows])
@@ -239,12 +241,15 @@ class PoolRuntime:
                 f"pool {self.kind.value}: row {r} commit to {f} exceeds its mapped extent "
                 f"{int(sp.mapped[r])} tokens; map first"
             )
+        return old
 
-    def commit_rows(self, rows: np.ndarray, frontiers: np.ndarray) -> None:
+    def commit_rows(self, rows: np.ndarray, frontiers: np.ndarray, committed: np.ndarray | None = None) -> None:
         """Advance committed frontiers of distinct active rows after a successful unit (within the
-        mapped extent)."""
-        self.check_commit(rows, frontiers)
-        self.history.record_commit(rows, frontiers != self.spaces.committed[rows])
+        mapped extent).  ``committed``: what :meth:`check_commit` returned for these rows (the
+        check is then not repeated)."""
+        if committed is None:
+            committed = self.check_commit(rows, frontiers)
+        self.history.record_commit(rows, frontiers != committed)
         self.spaces.set_committed(rows, frontiers)
 
     def _trimmed(self, rows: np.ndarray, keep_tokens: np.ndarray, committed: np.ndarray | None = None):

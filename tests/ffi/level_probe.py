@@ -24,9 +24,10 @@ import numpy as np  # noqa: E402
 
 from ninfer_kv import ffi_ops  # noqa: E402
 from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
+from ninfer_kv.profiles import KVProfile  # noqa: E402
 from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
 
-PROFILES = ("bf16", "int8-g64", "fp8-e4m3fn-row256", "nvfp4-g16", "k8v4")
+PROFILES = tuple(p.value for p in KVProfile)  # every profile of the spec table
 B, T, H, D, G = 2, 70, 2, 64, 4  # two pages per row; GQA 4
 TABLE = np.array([[5, 1], [0, 3], [4, 2]], np.int32)  # C = 3 rows, L = 2 blocks, N = 6 pages
 TABLE_ROWS = np.array([2, 0], np.int32)
@@ -86,6 +87,8 @@ def main(path: str) -> None:
         view = PagedKVBatchLayerView(planes, jnp.asarray(TABLE), 0, lay)  # the clean pool
         out = _attention(jnp.asarray(x["q"]), view, TABLE_ROWS, Q_POSITIONS, KV_LENS)
         saved[f"{profile}/attention"] = np.asarray(out)
+        ar = ffi_ops.arithmetic(profile, D)
+        saved[f"{profile}/arithmetic"] = np.array([ar.scores, ar.values])
     np.savez(path, **saved)
 
 

@@ -19,15 +19,16 @@ import numpy as np
 import pytest
 
 from ninfer_kv import ffi_ops
-from tests.ops import np_codecs
+from tests.conformance import np_codecs
+from tests.conformance.checks import assert_attention_close
 
 from . import level_probe as probe
-from .ffi_cases import assert_close_to_reference
+from .test_ffi_arithmetic import FLOAT32_TOL, int8x2_bound
 
 pytestmark = pytest.mark.skipif(not ffi_ops.is_available(), reason=f"FFI library unavailable: {ffi_ops.load_error()}")
 
 PACKAGE_ROOT = Path(ffi_ops.__file__).resolve().parents[1]  # the ninfer_kv this test imports
-KNOWN_LEVELS = ("native", "avx512", "avx2", "baseline", "neon")
+KNOWN_LEVELS = ("native", "avx512vnni", "avx512", "avx2", "baseline", "neon")
 
 
 def _env(level: str) -> dict:
@@ -68,7 +69,7 @@ def test_info_reports_the_level_in_use():
     assert info.isa in info.supported
     if not info.forced:
         assert info.isa == info.supported[0]
-    assert info.vector_width == (16 if info.isa == "avx512" else info.vector_width)
+    assert info.vector_width == (16 if info.isa in ("avx512", "avx512vnni") else info.vector_width)
     assert info.vector_width in (8, 16) and info.threads >= 1
     assert info.isa in info.summary() and Path(info.library) == Path(ffi_ops.library_path())
 
@@ -174,7 +175,14 @@ def test_attention_agrees_with_the_oracle_on_every_level(results, profile):
     visible &= j[None, None, :] < probe.VALID[:, None, None]
     want = np_codecs.attention(x["q"], k, v, visible, 1.0 / np.sqrt(probe.D))
     for level, saved in results.items():
-        assert_close_to_reference(saved[f"{profile}/attention"], want)
+        scores, values = (str(a) for a in saved[f"{profile}/arithmetic"])
+        if (scores, values) == ("float32", "float32"):
+            assert_attention_close(saved[f"{profile}/attention"], want, backend="ffi", q_dtype=np.float32, what=level)
+        else:  # int8x2 scores (test_ffi_arithmetic.py): within the bound of the query's rounding
+            assert (scores, values) == ("int8x2", "float32"), (level, scores, values)
+            got = saved[f"{profile}/attention"].astype(np.float64)
+            bound = int8x2_bound(x["q"], k, v, 1.0 / np.sqrt(probe.D)) + FLOAT32_TOL * (1 + np.abs(want))
+            assert np.isfinite(got).all() and (np.abs(got - want) <= bound).all(), level
 
 
 _IMPORT_PROBE = (

@@ -43,6 +43,12 @@ def test_mesh_tokens_equal_one_device():
     assert mesh["prefix_hits"] > 0 and mesh["leaked_pages"] == 0 and mesh["leaked_host_extents"] == 0
     assert mesh["plan"]["mesh"]["data"] == 2 and mesh["plan"]["kv_heads_per_device"] == 1
     assert mesh["pool_pages"] == {"main": 10}  # 5 per data shard
+    # every shard's units of a round share one mesh step: a step serves lanes of both shards
+    steps = mesh["mesh_steps"]
+    units = sum(mesh["units"].values())  # units of the shards' schedulers, summed
+    assert steps["steps"] < units, (steps, mesh["units"])
+    assert steps["max_lanes_per_step"] > 2, steps  # more than one shard's 2 local rows
+    assert steps["slots_per_step"] >= steps["lanes_per_step"] > 0
 
 
 _PLANES_SCRIPT = textwrap.dedent(
@@ -54,7 +60,7 @@ _PLANES_SCRIPT = textwrap.dedent(
     from ninfer_kv.demo.run import demo_buckets, validate, _params
     from ninfer_kv.demo.mesh_run import mesh_step_config
     from ninfer_kv.mesh import KVMesh
-    from ninfer_kv.models.qwen_tiny.mesh_steps import MeshSteps
+    from ninfer_kv.models.decoder.mesh_steps import MeshSteps
     from ninfer_kv.demo.mesh_engine import MeshState
     from ninfer_kv.planning import ExplicitCapacity, PoolKind
     from ninfer_kv.store.sharded import ShardedKVStore
@@ -65,8 +71,8 @@ _PLANES_SCRIPT = textwrap.dedent(
     kv_mesh = KVMesh(cfg.mesh)
     sharded = ShardedKVStore(plan, kv_mesh)
     steps = MeshSteps(mesh_step_config(cfg.step_config, demo_buckets(2), 2), kv_mesh, sharded.layout())
-    shared = MeshState(sharded)
     params, _ = _params(cfg.model_config, 0)
+    shared = MeshState(sharded, steps, params, demo_buckets(2))
     plane = next(iter(shared.state.planes[PoolKind.MAIN].values()))
     n_glob, h_glob = plane.shape[1], plane.shape[2]
     local = plane.addressable_shards[0].data.shape

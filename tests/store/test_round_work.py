@@ -270,8 +270,10 @@ def test_work_pytree_structure_is_fixed_per_store():
     cap = store.max_concurrency * store.logical_pages
     assert jax.tree_util.tree_structure(a.pad_to(cap)) == jax.tree_util.tree_structure(b.pad_to(cap))
     assert dataclasses.is_dataclass(a) and set(a.pools) == {MAIN, PoolKind.MTP}
-    # a decode round's work transfers its table updates, the serial and the store identity, nothing else
-    assert len(jax.tree_util.tree_leaves(b.pad_to(cap))) == 2 + 2
+    # a decode round's work transfers its stamp (serial and store identity in one array) and each
+    # pool's table updates, nothing else
+    leaves = jax.tree_util.tree_leaves(b.pad_to(cap))
+    assert len(leaves) == 1 + 2 and leaves[0].shape == (2,)
     # ahead-of-time lowering and compilation see the same structure
     state = KVDeviceState.zeros(store.pool_plans)
     state = apply_work_jit(state, a)
