@@ -17,6 +17,7 @@ runs the steps without sampling inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -91,6 +92,14 @@ class GeneratedSequence:
         return self.finish_reason is not None
 
 
+@functools.lru_cache(maxsize=8)
+def _shared_steps(step_config: StepConfig) -> ModelSteps:
+    """The step functions of ``step_config``, shared by every generator built with an equal config
+    (the params are arguments, not constants of the programs), so a second generator of the same
+    model and buckets reuses the compiled programs instead of tracing and compiling them again."""
+    return make_steps(step_config)
+
+
 class PagedGenerator:
     """Generates continuations of prompts through a paged KV store (see the module docstring).
 
@@ -136,7 +145,7 @@ class PagedGenerator:
                              max_concurrency=max_batch, policy=ExplicitCapacity(capacity))
         self.plan = plan
         self.store = KVStore(plan)
-        self.steps: ModelSteps = make_steps(step_config)
+        self.steps: ModelSteps = _shared_steps(step_config)
         self.chunk = step_config.prefill_chunk
         self.buckets = step_config.batch_buckets
         self.state: KVDeviceState = self.store.allocate_state()

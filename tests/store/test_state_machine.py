@@ -662,7 +662,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=200,
+    max_examples=80,
     stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -693,4 +693,12 @@ TestMTP.settings = SETTINGS
 TestDFlash = DFlashMachine.TestCase
 TestDFlash.settings = SETTINGS
 TestGrowth = GrowthMachine.TestCase
-TestGrowth.settings = settings(SETTINGS, max_examples=60)
+TestGrowth.settings = settings(SETTINGS, max_examples=30)
+
+# The deep run (``-m slow``): every machine at five times the default number of examples.
+_DEEP = settings(SETTINGS, max_examples=400)
+for _machine in (OrdinaryMachine, MTPMachine, DFlashMachine, GrowthMachine):
+    _deep = type(f"TestDeep{_machine.backend.capitalize()}{'Growth' if _machine.growth else ''}",
+                 (_machine.TestCase,), {"settings": _DEEP})
+    globals()[_deep.__name__] = pytest.mark.slow(_deep)
+del _machine, _deep
