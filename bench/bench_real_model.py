@@ -40,17 +40,8 @@ import numpy as np  # noqa: E402
 
 from ninfer_kv.models.generate import PagedGenerator  # noqa: E402
 from ninfer_kv.models.hf import load_checkpoint, save_random_checkpoint  # noqa: E402
+from ninfer_kv.models.hf.published_configs import QWEN3_0_6B  # noqa: E402
 from ninfer_kv.ops import resolve_impl  # noqa: E402
-
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
-    "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}
-"""Qwen3-0.6B's config.json (as published)."""
 
 
 def read_bytes(directory: Path) -> tuple[float, int]:

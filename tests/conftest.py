@@ -10,6 +10,12 @@ them (the Pallas interpret-mode kernels compile about a third faster).  Float se
 depend on the level (XLA's CPU fast-math is off at every level, so LLVM may not reorder float
 arithmetic), and the exactness tests hold at both levels:
 ``XLA_FLAGS=--xla_backend_optimization_level=3 python -m pytest`` runs the suite at XLA's default.
+
+Compiled programs go to a persistent compilation cache shared by the session's worker processes
+(a temporary directory made by the first process and removed when it exits) unless
+``JAX_COMPILATION_CACHE_DIR`` is set: many tests build fresh ``jax.jit`` wrappers of the same
+computations (a model's steps, an op at a shape), and a program compiled once is then loaded, not
+compiled again, in every other test and worker.
 """
 
 import os
@@ -17,6 +23,17 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="ninfer-kv-test-jit-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache  # inherited by the xdist workers
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402  (after the environment is set)
 
