@@ -46,7 +46,6 @@ jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 HEAVY_FIRST = (
     "tests/ffi/test_neon_emulated.py",
-    "tests/pallas/test_pallas_gpu_check.py",
     "tests/mesh/test_sharded.py",
     "tests/store/test_state_machine.py",
     "tests/models/test_hf_oracle.py",

@@ -17,6 +17,7 @@ layer imports nothing of :mod:`ninfer_kv.store`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from typing import Mapping
 
@@ -159,19 +160,15 @@ def _apply_work_ffi(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     return dataclasses.replace(state, planes=planes, tables=dict(zip(kinds, tables)), sync=sync)
 
 
-_FFI_LOWERING: list = []
-
-
+@functools.cache
 def _ffi_lowering() -> bool:
     """Whether the CPU lowering's custom calls are registered (the FFI library loaded); checked once."""
-    if not _FFI_LOWERING:
-        from .. import ffi_ops
+    from .. import ffi_ops
 
-        try:
-            _FFI_LOWERING.append(ffi_ops.is_available())
-        except ffi_ops.FFIUnavailableError:  # a bad $NINFER_KV_FFI_LIBRARY: the ops say so; here, jnp
-            _FFI_LOWERING.append(False)
-    return _FFI_LOWERING[0]
+    try:
+        return ffi_ops.is_available()
+    except ffi_ops.FFIUnavailableError:  # a bad $NINFER_KV_FFI_LIBRARY: the ops say so; here, jnp
+        return False
 
 
 _apply_work_jit = jax.jit(apply_work, donate_argnums=(0,))

@@ -49,12 +49,15 @@ def paged_append(backend: str, view, table_rows, positions, k, v, valid) -> dict
     return {name: np.asarray(x) for name, x in out.planes.items()}
 
 
-def paged_attention(backend: str, q, view, table_rows, positions, kv_lens, sm_scale=None) -> np.ndarray:
-    """The output of one jitted ``paged_attention`` (numpy, in the query dtype)."""
-    out = jitted(backend, "paged_attention")(jnp.asarray(q), view, _i32(table_rows), _i32(positions), _i32(kv_lens),
-                                             sm_scale=sm_scale)
+def _attention(backend: str, op: str, q, view, rows, positions, kv_lens, sm_scale) -> np.ndarray:
+    out = jitted(backend, op)(jnp.asarray(q), view, _i32(rows), _i32(positions), _i32(kv_lens), sm_scale=sm_scale)
     assert out.shape == np.shape(q) and out.dtype == jnp.asarray(q).dtype, (out.shape, out.dtype)
     return np.asarray(out)
+
+
+def paged_attention(backend: str, q, view, table_rows, positions, kv_lens, sm_scale=None) -> np.ndarray:
+    """The output of one jitted ``paged_attention`` (numpy, in the query dtype)."""
+    return _attention(backend, "paged_attention", q, view, table_rows, positions, kv_lens, sm_scale)
 
 
 def cyclic_append(backend: str, view, rows, positions, k, v, valid) -> dict[str, np.ndarray]:
@@ -66,10 +69,7 @@ def cyclic_append(backend: str, view, rows, positions, k, v, valid) -> dict[str,
 
 def cyclic_attention(backend: str, q, view, rows, positions, kv_lens, sm_scale=None) -> np.ndarray:
     """The output of one jitted ``cyclic_attention`` (numpy, in the query dtype)."""
-    out = jitted(backend, "cyclic_attention")(jnp.asarray(q), view, _i32(rows), _i32(positions), _i32(kv_lens),
-                                              sm_scale=sm_scale)
-    assert out.shape == np.shape(q) and out.dtype == jnp.asarray(q).dtype, (out.shape, out.dtype)
-    return np.asarray(out)
+    return _attention(backend, "cyclic_attention", q, view, rows, positions, kv_lens, sm_scale)
 
 
 QUERY_MAX = 16383

@@ -21,6 +21,7 @@ def gpu_check():
     return module
 
 
+@pytest.mark.slow  # about 40 s of interpret-mode compiles: run with -m slow before a GPU run
 def test_cpu_smoke_rehearses_every_section(gpu_check, capsys):
     rc = gpu_check.main(["--cpu-smoke", "--profiles", "bf16", "--orders", "page-major"])
     out = capsys.readouterr().out
