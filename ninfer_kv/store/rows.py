@@ -140,6 +140,7 @@ class ExecutionRows:
 
     def release(self, row: int) -> None:
         self.owner[row] = -1
+        self._checked = None
         self.set_quarantined(row, False)
         bisect.insort(self._free, row, key=lambda r: -r)
 
