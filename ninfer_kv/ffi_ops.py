@@ -56,19 +56,16 @@ planes updates each element's planes separately.
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
-import sys
 import threading
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import ffi_library
+from .ffi_library import LIBRARY_ENV, LIBRARY_NAME, REBUILD_HINT, FFILibraryPathError, FFIUnavailableError
 from .geometry import PlaneOrder
 from .layout import word_dtype
 from .profiles import KVCodec, KVProfile
@@ -94,12 +91,12 @@ __all__ = [
     "FFIUnavailableError",
     "FFILibraryPathError",
     "LIBRARY_ENV",
+    "LIBRARY_NAME",
     "ABI_VERSION",
     "TARGETS",
 ]
 
-ABI_VERSION = 3
-"""Version of the handler contract (operands, attributes, semantics) this module speaks."""
+ABI_VERSION = ffi_library.ABI_VERSION
 
 TARGETS = {
     "ninfer_kv_paged_append": "NinferKvPagedAppend",
@@ -111,150 +108,30 @@ TARGETS = {
 }
 """XLA custom-call target name -> exported handler symbol."""
 
-_LIB_NAMES = {"darwin": "libninfer_kv_ffi.dylib", "win32": "ninfer_kv_ffi.dll"}
-LIBRARY_NAME = _LIB_NAMES.get(sys.platform, "libninfer_kv_ffi.so")
-
-REBUILD_HINT = (
-    "build it with `pip install -e .` (development) or `pip install .` from the repository root "
-    "(needs CMake >= 3.18, a C++17 compiler and jaxlib); set NINFER_KV_FFI_LIBRARY to use a library "
-    "built elsewhere"
-)
-
 _CODEC_ID = {codec: codec.spec.ffi_id for codec in KVCodec}  # the codec spec table (CODEC_SPECS)
 
-
-LIBRARY_ENV = "NINFER_KV_FFI_LIBRARY"
-"""Environment variable naming the library file to load instead of looking for one."""
-
-
-class FFIUnavailableError(RuntimeError):
-    """The ninfer_kv XLA FFI library is not built or could not be loaded."""
+_LIBRARY = ffi_library.LIBRARY
+_REGISTERED: set[int] = set()  # ids of the Library objects whose targets are registered
+_REGISTER_LOCK = threading.Lock()
 
 
-class FFILibraryPathError(FFIUnavailableError):
-    """``$NINFER_KV_FFI_LIBRARY`` names a file that is missing or is not a loadable, current
-    ninfer_kv FFI library (raised on first use; nothing is loaded in its place)."""
-
-
-# -- loading ---------------------------------------------------------------------------------------
-
-
-def _explicit_path() -> Path | None:
-    """The path ``$NINFER_KV_FFI_LIBRARY`` names, or ``None`` when it is unset or empty."""
-    env = os.environ.get(LIBRARY_ENV)
-    return Path(env) if env else None
-
-
-def _explicit_path_message(path: Path, reason: str) -> str:
-    shown = str(path) if path.is_absolute() else f"{path} (resolved: {Path.cwd() / path})"
-    return (
-        f"{LIBRARY_ENV}={shown}: {reason}; unset {LIBRARY_ENV} to use the library installed with "
-        f"ninfer_kv, or point it at a built {LIBRARY_NAME} (`pip install .` from the repository root builds "
-        f"one under build/<tag>/ffi/)"
-    )
-
-
-def _candidates() -> list[Path]:
-    """Library paths to try, in order (see the module docstring)."""
-    explicit = _explicit_path()
-    if explicit is not None:
-        return [explicit]
-    out: list[Path] = []
-    here = Path(__file__).resolve().parent
-    out.append(here / "_lib" / LIBRARY_NAME)
-    try:
-        dist = metadata.distribution("ninfer_kv")
-        for f in dist.files or ():
-            if f.name == LIBRARY_NAME:
-                out.append(Path(dist.locate_file(f)).resolve())
-    except metadata.PackageNotFoundError:
-        pass
-    repo = here.parent
-    builds = glob.glob(str(repo / "build" / "*" / "ffi" / LIBRARY_NAME))
-    out.extend(sorted((Path(p) for p in builds), key=lambda p: p.stat().st_mtime, reverse=True))
-    seen, unique = set(), []
-    for p in out:
-        key = str(p)
-        if key not in seen:
-            seen.add(key)
-            unique.append(p)
-    return unique
-
-
-class _Library:
-    """The loaded library, or why none loaded (state of the process, set once on import)."""
-
-    def __init__(self):
-        self.lib: ctypes.CDLL | None = None
-        self.path: Path | None = None
-        self.error: str | None = None
-        self.path_error: str | None = None  # $NINFER_KV_FFI_LIBRARY names a file that did not load
-        self.forced_isa: str = ""
-        self._lock = threading.Lock()
-        self._registered = False
-
-    def load(self) -> None:
-        reasons = []
-        explicit = _explicit_path()
-        for path in _candidates():
-            reason = self._open(path)
-            if reason is None:
-                break
-            if path == explicit:  # an explicit choice: report it, load nothing else
-                self.path_error = self.error = _explicit_path_message(path, reason)
-                return
-            reasons.append(f"{path}: {reason}")
-        if self.lib is None:
-            tried = "; ".join(reasons) if reasons else "no candidate paths"
-            self.error = f"the ninfer_kv FFI library ({LIBRARY_NAME}) did not load [{tried}]; {REBUILD_HINT}"
-            return
-        for name in ("NinferKvFfiIsa", "NinferKvFfiIsaError", "NinferKvFfiIsaCompiled", "NinferKvFfiIsaSupported",
-                     "NinferKvFfiCpuFeatures"):
-            getattr(self.lib, name).restype = ctypes.c_char_p
-        self.forced_isa = os.environ.get("NINFER_KV_FFI_ISA", "")  # what the library reads on first use
-        isa_error = self.lib.NinferKvFfiIsaError().decode()
-        if isa_error:
-            self.lib = None
-            self.error = f"the ninfer_kv FFI library at {self.path} cannot run: {isa_error}"
+def _register(library: ffi_library.Library) -> None:
+    """Register the handlers of a loaded library for the CPU platform (once); a failure makes the
+    library unusable and says why."""
+    with _REGISTER_LOCK:
+        if library.lib is None or id(library) in _REGISTERED:
             return
         try:
-            self._register()
-        except Exception as e:  # registration failure makes the library unusable
-            self.lib = None
-            self.error = f"registering the ninfer_kv FFI targets from {self.path} failed: {e}; {REBUILD_HINT}"
-
-    def _open(self, path: Path) -> str | None:
-        """Load ``path`` as this library; ``None`` on success, else why it was not used."""
-        if not path.exists():
-            return "not found"
-        if not path.is_file():
-            return "not a file"
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            return f"not a loadable shared library ({e})"
-        try:
-            lib.NinferKvFfiAbiVersion.restype = ctypes.c_int
-            version = int(lib.NinferKvFfiAbiVersion())
-        except AttributeError as e:
-            return f"not the ninfer_kv FFI library ({e})"
-        if version != ABI_VERSION:
-            return f"built for handler version {version}, this module needs {ABI_VERSION} (stale build)"
-        self.lib, self.path = lib, path
-        return None
-
-    def _register(self) -> None:
-        with self._lock:
-            if self._registered:
-                return
             for target, symbol in TARGETS.items():
-                fn = getattr(self.lib, symbol)
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
-            self._registered = True
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library.lib, symbol)), platform="cpu")
+        except Exception as e:  # registration failure makes the library unusable
+            library.lib = None
+            library.error = f"registering the ninfer_kv FFI targets from {library.path} failed: {e}; {REBUILD_HINT}"
+            return
+        _REGISTERED.add(id(library))
 
 
-_LIBRARY = _Library()
-_LIBRARY.load()
+_register(_LIBRARY)
 
 
 def _check_explicit_path() -> None:
@@ -406,10 +283,7 @@ def _stream_read(buf: np.ndarray, threads: int = 0) -> int:
 
 
 def _require() -> ctypes.CDLL:
-    _check_explicit_path()
-    if _LIBRARY.lib is None:
-        raise FFIUnavailableError(_LIBRARY.error or "the ninfer_kv FFI library is unavailable")
-    return _LIBRARY.lib
+    return ffi_library.require(_LIBRARY)
 
 
 # -- operand preparation ---------------------------------------------------------------------------

@@ -30,7 +30,7 @@ NINFER_KV_NAMESPACE_BEGIN
 
 // Bumped whenever a handler's operands, attributes or semantics change; ffi_ops.py refuses a
 // library whose version differs from its own (a stale build).
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 // The codec table of the kernels, one row per codec: X(enumerator, id, name, data dtype, scale dtype).
 // The id is the codec's `ffi_id` in ninfer_kv/profiles.py (CODEC_SPECS); the dtypes name

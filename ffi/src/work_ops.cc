@@ -20,12 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "stream_copy.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -130,40 +127,6 @@ ffi::Error ApplyTablesImpl(S32Vector sync, S32Vector stamp, ffi::RemainingArgs r
   }
   std::memcpy(sync_out->typed_data(), next, sizeof(next));
   return ffi::Error::Success();
-}
-
-// Copies n bytes.  Large copies of page data go to memory that is read much later (by a later
-// step), so on x86-64 they use non-temporal stores: no read-for-ownership of the destination and
-// no eviction of the step's working set.  The caller issues the store fence (Fence) before its
-// writes must be visible to another thread.
-void StreamCopy(uint8_t* dst, const uint8_t* src, int64_t n) {
-#if defined(__SSE2__)
-  constexpr int64_t kStreamBytes = 4096;
-  if (n >= kStreamBytes) {
-    const int64_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
-    std::memcpy(dst, src, static_cast<size_t>(head));
-    dst += head, src += head, n -= head;
-    const int64_t body = n & ~int64_t{63};
-    for (int64_t i = 0; i < body; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-    }
-    dst += body, src += body, n -= body;
-  }
-#endif
-  std::memcpy(dst, src, static_cast<size_t>(n));
-}
-
-void Fence() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
 }
 
 // One plane of a pool as the page writes see it: (layers, N, H, P, X) page-major or

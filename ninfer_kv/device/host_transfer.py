@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..host.arena import HostKVArena
+from ..host.block_copy import copy_blocks
 from ..host.extent_allocator import HostExtent
 from ..host.host_layout import HostKVPageLayout, TransferReport, host_layout_of
 from ..host.runs import check_page_ids, coalesce_runs, max_bucket_pages, split_runs
@@ -321,7 +322,7 @@ def _offload_host(planes, host_layout, starts, lengths, views, first_page) -> No
     for start, length in zip(starts.tolist(), lengths.tolist()):
         for name, view in views.items():
             run = sources[name][(slice(None),) * axis + (slice(start, start + length),)]
-            view[logical : logical + length] = np.moveaxis(run, axis, 0)
+            copy_blocks(view[logical : logical + length], np.moveaxis(run, axis, 0))
         logical += length
 
 
@@ -409,7 +410,7 @@ def _restore_host(planes, host_layout, chunks, views, first_page) -> dict:
         for name, v in views.items():
             run = np.moveaxis(v[lo : lo + chunk.pages], 0, axis)
             staged = ring[slot][name][: run.size].reshape(run.shape)
-            np.copyto(staged, run)
+            copy_blocks(staged, run)
             blocks[name] = staged
         planes, tokens[slot] = _scatter_words(planes, _starts(chunk), blocks, axis=axis, n=chunk.length)
     return planes

@@ -8,12 +8,15 @@
   physical IDs.  The copies themselves (:func:`~ninfer_kv.device.host_transfer.offload_pages`,
   :func:`~ninfer_kv.device.host_transfer.restore_pages`) are device work: they live in the device
   layer (also importable as ``ninfer_kv.host.transfer``).
+* :func:`copy_blocks` — ``dst[...] = src`` (or a gather along the first axis) for page data, with
+  streaming stores over the FFI library's threads when it is built, else numpy.
 
 The package is host-only: importing it imports no JAX (the arena stages through JAX only when a
 transfer runs).
 """
 
 from .arena import HostKVArena, select_memory_kind
+from .block_copy import copy_blocks
 from .extent_allocator import (
     ExtentAllocationError,
     ExtentAllocator,
@@ -30,6 +33,7 @@ from .runs import TransferChunk, check_page_ids, coalesce_runs, split_runs
 __all__ = [
     "HostKVArena",
     "select_memory_kind",
+    "copy_blocks",
     "ExtentAllocator",
     "ExtentAllocationError",
     "ExtentOccupancy",

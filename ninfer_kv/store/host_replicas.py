@@ -55,6 +55,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..host import ExtentAllocationError, HostExtent, HostKVArena, StaleExtentError, TransferReport, host_layout_of
+from ..host.block_copy import copy_blocks
 from ..host.runs import coalesce_runs
 from ..kinds import PoolKind
 from ..errors import (
@@ -527,9 +528,8 @@ class HostTier:
                 src = source[name]
                 if src.dtype != view.dtype:
                     src = src.view(view.dtype)
-                # page by page: each page's layers are contiguous blocks of the plane, read in order
-                for i, page in enumerate(job.ids.tolist()):
-                    view[i] = src[:, page] if axis == 1 else src[:, :, page]
+                # one gather of the plan's pages (in their logical order) along the plane's page axis
+                copy_blocks(view[: job.ids.size], np.moveaxis(src, axis, 0), job.ids)
             planes[job.kind] = views
         request = plan.request
         return OffloadPayload(request.store, request.token, np.asarray(serial, np.int32), request.pages, planes)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..geometry import PAGE_SIZE
 from ..host.arena import aligned_empty
+from ..host.block_copy import copy_blocks
 from ..layout import word_dtype
 from .buckets import bucket, ladder
 
@@ -163,10 +164,7 @@ class PageWrites:
         for name, out in rows.items():
             src = pages[name]
             src = src.view(out.dtype) if src.dtype != out.dtype else src
-            if index is None:
-                out[...] = src[:n]
-            else:
-                np.take(src, np.asarray(index, np.int64), axis=0, out=out)
+            copy_blocks(out, src[:n] if index is None else src, index)
         first = self._staged
         self._staged += n
         for i, dst in enumerate(dst_ids.tolist()):

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from ninfer_kv import ffi_ops
+from ninfer_kv import ffi_library, ffi_ops
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,8 +29,8 @@ def test_library_is_built_and_loaded():
 
 
 def test_missing_library_gives_rebuild_instructions(monkeypatch, tmp_path):
-    lib = ffi_ops._Library()
-    monkeypatch.setattr(ffi_ops, "_candidates", lambda: [tmp_path / ffi_ops.LIBRARY_NAME])
+    lib = ffi_library.Library()
+    monkeypatch.setattr(ffi_library, "_candidates", lambda: [tmp_path / ffi_ops.LIBRARY_NAME])
     lib.load()
     assert lib.lib is None
     assert "pip install -e ." in lib.error and "pip install ." in lib.error
@@ -50,8 +50,8 @@ def test_a_library_that_is_not_ours_is_skipped(monkeypatch, tmp_path):
         pytest.skip("_ctypes is built into this interpreter")
     fake = tmp_path / ffi_ops.LIBRARY_NAME
     fake.symlink_to(_ctypes.__file__)
-    lib = ffi_ops._Library()
-    monkeypatch.setattr(ffi_ops, "_candidates", lambda: [fake])
+    lib = ffi_library.Library()
+    monkeypatch.setattr(ffi_library, "_candidates", lambda: [fake])
     lib.load()
     assert lib.lib is None and "NinferKvFfiAbiVersion" in lib.error
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_kv import ffi_ops
+from ninfer_kv import ffi_library, ffi_ops
 from ninfer_kv.ops import dispatch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,9 +89,9 @@ def test_good_path_is_used():
     assert res["auto"] == {"ok": "ffi"} and res["ffi"] == {"ok": "ffi"} and "ok" in res["op"]
 
 
-def _load_with(monkeypatch, value: str) -> ffi_ops._Library:
+def _load_with(monkeypatch, value: str) -> ffi_library.Library:
     monkeypatch.setenv(ffi_ops.LIBRARY_ENV, value)
-    lib = ffi_ops._Library()
+    lib = ffi_library.Library()
     lib.load()
     return lib
 
@@ -110,7 +110,7 @@ def test_every_reason_names_the_path(monkeypatch, tmp_path):
     assert f"missing.so (resolved: {tmp_path / 'missing.so'}): not found" in lib.error
     # an empty variable is unset: the usual search runs
     monkeypatch.setenv(ffi_ops.LIBRARY_ENV, "")
-    assert ffi_ops._explicit_path() is None and len(ffi_ops._candidates()) >= 1
+    assert ffi_library._explicit_path() is None and len(ffi_library._candidates()) >= 1
 
 
 def test_auto_raises_instead_of_falling_back(monkeypatch, tmp_path):

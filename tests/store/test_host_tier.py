@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import KVProfile, ops
+from ninfer_kv import KVProfile, ffi_library, ops
+from ninfer_kv.host import block_copy
 from ninfer_kv.host import HostKVArena, InvalidPlanError, coalesce_runs, host_layout_of
 from ninfer_kv.planning import PoolKind
 from ninfer_kv.store import (
@@ -104,9 +105,23 @@ def _arena_empty(store):
 # -- byte-exact round trips ------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["numpy-copy", "streaming-copy"])
+def host_copy(request, monkeypatch):
+    """The Host tier's copies through numpy, or through the library's streaming block copy even for
+    these small pages (below its size thresholds)."""
+    if request.param == "streaming-copy":
+        if ffi_library.LIBRARY.lib is None:
+            pytest.skip("the FFI library is not built")
+        monkeypatch.setattr(block_copy, "MIN_BYTES", 0)
+        monkeypatch.setattr(block_copy, "MIN_BLOCK_BYTES", 1)
+    else:
+        monkeypatch.setattr(block_copy, "LIBRARY", ffi_library.Library())  # never loaded: numpy
+    return request.param
+
+
 @pytest.mark.parametrize("ids", ["contiguous", "scattered"])
 @pytest.mark.parametrize("profile", list(KVProfile), ids=lambda p: p.value)
-def test_round_trip_through_store_is_byte_exact(profile, ids):
+def test_round_trip_through_store_is_byte_exact(profile, ids, host_copy):
     """Main (page-major, ``profile``) + Draft Full (head-major, BF16): 5 pages with a 44-column tail."""
     plan = tiny_plan("dflash", profile=profile, head_dim=64, pages=16, max_concurrency=4, max_context=512)
     store = KVStore(plan, host_bytes=MiB)
