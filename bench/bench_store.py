@@ -11,7 +11,9 @@ Decode step: one ``paged_append`` of a token per lane over the caller's state.  
 ``apply_work`` in the step (one dispatch per round); "separate publication" first scatters the
 table entries with their own donated jitted dispatch and then runs the step — the shape of the
 store-owned tables before the state moved to the caller; "bare" is that scatter and the step in one
-program over bare arrays (no state, no work record, no order check).  All three run the same
+program over bare arrays (no state, no work record, no order check); "apply, then step" is the
+same state and work as "work inside", applied by ``apply_work_jit`` and then stepped: the two-
+dispatch form of the caller-owned state.  All four run the same
 rounds; whichever runs first after the round's host work pays for cold caches, so they take turns
 at each position and each figure is the mean of its positions' medians.
 
@@ -139,12 +141,19 @@ def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
     def _bare(planes, tables, updates, rows, pos, k, v):
         return _step(planes, _publish(tables, updates), rows, pos, k, v)
 
+    @jax.jit
+    def _after(state, rows, pos, k, v):
+        planes = append(state.planes[MAIN], state.tables[MAIN], rows, pos, k, v)
+        return state.replace(planes={**state.planes, MAIN: planes})
+
     inside = jax.jit(_inside, donate_argnums=(0,))
+    after = jax.jit(_after, donate_argnums=(0,))
     publish = jax.jit(_publish, donate_argnums=(0,))
     step = jax.jit(_step, donate_argnums=(0, 1))
     bare = jax.jit(_bare, donate_argnums=(0, 1))
     handles, rows, c = _lanes(store, lanes, rounds, rng)
     state = apply_work_jit(state, store.take_work())
+    twin = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)  # the "apply, then step" form's
     own = {}  # the separate and bare forms' own planes and tables
     for form in ("separate", "bare"):
         own[form] = ({n: jnp.array(x, copy=True) for n, x in state.planes[MAIN].items()},
@@ -153,7 +162,7 @@ def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
     kv = jnp.asarray(rng.standard_normal((lanes, 1, h_, d_)), jnp.float32)
     # Whichever form runs first after the round's host work pays for cold caches (20-30 us here),
     # so the forms take turns at each position and each figure is the mean of its positions' medians.
-    forms = ("inside", "separate", "bare")
+    forms = ("inside", "separate", "bare", "apply_then_step")
     times = {(f, p): [] for f in forms for p in range(len(forms))}
     for i in range(rounds):
         nxt = c + 1
@@ -161,12 +170,15 @@ def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
         state, work = take_step_work(store, state)
         pos = c.astype(np.int32)
         upd = work.pools[MAIN].tables
-        order = forms[i % 3:] + forms[: i % 3]
+        order = forms[i % len(forms):] + forms[: i % len(forms)]
         for position, form in enumerate(order):
             t0 = time.perf_counter()
             if form == "inside":
                 state = inside(state, work, rows32, pos, kv, kv)
                 jax.block_until_ready(state.sync)
+            elif form == "apply_then_step":
+                twin = after(apply_work_jit(twin, work), rows32, pos, kv, kv)
+                jax.block_until_ready(twin.sync)
             elif form == "separate":
                 planes, tables = own[form]
                 tables = publish(tables, upd)
@@ -265,6 +277,7 @@ def main(argv=None) -> None:
         ("decode step, work applied inside (1 dispatch)", sc["inside_us"]),
         ("decode step + separate table publication (2)", sc["separate_us"]),
         ("decode step, scatter + step as one bare program", sc["bare_us"]),
+        ("decode step after apply_work_jit (2 dispatches, same state)", sc["apply_then_step_us"]),
         ("  work inside, run first after the host work", sc["inside_first_us"]),
         ("  separate, run first after the host work", sc["separate_first_us"]),
         (f"activate: fork {args.max_context - 1}-token ckpt + COW (host)", fk["fork_us"]),
@@ -276,6 +289,7 @@ def main(argv=None) -> None:
         print(f"{name:<50}{us:>11.1f}{us / d:>12.2f}")
     print(f"decode step: separate publication / work inside = {sc['separate_us'] / sc['inside_us']:.2f}x")
     print(f"decode step: separate publication / bare one-program step = {sc['separate_us'] / sc['bare_us']:.2f}x")
+    print(f"decode step: apply_work_jit then step / work inside = {sc['apply_then_step_us'] / sc['inside_us']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ dequantize.cc, quantize.cc), with the compiler flags of ffi/CMakeLists.txt, twic
   cross sysroot (directly on an AArch64 host);
 * natively at the baseline level (the portable code), so that the check itself is known to pass on
   the reference path (at -O1: the library's own tests cover that level at -O3; this keeps the
-  test's wall time down).
+  test's wall time down).  This run is under ``-m slow``; the build is made only when asked for.
 
 It compares the intrinsic hot spots, quantization, decoding and the attention core against the
 scalar codec and a double-precision attention.  In CI (``CI=true``) a missing cross compiler or
@@ -73,31 +73,36 @@ def _targets(tmp: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict[str, dict]:
-    """Both builds, compiled together (up to two compilers at a time)."""
+def built(tmp_path_factory):
+    """``build(name)``: the named build (``"neon"`` or ``"native"``), compiled on first request (up to
+    two compilers at a time), or ``None`` when this host cannot make it."""
     targets = _targets(tmp_path_factory.mktemp("neon_check"))
-    jobs = [(t, src, extra) for src, extra in UNITS for t in targets.values()]
+    done: set = set()
 
     def compile_one(job):
         t, src, extra = job
         obj = t["dir"] / (src.stem + ".o")
         res = subprocess.run([t["cxx"], *COMMON, *t["flags"], *extra, "-c", str(src), "-o", str(obj)],
                              capture_output=True, text=True, timeout=300)
-        return t, obj, res
+        return obj, res
 
-    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
-        results = list(pool.map(compile_one, jobs))
-    for t in targets.values():
-        t["error"] = "".join(f"{obj.name}:\n{res.stderr[-4000:]}" for tt, obj, res in results
-                             if tt is t and res.returncode != 0)
-        if t["error"]:
-            continue
-        exe = t["dir"] / "neon_check"
-        objs = [str(obj) for tt, obj, _ in results if tt is t]
-        res = subprocess.run([t["cxx"], *objs, "-o", str(exe)], capture_output=True, text=True, timeout=120)
-        t["error"] = res.stderr[-4000:] if res.returncode != 0 else ""
-        t["exe"] = exe
-    return targets
+    def build(name: str) -> dict | None:
+        t = targets.get(name)
+        if t is None or name in done:
+            return t
+        with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+            results = list(pool.map(compile_one, [(t, src, extra) for src, extra in UNITS]))
+        t["error"] = "".join(f"{obj.name}:\n{res.stderr[-4000:]}" for obj, res in results if res.returncode != 0)
+        if not t["error"]:
+            exe = t["dir"] / "neon_check"
+            res = subprocess.run([t["cxx"], *(str(obj) for obj, _ in results), "-o", str(exe)], capture_output=True,
+                                 text=True, timeout=120)
+            t["error"] = res.stderr[-4000:] if res.returncode != 0 else ""
+            t["exe"] = exe
+        done.add(name)
+        return t
+
+    return build
 
 
 def _run_check(t: dict) -> str:
@@ -118,14 +123,15 @@ def test_neon_check_runs_under_qemu(request):
             _missing("qemu-aarch64 is not installed (Debian: apt-get install qemu-user)")
         if not (SYSROOT / "lib").is_dir():
             _missing(f"the aarch64 sysroot {SYSROOT} is missing (Debian: apt-get install g++-aarch64-linux-gnu)")
-    built = request.getfixturevalue("built")
-    if "neon" not in built:
+    neon = request.getfixturevalue("built")("neon")
+    if neon is None:
         pytest.skip("no C++ compiler")
-    _run_check(built["neon"])
+    _run_check(neon)
 
 
+@pytest.mark.slow  # the reference run of the check itself; the NEON run above is the default test
 def test_check_passes_on_the_portable_path(request):
-    built = request.getfixturevalue("built")
-    if "native" not in built:
+    native = request.getfixturevalue("built")("native")
+    if native is None:
         pytest.skip("no native C++ compiler, or the host is AArch64 (the NEON test runs natively)")
-    _run_check(built["native"])
+    _run_check(native)
