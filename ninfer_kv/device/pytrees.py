@@ -26,8 +26,8 @@ def _pool_work_flatten(pw: PoolWork):
     payload = pw.payload
     names = tuple(sorted(payload)) if payload else ()
     kids, spec = [], []
-    for x in (pw.tables, pw.copies, pw.restores, *(payload[n] for n in names)):
-        if isinstance(x, np.ndarray) and not x.size:
+    for x in (pw.tables, pw.copies, pw.restores, *map(payload.__getitem__, names)):
+        if type(x) is np.ndarray and not x.size:  # a leaf may be any object (a tracer, a spec)
             spec.append((x.shape, x.dtype))
         else:
             kids.append(x)
