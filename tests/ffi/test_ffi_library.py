@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ninfer_kv import ffi_library, ffi_ops
@@ -85,3 +86,14 @@ def test_source_tree_on_pythonpath_still_finds_the_library():
     res = _import_in_subprocess(REPO, str(REPO))
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("True "), res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("words", [0, 1, 7, 31, 32, 33, 1000, 4099])
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_the_read_probe_sums_every_word_once(words, threads):
+    """The read-bandwidth probe of bench_ffi.py reads every word exactly once, whatever the split."""
+    if not ffi_ops.is_available():
+        pytest.skip(ffi_ops.load_error())
+    rng = np.random.default_rng(words)
+    buf = rng.integers(0, 2**63, size=words, dtype=np.uint64)
+    assert ffi_ops._stream_read(buf, threads) == int(buf.sum(dtype=np.uint64))  # both wrap modulo 2**64
