@@ -16,7 +16,8 @@ the CPU platform:
   measures what they add).
 
 The library ``libninfer_kv_ffi`` is built by ``pip install .`` / ``pip install -e .`` (CMake, see
-``ffi/CMakeLists.txt``) and loaded once, with ctypes, when this module is imported.  When
+``ffi/CMakeLists.txt``) and loaded once, with ctypes, by :mod:`ninfer_kv.ffi_library` (which imports no
+JAX; this module registers the handlers with JAX when it is imported).  When
 ``$NINFER_KV_FFI_LIBRARY`` is set (and not empty) it is the only path tried; otherwise the library
 is looked for, in order, at:
 
