@@ -19,6 +19,8 @@ using HandlerFn = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
 // The products a level's attention uses for codecs (k, v) at head dim d: scores | values << 8, each
 // an Arithmetic (attention_core.h: 0 float32, 1 int8x2).
 using ArithmeticFn = int32_t (*)(int32_t k_codec, int32_t v_codec, int32_t head_dim);
+// The sum of words [lo, hi) of w, read once with the level's vector loads (the read-bandwidth probe).
+using ReadWordsFn = uint64_t (*)(const uint64_t* w, int64_t lo, int64_t hi);
 
 // CPU features a level's code may use (bit i = Feature(i)); names in dispatch.cc.
 enum Feature : uint64_t {
@@ -53,6 +55,7 @@ struct KernelTable {
   uint64_t features;      // Feature bits the level's code may use
   HandlerFn paged_append, paged_attention, cyclic_append, cyclic_attention;
   ArithmeticFn arithmetic;
+  ReadWordsFn read_words;
 };
 
 // The CPU features a translation unit is compiled to use, from the predefined macros.
