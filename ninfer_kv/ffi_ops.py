@@ -57,7 +57,6 @@ planes updates each element's planes separately.
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -112,32 +111,22 @@ TARGETS = {
 _CODEC_ID = {codec: codec.spec.ffi_id for codec in KVCodec}  # the codec spec table (CODEC_SPECS)
 
 _LIBRARY = ffi_library.LIBRARY
-_REGISTERED: set[int] = set()  # ids of the Library objects whose targets are registered
-_REGISTER_LOCK = threading.Lock()
 
 
 def _register(library: ffi_library.Library) -> None:
-    """Register the handlers of a loaded library for the CPU platform (once); a failure makes the
-    library unusable and says why."""
-    with _REGISTER_LOCK:
-        if library.lib is None or id(library) in _REGISTERED:
-            return
-        try:
-            for target, symbol in TARGETS.items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library.lib, symbol)), platform="cpu")
-        except Exception as e:  # registration failure makes the library unusable
-            library.lib = None
-            library.error = f"registering the ninfer_kv FFI targets from {library.path} failed: {e}; {REBUILD_HINT}"
-            return
-        _REGISTERED.add(id(library))
+    """Register the handlers of the loaded library for the CPU platform (once, on import); a failure
+    makes the library unusable and says why."""
+    if library.lib is None:
+        return
+    try:
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library.lib, symbol)), platform="cpu")
+    except Exception as e:  # registration failure makes the library unusable
+        library.lib = None
+        library.error = f"registering the ninfer_kv FFI targets from {library.path} failed: {e}; {REBUILD_HINT}"
 
 
 _register(_LIBRARY)
-
-
-def _check_explicit_path() -> None:
-    if _LIBRARY.path_error is not None:
-        raise FFILibraryPathError(_LIBRARY.path_error)
 
 
 def is_available() -> bool:
@@ -146,7 +135,8 @@ def is_available() -> bool:
     Raises :class:`FFILibraryPathError` when ``$NINFER_KV_FFI_LIBRARY`` names a file that did not
     load (the variable is a request for that file, so "unavailable" would hide the mistake).
     """
-    _check_explicit_path()
+    if _LIBRARY.path_error is not None:
+        raise FFILibraryPathError(_LIBRARY.path_error)
     return _LIBRARY.lib is not None
 
 

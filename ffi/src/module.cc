@@ -9,7 +9,6 @@
 #include "thread_pool.h"
 #include "xla/ffi/api/c_api.h"
 
-
 namespace {
 
 // The error a handler returns when no level could be selected (the Python side refuses to

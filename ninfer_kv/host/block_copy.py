@@ -112,6 +112,4 @@ def _stream(lib, dst: np.ndarray, src: np.ndarray, index: np.ndarray | None) -> 
         block,
         0,
     )
-    if rc != 0:  # arguments the library refuses: nothing was copied
-        return False
-    return True
+    return rc == 0  # arguments the library refuses: nothing was copied

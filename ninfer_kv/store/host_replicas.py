@@ -524,12 +524,8 @@ class HostTier:
             views = job.table.layout.page_planes(self.arena.view(job.extent))
             axis = job.table.layout.layout.order.page_axis
             source = {name: np.asarray(x) for name, x in planes_of(job.kind).items()}
-            for name, view in views.items():
-                src = source[name]
-                if src.dtype != view.dtype:
-                    src = src.view(view.dtype)
-                # one gather of the plan's pages (in their logical order) along the plane's page axis
-                copy_blocks(view[: job.ids.size], np.moveaxis(src, axis, 0), job.ids)
+            for name, view in views.items():  # one gather of the plan's pages (logical order), as bytes
+                copy_blocks(view[: job.ids.size], np.moveaxis(source[name], axis, 0), job.ids)
             planes[job.kind] = views
         request = plan.request
         return OffloadPayload(request.store, request.token, np.asarray(serial, np.int32), request.pages, planes)

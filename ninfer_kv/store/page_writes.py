@@ -162,8 +162,7 @@ class PageWrites:
             return
         rows = self._payload_rows(n)
         for name, out in rows.items():
-            src = pages[name]
-            src = src.view(out.dtype) if src.dtype != out.dtype else src
+            src = pages[name]  # any dtype of the plane's item size: copy_blocks copies bytes
             copy_blocks(out, src[:n] if index is None else src, index)
         first = self._staged
         self._staged += n
