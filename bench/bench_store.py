@@ -3,7 +3,8 @@ step that applies the round work inside it versus a separate table publication.
 
 Decode rounds over C = 256 lanes (P = 64, mixed context lengths, so ~1/64 of the lanes cross a page
 boundary per round): the median host time of ``map_rows`` + ``commit_rows`` (the bookkeeping of one
-round) and of ``take_step_work`` (the round work: table entries in a fixed-shape buffer), each as a
+round) and of ``take_step_work`` (the round work: table entries in a fixed-shape buffer; of it, the
+slip checks it adds: the state live, no work pending, and the work-pending mark set), each as a
 ratio to the dispatch time of a trivial jitted function measured in the same rounds (each round
 also dispatches it; the back-to-back figure, which a CPU client serves faster, is shown too).
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from ninfer_kv import ops
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache
+from ninfer_kv.device.work import _check_step_state
 from ninfer_kv.store import KVStore, apply_work, apply_work_jit, take_step_work
 from ninfer_kv.views import PagedKVBatchLayerView
 
@@ -83,7 +85,7 @@ def decode_rounds(store: KVStore, state, lanes: int, rounds: int, rng):
     state = apply_work_jit(state, store.take_work())
     trivial = jax.jit(lambda x: x + 1)
     x = trivial(jnp.zeros((8,), jnp.int32))
-    book, take, disp, crossings = [], [], [], []
+    book, take, disp, checks, crossings = [], [], [], [], []
     for _ in range(rounds):
         nxt = c + 1
         t0 = time.perf_counter()
@@ -95,9 +97,14 @@ def decode_rounds(store: KVStore, state, lanes: int, rounds: int, rng):
         x = trivial(x)
         t3 = time.perf_counter()
         state = apply_work_jit(state, work)
+        t4 = time.perf_counter()
+        _check_step_state(state)  # what take_step_work adds to catch slips, on an unmarked state
+        state.replace(work_pending=True)
+        t5 = time.perf_counter()
         book.append(t1 - t0)
         take.append(t2 - t1)
         disp.append(t3 - t2)
+        checks.append(t5 - t4)
         crossings.append(new_pages)
         c = nxt
     jax.block_until_ready((state, x))
@@ -108,6 +115,7 @@ def decode_rounds(store: KVStore, state, lanes: int, rounds: int, rng):
         "book_us": _median_us(book),
         "book_p90_us": float(np.percentile(book, 90) * 1e6),
         "take_us": _median_us(take),
+        "checks_us": _median_us(checks),
         "dispatch_us": _median_us(disp),
         "crossings": float(np.mean(crossings)),
     }
@@ -274,6 +282,7 @@ def main(argv=None) -> None:
         ("decode round bookkeeping (map_rows+commit_rows)", r["book_us"]),
         ("  p90", r["book_p90_us"]),
         ("decode round take_step_work (host)", r["take_us"]),
+        ("  of which the slip checks and the pending mark", r["checks_us"]),
         ("decode step, work applied inside (1 dispatch)", sc["inside_us"]),
         ("decode step + separate table publication (2)", sc["separate_us"]),
         ("decode step, scatter + step as one bare program", sc["bare_us"]),

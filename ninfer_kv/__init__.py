@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover  (the same names, for type checkers and re
     from .device import KVDeviceState, KVMesh, apply_work, apply_work_jit, gather_pages, resync, take_step_work
     from .work import OffloadPayload, PendingWork, RoundWork, ShardedRoundWork, SyncStatus
     from .step_shapes import StepWorkShapes, step_work_shapes
-    from .errors import DonatedStateError, EntitlementError, HostCapacityError, IncompleteContinuationError, KVStoreError, LifecycleError, LostContentError, PayloadError, PoolCapacityError, RowError, StaleHandleError, StaleReplicaError, TargetError, WorkOrderError
+    from .errors import DonatedStateError, EntitlementError, HostCapacityError, IncompleteContinuationError, KVStoreError, LifecycleError, LostContentError, PayloadError, PendingWorkError, PoolCapacityError, RowError, StaleHandleError, StaleReplicaError, TargetError, WorkOrderError
     from .mesh_spec import MeshSpec
     from .store.sharded import CrossShardError, ShardedCheckpoint, ShardedKVStore, ShardedSequence
     from .device.sharded_ops import sharded_apply_work, sharded_gather_pages, sharded_paged_append, sharded_paged_attention
@@ -103,6 +103,7 @@ _LAZY = {
     "RowError": "errors",
     "WorkOrderError": "errors",
     "DonatedStateError": "errors",
+    "PendingWorkError": "errors",
     "LostContentError": "errors",
     "PayloadError": "errors",
     "TargetError": "errors",
@@ -182,6 +183,7 @@ __all__ = [
     "RowError",
     "WorkOrderError",
     "DonatedStateError",
+    "PendingWorkError",
     "LostContentError",
     "PayloadError",
     "TargetError",

@@ -18,6 +18,7 @@ __all__ = [
     "StaleReplicaError",
     "RowError",
     "WorkOrderError",
+    "PendingWorkError",
     "DonatedStateError",
     "LostContentError",
     "PayloadError",
@@ -81,6 +82,13 @@ class InvariantError(KVStoreError, AssertionError):
 class WorkOrderError(KVStoreError):
     """A device state did not receive the store's round works in order (one was skipped or applied
     twice), or it was poisoned by such a mismatch inside a jitted step."""
+
+
+class PendingWorkError(WorkOrderError):
+    """A step read the planes or block tables of a :class:`~ninfer_kv.KVDeviceState` whose round work
+    (taken with :func:`~ninfer_kv.take_step_work`) it had not applied, or a new work was taken for such
+    a state; raised on the host or at trace time, before anything runs.  Apply the work first:
+    ``state = apply_work(state, work)`` inside the step."""
 
 
 class DonatedStateError(KVStoreError, ValueError):

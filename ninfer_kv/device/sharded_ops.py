@@ -57,6 +57,8 @@ def sharded_apply_work(kv_mesh: KVMesh, state: KVDeviceState, work: ShardedRound
     (table rows, COW copies, Host restores) to its own pages, per device, inside ``shard_map``."""
     if not isinstance(work, ShardedRoundWork):
         raise TypeError(f"work must be a ShardedRoundWork, got {type(work).__name__}")
+    if state.work_pending:  # the work is applied here: the mark is cleared
+        state = state.replace(work_pending=False)
     state_specs = kv_mesh.state_specs(state)
     leaves, treedef = jax.tree_util.tree_flatten(work)
     leaf_specs = work.leaf_specs(kv_mesh)

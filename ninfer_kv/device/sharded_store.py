@@ -21,7 +21,7 @@ from ..errors import LifecycleError
 from ..work import OffloadPayload
 from .sharded_ops import sharded_apply_work, sharded_gather_pages
 from .state import KVDeviceState
-from .work import _shapes
+from .work import _shapes, _check_step_state
 
 __all__ = ["allocate_sharded_state", "apply_sharded_work_alone", "take_sharded_step_work", "gather_sharded_offload"]
 
@@ -58,6 +58,8 @@ def apply_sharded_work_alone(store, state: KVDeviceState, work) -> KVDeviceState
     if program is None:
         program = jax.jit(lambda s, w: sharded_apply_work(mesh, s, w), donate_argnums=0)
         _APPLY_ALONE[store] = program
+    if state.work_pending:  # the mark cleared on the host: one program with or without it
+        state = state.replace(work_pending=False)
     return program(state, work.device_put(mesh))
 
 
@@ -67,12 +69,13 @@ def take_sharded_step_work(store, state: KVDeviceState, shapes=None):
     alone first, and the step gets the next, empty, take.  ``shapes`` as
     :func:`~ninfer_kv.device.work.take_step_work` (of one shard)."""
     mesh = _mesh_of(store)
+    _check_step_state(state)
     shapes = _shapes(store.shards[0], shapes)
     work = store.take_work()
     if not work.fits(*shapes.step):
         state = apply_sharded_work_alone(store, state, work.pad_to(*shapes.alone_shape(work.counts().values())))
         work = store.take_work()
-    return state, work.pad_to(*shapes.step).device_put(mesh)
+    return state.replace(work_pending=True), work.pad_to(*shapes.step).device_put(mesh)
 
 
 def gather_sharded_offload(store, shard: int, plan, state: KVDeviceState) -> OffloadPayload:

@@ -35,6 +35,13 @@ A state whose buffers were donated to a jitted step (or deleted) cannot be used 
 it (any ``jax.jit`` call, ``jax.tree`` function or ``apply_work``) raises
 :class:`~ninfer_kv.errors.DonatedStateError`, which names the fix: use the state the step
 returned.
+
+A state returned by :func:`~ninfer_kv.take_step_work` carries a static **work-pending mark**
+(:attr:`KVDeviceState.work_pending`, part of the pytree's structure, so it costs no device work
+and survives the ``jit`` boundary): its planes and block tables do not yet hold the work just
+taken.  Reading :attr:`~KVDeviceState.planes` or :attr:`~KVDeviceState.tables` of a marked
+state raises :class:`~ninfer_kv.errors.PendingWorkError` naming ``apply_work`` — inside a step
+that is at trace time, before anything runs.  :func:`~ninfer_kv.apply_work` clears the mark.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import DonatedStateError
+from ..errors import DonatedStateError, PendingWorkError
 from ..geometry import SENTINEL_PAGE
 from ..kinds import PoolKind
 from ..work import BLANK, POISONED, SyncStatus
@@ -77,7 +84,6 @@ def sync_record(serial: int, fault=_HEALTHY, owner: int = 0) -> np.ndarray:
     return np.array([int(serial), *(int(f) for f in np.asarray(fault).reshape(3)), int(owner)], np.int32)
 
 
-@dataclasses.dataclass(frozen=True, init=False)
 class KVDeviceState:
     """Device planes and block tables of every pool, plus the order record: the applied-work
     serial, the fault record and the owning store in one ``int32 (5,)`` array (:attr:`sync`; read
@@ -88,25 +94,59 @@ class KVDeviceState:
     :meth:`replace_planes`).  Built by hand it takes ``sync``, or ``serial`` with ``fault``
     (default the healthy ``(-1, -1, -1)``) and ``owner`` (default 0: bound to the store of the
     first work applied in order).
+
+    Immutable: :meth:`replace` and :meth:`replace_planes` return new states.
+
+    Attributes:
+      planes: ``{PoolKind: {plane name: stacked plane}}`` (raises :class:`PendingWorkError` while
+        :attr:`work_pending`).
+      tables: ``{PoolKind: int32 (C, L)}`` block-table matrices (same rule).
+      sync: the ``int32 (5,)`` order record.
+      page_axes: static ``((PoolKind, page axis), ...)``.
+      work_pending: static; ``True`` on the state :func:`~ninfer_kv.take_step_work` returns, until
+        :func:`~ninfer_kv.apply_work` applies the work taken with it.
     """
 
-    planes: dict
-    tables: dict
-    sync: Any
-    page_axes: tuple = ()
+    __slots__ = ("_planes", "_tables", "sync", "page_axes", "work_pending")
 
     def __init__(self, planes: dict, tables: dict, serial=None, page_axes: tuple = (), fault=None, owner=None, *,
-                 sync=None):
+                 sync=None, work_pending: bool = False):
         if sync is None:
             if serial is None:
                 raise TypeError("KVDeviceState needs sync (the int32 (5,) order record) or serial")
             sync = _record_like(serial, fault, owner)
         elif serial is not None or fault is not None or owner is not None:
             raise TypeError("pass either sync or serial/fault/owner, not both")
-        object.__setattr__(self, "planes", planes)
-        object.__setattr__(self, "tables", tables)
-        object.__setattr__(self, "sync", sync)
-        object.__setattr__(self, "page_axes", tuple(page_axes))
+        if not isinstance(work_pending, bool):
+            raise TypeError(f"work_pending must be a bool, got {work_pending!r}")
+        _build(self, planes, tables, sync, tuple(page_axes), work_pending)
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: KVDeviceState is immutable "
+                                              f"(use state.replace(...))")
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}: KVDeviceState is immutable")
+
+    def __repr__(self) -> str:
+        pools = ", ".join(k.value for k, _ in self.page_axes) or "none"
+        mark = ", work pending" if self.work_pending else ""
+        return f"KVDeviceState(pools: {pools}; sync={self.sync!r}{mark})"
+
+    # -- planes and tables: readable once the taken work is applied -------------------------------------
+    @property
+    def planes(self) -> dict:
+        """``{PoolKind: {plane name: stacked plane}}``; :class:`PendingWorkError` while :attr:`work_pending`."""
+        if self.work_pending:
+            _raise_pending("planes")
+        return self._planes
+
+    @property
+    def tables(self) -> dict:
+        """``{PoolKind: int32 (C, L)}``; :class:`PendingWorkError` while :attr:`work_pending`."""
+        if self.work_pending:
+            _raise_pending("tables")
+        return self._tables
 
     # -- the order record ----------------------------------------------------------------------------
     @property
@@ -179,11 +219,18 @@ class KVDeviceState:
                     f"pool {kind.value}: plane {name!r} is {tuple(arr.shape)} {arr.dtype}, needs "
                     f"{tuple(old.shape)} {old.dtype}"
                 )
-        return dataclasses.replace(self, planes={**self.planes, kind: dict(planes)})
+        return self.replace(planes={**self.planes, kind: dict(planes)})
 
     def replace(self, **changes) -> "KVDeviceState":
-        """A copy with the given fields replaced (``planes``, ``tables``, ``sync``, ``page_axes``;
-        ``serial``, ``fault`` and ``owner`` rebuild the order record, the parts not named kept)."""
+        """A copy with the given fields replaced (``planes``, ``tables``, ``sync``, ``page_axes``,
+        ``work_pending``; ``serial``, ``fault`` and ``owner`` rebuild the order record, the parts not
+        named kept).  Replacing ``planes`` or ``tables`` of a state whose work is pending raises
+        :class:`PendingWorkError` unless ``work_pending=False`` is passed too (what
+        :func:`~ninfer_kv.apply_work` does)."""
+        if changes.keys() == {"work_pending"} and isinstance(changes["work_pending"], bool):  # the hot path
+            new = object.__new__(KVDeviceState)
+            _build(new, self._planes, self._tables, self.sync, self.page_axes, changes["work_pending"])
+            return new
         parts = {name: changes.pop(name) for name in ("serial", "fault", "owner") if name in changes}
         if parts:
             if "sync" in changes:
@@ -195,7 +242,19 @@ class KVDeviceState:
                     parts.get("serial", self.serial), parts.get("fault", self.fault), parts.get("owner", self.owner),
                     like=self.sync,
                 )
-        return dataclasses.replace(self, **changes)
+        unknown = set(changes) - {"planes", "tables", "sync", "page_axes", "work_pending"}
+        if unknown:
+            raise TypeError(f"KVDeviceState has no field(s) {sorted(unknown)}; fields: planes, tables, sync, "
+                            f"page_axes, work_pending (and serial, fault, owner)")
+        pending = changes.get("work_pending", self.work_pending)
+        if not isinstance(pending, bool):
+            raise TypeError(f"work_pending must be a bool, got {pending!r}")
+        if pending and ("planes" in changes or "tables" in changes):
+            _raise_pending("planes" if "planes" in changes else "tables")
+        new = object.__new__(KVDeviceState)
+        _build(new, changes.get("planes", self._planes), changes.get("tables", self._tables),
+               changes.get("sync", self.sync), tuple(changes.get("page_axes", self.page_axes)), pending)
+        return new
 
     def host_serial(self) -> int:
         """``serial`` as a Python int (a device -> host read: it waits for the state)."""
@@ -240,24 +299,42 @@ def _record_like(serial, fault=None, owner=None, like=None):
     return jnp.asarray(record)
 
 
+_SET = object.__setattr__
+
+
+def _build(state: KVDeviceState, planes, tables, sync, page_axes: tuple, work_pending: bool) -> None:
+    _SET(state, "_planes", planes)
+    _SET(state, "_tables", tables)
+    _SET(state, "sync", sync)
+    _SET(state, "page_axes", page_axes)
+    _SET(state, "work_pending", work_pending)
+
+
+def _raise_pending(what: str):
+    raise PendingWorkError(
+        f"this KVDeviceState's {what} were read before the work taken with it was applied: take_step_work "
+        f"returned it with a pending RoundWork, and its planes and block tables do not hold that work yet "
+        f"(new pages unmapped, COW copies and Host restores missing). Call `state = ninfer_kv.apply_work(state, "
+        f"work)` first inside the step (or `apply_work_jit(state, work)` before it)"
+    )
+
+
 def _flatten_with_keys(state: KVDeviceState):
     check_live(state)
     keys = jax.tree_util.GetAttrKey
-    children = ((keys("planes"), state.planes), (keys("tables"), state.tables), (keys("sync"), state.sync))
-    return children, state.page_axes
+    children = ((keys("planes"), state._planes), (keys("tables"), state._tables), (keys("sync"), state.sync))
+    return children, (state.page_axes, state.work_pending)
 
 
 def _flatten(state: KVDeviceState):
     check_live(state)
-    return (state.planes, state.tables, state.sync), state.page_axes
+    return (state._planes, state._tables, state.sync), (state.page_axes, state.work_pending)
 
 
-def _unflatten(page_axes, children) -> KVDeviceState:
+def _unflatten(aux, children) -> KVDeviceState:
     # not through __init__: a tree of other leaves (None, specs, layouts) keeps every field as given
     state = object.__new__(KVDeviceState)
-    for name, value in zip(("planes", "tables", "sync"), children):
-        object.__setattr__(state, name, value)
-    object.__setattr__(state, "page_axes", page_axes)
+    _build(state, *children, *aux)
     return state
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import PendingWorkError
 from ..geometry import SENTINEL_PAGE
 from ..step_shapes import StepWorkShapes, step_work_shapes
 from ..work import POISONED, GatherRequest, OffloadPayload, RoundWork
@@ -43,17 +44,22 @@ __all__ = [
 ]
 
 
-def _check_pair(state, work) -> None:
+def _check_pair(state, work) -> KVDeviceState:
+    """Check a ``(state, work)`` pair; return the state with its work-pending mark cleared (the work is
+    about to be applied)."""
     if not isinstance(state, KVDeviceState):
         raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
     if not isinstance(work, RoundWork):
         raise TypeError(f"work must be a RoundWork, got {type(work).__name__}")
     check_live(state)
+    if state.work_pending:
+        state = state.replace(work_pending=False)
     if set(work.pools) != set(state.planes):
         raise ValueError(
             f"the work names pools {sorted(k.value for k in work.pools)}, the state holds "
             f"{sorted(k.value for k in state.planes)}"
         )
+    return state
 
 
 def _in_order(serial, owner, work_serial, work_store) -> jax.Array:
@@ -99,8 +105,11 @@ def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     (:func:`~ninfer_kv.ffi_ops.apply_tables`, and :func:`~ninfer_kv.ffi_ops.write_pages` for a
     pool with page writes), which touch only the entries and pages the work names; elsewhere by
     :func:`apply_work_reference`.  Both give the same bits.
+
+    Clears the state's work-pending mark (:attr:`KVDeviceState.work_pending`), so the planes and
+    tables of the state it returns can be read.
     """
-    _check_pair(state, work)
+    state = _check_pair(state, work)
     if not _ffi_lowering():
         return apply_work_reference(state, work)
     return jax.lax.platform_dependent(state, work, cpu=_apply_work_ffi, default=apply_work_reference)
@@ -137,7 +146,7 @@ def apply_work_reference(state: KVDeviceState, work: RoundWork) -> KVDeviceState
         if restores.shape[1]:
             restores = _gate(restores, 1, ok)
         planes[kind] = write_pages(state.planes[kind], copies, restores, pw.payload, state.page_axis(kind))
-    return dataclasses.replace(state, planes=planes, tables=tables, sync=new_sync)
+    return state.replace(planes=planes, tables=tables, sync=new_sync)
 
 
 def _apply_work_ffi(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
@@ -157,7 +166,7 @@ def _apply_work_ffi(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
                 state.sync, work.stamp, state.planes[kind], pw.copies, pw.restores, pw.payload,
                 page_axis=state.page_axis(kind),
             )
-    return dataclasses.replace(state, planes=planes, tables=dict(zip(kinds, tables)), sync=sync)
+    return state.replace(planes=planes, tables=dict(zip(kinds, tables)), sync=sync)
 
 
 @functools.cache
@@ -184,7 +193,7 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     (:func:`~ninfer_kv.page_copy.write_pages_donated`, which write nothing when the work is out of
     order), then the table updates and the serial as one program.  Same result either way.
     """
-    _check_pair(state, work)
+    state = _check_pair(state, work)  # the mark cleared on the host: one program with or without it
     writes = [k for k, p in work.pools.items() if p.copies.shape[1] or p.restores.shape[1]]
     if not writes or not any(cpu_float(state.planes[k]) for k in writes) or _ffi_lowering():
         return _apply_work_jit(state, work)
@@ -195,7 +204,7 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
         planes[kind] = write_pages_donated(
             planes[kind], pw.copies, pw.restores, pw.payload, state.page_axis(kind), enabled=ok
         )
-    state = dataclasses.replace(state, planes=planes)
+    state = state.replace(planes=planes)
     return _apply_work_jit(state, work.without_page_writes())
 
 
@@ -277,13 +286,38 @@ def take_step_work(store, state: KVDeviceState, shapes: "StepWorkShapes | tuple[
     rows) is padded to the smallest alone shape that holds it and applied first
     (:func:`apply_work_jit`, the returned ``state``), and the step gets the next, empty, take.  So
     the loop compiles at most ``shapes.programs`` work-applying programs, whatever the rounds did.
+
+    The returned state carries the work-pending mark (:attr:`KVDeviceState.work_pending`): a step
+    that reads its planes or tables before ``apply_work(state, work)`` fails when it is traced, with
+    :class:`~ninfer_kv.errors.PendingWorkError`.
+
+    Raises (before anything is taken from the store):
+      DonatedStateError: ``state`` was donated to a jitted step or deleted (use the state it returned).
+      PendingWorkError: ``state`` still carries the mark of an earlier take whose work was never
+        applied (apply that work first, or :func:`resync`).
     """
+    _check_step_state(state)
     shapes = _shapes(store, shapes)
     work = store.take_work()
     if not work.fits(*shapes.step):
         state = apply_work_jit(state, work.pad_to(*shapes.alone_shape(work.counts().values())))
         work = store.take_work()
-    return state, work.pad_to(*shapes.step)
+    return state.replace(work_pending=True), work.pad_to(*shapes.step)
+
+
+def _check_step_state(state) -> None:
+    """What :func:`take_step_work` checks of the state before taking a work: a live
+    :class:`KVDeviceState` whose last taken work was applied (no work-pending mark)."""
+    if not isinstance(state, KVDeviceState):
+        raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
+    check_live(state)
+    if state.work_pending:
+        raise PendingWorkError(
+            "this KVDeviceState still carries the work-pending mark of an earlier take_step_work: the work "
+            "taken with it was never applied, so taking another would skip it. Apply it (`state = "
+            "ninfer_kv.apply_work(state, work)` inside the step, or `ninfer_kv.apply_work_jit(state, work)`) and "
+            "use the state that returns; a work that was lost can be repaired with ninfer_kv.resync(store, state)"
+        )
 
 
 _DEFAULT_SHAPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -104,7 +104,8 @@ class MeshSteps:
             def check_state(params, state, work, *args):
                 if not isinstance(state, KVDeviceState):
                     raise TypeError(f"{name}: state must be a KVDeviceState, got {type(state).__name__}")
-                check(params, state.pool_planes(MAIN), state.table(MAIN), *args)
+                shaped = state.replace(work_pending=False)  # shapes and dtypes: the same before and after the work
+                check(params, shaped.pool_planes(MAIN), shaped.table(MAIN), *args)
 
             return check_state
 

@@ -500,7 +500,8 @@ def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable) -> Cou
     def check_state(params, state, work, *args):
         if not isinstance(state, KVDeviceState):
             raise TypeError(f"{name}: state must be a KVDeviceState, got {type(state).__name__}")
-        check(params, state.pool_planes(pool), state.table(pool), *args)
+        shaped = state.replace(work_pending=False)  # shapes and dtypes: the same before and after the work
+        check(params, shaped.pool_planes(pool), shaped.table(pool), *args)
 
     return CountedStep(f"{name}_state", body, check_state, donate_argnums=STATE_DONATED_ARGNUMS)
 
