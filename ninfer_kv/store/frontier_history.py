@@ -21,7 +21,7 @@ This table keeps, per pool:
 
 Frontiers only grow between truncations; a truncation lowers the row's ring column to the new
 frontier.  Beyond the window nothing is known and :meth:`intact` answers 0 (conservative: a repair
-then treats that content as lost).  Every method is O(rows) or O(window); :meth:`record_take`
+then restores that content from a valid Host replica where one exists, and treats the rest as lost).  Every method is O(rows) or O(window); :meth:`record_take`
 runs once per take.
 """
 

@@ -213,6 +213,11 @@ class LogicalPageTable(ColumnTable):
         self.fill_src_gen[slots] = src_gen
         self.fill_cols[slots] = columns
 
+    def defer_fills(self, work: int) -> None:
+        """Page writes recorded for work ``work`` (or later) ride work ``work + 1`` instead: a repair
+        work was taken first and left them pending."""
+        self.fill_work[self.fill_work >= work] = work + 1
+
     def pin(self, slots: np.ndarray) -> None:
         """One transaction pin more on each page (a copy in flight reads or writes it)."""
         self.pins[slots] += 1

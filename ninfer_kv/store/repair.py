@@ -8,10 +8,15 @@ step).  :func:`~ninfer_kv.resync` repairs any of them without rebuilding the sto
 
 1. the state's ``(serial, fault)`` says how far it got: the works it applied in order and so the
    epochs whose commits it holds (:func:`dated_epoch`);
-2. every pool rates each Device page by the columns the state still holds correctly, replays the
-   page writes it missed whose source still exists (a Host replica still held, or a COW source
-   page still live) and reports the address spaces whose committed content it cannot restore
-   (:meth:`~ninfer_kv.store.runtime.PoolRuntime.plan_resync`);
+2. every pool rates each page by the columns that are correct once the repair is applied, replays
+   the page writes the state missed whose source still exists (a Host replica still held, or a
+   COW source page still live, read on the device or from its Host replica) and reports the
+   address spaces whose committed content no source can restore
+   (:meth:`~ninfer_kv.store.runtime.PoolRuntime.plan_resync`).  A Device page holds what the
+   dating gives it, all of it once restored from a Host replica; a Host-only page holds what its
+   Host replica holds (nothing on the device to repair: an activation restores it); a COW
+   destination replayed in full holds the copied columns and, beyond them, what the dating gives
+   it;
 3. the sequences and checkpoints holding such spaces are **quarantined** (never silently served:
    their rows are inert on the device, every verb refuses them with
    :class:`~ninfer_kv.store.errors.LostContentError` except ``finish(retain=False)``,

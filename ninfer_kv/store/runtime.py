@@ -70,7 +70,10 @@ class PoolRuntime:
 
     def take_work(self, writes: PageWrites | None = None) -> PoolWork:
         """This pool's part of the next round work: the dirty table entries and the pending page
-        writes (or ``writes`` instead, leaving the pending ones for the next take); dates the take."""
+        writes (or ``writes`` instead, leaving the pending ones for the next take, which their pages'
+        fill records then name); dates the take."""
+        if writes is not None:
+            self.pages.defer_fills(self.epoch)
         copies, restores, payload = (self.writes if writes is None else writes).take()
         work = PoolWork(tables=self.table.take(), copies=copies, restores=restores, payload=payload,
                         pad_row=self.rows, pad_page=self.pool.capacity)
@@ -502,12 +505,34 @@ class PoolRuntime:
         """What a device state that missed works still holds of this pool, and how to restore the rest.
 
         The state holds the tokens committed in epochs ``<= dated_epoch`` and the page writes of works
-        ``< applied`` (see :mod:`.frontier_history`).  Every Device page is rated by the columns of
-        it the state holds correctly; page writes it missed are replayed into ``replays`` where their
-        source still exists: a Host replica valid for the page's committed columns (any page,
-        whatever it missed), else a partial-tail COW from a live source page (in their original
-        order, so a copy reads a replayed source).  Returns ``{space slot: intact frontier}`` for
-        every live address space whose committed content the device still lacks after the replays.
+        ``< applied`` (see :mod:`.frontier_history`).  Every live page is rated by ``ok``, the columns
+        of it that are correct once the repair work (the page writes recorded into ``replays``) and
+        then the pending page writes (the take after it, see :meth:`take_work`) are applied.  With
+        ``need`` its committed columns and ``dated`` the columns the dating gives it:
+
+        * not on the device (Host-only): the columns its Host replica is valid for (all of them: a
+          Host-only page always has a valid one).  Nothing on the device needs repair; an activation
+          restores it from the Host as usual;
+        * on the device, filled by a work the state missed (``applied <= fill work < taken``): 0;
+          filled by a pending restore: ``need``; otherwise ``dated``;
+        * then each Device page still short of ``need`` and not pending whose Host replica is valid
+          for ``need``: a Host restore is replayed (first: it depends on nothing on the device), ``need``;
+        * then each COW destination whose copy of ``columns`` columns was missed or is pending, in the
+          order the copies were recorded (a copy reads its source as repaired before it).  ``held``:
+          the copied columns that will be correct.  A missed copy is replayed by the repair work
+          from the source's Device page when the source is the same live page (generation), on the
+          device and not awaiting a pending restore: ``held`` is what the source holds (and what
+          the repair work's earlier writes into it cover).  One its source's Device page cannot
+          serve in full is replayed from the source's Host replica instead when that is valid for
+          ``columns`` (a whole-page write): ``columns``.  A pending copy is performed by the next
+          work as recorded, after the repair (:meth:`_pending_copy_held`).  Then ``max(columns,
+          dated)`` when ``held == columns`` (the copy, and beyond it the appends the dating vouches
+          for; it vouches for none a state that missed the copy could hold, so this is ``columns``
+          in any history the dating rule describes), else ``held``.
+
+        An address space is intact up to its first page short of its committed columns.  Returns
+        ``{space slot: intact frontier}`` for every live address space whose committed content no
+        source restores.
         """
         pg, sp, hist = self.pages, self.spaces, self.history
         taken = hist.takes
@@ -530,7 +555,13 @@ class PoolRuntime:
         missed = on_device & (pg.fill_work >= applied) & (pg.fill_work < taken)
         pending = on_device & (pg.fill_work >= taken)
         ok = np.where(missed, 0, dated)
+        host_only = np.flatnonzero(pg.live & (pg.device_page < 0))
+        if host_only.size:  # their Host replica is their content: nothing on the device to repair
+            valid = pg.host_page[host_only] >= 0
+            valid &= pg.host_epoch[host_only] == pg.epoch[host_only]
+            ok[host_only] = np.where(valid, np.minimum(pg.host_coverage[host_only], need[host_only]), 0)
         ok[pending & (pg.fill_src < 0)] = need[pending & (pg.fill_src < 0)]  # the next work restores them
+        wrote: dict[int, int] = {}  # Device page slot -> columns the repair work writes into it
         # Host replicas first: they depend on nothing on the device
         short = np.flatnonzero(on_device & ~pending & (ok < need))
         if short.size and self.host is not None:
@@ -539,18 +570,25 @@ class PoolRuntime:
                 self.host.stage_restores(hosted, pg.device_page[hosted], replays)
                 ok[hosted] = need[hosted]
                 missed[hosted] = False
+                wrote.update(dict.fromkeys(hosted.tolist(), PAGE_SIZE))
         # then the COW copies, in the order they were recorded
         cows = np.flatnonzero((missed | pending) & (pg.fill_src >= 0))
         for d in cows[np.argsort(pg.fill_seq[cows], kind="stable")].tolist():
             src, columns = int(pg.fill_src[d]), int(pg.fill_cols[d])
-            alive = pg.live[src] and pg.generation[src] == pg.fill_src_gen[d] and pg.device_page[src] >= 0
-            held = min(columns, int(ok[src])) if alive else 0
-            if missed[d]:
-                if alive:
+            if pending[d]:  # the next work performs it as recorded, reading what the repair leaves
+                held = self._pending_copy_held(d, columns, ok, pending)
+            else:  # missed: the repair work replays it, reading the source as its earlier writes leave it
+                same = bool(pg.live[src]) and pg.generation[src] == pg.fill_src_gen[d]
+                readable = same and pg.device_page[src] >= 0 and not pending[src]
+                held = min(columns, int(ok[src]), wrote.get(src, PAGE_SIZE)) if readable else 0
+                if same and held < columns and self.host is not None and pg.host_valid(np.array([src]), columns)[0]:
+                    self.host.stage_restores(np.array([src]), pg.device_page[[d]], replays)
+                    ok[d], wrote[d] = columns, PAGE_SIZE
+                    continue
+                if readable:
                     replays.copy(pg.device_page[src], pg.device_page[d], columns)
-                ok[d] = min(int(dated[d]), held)
-            elif held < columns:  # a pending copy of a source the state lacks
-                ok[d] = min(int(ok[d]), held)
+                    wrote[d] = columns
+            ok[d] = max(columns, int(dated[d])) if held == columns else held
         lost = {}
         for s, slots, cols in spaces:
             short = np.flatnonzero(ok[slots] < cols)
@@ -558,6 +596,29 @@ class PoolRuntime:
                 b = int(short[0])
                 lost[s] = b * PAGE_SIZE + int(ok[slots[b]])
         return lost
+
+    def _pending_copy_held(self, d: int, columns: int, ok: np.ndarray, pending: np.ndarray) -> int:
+        """Columns of the pending COW onto page ``d`` that the next work copies correctly, by what it
+        reads (:class:`PageWrites` resolves it to a pre-work source): a staged Host payload holds
+        them; a Device page holds what ``ok`` rates its page — the source, or along a chain of
+        pending copies the page they all read — once the repair work is applied, unless that page
+        awaits a pending write itself (its content before the next work is then unknown: 0)."""
+        pg = self.pages
+        entry = self.writes.writes.get(int(pg.device_page[d]))
+        if entry is None:
+            return 0
+        from_payload, source, cols = entry
+        if from_payload:
+            return min(columns, cols)
+        def same(s: int, gen: int) -> bool:
+            return bool(pg.live[s]) and pg.generation[s] == gen
+
+        s, gen = int(pg.fill_src[d]), int(pg.fill_src_gen[d])
+        while same(s, gen) and pg.device_page[s] != source and pending[s] and pg.fill_src[s] >= 0:
+            s, gen = int(pg.fill_src[s]), int(pg.fill_src_gen[s])
+        if not same(s, gen) or pg.device_page[s] != source or pending[s]:
+            return 0
+        return min(columns, cols, int(ok[s]))
 
     # -- checks ---------------------------------------------------------------------------------------------------
     def check_invariants(self, quarantined: np.ndarray | None = None) -> None:

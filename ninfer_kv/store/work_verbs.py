@@ -41,8 +41,9 @@ class WorkVerbs:
 
         After works were taken the fresh state holds none of their content: it is returned
         *blank* (poisoned: every op over it is dropped) and :func:`~ninfer_kv.resync` brings it in
-        line — restoring what Host replicas hold and quarantining what is gone.  That is the way
-        back from a state lost to a failed donated step."""
+        line — restoring what Host replicas hold (a Host-only checkpoint stays intact) and
+        quarantining what is gone.  That is the way back from a state lost to a failed donated
+        step."""
         device = device if device is not None else self.core.device
         from ..device.state import KVDeviceState  # the one place the store reaches the device layer
 
@@ -126,8 +127,9 @@ class WorkVerbs:
         """The host half of :func:`~ninfer_kv.resync` for a state at ``status``: the work that brings it
         in line (every block table republished, missed page writes replayed; its serial is the
         store's current one, and the state must be reset to it before applying) and the report.
-        Content the device no longer holds is quarantined (see :mod:`~ninfer_kv.store.repair`).
-        Returns ``(None, report)`` when the state is already in line."""
+        Content no source can restore (neither the state, nor a Host replica, nor a replayed copy)
+        is quarantined (see :mod:`~ninfer_kv.store.repair`).  Page writes pending before the repair
+        ride the take after it.  Returns ``(None, report)`` when the state is already in line."""
         taken = self.core.work_serial
         problem = self.sync_problem(status)
         if problem is None:
