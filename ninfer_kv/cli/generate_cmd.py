@@ -11,17 +11,27 @@ prompt is token ids (``"1 2 3"`` or ``"1,2,3"``) and the output streams token id
 at an EOS id (``generation_config.json``, else ``config.json``) or after ``--max-new-tokens``.  A
 summary line (tokens, speed, finish reason) goes to stderr; ``--json`` prints one JSON object instead
 of the stream.  This module only declares arguments; the model code is imported when it runs.
+
+Every number is bounded before anything is allocated (one line naming the flag, the value and the
+limit, exit status 2): ``--max-new-tokens`` and ``--max-context`` by the int32 position ceiling, then
+``--max-context`` by the model's ``max_position_embeddings`` (read from ``config.json`` before the
+weights), the context (``--max-context``, else prompt + ``--max-new-tokens`` clipped to the model's)
+by the memory its KV cache would need.  A ``--model`` that is not a directory is named as such
+before the prompt is read.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
+from ..planning.bounds import MAX_CONTEXT
+from ..units import format_bytes
 from .registry import CommandOutput, register_subcommand
-from .types import POSITIVE_INT, PROFILE, PROFILE_HELP, arg_type, bounded_int
+from .types import PROFILE, PROFILE_HELP, arg_type, bounded_int
 
 __all__ = ["configure", "run", "parse_token_ids"]
 
@@ -80,8 +90,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory (config.json, "
                    "model.safetensors or model.safetensors.index.json, optional tokenizer.json)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt (token ids when DIR has no tokenizer.json)")
-    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                   help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS}; EOS stops earlier)")
+    p.add_argument("--max-new-tokens", type=bounded_int(1, MAX_CONTEXT), default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS}; EOS stops earlier; the "
+                        f"context clips it)")
     p.add_argument("--temperature", type=_float_in("temperature", 0.0, 100.0), default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=_float_in("top-p", 0.0, 1.0, low_open=True), default=1.0, metavar="P",
@@ -93,30 +104,46 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help=f"{PROFILE_HELP} (default bf16)")
     p.add_argument("--dtype", type=_choice("dtype", _DTYPES), default="bfloat16",
                    help="weights and activations: bfloat16 (default) or float32")
-    p.add_argument("--max-context", type=POSITIVE_INT, default=None, metavar="S",
-                   help="tokens per sequence (default: prompt + --max-new-tokens, at most the model's context)")
+    p.add_argument("--max-context", type=bounded_int(1, MAX_CONTEXT), default=None, metavar="S",
+                   help="tokens per sequence, at most the model's max_position_embeddings (default: prompt + "
+                        "--max-new-tokens, at most the model's context)")
     p.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
                    help="op implementation: auto (FFI on CPU, Pallas on GPU; default), ffi, pallas, reference")
 
 
 def run(args: argparse.Namespace) -> CommandOutput | None:
-    """Load the checkpoint, generate, stream the output (or return it for ``--json``)."""
+    """Load the checkpoint, generate, stream the output (or return it for ``--json``).
+
+    Everything the command line names is checked before any allocation: the directory, then
+    ``config.json`` (the model's context bounds ``--max-context``), the prompt against the vocabulary,
+    and the KV cache the context needs against the memory of the device."""
     from ..models.decoder.sampling import SamplingConfig
-    from ..models.generate import PagedGenerator
+    from ..models.generate import PagedGenerator, generator_plan
     from ..models.hf import eos_token_ids, load_checkpoint, load_tokenizer, model_config_from_hf, read_config
 
-    directory = args.model
-    tokenizer = load_tokenizer(directory) if _is_dir(directory) else None
+    directory = _checkpoint_directory(args.model)
+    config, info = model_config_from_hf(read_config(directory), dtype=args.dtype)  # refusals before any weight
+    model_context = min(info.max_position_embeddings, MAX_CONTEXT)
+    if args.max_context is not None and args.max_context > model_context:
+        raise ValueError(f"--max-context {args.max_context} exceeds the model's context: max_position_embeddings="
+                         f"{info.max_position_embeddings} in {directory}/config.json (allowed: at most {model_context})")
+    tokenizer = load_tokenizer(directory)
     prompt = tokenizer.encode(args.prompt) if tokenizer is not None else parse_token_ids(args.prompt)
     if not prompt:
         raise ValueError("--prompt encodes to no tokens")
-    _, info = model_config_from_hf(read_config(directory), dtype=args.dtype)  # refusals before any weight
+    _check_vocabulary(prompt, config.vocab_size)
     context = args.max_context
     if context is None:
-        context = min(len(prompt) + args.max_new_tokens, max(info.max_position_embeddings, len(prompt) + 1))
+        if len(prompt) >= model_context:
+            raise ValueError(f"--prompt has {len(prompt)} tokens; the model's context (max_position_embeddings="
+                             f"{info.max_position_embeddings}) leaves no room to generate (allowed: at most "
+                             f"{model_context - 1} tokens)")
+        context = min(len(prompt) + args.max_new_tokens, model_context)
     if len(prompt) >= context:
         raise ValueError(f"--max-context {context} leaves no room after the prompt's {len(prompt)} tokens "
                          f"(allowed: >= {len(prompt) + 1})")
+    plan = generator_plan(config, profile=args.profile, max_context=context, max_batch=1)
+    _check_memory(plan.device_bytes, context, args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     model = load_checkpoint(directory, dtype=args.dtype, max_context=context)
     stops = eos_token_ids(directory, model.info.eos_token_ids)
@@ -176,10 +203,51 @@ def run(args: argparse.Namespace) -> CommandOutput | None:
     return CommandOutput(data=data, text=text)
 
 
-def _is_dir(path: str) -> bool:
-    import os
+def _checkpoint_directory(path: str) -> str:
+    """``path`` when it is a directory; a ``ValueError`` naming ``--model`` otherwise."""
+    if os.path.isdir(path):
+        return path
+    if not os.path.exists(path):
+        raise ValueError(f"--model {path}: no such directory")
+    kind = "a file" if os.path.isfile(path) else "not a regular file"
+    raise ValueError(f"--model {path}: is {kind}, not a directory (a Hugging Face checkpoint directory with "
+                     f"config.json and the weights)")
 
-    return os.path.isdir(path)
+
+def _check_vocabulary(prompt: list[int], vocab: int) -> None:
+    for i, token in enumerate(prompt):
+        if not 0 <= token < vocab:
+            raise ValueError(f"--prompt token {i}: {token} is outside the vocabulary [0, {vocab}) of the model")
+
+
+def _memory_bytes() -> tuple[int, str] | None:
+    """``(bytes, what)``: the first device's memory limit, or the host's physical memory on a device
+    that reports none (a CPU); ``None`` when neither is known."""
+    import jax
+
+    device = jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"the {device.platform} device holds"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host holds"
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def _check_memory(kv_bytes: int, context: int, args: argparse.Namespace) -> None:
+    """Refuse a context whose KV cache alone exceeds the memory it would be allocated in."""
+    known = _memory_bytes()
+    if known is None or kv_bytes <= known[0]:
+        return
+    limit, where = known
+    flag = (f"--max-context {args.max_context}" if args.max_context is not None
+            else f"--max-new-tokens {args.max_new_tokens} (a context of {context} tokens)")
+    raise ValueError(f"{flag}: the KV cache needs {format_bytes(kv_bytes)} ({args.profile.value}) but "
+                     f"{where} {format_bytes(limit)} in all; lower it")
 
 
 register_subcommand(

@@ -12,28 +12,38 @@ Tokens are chosen inside the steps (:mod:`ninfer_kv.models.decoder.sampling`): g
 argmax, sampled rows fold their sequence's key with the position of the token produced, so a fixed
 seed gives the same tokens whatever the batch and across forks.  A batch whose rows are all greedy
 runs the steps without sampling inputs.
+
+Every verb checks all of its arguments (token ids are integers in ``[0, vocab)``, counts are bounded,
+a fork's source is a held checkpoint of this generator) before it changes anything, and the store's
+own verbs are atomic, so a refused call leaves the generator and its store as they were;
+:meth:`~PagedGenerator.generate` is all or nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Iterable, Sequence
+import weakref
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
 from ..device import KVDeviceState, take_step_work
 from ..geometry import PAGE_SIZE, ceil_div
-from ..planning import ExplicitCapacity, plan_kv_cache
+from ..planning import ExplicitCapacity, KVPlan, plan_kv_cache
 from ..profiles import KVProfile
 from ..store import CheckpointHandle, KVStore, SequenceHandle
 from .decoder.buckets import bucket_for, bucket_ladder, pad_rows
 from .decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig
 from .decoder.sampling import GREEDY, SamplingConfig, sampling_rows
 from .decoder.steps import ModelSteps, make_steps
+from .request_checks import check_callback, check_max_new_tokens, check_sampling, token_ids
 
-__all__ = ["GeneratedSequence", "PagedGenerator", "FINISH_STOP", "FINISH_LENGTH", "generator_buckets"]
+__all__ = [
+    "GeneratedSequence", "PagedGenerator", "FINISH_STOP", "FINISH_LENGTH", "generator_buckets",
+    "generator_plan",
+]
 
 FINISH_STOP = "stop"
 """Finish reason of a sequence that produced one of its stop tokens."""
@@ -44,6 +54,16 @@ FINISH_LENGTH = "length"
 def generator_buckets(max_batch: int) -> tuple[int, ...]:
     """Batch buckets: powers of two below ``max_batch``, then ``max_batch``."""
     return bucket_ladder(max_batch, 2)
+
+
+def generator_plan(
+    config: ModelConfig, *, profile: KVProfile | str, max_context: int, max_batch: int, kv_capacity: int | None = None
+) -> KVPlan:
+    """The store plan of a :class:`PagedGenerator` built with these arguments, without allocating
+    anything (``plan.device_bytes`` is what its KV state will take)."""
+    capacity = kv_capacity if kv_capacity is not None else max_batch * ceil_div(max_context, PAGE_SIZE) * PAGE_SIZE
+    return plan_kv_cache(config.kv_config(profile), max_context=max_context,
+                         max_concurrency=max_batch, policy=ExplicitCapacity(capacity))
 
 
 @dataclasses.dataclass(eq=False)
@@ -140,9 +160,8 @@ class PagedGenerator:
         self.keep_logits = keep_logits
         step_config = StepConfig(model=config, profile=profile, impl=impl, prefill_chunk=prefill_chunk,
                                  batch_buckets=generator_buckets(max_batch))
-        capacity = kv_capacity if kv_capacity is not None else max_batch * ceil_div(max_context, PAGE_SIZE) * PAGE_SIZE
-        plan = plan_kv_cache(config.kv_config(step_config.profile), max_context=max_context,
-                             max_concurrency=max_batch, policy=ExplicitCapacity(capacity))
+        plan = generator_plan(config, profile=step_config.profile, max_context=max_context, max_batch=max_batch,
+                              kv_capacity=kv_capacity)
         self.plan = plan
         self.store = KVStore(plan)
         self.steps: ModelSteps = _shared_steps(step_config)
@@ -150,6 +169,7 @@ class PagedGenerator:
         self.buckets = step_config.batch_buckets
         self.state: KVDeviceState = self.store.allocate_state()
         self.active: list[GeneratedSequence] = []
+        self._sequences: weakref.WeakSet = weakref.WeakSet()  # every sequence this generator started
 
     # -- sequences ---------------------------------------------------------------------------------
     def add(
@@ -165,43 +185,73 @@ class PagedGenerator:
         """Start a sequence; ``source`` forks a finished, retained sequence whose tokens the prompt extends.
 
         The store reserves ``len(prompt) + max_new_tokens`` tokens (at most ``max_context``); the
-        activation fails with the store's error when the pool cannot hold it.
+        activation fails with the store's error when the pool cannot hold it.  Every argument is
+        checked before the store is touched (``TypeError`` / ``ValueError`` naming the argument, the
+        value and what is allowed), so a refused call — by a check or by the store — changes nothing.
         """
-        tokens = [int(t) for t in prompt]
-        if not tokens:
-            raise ValueError("prompt is empty; it must hold at least one token")
-        v = self.config.vocab_size
-        bad = [t for t in tokens if not 0 <= t < v]
-        if bad:
-            raise ValueError(f"prompt token {bad[0]} is outside the vocabulary [0, {v})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
-        if len(tokens) >= self.max_context:
-            raise ValueError(f"the prompt has {len(tokens)} tokens; max_context={self.max_context} leaves no room to "
-                             f"generate (allowed: at most {self.max_context - 1})")
-        if not isinstance(sampling, SamplingConfig):
-            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        budget = min(max_new_tokens, self.max_context - len(tokens))
-        frontier = 0
-        checkpoint = None
-        if source is not None:
-            if source.checkpoint is None:
-                raise ValueError("source has no checkpoint: it must be a finished sequence added with retain=True")
-            base = source.tokens[: len(source.tokens) - 1]
-            if len(tokens) <= len(base) or tokens[: len(base)] != base:
-                raise ValueError(f"a fork's prompt must extend its source's {len(base)} tokens by at least one token")
-            frontier, checkpoint = len(base), source.checkpoint
-        handle = self.store.activate(len(tokens), budget, source=checkpoint)
-        seq = GeneratedSequence(handle, self.store.row(handle), tokens, len(tokens), budget, sampling,
-                                frozenset(int(t) for t in stop_tokens), retain, frontier)
-        self.active.append(seq)
-        return seq
+        request = self._request("prompt", prompt, source)
+        check_max_new_tokens(max_new_tokens)
+        check_sampling("sampling", sampling)
+        stops = self._stop_tokens(stop_tokens)
+        if not isinstance(retain, (bool, np.bool_)):
+            raise TypeError(f"retain={retain!r} is invalid; it must be True or False")
+        return self._start(request, int(max_new_tokens), sampling, stops, bool(retain))
 
     def release(self, seq: GeneratedSequence) -> None:
-        """Release a retained sequence's checkpoint."""
+        """Release a retained sequence's checkpoint (nothing to do once released, or without ``retain``).
+
+        ``seq`` must be a finished sequence of this generator."""
+        self._own("seq", seq)
+        if not seq.done:
+            raise ValueError("seq is still active: only a finished sequence added with retain=True holds a checkpoint")
         if seq.checkpoint is not None:
             self.store.release_checkpoint(seq.checkpoint)
             seq.checkpoint = None
+
+    # -- checks (nothing here changes the generator or the store) ------------------------------------
+    def _own(self, name: str, seq) -> None:
+        if not isinstance(seq, GeneratedSequence):
+            raise TypeError(f"{name} must be a GeneratedSequence of this generator, got {type(seq).__name__}")
+        if seq not in self._sequences:
+            raise ValueError(f"{name} belongs to another generator; only this generator's sequences are accepted")
+
+    def _stop_tokens(self, stop_tokens) -> frozenset:
+        if isinstance(stop_tokens, (int, np.integer)):
+            raise TypeError(f"stop_tokens={stop_tokens!r} is a single token id; pass a list such as [{int(stop_tokens)}]")
+        return frozenset(token_ids("stop_tokens", stop_tokens, self.config.vocab_size))
+
+    def _request(self, name: str, prompt, source) -> "_Request":
+        """The checked prompt tokens and, for a fork, the source's frontier and checkpoint."""
+        tokens = token_ids(name, prompt, self.config.vocab_size)
+        if not tokens:
+            raise ValueError(f"{name} is empty; it must hold at least one token")
+        if len(tokens) >= self.max_context:
+            raise ValueError(f"{name} has {len(tokens)} tokens; max_context={self.max_context} leaves no room to "
+                             f"generate (allowed: at most {self.max_context - 1})")
+        if source is None:
+            return _Request(tokens, 0, None)
+        self._own("source", source)
+        if not source.done or not source.retain:
+            raise ValueError("source must be a finished sequence added with retain=True "
+                             f"({'still active' if not source.done else 'added without retain'})")
+        if source.checkpoint is None or source.checkpoint not in self.store.checkpoints():
+            raise ValueError("source's checkpoint was released; fork only a sequence whose checkpoint is held")
+        base = source.tokens[: len(source.tokens) - 1]
+        if len(tokens) <= len(base) or tokens[: len(base)] != base:
+            raise ValueError(f"a fork's prompt must extend its source's {len(base)} tokens by at least one token")
+        return _Request(tokens, len(base), source.checkpoint)
+
+    def _start(self, request: "_Request", max_new_tokens: int, sampling: SamplingConfig, stops: frozenset,
+               retain: bool) -> GeneratedSequence:
+        """Activate a checked request (the store's activation is atomic: a refusal changes nothing)."""
+        tokens = request.tokens
+        budget = min(max_new_tokens, self.max_context - len(tokens))
+        handle = self.store.activate(len(tokens), budget, source=request.checkpoint)
+        seq = GeneratedSequence(handle, self.store.row(handle), tokens, len(tokens), budget, sampling, stops, retain,
+                                request.frontier)
+        self.active.append(seq)
+        self._sequences.add(seq)
+        return seq
 
     # -- rounds --------------------------------------------------------------------------------------
     def _run(self, name: str, seqs: list[GeneratedSequence], tokens: np.ndarray, pos: np.ndarray, valid: np.ndarray):
@@ -270,6 +320,7 @@ class PagedGenerator:
 
     def run(self, on_token: Callable[[GeneratedSequence, int], None] | None = None) -> None:
         """Run rounds until every sequence has finished, calling ``on_token`` for each produced token."""
+        check_callback(on_token)
         while self.active:
             for seq, token in self.step():
                 if on_token is not None:
@@ -285,11 +336,48 @@ class PagedGenerator:
         stop_tokens: Iterable[int] = (),
         on_token: Callable[[GeneratedSequence, int], None] | None = None,
     ) -> list[GeneratedSequence]:
-        """Add every prompt (one sampling config for all, or one each), run to completion, return them in order."""
-        configs = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
+        """Add every prompt (one sampling config for all, or one each), run to completion, return them in order.
+
+        All or nothing: every prompt and config is checked first; when an activation fails (the
+        store's capacity), the sequences this call already added are finished and dropped, and the
+        error propagates with the generator as before the call."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+            raise TypeError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+        check_max_new_tokens(max_new_tokens)
+        stops = self._stop_tokens(stop_tokens)
+        check_callback(on_token)
+        if isinstance(sampling, SamplingConfig):
+            configs = [sampling] * len(prompts)
+        elif isinstance(sampling, (str, bytes)) or not isinstance(sampling, Sequence):
+            raise TypeError(f"sampling must be a SamplingConfig or a list of them, got {type(sampling).__name__}")
+        else:
+            configs = list(sampling)
         if len(configs) != len(prompts):
             raise ValueError(f"{len(configs)} sampling configs for {len(prompts)} prompts")
-        stops = tuple(stop_tokens)
-        seqs = [self.add(p, max_new_tokens=max_new_tokens, sampling=c, stop_tokens=stops) for p, c in zip(prompts, configs)]
+        for i, c in enumerate(configs):
+            check_sampling(f"sampling[{i}]", c)
+        for i, p in enumerate(prompts):
+            if isinstance(p, (int, np.integer)):
+                raise TypeError(f"prompts[{i}]={p!r} is a token id, not a prompt; prompts is a list of prompts "
+                                f"such as [[1, 2, 3]]")
+        requests = [self._request(f"prompts[{i}]", p, None) for i, p in enumerate(prompts)]
+        seqs: list[GeneratedSequence] = []
+        try:
+            for request, c in zip(requests, configs):
+                seqs.append(self._start(request, int(max_new_tokens), c, stops, False))
+        except BaseException:
+            for seq in reversed(seqs):
+                self.active.remove(seq)
+                self._sequences.discard(seq)
+                self.store.finish(seq.handle)
+            raise
         self.run(on_token)
         return seqs
+
+
+class _Request(NamedTuple):
+    """A checked prompt: its tokens, the frontier a fork starts from and the checkpoint it forks."""
+
+    tokens: list
+    frontier: int
+    checkpoint: CheckpointHandle | None

@@ -141,3 +141,33 @@ def test_demo_serves_a_checkpoint_and_stops_at_eos(tmp_path, capsys):
     assert stopped["generated_tokens"] < free["generated_tokens"]
     assert main(["demo", "--model", str(ck), "--backend", "mtp", "--no-progress"]) == 2
     assert "checkpoint directory" in capsys.readouterr().err
+
+
+def test_generate_bounds_its_numbers_and_the_model_path_before_allocating(checkpoint, tmp_path, capsys):
+    """Each refusal is one line naming the flag, the value and the limit, before any weight or KV page."""
+    huge = tmp_path / "huge"  # config.json only: every refusal below comes before the weights are read
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps(dict(FAMILY_CONFIGS["llama"], num_hidden_layers=64,
+                                                      max_position_embeddings=2**31 - 64)))
+    missing, a_file = tmp_path / "missing", checkpoint / "config.json"
+    cases = [
+        ([missing, "hi"], [], f"--model {missing}: no such directory"),  # before the prompt is parsed
+        ([a_file, "hi"], [], f"--model {a_file}: is a file, not a directory"),
+        ([checkpoint, "1 2"], ["--max-context", "1000000000"], "--max-context 1000000000 exceeds the model's context: "
+         f"max_position_embeddings=4096 in {checkpoint}/config.json (allowed: at most 4096)"),
+        ([checkpoint, "1 2"], ["--max-context", "10000000000"],
+         "argument --max-context: 10000000000 is out of range; it must be an integer in [1, 2147483584]"),
+        ([checkpoint, "1 2"], ["--max-new-tokens", "3000000000"],
+         "argument --max-new-tokens: 3000000000 is out of range; it must be an integer in [1, 2147483584]"),
+        ([checkpoint, "1 2"], ["--max-new-tokens", "0"], "argument --max-new-tokens: 0 is out of range"),
+        ([checkpoint, " ".join(["1"] * 4096)], [], "--prompt has 4096 tokens; the model's context "
+         "(max_position_embeddings=4096) leaves no room to generate (allowed: at most 4095 tokens)"),
+        ([huge, "1 2"], ["--max-new-tokens", "2000000000"],
+         "--max-new-tokens 2000000000 (a context of 2000000002 tokens): the KV cache needs"),
+        ([huge, "1 2"], ["--max-context", "2000000000"], "--max-context 2000000000: the KV cache needs"),
+    ]
+    for (model, prompt), extra, match in cases:
+        assert main(["generate", "--model", str(model), "--prompt", prompt, *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("ninfer-kv generate: error: ") and err.count("\n") == 1, err
+        assert match in err, (match, err)

@@ -67,9 +67,13 @@ def test_sampled_frequencies_follow_the_filtered_softmax():
 
 def test_sampling_config_refuses_bad_values():
     for kw, match in [(dict(temperature=-1), "temperature=-1"), (dict(top_p=0.0), "top_p=0.0"),
-                      (dict(top_k=-2), "top_k=-2"), (dict(seed=2**32), "seed=4294967296")]:
+                      (dict(top_k=-2), "top_k=-2"), (dict(seed=2**32), "seed=4294967296"),
+                      (dict(temperature=10**400), "temperature=1000"), (dict(temperature=float("nan")), "temperature=nan"),
+                      (dict(temperature=np.bool_(True)), "temperature=.*True"), (dict(top_p=float("nan")), "top_p=nan"),
+                      (dict(top_p=10**400), "top_p=1000"), (dict(top_k=1.0), "top_k=1.0"), (dict(seed="7"), "seed='7'")]:
         with pytest.raises(ValueError, match=match):
             SamplingConfig(**kw)
+    assert SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.uint32(9)) == SamplingConfig(0.5, 3, 1.0, 9)
 
 
 # -- determinism through the paged store -----------------------------------------------------------------

@@ -23,6 +23,7 @@ transformers applies its warpers in the same order (temperature, top-k, top-p).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Sequence
 
 import jax
@@ -63,15 +64,15 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not np.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} is invalid; it must be a finite number >= 0 (0: greedy)")
+        t = _real(self.temperature)
+        if t is None or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={self.temperature!r} is invalid; it must be a finite number >= 0 (0: greedy)")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k < 2**31:
             raise ValueError(f"top_k={k!r} is invalid; it must be an integer in [0, 2**31) (0: no limit)")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) or not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p={p!r} is invalid; it must lie in (0, 1] (1: no limit)")
+        p = _real(self.top_p)
+        if p is None or not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} is invalid; it must lie in (0, 1] (1: no limit)")
         s = self.seed
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < 2**32:
             raise ValueError(f"seed={s!r} is invalid; it must be an integer in [0, 2**32)")
@@ -84,6 +85,16 @@ class SamplingConfig:
     def greedy(self) -> bool:
         """``True`` when the sequence decodes greedily (temperature 0)."""
         return self.temperature == 0.0
+
+
+def _real(value) -> float | None:
+    """``value`` as a float when it is a real number (not a bool) a float can hold, else ``None``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range
+        return None
 
 
 GREEDY = SamplingConfig()
