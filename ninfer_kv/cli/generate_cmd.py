@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> CommandOutput | None:
     if not prompt:
         raise ValueError("--prompt encodes to no tokens")
     _check_vocabulary(prompt, config.vocab_size)
+    eos_token_ids(directory, info.eos_token_ids, vocab_size=config.vocab_size)  # a bad EOS: refused before the weights
     context = args.max_context
     if context is None:
         if len(prompt) >= model_context:
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> CommandOutput | None:
     _check_memory(plan.device_bytes, context, args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     model = load_checkpoint(directory, dtype=args.dtype, max_context=context)
-    stops = eos_token_ids(directory, model.info.eos_token_ids)
+    stops = model.eos_token_ids  # generation_config.json's, else config.json's (checked above)
     gen = PagedGenerator(model.params, model.config, profile=args.profile, max_context=context, max_batch=1,
                          impl=args.impl)
     stream = not args.json

@@ -63,7 +63,7 @@ def _checkpoint_config_at(directory: str, max_context: int, stamp: tuple) -> tup
     from ..models.hf import eos_token_ids, model_config_from_hf, read_config
 
     model, info = model_config_from_hf(read_config(directory), dtype="float32", max_context=max_context)
-    return model, eos_token_ids(directory, info.eos_token_ids)
+    return model, eos_token_ids(directory, info.eos_token_ids, vocab_size=model.vocab_size)
 
 
 def _checkpoint_params(directory: str, max_context: int) -> dict:

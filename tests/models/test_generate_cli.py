@@ -166,6 +166,11 @@ def test_generate_bounds_its_numbers_and_the_model_path_before_allocating(checkp
          "--max-new-tokens 2000000000 (a context of 2000000002 tokens): the KV cache needs"),
         ([huge, "1 2"], ["--max-context", "2000000000"], "--max-context 2000000000: the KV cache needs"),
     ]
+    bad_eos = tmp_path / "bad_eos"  # a generation_config.json EOS beyond the vocabulary of 320
+    bad_eos.mkdir()
+    (bad_eos / "config.json").write_text((checkpoint / "config.json").read_text())
+    (bad_eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 320]}))
+    cases.append(([bad_eos, "1 2"], [], f"{bad_eos}/generation_config.json: eos_token_id"))
     for (model, prompt), extra, match in cases:
         assert main(["generate", "--model", str(model), "--prompt", prompt, *extra]) == 2
         out, err = capsys.readouterr()

@@ -1,14 +1,19 @@
 """Hugging Face checkpoints written here (transformers' tensor names, every family and option) load and
-serve through the paged store as an independent numpy forward computes; bad checkpoints fail whole."""
+serve through the paged store as an independent numpy forward computes; bad checkpoints fail whole;
+loaded parameters are process-owned copies (the files can change or vanish afterwards, nothing stays
+open); the stop tokens follow one rule; a corrupt index loads or is refused, nothing else."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf_fixtures import FAMILY_CONFIGS, random_tensors, tensor_shapes, write_checkpoint
 from np_forward import forward
@@ -16,7 +21,11 @@ from ninfer_kv.models.generate import PagedGenerator
 from ninfer_kv.models.hf import (
     CheckpointError,
     UnsupportedModelError,
+    eos_token_ids,
+    expected_tensor_count,
+    expected_tensors,
     load_checkpoint,
+    model_config_from_hf,
     plan_checkpoint,
     read_header,
 )
@@ -167,8 +176,134 @@ def test_index_naming_a_missing_shard(tmp_path):
 
 
 def test_tensor_shapes_of_the_fixtures_are_what_the_loader_expects():
-    from ninfer_kv.models.hf import expected_tensors, model_config_from_hf
-
     for family, cfg in FAMILY_CONFIGS.items():
         model, _ = model_config_from_hf(cfg)
         assert {n: s for n, (_, s) in expected_tensors(model).items()} == tensor_shapes(cfg), family
+
+
+# -- loaded parameters own their memory; files are closed ----------------------------------------------
+
+
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _host(params) -> list[np.ndarray]:
+    return [np.array(x) for x in jax.tree_util.tree_leaves(params)]
+
+
+def test_loaded_params_survive_the_file_being_rewritten_and_truncated(tmp_path):
+    cfg = dict(FAMILY_CONFIGS["qwen3"], num_hidden_layers=3)  # 47 tensors
+    tensors = random_tensors(cfg, seed=7, dtype="BF16")
+    ck = write_checkpoint(tmp_path / "ck", cfg, tensors)
+    load_checkpoint(ck)  # warm up whatever the backend opens once
+    before = _open_fds()
+    model = load_checkpoint(ck)
+    assert len(jax.tree_util.tree_leaves(model.params)) == len(tensors) == 47
+    assert _open_fds() == before  # no descriptor per tensor (nor per file) outlives the load
+    path = ck / "model.safetensors"
+    assert str(path) not in open("/proc/self/maps").read()  # nothing maps the file
+    want = _host(model.params)
+    embed = np.array(model.params["embed"], np.float32)
+    np.testing.assert_array_equal(np.asarray(model.params["embed"], np.float32),
+                                  tensors["model.embed_tokens.weight"].astype(np.float32))
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # other bytes in place, then nothing at all
+        f.write(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+        f.truncate(0)
+    for got, w in zip(_host(model.params), want):
+        np.testing.assert_array_equal(got, w)
+    path.unlink()
+    total = jax.jit(lambda e: jax.numpy.sum(e.astype(jax.numpy.float32)))(model.params["embed"])
+    assert float(total) == pytest.approx(float(embed.sum()), rel=1e-5)
+
+
+def test_sharded_load_closes_every_shard(tmp_path):
+    cfg = FAMILY_CONFIGS["mistral"]
+    ck = write_checkpoint(tmp_path / "ck", cfg, random_tensors(cfg, seed=2, dtype="BF16"), shards=3)
+    load_checkpoint(ck)
+    before = _open_fds()
+    model = load_checkpoint(ck)
+    assert _open_fds() == before and str(ck) not in open("/proc/self/maps").read()
+    for shard in ck.glob("*.safetensors"):
+        shard.unlink()
+    assert np.isfinite(np.asarray(model.params["final_norm"], np.float32)).all()
+
+
+# -- one EOS rule ------------------------------------------------------------------------------------
+
+
+def test_loaded_model_carries_the_eos_rule(tmp_path):
+    cfg = FAMILY_CONFIGS["qwen3"]  # config.json: eos_token_id 3
+    ck = write_checkpoint(tmp_path / "ck", cfg, random_tensors(cfg, seed=3, dtype="BF16"))
+    assert load_checkpoint(ck).eos_token_ids == (3,)
+    for gen, want in [({"eos_token_id": [5, 6]}, (5, 6)), ({"eos_token_id": 7}, (7,)), ({"eos_token_id": []}, (3,)),
+                      ({"eos_token_id": None}, (3,)), ({"do_sample": True}, (3,))]:
+        (ck / "generation_config.json").write_text(json.dumps(gen))
+        assert plan_checkpoint(ck).eos_token_ids == want, gen
+    (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 300]}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id=\[5, 300\] holds id 300 outside "
+                                              r"the vocabulary; ids must be in \[0, 255\]"):
+        load_checkpoint(ck)
+    assert eos_token_ids(ck, (3,)) == (5, 300)  # the function keeps working without a vocabulary to check
+
+
+# -- the inventory before anything proportional to the config ------------------------------------------
+
+
+def test_more_layers_than_the_files_hold_names_the_first_missing_tensor(good):
+    _edit_config(good, num_hidden_layers=4096)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.input_layernorm\.weight' is missing from the "
+                                              r"checkpoint \(Qwen2ForCausalLM, 4096 layers"):
+        plan_checkpoint(good)
+
+
+def test_expected_count_matches_the_list():
+    for cfg in FAMILY_CONFIGS.values():
+        model, _ = model_config_from_hf(cfg)
+        assert expected_tensor_count(model) == len(expected_tensors(model))
+
+
+# -- a corrupt index: a correct load or a CheckpointError naming the index or a shard ------------------
+
+_NAMES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json", "..", ".", "", "/etc/hostname",
+          "a/b", "x\0y", "\ud800", "model.safetensors.index.json", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+_LEAVES = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+           | st.text(max_size=6) | st.sampled_from(_NAMES))
+_INDEX_VALUES = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=3)
+                             | st.dictionaries(st.text(max_size=4) | st.sampled_from(_NAMES), inner, max_size=3), max_leaves=6)
+
+
+@pytest.fixture(scope="module")
+def sharded_ck(tmp_path_factory):
+    cfg = FAMILY_CONFIGS["llama"]
+    return write_checkpoint(tmp_path_factory.mktemp("idx"), cfg, random_tensors(cfg, seed=4, dtype="BF16"), shards=2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["entry", "new", "delete", "weight_map", "doc"]), st.sampled_from(_NAMES[10:] + ["lm_head.weight"]),
+       _INDEX_VALUES)
+def test_random_index_values_load_or_are_refused(sharded_ck, how, key, value):
+    index = sharded_ck / "model.safetensors.index.json"
+    original = index.read_text()
+    doc = json.loads(original)
+    if how in ("entry", "new"):
+        doc["weight_map"][key if how == "entry" and key in doc["weight_map"] else str(value)[:20]] = value
+    elif how == "delete":
+        doc["weight_map"].pop(key, None)
+    elif how == "weight_map":
+        doc["weight_map"] = value
+    else:
+        doc = value
+    index.write_text(json.dumps(doc))
+    try:
+        model = load_checkpoint(sharded_ck)
+        assert len(jax.tree_util.tree_leaves(model.params)) == len(tensor_shapes(FAMILY_CONFIGS["llama"]))
+    except CheckpointError as exc:
+        assert "model.safetensors.index.json" in str(exc) or ".safetensors" in str(exc) or "tensor" in str(exc)
+    finally:
+        index.write_text(original)

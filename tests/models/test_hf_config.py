@@ -1,13 +1,19 @@
-"""``config.json`` of real models mapped onto the decoder: real sizes plan (and load, in the slow sweep)."""
+"""``config.json`` of real models mapped onto the decoder: real sizes plan (and load, in the slow sweep);
+hostile values (huge, negative, non-finite, mistyped) are one CheckpointError naming the key and range."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ninfer_kv.models.decoder import param_count, param_shapes
 from ninfer_kv.models.decoder.layers import scaled_inv_freq
-from ninfer_kv.models.hf import UnsupportedModelError, model_config_from_hf
+from ninfer_kv.models.hf import CheckpointError, UnsupportedModelError, model_config_from_hf
 from ninfer_kv.models.hf.published_configs import LLAMA_2_7B, LLAMA_3_2_1B, MISTRAL_7B_V0_3, QWEN2_5_0_5B, QWEN3_0_6B
 from ninfer_kv.planning import ExplicitCapacity, plan_kv_cache
 
@@ -85,3 +91,98 @@ def test_qwen3_0_6b_sized_checkpoint_loads(tmp_path):
     gen = PagedGenerator(model.params, model.config, max_context=128, max_batch=1)
     seq = gen.generate([[1, 2, 3, 4]], max_new_tokens=2)[0]
     assert len(seq.generated) == 2
+
+
+# -- hostile values: one CheckpointError naming the key, the value and the allowed range ---------------
+
+
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_hidden_layers=10**9), r"num_hidden_layers=1000000000 is invalid; it must be an integer in \[1, 4096\]"),
+    (dict(num_attention_heads=2**40), r"num_attention_heads=1099511627776 is invalid; it must be an integer in \[1, 4096\]"),
+    (dict(num_key_value_heads=0), r"num_key_value_heads=0 is invalid; it must be an integer in \[1, 4096\]"),
+    (dict(head_dim=2**20), r"head_dim=1048576 is invalid; it must be an integer in \[1, 4096\]"),
+    (dict(hidden_size=2**31), r"hidden_size=2147483648 is invalid; it must be an integer in \[1, 65536\]"),
+    (dict(intermediate_size=-3), r"intermediate_size=-3 is invalid; it must be an integer in \[1, 1048576\]"),
+    (dict(vocab_size=2**64), r"vocab_size=18446744073709551616 is invalid; it must be an integer in \[1, 16777216\]"),
+    (dict(vocab_size=151936.0), r"vocab_size=151936\.0 is invalid"),
+    (dict(max_position_embeddings=2**31), r"max_position_embeddings=2147483648 is invalid; it must be an integer in "
+                                          r"\[1, 2147483584\]"),
+    (dict(rope_theta=float("inf")), r"rope_theta=inf is invalid; it must be a finite number in \(1, 1e\+12\]"),
+    (dict(rope_theta=float("nan")), r"rope_theta=nan is invalid"),
+    (dict(rope_theta="1e6"), r"rope_theta='1e6' is invalid"),
+    (dict(rms_norm_eps=float("-inf")), r"rms_norm_eps=-inf is invalid; it must be a finite number in \(0\.0, 1\.0\)"),
+    (dict(rope_scaling=dict(YARN, original_max_position_embeddings="32768")),
+     r"rope_scaling\.original_max_position_embeddings='32768' is invalid; it must be an integer in \[1, 2147483584\]"),
+    (dict(rope_scaling=dict(YARN, factor=float("inf"))), r"rope_scaling\.factor=inf is invalid; it must be a finite "
+                                                         r"number in \[1e-06, 1000000\.0\]"),
+    (dict(rope_scaling=dict(YARN, beta_fast=[32])), r"rope_scaling\.beta_fast=\[32\] is invalid"),
+    (dict(rope_scaling=dict(YARN, beta_slow=5e-324)), r"rope_scaling\.beta_slow=5e-324 is invalid"),
+    (dict(rope_scaling=dict(YARN, truncate="no")), r"rope_scaling\.truncate='no' is invalid; it must be true or false"),
+    (dict(rope_scaling=dict(YARN, rope_type={"a": 1})), r"rope_scaling\.rope_type=\{'a': 1\} is invalid; it must be a string"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -5}), r"rope_parameters\.rope_theta=-5 is invalid"),
+    (dict(eos_token_id=151936), r"config\.json: eos_token_id=151936 holds id 151936 outside the vocabulary; ids must be in "
+                                r"\[0, 151935\] \(vocab_size=151936\)"),
+    (dict(eos_token_id=[1, -1]), r"config\.json: eos_token_id=\[1, -1\] holds id -1 outside the vocabulary"),
+    (dict(bos_token_id=10**30), r"config\.json: bos_token_id=1000000000000000000000000000000 holds id"),
+    (dict(tie_word_embeddings="yes"), r"tie_word_embeddings='yes' is invalid; it must be true or false"),
+    (dict(use_sliding_window=True, sliding_window=2**40), r"sliding_window=1099511627776 is invalid"),
+    (dict(use_sliding_window=True, sliding_window=64, layer_types="full"), r"layer_types='full' is invalid; it must be "
+                                                                          r"a list of 28 strings"),
+    (dict(architectures=None, model_type={"qwen3": 1}), r"model_type=\{'qwen3': 1\} is not supported"),
+    (dict(torch_dtype=["bfloat16"]), r"torch_dtype=\['bfloat16'\] is invalid; it must be a string"),
+    (dict(hidden_act=["silu"]), r"hidden_act=\['silu'\] is not supported"),
+    (dict(partial_rotary_factor=True), r"partial_rotary_factor=True is invalid"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_config_values_are_range_checked(change, match):
+    with pytest.raises(CheckpointError, match=r"config\.json: " + match if not match.startswith("config") else match):
+        model_config_from_hf(dict(QWEN3_0_6B, **change))
+
+
+def test_a_billion_layers_is_refused_at_once():
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=1000000000"):
+        model_config_from_hf(dict(QWEN3_0_6B, num_hidden_layers=10**9))
+    assert time.perf_counter() - start < 1.0
+
+
+_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
+         "mlp_bias", "eos_token_id", "bos_token_id", "hidden_act", "architectures", "model_type", "sliding_window",
+         "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor", "quantization_config",
+         "num_experts", "torch_dtype", "rope_scaling", "rope_parameters", "rope_scaling.factor",
+         "rope_scaling.original_max_position_embeddings", "rope_scaling.beta_fast", "rope_scaling.beta_slow",
+         "rope_scaling.attention_factor", "rope_scaling.mscale", "rope_scaling.mscale_all_dim", "rope_scaling.truncate",
+         "rope_scaling.rope_type", "rope_scaling.type", "rope_scaling.low_freq_factor", "rope_scaling.high_freq_factor"]
+_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+            | st.sampled_from([0, 1, 2, 28, 64, 4096, 4097, 2**31, 2**63, 2**64, 10**100, -1, 1e-320, 0.5, 4.0])
+            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)
+            | st.sampled_from(["yarn", "llama3", "linear", "default", "dynamic", "silu", "Qwen3ForCausalLM", "qwen3",
+                               "sliding_attention"]))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                               max_size=3), max_leaves=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.sampled_from(_KEYS), _VALUES, min_size=1, max_size=3), st.sampled_from(["qwen3", "llama", "qwen2"]))
+def test_random_config_values_map_or_are_refused(changes, base):
+    cfg = json.loads(json.dumps({"qwen3": QWEN3_YARN, "llama": LLAMA_3_2_1B, "qwen2": QWEN2_5_0_5B}[base]))
+    for key, value in changes.items():
+        if key.startswith("rope_scaling."):
+            if not isinstance(cfg.get("rope_scaling"), dict):
+                cfg["rope_scaling"] = {}
+            cfg["rope_scaling"][key.split(".", 1)[1]] = value
+        else:
+            cfg[key] = value
+    cfg = json.loads(json.dumps(cfg))  # what a file can hold (NaN and Infinity included)
+    try:
+        model, info = model_config_from_hf(cfg, max_context=4096)
+    except CheckpointError as exc:
+        assert "config.json" in str(exc) or "max_context" in str(exc)
+        return
+    assert 1 <= model.num_layers <= 4096 and all(0 <= i < model.vocab_size for i in info.eos_token_ids)
+    assert np.all(np.isfinite(model.rope_scaling.inv_freq(model.head_dim, model.rope_theta))) if model.rope_scaling else True

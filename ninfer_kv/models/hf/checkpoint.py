@@ -1,17 +1,27 @@
-"""Hugging Face checkpoint directories: load (memory-mapped) into the decoder's parameter tree, and write.
+"""Hugging Face checkpoint directories: load into the decoder's parameter tree, and write.
 
 A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file).  Loading runs in stages,
 and nothing is built until every check passed:
 
-1. ``config.json`` is mapped (:func:`~ninfer_kv.models.hf.config.model_config_from_hf`): an option
-   that cannot be served is refused before any tensor is looked at;
+1. ``config.json`` is read (a regular file of at most
+   :data:`~ninfer_kv.models.hf.bounded_files.MAX_CONFIG_BYTES`, strict UTF-8, nesting bounded) and
+   mapped (:func:`~ninfer_kv.models.hf.config.model_config_from_hf`): an option that cannot be served
+   is refused before any tensor is looked at; the stop tokens are resolved
+   (``generation_config.json``'s ``eos_token_id`` when it names one, else ``config.json``'s; every id
+   below ``vocab_size``);
 2. every shard's header is read and validated (:func:`~ninfer_kv.models.hf.safetensors_io.read_header`:
    offsets inside the file, so a truncated file is named with the first tensor it cuts);
-3. the inventory is checked against the configuration: every expected tensor present (in the shard
-   the index names), with the expected shape and a float dtype (BF16, F16, F32), no unexpected
-   tensor (``rotary_emb.inv_freq`` buffers and, with tied embeddings, ``lm_head.weight`` are ignored);
-4. the tensors are copied from the memory-mapped files to the device and cast to the configured dtype.
+3. the inventory is checked against the configuration: first the number of tensors the headers hold
+   against the number the config expects (the first missing name found lazily, so nothing
+   proportional to the config is built before the files back it), then every expected tensor present
+   (in the shard the index names), with the expected shape and a float dtype (BF16, F16, F32), no
+   unexpected tensor (``rotary_emb.inv_freq`` buffers and, with tied embeddings, ``lm_head.weight``
+   are ignored);
+4. each shard is opened once, its tensors are read into fresh process memory
+   (:func:`~ninfer_kv.models.hf.safetensors_io.read_tensors`), the shard is closed, and each tensor is
+   put on the device and cast to the configured dtype.  No parameter aliases a file: the files may
+   be rewritten, truncated or deleted once :func:`load_checkpoint` returns, and no descriptor stays open.
 
 Any failure raises a :class:`~ninfer_kv.models.hf.config.CheckpointError` naming the file, tensor or
 option; no partial parameter tree is ever returned.
@@ -23,12 +33,13 @@ never a transpose.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import ml_dtypes
@@ -36,18 +47,23 @@ import numpy as np
 
 from ..decoder.config import ModelConfig
 from ..decoder.weights import init_params, layer_param_shapes
+from .bounded_files import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, load_json
 from .config import CheckpointError, HFModelInfo, model_config_from_hf
-from .safetensors_io import SafetensorsError, TensorInfo, read_header, tensor, write_safetensors
+from .safetensors_io import TensorInfo, read_header, read_tensors, write_safetensors
+from .tokenizer import eos_token_ids
 
 __all__ = [
     "LoadedModel",
     "CheckpointPlan",
     "SINGLE_FILE",
     "INDEX_FILE",
+    "CONFIG_FILE",
     "read_config",
     "plan_checkpoint",
     "load_checkpoint",
     "expected_tensors",
+    "iter_expected_tensors",
+    "expected_tensor_count",
     "checkpoint_tensors",
     "hf_config_dict",
     "save_checkpoint",
@@ -56,6 +72,7 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 _LAYER_NAMES = {
@@ -80,22 +97,31 @@ _LAYER_NAMES = {
 }
 
 
-def expected_tensors(config: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
-    """transformers tensor name -> (location in the parameter tree, shape) for ``config``.
+def iter_expected_tensors(config: ModelConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
+    """``(transformers name, location in the parameter tree, shape)`` of every tensor ``config`` needs,
+    lazily, in a fixed order (embedding, final norm, LM head, then layer by layer).
 
     A location is a key path: ``("embed",)``, ``("layers", 3, "wq")``, ...
     """
-    out: dict[str, tuple[tuple, tuple[int, ...]]] = {
-        "model.embed_tokens.weight": (("embed",), (config.vocab_size, config.d_model)),
-        "model.norm.weight": (("final_norm",), (config.d_model,)),
-    }
+    yield "model.embed_tokens.weight", ("embed",), (config.vocab_size, config.d_model)
+    yield "model.norm.weight", ("final_norm",), (config.d_model,)
     if not config.tie_embeddings:
-        out["lm_head.weight"] = (("lm_head",), (config.vocab_size, config.d_model))
+        yield "lm_head.weight", ("lm_head",), (config.vocab_size, config.d_model)
     shapes = layer_param_shapes(config)
     for i in range(config.num_layers):
         for key, shape in shapes.items():
-            out[f"model.layers.{i}.{_LAYER_NAMES[key]}"] = (("layers", i, key), shape)
-    return out
+            yield f"model.layers.{i}.{_LAYER_NAMES[key]}", ("layers", i, key), shape
+
+
+def expected_tensor_count(config: ModelConfig) -> int:
+    """How many tensors :func:`iter_expected_tensors` yields, computed without listing them."""
+    return 2 + (not config.tie_embeddings) + config.num_layers * len(layer_param_shapes(config))
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
+    """transformers tensor name -> (location in the parameter tree, shape) for ``config``
+    (:func:`iter_expected_tensors` as a dict)."""
+    return {name: (where, shape) for name, where, shape in iter_expected_tensors(config)}
 
 
 def _ignored(name: str, config: ModelConfig) -> bool:
@@ -106,43 +132,54 @@ def _ignored(name: str, config: ModelConfig) -> bool:
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-    """The parsed ``config.json`` of a checkpoint directory (``CheckpointError`` naming the problem)."""
-    path = Path(directory) / "config.json"
+    """The parsed ``config.json`` of a checkpoint directory (``CheckpointError`` naming the problem).
+
+    The file must be a regular file of at most :data:`~ninfer_kv.models.hf.bounded_files.MAX_CONFIG_BYTES`
+    bytes of UTF-8 JSON nested at most :data:`~ninfer_kv.models.hf.bounded_files.MAX_JSON_DEPTH` deep.
+    """
     if not Path(directory).is_dir():
         raise CheckpointError(f"{directory}: not a directory (a Hugging Face checkpoint directory with config.json)")
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    path = Path(directory) / CONFIG_FILE
+    cfg = load_json(path, MAX_CONFIG_BYTES)
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object")
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(cfg).__name__}")
     return cfg
+
+
+def _short(value: Any, n: int = 100) -> str:
+    """``repr(value)``, cut to ``n`` characters (names in an index can be long)."""
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _shard_name_problem(name: str) -> str | None:
+    if not name or name in (".", "..") or "/" in name or "\0" in name or Path(name).name != name:
+        return "must be a file name inside the checkpoint directory"
+    return None
 
 
 def _shard_files(directory: Path) -> tuple[dict[str, str] | None, list[Path]]:
     """``(weight_map or None, shard paths)``; the index wins when both forms are present."""
     index = directory / INDEX_FILE
-    if index.exists():
-        try:
-            doc = json.loads(index.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{index}: cannot be read as JSON ({exc})") from None
+    if os.path.lexists(index):
+        doc = load_json(index, MAX_INDEX_BYTES)
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
-        files = sorted(set(weight_map.values()))
-        for f in files:
-            if Path(f).name != f:
-                raise CheckpointError(f"{index}: shard {f!r} must be a file name inside the checkpoint directory")
-            if not (directory / f).is_file():
-                raise CheckpointError(f"{index}: shard {f!r} does not exist in {directory}")
-        return weight_map, [directory / f for f in files]
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must be an object mapping tensor names to shard file names")
+        files = set()
+        for name, f in weight_map.items():
+            if not isinstance(f, str):
+                raise CheckpointError(f"{index}: weight_map[{_short(name)}]={_short(f)} must be a shard file name (a string)")
+            files.add(f)
+        for f in sorted(files):
+            problem = _shard_name_problem(f)
+            if problem:
+                raise CheckpointError(f"{index}: shard {_short(f)} {problem}")
+            if not os.path.lexists(directory / f):
+                raise CheckpointError(f"{index}: shard {_short(f)} does not exist in {directory}")
+        return weight_map, [directory / f for f in sorted(files)]
     single = directory / SINGLE_FILE
-    if single.is_file():
+    if os.path.lexists(single):
         return None, [single]
     raise CheckpointError(f"{directory}: has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -157,6 +194,8 @@ class CheckpointPlan:
       info: the rest of ``config.json`` (:class:`~ninfer_kv.models.hf.config.HFModelInfo`).
       tensors: transformers name -> (tree location, the tensor's table entry) of every tensor to load.
       ignored: names present in the files and not used.
+      eos_token_ids: the stop tokens (``generation_config.json``'s ``eos_token_id`` when it names one,
+        else ``config.json``'s), each below ``config.vocab_size``.
     """
 
     directory: Path
@@ -164,11 +203,21 @@ class CheckpointPlan:
     info: HFModelInfo
     tensors: Mapping[str, tuple[tuple, TensorInfo]]
     ignored: tuple[str, ...]
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data the load reads."""
         return sum(t.nbytes for _, t in self.tensors.values())
+
+
+def _missing(name: str, shape: tuple, model: ModelConfig, info: HFModelInfo, weight_map: Mapping | None) -> CheckpointError:
+    if weight_map is not None and name in weight_map:
+        return CheckpointError(f"tensor {name!r}: {INDEX_FILE} names shard {weight_map[name]!r}, which does not hold it")
+    return CheckpointError(
+        f"tensor {name!r} is missing from the checkpoint ({info.architecture}, {model.num_layers} layers, "
+        f"shape {shape} expected)"
+    )
 
 
 def plan_checkpoint(
@@ -177,32 +226,28 @@ def plan_checkpoint(
     """Stages 1-3 of a load (module docstring): map the config, read the headers, check the inventory."""
     directory = Path(directory)
     model, info = model_config_from_hf(read_config(directory), dtype=dtype, max_context=max_context)
+    eos = eos_token_ids(directory, info.eos_token_ids, model.vocab_size)
     weight_map, files = _shard_files(directory)
     found: dict[str, TensorInfo] = {}
     for path in files:
-        try:
-            header = read_header(path)
-        except SafetensorsError as exc:
-            raise CheckpointError(str(exc)) from None
+        header = read_header(path)
         for name, t in header.tensors.items():
             if weight_map is not None and weight_map.get(name) not in (None, path.name):
                 continue  # the index names another shard for it
             if name in found:
-                raise CheckpointError(f"tensor {name!r} is in both {found[name].path.name} and {path.name}")
+                raise CheckpointError(f"tensor {_short(name, 200)} is in both {found[name].path.name} and {path.name}")
             found[name] = t
-    expected = expected_tensors(model)
-    if weight_map is not None:
-        for name, f in weight_map.items():
-            if name in expected and name not in found:
-                raise CheckpointError(f"tensor {name!r}: {INDEX_FILE} names shard {f!r}, which does not hold it")
+    usable = sum(1 for name in found if not _ignored(name, model))
+    if expected_tensor_count(model) > usable:  # some expected tensor is absent: name the first, lazily
+        for name, _, shape in iter_expected_tensors(model):
+            if name not in found:
+                raise _missing(name, shape, model, info, weight_map)
+    expected = expected_tensors(model)  # no longer than the headers' inventory
     tensors: dict[str, tuple[tuple, TensorInfo]] = {}
     for name, (where, shape) in expected.items():
         t = found.get(name)
         if t is None:
-            raise CheckpointError(
-                f"tensor {name!r} is missing from the checkpoint ({info.architecture}, {model.num_layers} layers, "
-                f"shape {shape} expected)"
-            )
+            raise _missing(name, shape, model, info, weight_map)
         if t.shape != shape:
             raise CheckpointError(f"tensor {name!r} in {t.path.name} has shape {t.shape}; the config needs {shape}")
         if t.dtype not in _FLOAT_DTYPES:
@@ -214,12 +259,12 @@ def plan_checkpoint(
             continue
         if not _ignored(name, model):
             raise CheckpointError(
-                f"unexpected tensor {name!r} in {found[name].path.name}: the {info.architecture} config "
+                f"unexpected tensor {_short(name, 200)} in {found[name].path.name}: the {info.architecture} config "
                 f"(qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias}, o_bias={model.o_bias}, mlp_bias={model.mlp_bias}, "
                 f"tie_embeddings={model.tie_embeddings}, {model.num_layers} layers) has no such parameter"
             )
         ignored.append(name)
-    return CheckpointPlan(directory, model, info, tensors, tuple(sorted(ignored)))
+    return CheckpointPlan(directory, model, info, tensors, tuple(sorted(ignored)), eos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,9 +275,12 @@ class LoadedModel:
       directory: where it was loaded from.
       config: the decoder configuration.
       info: the rest of ``config.json``.
-      params: the parameter tree (device arrays in ``config.dtype``).
+      params: the parameter tree (device arrays in ``config.dtype``, in process-owned memory: none
+        aliases a file).
       bytes_read: tensor bytes copied from the files.
       load_seconds: wall time of the whole load (config, headers, copies).
+      eos_token_ids: the stop tokens: ``generation_config.json``'s ``eos_token_id`` when it names one,
+        else ``config.json``'s; each below ``config.vocab_size``.
     """
 
     directory: Path
@@ -241,6 +289,7 @@ class LoadedModel:
     params: dict
     bytes_read: int
     load_seconds: float
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def _set(tree: dict, where: tuple, value) -> None:
@@ -255,6 +304,9 @@ def load_checkpoint(
 ) -> LoadedModel:
     """Load a Hugging Face checkpoint directory (see the module docstring).
 
+    Each shard is opened once and closed before the next; tensors are read into fresh host buffers,
+    then put on the device, so the returned parameters never alias the files.
+
     Args:
       directory: the checkpoint directory.
       dtype: the dtype to serve in (``"bfloat16"`` or ``"float32"``); BF16, F16 and F32 tensors are cast to it.
@@ -265,17 +317,20 @@ def load_checkpoint(
     target = plan.config.jnp_dtype
     tree: dict[str, Any] = {"layers": tuple({} for _ in range(plan.config.num_layers))}
     cast = jax.jit(lambda x: x.astype(target))
-    for name, (where, info) in plan.tensors.items():
-        try:
-            host = tensor(info)
-            arr = jax.device_put(np.asarray(host))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"tensor {name!r} in {info.path}: cannot be read ({exc})") from None
-        if arr.dtype != target:
-            arr = cast(arr)
-        _set(tree, where, arr)
+    by_file: dict[Path, list[tuple[tuple, TensorInfo]]] = {}
+    for where, info in plan.tensors.values():
+        by_file.setdefault(info.path, []).append((where, info))
+    for path, items in by_file.items():
+        where_of = {info.name: where for where, info in items}
+        with contextlib.closing(read_tensors(path, [info for _, info in items])) as reader:
+            for info, host in reader:
+                arr = jax.device_put(host)
+                if arr.dtype != target:
+                    arr = cast(arr)
+                _set(tree, where_of[info.name], arr)
     jax.block_until_ready(tree)
-    return LoadedModel(plan.directory, plan.config, plan.info, tree, plan.nbytes, time.perf_counter() - start)
+    return LoadedModel(plan.directory, plan.config, plan.info, tree, plan.nbytes, time.perf_counter() - start,
+                       plan.eos_token_ids)
 
 
 # -- writing -------------------------------------------------------------------------------------------
@@ -378,7 +433,7 @@ def save_checkpoint(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = checkpoint_tensors(params, config, dtype)
-    (directory / "config.json").write_text(json.dumps(dict(hf_config), indent=2))
+    (directory / CONFIG_FILE).write_text(json.dumps(dict(hf_config), indent=2))
     if generation_config is not None:
         (directory / "generation_config.json").write_text(json.dumps(dict(generation_config), indent=2))
     names = sorted(tensors)

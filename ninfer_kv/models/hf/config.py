@@ -19,6 +19,29 @@ What cannot be served is refused, by name with its value, before any weight is r
 (:class:`UnsupportedModelError`): another architecture, mixture-of-experts keys, an activation other
 than SiLU, partial rotary embeddings, another RoPE type, sliding-window layers whose window is
 shorter than the context to serve, and quantized checkpoints.
+
+Every value read is type- and range-checked before it is used (:class:`CheckpointError` naming the
+key, the value and the allowed range):
+
+* ``num_hidden_layers``: an integer in [1, :data:`MAX_LAYERS`] (4096, the planning layer's bound);
+* ``num_attention_heads``, ``num_key_value_heads``: integers in [1, :data:`MAX_HEADS`] (4096);
+* ``head_dim`` (given or ``hidden_size // num_attention_heads``): in [1, :data:`MAX_HEAD_DIM`] (4096);
+* ``hidden_size``: in [1, :data:`MAX_HIDDEN`] (65536); ``intermediate_size``: in [1, :data:`MAX_INTERMEDIATE`] (2**20);
+* ``vocab_size``: in [1, :data:`MAX_VOCAB`] (2**24);
+* ``max_position_embeddings``, ``sliding_window``, ``rope_scaling.original_max_position_embeddings``
+  and the ``max_context`` argument: in [1, :data:`MAX_POSITIONS`] (2**31 - 64, so positions fit int32);
+  ``max_window_layers``: in [0, 4096];
+* ``rope_theta``: a finite number in (1, :data:`MAX_ROPE_THETA`] (1e12); ``rms_norm_eps``: finite, in (0, 1);
+* the numbers of ``rope_scaling`` (``factor``, ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``,
+  ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``): finite, in
+  :data:`ROPE_NUMBER_RANGE` ([1e-6, 1e6]; ``mscale`` and ``mscale_all_dim`` may be 0, meaning absent);
+  ``rope_type`` a string, ``truncate`` true or false;
+* ``eos_token_id``, ``bos_token_id``: an id or a list of ids, each in [0, vocab_size - 1];
+* ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``, ``use_sliding_window``: true or false;
+* ``layer_types``: a list of ``num_hidden_layers`` strings; ``torch_dtype`` / ``dtype``: a string.
+
+The integer bounds keep every product of them (``num_attention_heads * head_dim``, token ids,
+positions) inside int32 and far above any published model.
 """
 
 from __future__ import annotations
@@ -27,6 +50,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from ...planning.bounds import MAX_CONTEXT as _MAX_CONTEXT
+from ...planning.bounds import MAX_LAYERS as _MAX_LAYERS
 from ..decoder.config import ModelConfig, RopeScaling
 
 __all__ = [
@@ -35,6 +60,15 @@ __all__ = [
     "HFModelInfo",
     "FAMILIES",
     "model_config_from_hf",
+    "MAX_LAYERS",
+    "MAX_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_HIDDEN",
+    "MAX_INTERMEDIATE",
+    "MAX_VOCAB",
+    "MAX_POSITIONS",
+    "MAX_ROPE_THETA",
+    "ROPE_NUMBER_RANGE",
 ]
 
 FAMILIES: dict[str, str] = {
@@ -45,11 +79,42 @@ FAMILIES: dict[str, str] = {
 }
 """Supported ``architectures`` and their family."""
 
+MAX_LAYERS = _MAX_LAYERS
+"""Most ``num_hidden_layers`` (the planning layer's bound on layers one pool stacks)."""
+
+MAX_HEADS = 4096
+"""Most ``num_attention_heads`` (and ``num_key_value_heads``)."""
+
+MAX_HEAD_DIM = 4096
+"""Largest ``head_dim`` (with :data:`MAX_HEADS`, ``heads * head_dim`` stays below 2**24)."""
+
+MAX_HIDDEN = 65536
+"""Largest ``hidden_size``."""
+
+MAX_INTERMEDIATE = 2**20
+"""Largest ``intermediate_size``."""
+
+MAX_VOCAB = 2**24
+"""Largest ``vocab_size`` (token ids fit int32 with room to spare)."""
+
+MAX_POSITIONS = _MAX_CONTEXT
+"""Largest ``max_position_embeddings``, ``original_max_position_embeddings``, ``sliding_window`` and
+``max_context``: the planning layer's bound, so every position fits int32."""
+
+MAX_ROPE_THETA = 1e12
+"""Largest ``rope_theta``."""
+
+ROPE_NUMBER_RANGE = (1e-6, 1e6)
+"""The range of every number of ``rope_scaling`` (``factor``, ``beta_fast``, ...)."""
+
 _MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
                 "mistral": "MistralForCausalLM"}
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 _ACTIVATIONS = ("silu", "swish")
 _SLIDING_DEFAULT = {"mistral": 4096}
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                 "mscale", "mscale_all_dim")
+_ZERO_MEANS_ABSENT = ("mscale", "mscale_all_dim")
 
 
 class CheckpointError(ValueError):
@@ -69,7 +134,9 @@ class HFModelInfo:
       architecture: ``architectures[0]``.
       max_position_embeddings: the model's context length.
       max_context: the context the mapping was checked for (sliding windows).
-      eos_token_ids: ``eos_token_id`` of ``config.json`` (an int or a list there).
+      eos_token_ids: ``eos_token_id`` of ``config.json`` (an int or a list there), each ``< vocab_size``.
+        The stop tokens to serve with are :attr:`~ninfer_kv.models.hf.checkpoint.LoadedModel.eos_token_ids`
+        (``generation_config.json`` first).
       bos_token_id: ``bos_token_id`` or ``None``.
       checkpoint_dtype: ``torch_dtype`` / ``dtype`` as written, or ``None``.
     """
@@ -83,27 +150,50 @@ class HFModelInfo:
     checkpoint_dtype: str | None
 
 
+def _show(value: Any, n: int = 80) -> str:
+    """``repr(value)``, cut to ``n`` characters."""
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _refuse(option: str, value: Any, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"config.json: {option}={value!r} is not supported: {why}")
+    return UnsupportedModelError(f"config.json: {option}={_show(value)} is not supported: {why}")
 
 
-def _int(cfg: Mapping, key: str, default: Any = ..., minimum: int = 1) -> int:
-    if key not in cfg or cfg[key] is None:
-        if default is ...:
-            raise CheckpointError(f"config.json: {key} is missing (an integer >= {minimum} is required)")
-        return default
-    v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise CheckpointError(f"config.json: {key}={v!r} is invalid; it must be an integer >= {minimum}")
+def _invalid(key: str, value: Any, allowed: str) -> CheckpointError:
+    return CheckpointError(f"config.json: {key}={_show(value)} is invalid; it must be {allowed}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_int(key: str, v: Any, minimum: int, maximum: int) -> int:
+    """``v`` if it is an integer in ``[minimum, maximum]``, else a :class:`CheckpointError` naming ``key``."""
+    if not _is_int(v) or not minimum <= v <= maximum:
+        raise _invalid(key, v, f"an integer in [{minimum}, {maximum}]")
     return v
 
 
-def _float(cfg: Mapping, key: str, default: float) -> float:
+def _int(cfg: Mapping, key: str, default: Any = ..., minimum: int = 1, maximum: int = 2**31 - 1) -> int:
+    if key not in cfg or cfg[key] is None:
+        if default is ...:
+            raise CheckpointError(f"config.json: {key} is missing (an integer in [{minimum}, {maximum}] is required)")
+        return default
+    return _check_int(key, cfg[key], minimum, maximum)
+
+
+def _float(cfg: Mapping, key: str, default: float, lo: float, hi: float) -> float:
+    """A finite number in the open interval ``(lo, hi)``; missing or null gives ``default``."""
     v = cfg.get(key, default)
     if v is None:
         v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise CheckpointError(f"config.json: {key}={v!r} is invalid; it must be a finite number > 0")
+    if not _is_number(v) or not lo < v < hi:
+        raise _invalid(key, v, f"a finite number in ({lo}, {hi})")
     return float(v)
 
 
@@ -112,16 +202,27 @@ def _bool(cfg: Mapping, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise CheckpointError(f"config.json: {key}={v!r} is invalid; it must be true or false")
+        raise _invalid(key, v, "true or false")
     return v
 
 
-def _token_ids(value: Any, key: str) -> tuple[int, ...]:
+def token_ids(value: Any, where: str, vocab_size: int | None) -> tuple[int, ...]:
+    """``value`` (a token id, a list of ids, or null) as a tuple; each id an integer in ``[0, vocab_size - 1]``.
+
+    ``where`` names the file and key in the error (``"config.json: eos_token_id"``).
+    """
     if value is None:
         return ()
     items = value if isinstance(value, list) else [value]
-    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in items):
-        raise CheckpointError(f"{key}={value!r} is invalid; it must be a token id or a list of token ids (integers >= 0)")
+    top = (vocab_size - 1) if vocab_size is not None else 2**31 - 1
+    allowed = f"a token id or a list of token ids, integers in [0, {top}]" + (
+        f" (vocab_size={vocab_size})" if vocab_size is not None else "")
+    for x in items:
+        if not _is_int(x):
+            raise CheckpointError(f"{where}={_show(value)} is invalid; it must be {allowed}")
+        if not 0 <= x <= top:
+            raise CheckpointError(f"{where}={_show(value)} holds id {x} outside the vocabulary; ids must be in [0, {top}]"
+                                  + (f" (vocab_size={vocab_size})" if vocab_size is not None else ""))
     return tuple(items)
 
 
@@ -129,16 +230,37 @@ def _architecture(cfg: Mapping) -> str:
     archs = cfg.get("architectures")
     if archs is None:
         model_type = cfg.get("model_type")
-        if model_type in _MODEL_TYPES:
+        if isinstance(model_type, str) and model_type in _MODEL_TYPES:
             return _MODEL_TYPES[model_type]
         raise _refuse("model_type", model_type, f"no 'architectures' and an unknown model_type; supported: "
                                                  f"{', '.join(FAMILIES)}")
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
-        raise CheckpointError(f"config.json: architectures={archs!r} is invalid; it must be a list of names")
+        raise _invalid("architectures", archs, "a list of names")
     if archs[0] not in FAMILIES:
         why = "mixture-of-experts models are not supported" if "moe" in archs[0].lower() or "mixtral" in archs[0].lower() else ""
         raise _refuse("architectures", archs, (why + "; " if why else "") + f"supported: {', '.join(FAMILIES)}")
     return archs[0]
+
+
+def _rope_numbers(params: Mapping, key: str) -> dict[str, Any]:
+    """The known ``rope_scaling`` fields, each type- and range-checked (absent or null: ``None``)."""
+    lo, hi = ROPE_NUMBER_RANGE
+    out: dict[str, Any] = {}
+    for name in _ROPE_NUMBERS:
+        v = params.get(name)
+        if v is not None and not (_is_number(v) and (lo <= v <= hi or (v == 0 and name in _ZERO_MEANS_ABSENT))):
+            allowed = f"a finite number in [{lo}, {hi}]" + (" or 0" if name in _ZERO_MEANS_ABSENT else "")
+            raise _invalid(f"{key}.{name}", v, allowed)
+        out[name] = v
+    orig = params.get("original_max_position_embeddings")
+    if orig is not None:
+        _check_int(f"{key}.original_max_position_embeddings", orig, 1, MAX_POSITIONS)
+    out["original_max_position_embeddings"] = orig
+    truncate = params.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise _invalid(f"{key}.truncate", truncate, "true or false")
+    out["truncate"] = True if truncate is None else truncate
+    return out
 
 
 def _rope(cfg: Mapping, head_dim: int, max_pos: int) -> tuple[float, RopeScaling | None]:
@@ -149,21 +271,31 @@ def _rope(cfg: Mapping, head_dim: int, max_pos: int) -> tuple[float, RopeScaling
         params = cfg.get("rope_scaling")
         key = "rope_scaling"
     if params is not None and not isinstance(params, dict):
-        raise CheckpointError(f"config.json: {key}={params!r} is invalid; it must be an object or null")
+        raise _invalid(key, params, "an object or null")
     params = dict(params or {})
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
-        raise CheckpointError(f"config.json: rope_theta={theta!r} is invalid; it must be a number > 1")
+    theta_key = f"{key}.rope_theta" if params.get("rope_theta") is not None else "rope_theta"
+    theta = params.get("rope_theta")
+    if theta is None:
+        theta = cfg.get("rope_theta")
+    if theta is None:
+        theta = 10000.0
+    if not _is_number(theta) or not 1 < theta <= MAX_ROPE_THETA:
+        raise _invalid(theta_key, theta, f"a finite number in (1, {MAX_ROPE_THETA:g}]")
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial is not None and not _is_number(partial):
+        raise _invalid("partial_rotary_factor", partial, "a finite number (only 1.0 is supported)")
     if partial not in (None, 1, 1.0):
         raise _refuse("partial_rotary_factor", partial, "partial rotary embeddings are not supported (only 1.0)")
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if not isinstance(kind, str):
+        raise _invalid(f"{key}.rope_type", kind, "a string (default, linear, llama3 or yarn)")
+    fields = _rope_numbers(params, key)
     if kind == "default":
         return float(theta), None
     if kind not in ("linear", "llama3", "yarn"):
         raise _refuse(f"{key}.rope_type", kind, "supported RoPE types: default, linear, llama3, yarn")
-    factor = params.get("factor")
-    orig = params.get("original_max_position_embeddings")
+    factor = fields["factor"]
+    orig = fields["original_max_position_embeddings"]
     if kind == "yarn" and factor is None and orig:
         factor = max_pos / orig
     if factor is None:
@@ -171,14 +303,14 @@ def _rope(cfg: Mapping, head_dim: int, max_pos: int) -> tuple[float, RopeScaling
     extra: dict[str, Any] = {}
     if kind == "llama3":
         for name in ("low_freq_factor", "high_freq_factor"):
-            if params.get(name) is None:
+            if fields[name] is None:
                 raise CheckpointError(f"config.json: {key}.{name} is missing (RoPE type 'llama3' needs it)")
-            extra[name] = params[name]
+            extra[name] = fields[name]
     if kind == "yarn":
         for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
-            if params.get(name):
-                extra[name] = params[name]
-        extra["truncate"] = bool(params.get("truncate", True))
+            if fields[name]:
+                extra[name] = fields[name]
+        extra["truncate"] = fields["truncate"]
     if kind in ("llama3", "yarn") and orig is None:
         raise CheckpointError(f"config.json: {key}.original_max_position_embeddings is missing (RoPE type {kind!r} needs it)")
     try:
@@ -193,17 +325,18 @@ def _check_sliding(cfg: Mapping, family: str, layers: int, max_context: int) -> 
     if family == "llama":
         return
     window = cfg.get("sliding_window", _SLIDING_DEFAULT.get(family))
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not _bool(cfg, "use_sliding_window", False):
         window = None
     if window is None:
         return
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise CheckpointError(f"config.json: sliding_window={window!r} is invalid; it must be an integer >= 1 or null")
+    _check_int("sliding_window", window, 1, MAX_POSITIONS)
     types = cfg.get("layer_types")
     if types is not None:
+        if not isinstance(types, list) or len(types) != layers or not all(isinstance(t, str) for t in types):
+            raise _invalid("layer_types", types, f"a list of {layers} strings (one per layer)")
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     elif family in ("qwen2", "qwen3"):
-        start = _int(cfg, "max_window_layers", 28, minimum=0)
+        start = _int(cfg, "max_window_layers", 28, minimum=0, maximum=MAX_LAYERS)
         sliding = list(range(start, layers))
     else:
         sliding = list(range(layers))
@@ -240,17 +373,22 @@ def model_config_from_hf(
         if cfg.get(key):
             raise _refuse(key, cfg[key], "mixture-of-experts layers are not supported")
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act not in _ACTIVATIONS:
+    if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise _refuse("hidden_act", act, "the MLP must be SwiGLU with SiLU (hidden_act silu)")
-    d = _int(cfg, "hidden_size")
-    heads = _int(cfg, "num_attention_heads")
-    kv_heads = _int(cfg, "num_key_value_heads", heads)
-    layers = _int(cfg, "num_hidden_layers")
-    head_dim = _int(cfg, "head_dim", None) or d // heads
-    max_pos = _int(cfg, "max_position_embeddings", 32768 if family.startswith("qwen") else 2048)
+    vocab = _int(cfg, "vocab_size", maximum=MAX_VOCAB)
+    d = _int(cfg, "hidden_size", maximum=MAX_HIDDEN)
+    heads = _int(cfg, "num_attention_heads", maximum=MAX_HEADS)
+    kv_heads = _int(cfg, "num_key_value_heads", heads, maximum=MAX_HEADS)
+    layers = _int(cfg, "num_hidden_layers", maximum=MAX_LAYERS)
+    mlp = _int(cfg, "intermediate_size", maximum=MAX_INTERMEDIATE)
+    head_dim = _int(cfg, "head_dim", None, maximum=MAX_HEAD_DIM) or d // heads
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise _invalid("head_dim", head_dim, f"an integer in [1, {MAX_HEAD_DIM}] (hidden_size // num_attention_heads "
+                                             f"when absent)")
+    max_pos = _int(cfg, "max_position_embeddings", 32768 if family.startswith("qwen") else 2048, maximum=MAX_POSITIONS)
     context = max_pos if max_context is None else max_context
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise CheckpointError(f"max_context={max_context!r} is invalid; it must be an integer >= 1")
+    if not _is_int(context) or not 1 <= context <= MAX_POSITIONS:
+        raise CheckpointError(f"max_context={_show(max_context)} is invalid; it must be an integer in [1, {MAX_POSITIONS}]")
     theta, scaling = _rope(cfg, head_dim, max_pos)
     _check_sliding(cfg, family, layers, context)
     attention_bias = _bool(cfg, "attention_bias", False)
@@ -260,32 +398,38 @@ def model_config_from_hf(
         o_bias=family in ("qwen3", "llama") and attention_bias,
         mlp_bias=family == "llama" and _bool(cfg, "mlp_bias", False),
     )
+    eps = _float(cfg, "rms_norm_eps", 1e-6, 0.0, 1.0)
+    tie = _bool(cfg, "tie_word_embeddings", False)
+    eos = token_ids(cfg.get("eos_token_id"), "config.json: eos_token_id", vocab)
+    bos = token_ids(cfg.get("bos_token_id"), "config.json: bos_token_id", vocab)
+    checkpoint_dtype = cfg.get("torch_dtype", cfg.get("dtype"))
+    if checkpoint_dtype is not None and not isinstance(checkpoint_dtype, str):
+        raise _invalid("torch_dtype", checkpoint_dtype, "a string such as 'bfloat16', or null")
     try:
         model = ModelConfig(
-            vocab_size=_int(cfg, "vocab_size"),
+            vocab_size=vocab,
             d_model=d,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            mlp_dim=_int(cfg, "intermediate_size"),
+            mlp_dim=mlp,
             rope_theta=theta,
-            rms_eps=_float(cfg, "rms_norm_eps", 1e-6),
+            rms_eps=eps,
             dtype=dtype,
-            tie_embeddings=_bool(cfg, "tie_word_embeddings", False),
+            tie_embeddings=tie,
             rope_scaling=scaling,
             **options,
         )
     except ValueError as exc:
         raise CheckpointError(f"config.json ({arch}): {exc}") from None
-    checkpoint_dtype = cfg.get("torch_dtype", cfg.get("dtype"))
     info = HFModelInfo(
         family=family,
         architecture=arch,
         max_position_embeddings=max_pos,
         max_context=context,
-        eos_token_ids=_token_ids(cfg.get("eos_token_id"), "config.json: eos_token_id"),
-        bos_token_id=_token_ids(cfg.get("bos_token_id"), "config.json: bos_token_id")[0] if cfg.get("bos_token_id") is not None else None,
-        checkpoint_dtype=str(checkpoint_dtype) if checkpoint_dtype is not None else None,
+        eos_token_ids=eos,
+        bos_token_id=bos[0] if bos else None,
+        checkpoint_dtype=checkpoint_dtype,
     )
     return model, info

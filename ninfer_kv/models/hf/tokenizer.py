@@ -5,22 +5,31 @@ The tokenizer is optional: a checkpoint directory without ``tokenizer.json`` is 
 ``pip install "ninfer_kv[hf]"``) must be installed; encoding applies the file's post-processor (the
 BOS token Llama adds, for instance), as transformers' tokenizer does.
 
-The stop tokens are ``eos_token_id`` of ``generation_config.json`` when it names one (an id or a
-list), else of ``config.json`` (:func:`eos_token_ids`).
+``tokenizer.json`` is read by this package (a regular file of at most
+:data:`~ninfer_kv.models.hf.bounded_files.MAX_TOKENIZER_BYTES`, strict UTF-8, nesting at most
+:data:`~ninfer_kv.models.hf.bounded_files.MAX_JSON_DEPTH`) and handed to ``tokenizers`` as text, so
+the library never opens a file itself.
+
+The stop tokens, in the Python API (:attr:`~ninfer_kv.models.hf.checkpoint.LoadedModel.eos_token_ids`)
+and the command line alike, are ``eos_token_id`` of ``generation_config.json`` when it names one (an
+id or a non-empty list), else of ``config.json`` (:func:`eos_token_ids`); every id is checked against
+the vocabulary.
 """
 
 from __future__ import annotations
 
-import json
+import operator
 import os
 from pathlib import Path
 from typing import Sequence
 
-from .config import CheckpointError
+from .bounded_files import MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, check_json_depth, decode_utf8, load_json, read_bounded
+from .config import CheckpointError, token_ids
 
-__all__ = ["TextTokenizer", "StreamDecoder", "load_tokenizer", "eos_token_ids", "TOKENIZER_FILE"]
+__all__ = ["TextTokenizer", "StreamDecoder", "load_tokenizer", "eos_token_ids", "TOKENIZER_FILE", "GENERATION_CONFIG_FILE"]
 
 TOKENIZER_FILE = "tokenizer.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class TextTokenizer:
@@ -38,10 +47,13 @@ class TextTokenizer:
                 f"{path} is present but the 'tokenizers' package is not installed; "
                 f"install it with pip install \"ninfer_kv[hf]\" (or pass token ids)"
             ) from None
+        raw = read_bounded(path, MAX_TOKENIZER_BYTES)
+        text = decode_utf8(raw, path)
+        check_json_depth(raw, path)
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = Tokenizer.from_str(text)
         except Exception as exc:  # noqa: BLE001 - the library raises its own exception types
-            raise CheckpointError(f"{path}: cannot be loaded as a tokenizer ({exc})") from None
+            raise CheckpointError(f"{path}: cannot be loaded as a tokenizer ({str(exc)[:200]})") from None
         self.path = Path(path)
 
     @property
@@ -92,26 +104,32 @@ class StreamDecoder:
 
 
 def load_tokenizer(directory: str | os.PathLike) -> TextTokenizer | None:
-    """The tokenizer of a checkpoint directory, or ``None`` when it has no ``tokenizer.json``."""
+    """The tokenizer of a checkpoint directory, or ``None`` when it has no ``tokenizer.json``
+    (one that is not a regular file, a FIFO for instance, is refused)."""
     path = Path(directory) / TOKENIZER_FILE
-    return TextTokenizer(path) if path.is_file() else None
+    return TextTokenizer(path) if os.path.lexists(path) else None
 
 
-def _ids(value, where: str) -> tuple[int, ...]:
-    items = value if isinstance(value, list) else [value]
-    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in items):
-        raise CheckpointError(f"{where}: eos_token_id={value!r} is invalid; it must be a token id or a list of ids")
-    return tuple(items)
+def eos_token_ids(
+    directory: str | os.PathLike, config_eos: Sequence[int] = (), vocab_size: int | None = None
+) -> tuple[int, ...]:
+    """Stop tokens: ``generation_config.json``'s ``eos_token_id`` when it names one, else ``config_eos``.
 
-
-def eos_token_ids(directory: str | os.PathLike, config_eos: Sequence[int] = ()) -> tuple[int, ...]:
-    """Stop tokens: ``generation_config.json``'s ``eos_token_id`` if it has one, else ``config_eos``."""
-    path = Path(directory) / "generation_config.json"
-    if path.is_file():
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: cannot be read as JSON ({exc})") from None
-        if isinstance(doc, dict) and doc.get("eos_token_id") is not None:
-            return _ids(doc["eos_token_id"], str(path))
-    return tuple(int(i) for i in config_eos)
+    Args:
+      directory: the checkpoint directory.
+      config_eos: ``config.json``'s ids (:attr:`~ninfer_kv.models.hf.config.HFModelInfo.eos_token_ids`).
+      vocab_size: when given, every id must be below it.
+    Raises:
+      CheckpointError: ``generation_config.json`` is not a regular file of at most
+        :data:`~ninfer_kv.models.hf.bounded_files.MAX_CONFIG_BYTES` holding a JSON object, or an id is
+        not an integer in ``[0, vocab_size - 1]``; the message names the file and the id.
+    """
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    if os.path.lexists(path):
+        doc = load_json(path, MAX_CONFIG_BYTES)
+        if not isinstance(doc, dict):
+            raise CheckpointError(f"{path}: must hold a JSON object, got {type(doc).__name__}")
+        ids = token_ids(doc.get("eos_token_id"), f"{path}: eos_token_id", vocab_size)
+        if ids:
+            return ids
+    return token_ids([operator.index(i) for i in config_eos], "config.json: eos_token_id", vocab_size)
