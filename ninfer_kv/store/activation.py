@@ -12,6 +12,10 @@ step in reverse, leaving the store — the source checkpoint and the pending rou
 exactly as before.  ``restore_host`` stages the source's Host-only pages into the pending work
 (the ``reserve`` stage reserved Device pages for them); ``private_tail`` records the partial-tail
 COW copy there.
+
+An activation from a checkpoint continues it from its whole committed frontier, or from a prefix of
+it (``source_tokens``): each pool then carries the part of its content that the prefix determines
+(:data:`PREFIX_LOOKAHEAD`), and only the source pages that part reads are restored from the Host.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from .bundle import CheckpointHandle, SequenceHandle, _Record
 from .entitlement import pages_for_tokens
 from ..errors import EntitlementError, IncompleteContinuationError, LifecycleError, PoolCapacityError
 from .rows import as_index as _int
+from .rows import as_integer
 from .core import StoreCore
 
-__all__ = ["ActivationVerbs", "ACTIVATION_STAGES"]
+__all__ = ["ActivationVerbs", "ACTIVATION_STAGES", "PREFIX_LOOKAHEAD"]
 
 ACTIVATION_STAGES: tuple[str, ...] = (
     "claim_spaces",
@@ -43,6 +48,11 @@ ACTIVATION_STAGES: tuple[str, ...] = (
 )
 """Activation stages in order; ``lease_rows`` and ``publish_active`` are store-wide (pool ``None``)."""
 
+PREFIX_LOOKAHEAD: Mapping[PoolKind, int] = {PoolKind.MTP: 1}
+"""Tokens past position ``i`` that a pool's KV at ``i`` is computed from (absent: 0).  The MTP head's
+KV at ``i`` reads the pair ``(h_i, t_{i+1})``, so a fork at a prefix of ``n`` tokens, which does not
+share the checkpoint's token ``n``, carries at most ``n - 1`` MTP positions."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolActivationPlan:
@@ -55,6 +65,8 @@ class PoolActivationPlan:
       reserve: pages reserved for it (entitlement beyond the carried pages, plus Host-only pages
         that must come back to the device).
       restore: Host-only pages of the source restored to the device.
+      read_blocks: the source's first logical blocks the new sequence reads (carried pages and a
+        partial tail's COW source); only Host-only pages among them are restored.
       src: the source checkpoint's space slot (``None``: the root).
       move: the source is moved (no copy; its partial tail continues in place).
       carried: pages carried from the source; ``carried_committed``: their committed tokens.
@@ -66,6 +78,7 @@ class PoolActivationPlan:
     ent: int
     reserve: int
     restore: int
+    read_blocks: int
     src: int | None
     move: bool
     carried: int
@@ -85,6 +98,7 @@ class ActivationVerbs:
         max_new_tokens: int = 0,
         *,
         source: CheckpointHandle | None = None,
+        source_tokens: int | None = None,
         release_source: bool = False,
     ) -> SequenceHandle:
         """Activate a sequence from the root or from a retained checkpoint, atomically over every pool.
@@ -92,11 +106,31 @@ class ActivationVerbs:
         Args:
           prompt_tokens: tokens of the prompt, including the prefix the checkpoint already holds.
           max_new_tokens: the output budget; the entitlement covers ``prompt + budget`` by default.
-          source: a reusable checkpoint to continue from (its frontier must be <= ``prompt_tokens``).
-          release_source: the caller gives the checkpoint up.  Pools where nothing else references
-            its pages *Move* them (no copy; the partial tail continues in place); otherwise the
-            checkpoint is *Forked* — full pages shared immutably, a partial tail copied into a
-            private page — and released afterwards.  With ``False`` the checkpoint survives (Fork).
+          source: a reusable checkpoint to continue from.
+          source_tokens: continue from the first ``n`` tokens of ``source`` only (``None``: its whole
+            Main frontier ``F``).  An integer in ``[1, F]`` (0 is the root: pass ``source=None``) and
+            ``<= prompt_tokens``.  The new sequence's Main frontier is ``n``: the full pages below
+            ``n`` are shared, a partial tail of ``n mod P`` columns is copied (COW) from the
+            checkpoint's page holding token ``n - 1``, nothing beyond ``n`` is carried.  Every other
+            pool continues from ``min(n - lookahead, its committed frontier)`` (``lookahead`` from
+            :data:`PREFIX_LOOKAHEAD`: 1 for MTP, whose KV at ``i`` reads token ``i + 1``, 0 for Draft
+            Full), never below 0, with the same sharing and COW rule.  ``n = F`` is exactly
+            ``None``: every pool continues from its whole frontier (the checkpoint's own
+            continuation).  Only the source's Host-only pages below each pool's continuation (the
+            tail's COW source included) are restored; the others stay Host-only.  The checkpoint's
+            state image stands for its whole frontier: from a prefix the caller resumes its model
+            at the continued frontiers (``address_space(handle, pool).committed_frontier``).
+          release_source: the caller gives the checkpoint up.  Pools that continue from the
+            checkpoint's whole frontier and where nothing else references its partial tail *Move*
+            its pages (no copy; the partial tail continues in place); otherwise the checkpoint is
+            *Forked* — full pages shared immutably, a partial tail copied into a private page — and
+            released afterwards (so a prefix ``n < F`` forks Main and releases the rest of the
+            checkpoint).  Refused (:class:`LifecycleError`) while an in-flight copy pins a page of
+            the checkpoint, as :meth:`release_checkpoint` is.  With ``False`` the checkpoint
+            survives (Fork).
+
+        Every argument is checked before anything changes: a refused activation leaves the store
+        exactly as it was.
 
         Returns:
           The new :class:`SequenceHandle`; its row is ``store.row(handle)``.
@@ -110,6 +144,7 @@ class ActivationVerbs:
                 f"(allowed: 0..{self.core.max_context})"
             )
         src_rec = None
+        prefix = None  # the Main prefix continued from (None: the whole checkpoint)
         if source is not None:
             src_rec = self.core.checkpoint_record(source, "activate")
             if not self.core.reusable(src_rec):
@@ -118,10 +153,35 @@ class ActivationVerbs:
                     "reusable continuation"
                 )
             f_main = int(self.core.main.spaces.committed[src_rec.slots[PoolKind.MAIN]])
-            if prompt < f_main:
-                raise ValueError(f"prompt_tokens={prompt} is below the checkpoint frontier {f_main}")
-        elif release_source:
-            raise ValueError("release_source=True needs a source checkpoint")
+            if source_tokens is None:
+                if prompt < f_main:
+                    raise ValueError(f"prompt_tokens={prompt} is below the checkpoint frontier {f_main}")
+            else:
+                n = as_integer("source_tokens", source_tokens)
+                if n == 0:
+                    raise ValueError(
+                        "source_tokens=0 continues nothing of the checkpoint: that is the root, pass source=None"
+                    )
+                if f_main == 0:
+                    raise ValueError(
+                        f"source_tokens={n}: the checkpoint holds no Main tokens (frontier 0); continue it with "
+                        f"source_tokens=None"
+                    )
+                if not 1 <= n <= f_main:
+                    raise ValueError(
+                        f"source_tokens={n} is outside the checkpoint: allowed 1..{f_main} (its Main frontier)"
+                    )
+                if n > prompt:
+                    raise ValueError(
+                        f"source_tokens={n} exceeds prompt_tokens={prompt}: the continued prefix is part of the "
+                        f"prompt (allowed: 1..{min(prompt, f_main)})"
+                    )
+                prefix = None if n == f_main else n
+        else:
+            if release_source:
+                raise ValueError("release_source=True needs a source checkpoint")
+            if source_tokens is not None:
+                raise ValueError(f"source_tokens={source_tokens!r} needs a source checkpoint")
         if not self.core.rows.free:
             raise PoolCapacityError(f"all {self.core.max_concurrency} execution rows are leased")
 
@@ -134,22 +194,24 @@ class ActivationVerbs:
             lo = pages_for_tokens(min(cap, min_tok + rt.lead_tokens))
             hi = pages_for_tokens(min(cap, want_tok + rt.lead_tokens))
             src_slot = tail_slot = None
-            carried = full = partial = restore = 0
+            carried = full = partial = restore = read = c = 0
             move = False
             if src_rec is not None:
                 src_slot = src_rec.slots[kind]
-                c = int(rt.spaces.committed[src_slot])
+                whole = int(rt.spaces.committed[src_slot])
+                c = whole if prefix is None else min(whole, max(0, prefix - PREFIX_LOOKAHEAD.get(kind, 0)))
                 full, partial = divmod(c, PAGE_SIZE)
                 if partial:
                     tail_slot = int(rt.spaces.membership[src_slot, full])
-                move = release_source and (not partial or int(rt.pages.refs[tail_slot]) == 1)
+                move = release_source and c == whole and (not partial or int(rt.pages.refs[tail_slot]) == 1)
                 carried = int(rt.spaces.n_blocks[src_slot]) if move else full
+                read = pages_for_tokens(c)  # == the source's page count when the whole frontier continues
                 src_pages = rt.spaces.pages_of(src_slot)
-                restore = int((rt.pages.device_page[src_pages] < 0).sum())  # Host-only pages
-                if move and (rt.pages.pins[src_pages] != 0).any():
+                restore = int((rt.pages.device_page[src_pages[:read]] < 0).sum())  # Host-only pages read
+                if release_source and (rt.pages.pins[src_pages] != 0).any():
                     raise LifecycleError(
                         f"pool {kind.value}: the checkpoint's pages are pinned by an in-flight copy; it cannot be "
-                        f"moved now"
+                        f"{'moved' if move else 'released'} now"
                     )
                 lo = max(lo, pages_for_tokens(c))
                 hi = max(hi, lo)
@@ -161,12 +223,11 @@ class ActivationVerbs:
                     ent=ent,
                     reserve=ent - carried + restore,
                     restore=restore,
+                    read_blocks=read,
                     src=src_slot,
                     move=move,
                     carried=carried,
-                    carried_committed=(int(rt.spaces.committed[src_slot]) if move else full * PAGE_SIZE)
-                    if src_slot is not None
-                    else 0,
+                    carried_committed=(c if move else full * PAGE_SIZE) if src_slot is not None else 0,
                     tail=(tail_slot, full, partial) if (partial and not move) else None,
                 )
             )
@@ -218,15 +279,16 @@ class ActivationVerbs:
     def _restore_host_pages(self, plan: PoolActivationPlan, row: int) -> Callable[[], None]:
         """Stage ``restore_host``: bring Host-only pages of the source back to Device replicas.
 
-        Every page of the source is needed on Device (carried pages are read by the new sequence, a
-        partial tail is the COW source), so each Host-only page gets a Device page materialized from
-        the row's reservation (the ``reserve`` stage included them), its Host extent is copied in,
-        epoch and coverage are verified, and the Device lease is published on the logical page (the
-        Host replica stays: placement Both).  Returns the exact undo of that work.
+        The source's first ``plan.read_blocks`` pages are needed on Device (carried pages are read by
+        the new sequence, a partial tail is the COW source; pages beyond a prefix continuation are
+        not read and stay where they are), so each Host-only one gets a Device page materialized
+        from the row's reservation (the ``reserve`` stage included them), its Host extent is copied
+        in, epoch and coverage are verified, and the Device lease is published on the logical page
+        (the Host replica stays: placement Both).  Returns the exact undo of that work.
         """
         if not plan.restore:
             return lambda: None
-        return self.core.host.restore_for_activation(plan.kind, plan.src, row)
+        return self.core.host.restore_for_activation(plan.kind, plan.src, row, blocks=plan.read_blocks)
 
     # -- finish and release ----------------------------------------------------------------------------------------
     def finish(

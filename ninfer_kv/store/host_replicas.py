@@ -715,13 +715,15 @@ class HostTier:
             self.release_host(spaces)
         return report
 
-    def restore_for_activation(self, kind: PoolKind, space: int, row: int) -> Callable[[], None]:
-        """Activation stage ``restore_host`` for one pool: restore the source's Host-only pages into
-        Device pages materialized from ``row``'s reservation (which the ``reserve`` stage enlarged by
-        their count).  Returns the exact undo: Device pages back to the reservation, Host replicas
-        untouched, counters restored."""
+    def restore_for_activation(self, kind: PoolKind, space: int, row: int, blocks: int | None = None
+                               ) -> Callable[[], None]:
+        """Activation stage ``restore_host`` for one pool: restore the Host-only pages among the
+        source's first ``blocks`` logical blocks (``None``: all of them; an activation from a prefix
+        reads no page beyond it) into Device pages materialized from ``row``'s reservation (which the
+        ``reserve`` stage enlarged by their count).  Returns the exact undo: Device pages back to the
+        reservation, Host replicas untouched, counters restored."""
         pg = self.rts[kind].pages
-        slots = self._pages(kind, space)
+        slots = self._pages(kind, space)[:blocks]
         off = pg.device_page[slots] < 0
         if not off.any():
             return lambda: None

@@ -153,9 +153,11 @@ class ShardedKVStore:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def activate(self, prompt_tokens: int, max_new_tokens: int = 0, *, shard: int,
-                 source: ShardedCheckpoint | None = None, release_source: bool = False) -> ShardedSequence:
+                 source: ShardedCheckpoint | None = None, source_tokens: int | None = None,
+                 release_source: bool = False) -> ShardedSequence:
         """Activate a sequence on data shard ``shard`` (chosen by the caller), atomically over the
-        shard's pools.  ``source`` must live on the same shard, else :class:`CrossShardError`."""
+        shard's pools.  ``source`` must live on the same shard, else :class:`CrossShardError`;
+        ``source_tokens`` continues a prefix of it, as in :meth:`KVStore.activate`."""
         d = self._shard_index(shard)
         local = None
         if source is not None:
@@ -167,7 +169,8 @@ class ShardedKVStore:
                     f"the checkpoint lives on data shard {s}, the activation names shard {d}; pages never cross "
                     f"shards: activate on shard {s} (store.shard_of(checkpoint)) or from the root"
                 )
-        h = self.shards[d].activate(prompt_tokens, max_new_tokens, source=local, release_source=release_source)
+        h = self.shards[d].activate(prompt_tokens, max_new_tokens, source=local, source_tokens=source_tokens,
+                                    release_source=release_source)
         return ShardedSequence(d, h)
 
     def finish(self, handle: ShardedSequence, *, retain: bool = False, state_image: Any = None,

@@ -1,12 +1,15 @@
 """Fault injection at every activation stage of every pool: the store must come back exactly as it
 was (pools, pages, address spaces, handles, host and device block tables), the source checkpoint
-included, and a retry without the fault must then succeed."""
+included, and a retry without the fault must then succeed.  The scenarios: from the root, a Fork, a
+Move, and a prefix of the checkpoint released by the activation (``source_tokens``: a Fork of the
+prefix, then the release)."""
 
 import numpy as np
 import pytest
 
 from ninfer_kv.planning import PoolKind
 from ninfer_kv.store import ACTIVATION_STAGES, KVStore
+from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
 
 from .helpers import CONFIGS, assert_same, space_content_ok, sync, tiny_plan, write_tokens
 
@@ -57,6 +60,7 @@ SCENARIOS = {
     "root": dict(prompt=64, budget=30, source=False, release=False),
     "fork": dict(prompt=110, budget=30, source=True, release=False),
     "move": dict(prompt=100, budget=30, source=True, release=True),
+    "prefix": dict(prompt=80, budget=30, source=True, release=True, tokens=70),
 }
 
 
@@ -66,13 +70,14 @@ def test_activation_rolls_back_at_every_stage(backend, scenario):
     store, ck = _prepared(backend)
     sc = SCENARIOS[scenario]
     source = ck if sc["source"] else None
+    cut = sc.get("tokens")
     points = _points(store)
     assert len(points) == 6 * len(store.pool_kinds) + 2
     for stage, pool in points:
         before = store.snapshot()
         store.fault_injector = FaultAt(stage, pool)
         with pytest.raises(InjectedFault):
-            store.activate(sc["prompt"], sc["budget"], source=source, release_source=sc["release"])
+            store.activate(sc["prompt"], sc["budget"], source=source, source_tokens=cut, release_source=sc["release"])
         assert (stage, pool) in store.fault_injector.seen
         store.fault_injector = None
         assert_same(before, store.snapshot(), f"after fault at {stage}/{pool}")
@@ -81,11 +86,13 @@ def test_activation_rolls_back_at_every_stage(backend, scenario):
     for kind in store.pool_kinds:
         space = store.address_space(ck, kind)
         assert space_content_ok(store, kind, space.physical_pages, list(range(1, 101)))
-    h = store.activate(sc["prompt"], sc["budget"], source=source, release_source=sc["release"])
+    h = store.activate(sc["prompt"], sc["budget"], source=source, source_tokens=cut, release_source=sc["release"])
     store.check_invariants()
     for kind in store.pool_kinds:
         space = store.address_space(h, kind)
         expect = list(range(1, 101)) if source is not None else []
+        if cut is not None:
+            expect = expect[: cut - PREFIX_LOOKAHEAD.get(kind, 0)]
         assert space.committed_frontier == len(expect)
         sync(store)
         assert space_content_ok(store, kind, space.physical_pages, expect)

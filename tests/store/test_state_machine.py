@@ -1,7 +1,8 @@
 """Stateful property test of the KV store against an independent model.
 
-Random sequences of activate (root / Fork / Move) / map / unit (write through the device block
-table + speculative settle) / failed unit / truncate / decode round / round boundary / finish-retain /
+Random sequences of activate (root / Fork / Move, from a checkpoint's whole frontier or a prefix of
+it) / map / unit (write through the device block table + speculative settle) / failed unit /
+truncate / decode round / round boundary / finish-retain /
 finish-release / release-checkpoint / offload / drop Device replica / restore / release Host replica /
 a caller's slip repaired by resync run on tiny ordinary, MTP and DFlash pool sets (with real, tiny device planes and a small Host arena
 that runs out now and then).  After every step the test checks, from outside the store:
@@ -13,7 +14,8 @@ that runs out now and then).  After every step the test checks, from outside the
   shared pages and protected columns were never overwritten, COW copies, offloads and restores are
   exact, and a unit that wrote without committing changed nothing visible);
 * a checkpoint's placement follows the verbs (offload -> every page has a valid Host replica, drop
-  -> none on Device, restore -> all on Device); refused verbs change nothing;
+  -> none on Device, restore -> all on Device, an activation -> the pages it reads on Device, the
+  others as they were); refused verbs change nothing;
 * each shared full page keeps its bytes while shared; at most one writer per page;
 * rows are held only by active sequences; published device block-table rows mirror memberships and
   idle rows hold the sentinel;
@@ -31,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ninfer_kv.planning import PoolKind
 from ninfer_kv.store import apply_work_jit, gather_pages, resync
+from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
 from ninfer_kv.store import (
     SENTINEL_PAGE,
     EntitlementError,
@@ -142,12 +145,36 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live_ckpts)
     @rule(data=st.data(), extra=st.integers(0, 40), budget=st.integers(0, 80))
     def fork_checkpoint(self, data, extra, budget):
-        self._activate_from(self._pick_ckpt(data), False, extra, budget)
+        self._activate_from(*self._pick_source(data), False, extra, budget)
 
     @precondition(lambda self: self.live_ckpts)
     @rule(data=st.data(), release=st.booleans(), extra=st.integers(0, 80), budget=st.integers(0, 120))
     def activate_from_checkpoint(self, data, release, extra, budget):
-        self._activate_from(self._pick_ckpt(data), release, extra, budget)
+        self._activate_from(*self._pick_source(data), release, extra, budget)
+
+    def _draw_cut(self, data, ck):
+        """``source_tokens`` for an activation from ``ck``: ``None`` (the whole frontier) half the
+        time, else mostly a prefix in ``[1, F]``, now and then a refused value (0, -1, ``F + 1``)."""
+        f = len(self.live_ckpts[ck][MAIN])
+        pick = data.draw(st.integers(0, 5))
+        if pick < 3:
+            return None
+        if pick < 5 and f:
+            return data.draw(st.integers(1, f))
+        return data.draw(st.sampled_from([0, -1, f + 1]))
+
+    def _pick_source(self, data):
+        """A checkpoint to activate from and its ``source_tokens``: the whole frontier, a prefix of
+        a checkpoint holding Main tokens (when there is one), or now and then a refused value."""
+        pick = data.draw(st.integers(0, 7))
+        if 3 <= pick < 7:
+            held = sorted((ck for ck, c in self.live_ckpts.items() if c[MAIN]), key=lambda h: h.id)
+            if held:
+                ck = data.draw(st.sampled_from(held))
+                return ck, data.draw(st.integers(1, len(self.live_ckpts[ck][MAIN])))
+        ck = self._pick_ckpt(data)
+        f = len(self.live_ckpts[ck][MAIN])
+        return ck, data.draw(st.sampled_from([0, -1, f + 1])) if pick == 7 else None
 
     @precondition(lambda self: self._has_pages())
     @rule(data=st.data(), release=st.booleans(), extra=st.integers(0, 40), budget=st.integers(0, 60))
@@ -164,7 +191,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.dead_seqs.append(h)
         ck = self._pick_ckpt_with_pages(data, "host")
         self._evict(ck)
-        self._activate_from(ck, release, extra, budget)
+        self._activate_from(ck, self._draw_cut(data, ck), release, extra, budget)
 
     def _evict(self, ck):
         """Offload + drop when the checkpoint has no Host-only page yet (best effort)."""
@@ -175,15 +202,28 @@ class StoreMachine(RuleBasedStateMachine):
             except (HostCapacityError, LifecycleError):
                 pass
 
-    def _activate_from(self, ck, release, extra, budget):
+    def _activate_from(self, ck, cut, release, extra, budget):
+        """Activate from ``ck`` (``cut``: ``source_tokens``, a prefix of it) and model the result:
+        each pool continues from the cut less its lookahead, capped at its own frontier."""
         content = self.live_ckpts[ck]
-        prompt = len(content[MAIN]) + extra
+        f = len(content[MAIN])
+        valid = cut is None or 1 <= cut <= f
+        prompt = (f if cut is None or not valid else cut) + extra
         if prompt + budget > self.S:
-            self._unchanged(lambda: self.store.activate(prompt, budget, source=ck), EntitlementError)
+            self._unchanged(lambda: self.store.activate(prompt, budget, source=ck, source_tokens=cut),
+                            EntitlementError)
             return
+        if not valid:
+            self._unchanged(lambda: self.store.activate(prompt, budget, source=ck, source_tokens=cut,
+                                                        release_source=release), ValueError)
+            return
+        if cut is not None and cut < f:
+            content = {k: v[: min(len(v), max(0, cut - PREFIX_LOOKAHEAD.get(k, 0)))] for k, v in content.items()}
+        on_device = {k: [p.device_lease is not None for p in self.store.address_space(ck, k).pages()]
+                     for k in self.kinds}
         before = self.store.snapshot()
         try:
-            h = self.store.activate(prompt, budget, source=ck, release_source=release)
+            h = self.store.activate(prompt, budget, source=ck, source_tokens=cut, release_source=release)
         except PoolCapacityError:
             assert_same(before, self.store.snapshot())
             return
@@ -195,8 +235,11 @@ class StoreMachine(RuleBasedStateMachine):
         if release:
             del self.live_ckpts[ck]
             self.dead_ckpts.append(ck)
-        else:
-            assert self.store.checkpoint(ck).page_placement["host"] == 0  # restored for the fork
+        else:  # the pages the new sequence reads are restored for it, the others stay where they were
+            for k in self.kinds:
+                read = -(-len(content[k]) // P)
+                pages = self.store.address_space(ck, k).pages()
+                assert [p.device_lease is not None for p in pages] == [True] * read + on_device[k][read:]
         for k in self.kinds:
             assert self.store.address_space(h, k).committed_frontier == len(content[k])
 
