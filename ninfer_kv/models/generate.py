@@ -22,7 +22,6 @@ own verbs are atomic, so a refused call leaves the generator and its store as th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from typing import Callable, Iterable, NamedTuple, Sequence
 
@@ -37,7 +36,7 @@ from ..store import CheckpointHandle, KVStore, SequenceHandle
 from .decoder.buckets import bucket_for, bucket_ladder, pad_rows
 from .decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig
 from .decoder.sampling import GREEDY, SamplingConfig, sampling_rows
-from .decoder.steps import ModelSteps, make_steps
+from .decoder.steps import ModelSteps, shared_steps
 from .request_checks import check_callback, check_max_new_tokens, check_sampling, token_ids
 
 __all__ = [
@@ -112,14 +111,6 @@ class GeneratedSequence:
         return self.finish_reason is not None
 
 
-@functools.lru_cache(maxsize=8)
-def _shared_steps(step_config: StepConfig) -> ModelSteps:
-    """The step functions of ``step_config``, shared by every generator built with an equal config
-    (the params are arguments, not constants of the programs), so a second generator of the same
-    model and buckets reuses the compiled programs instead of tracing and compiling them again."""
-    return make_steps(step_config)
-
-
 class PagedGenerator:
     """Generates continuations of prompts through a paged KV store (see the module docstring).
 
@@ -164,7 +155,7 @@ class PagedGenerator:
                               kv_capacity=kv_capacity)
         self.plan = plan
         self.store = KVStore(plan)
-        self.steps: ModelSteps = _shared_steps(step_config)
+        self.steps: ModelSteps = shared_steps(step_config)
         self.chunk = step_config.prefill_chunk
         self.buckets = step_config.batch_buckets
         self.state: KVDeviceState = self.store.allocate_state()

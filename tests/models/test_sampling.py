@@ -10,7 +10,7 @@ import pytest
 
 from ninfer_kv.models.decoder import ModelConfig, SamplingConfig, init_params, make_steps, StepConfig
 from ninfer_kv.models.decoder.sampling import (
-    SamplingParams,
+    SamplingRows,
     filter_logits,
     filter_logits_reference,
     sample_tokens,
@@ -56,7 +56,7 @@ def test_the_draw_is_gumbel_max_over_the_kept_logits_with_the_position_folded_ke
 
 def test_sampled_frequencies_follow_the_filtered_softmax():
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))[None].repeat(4000, 0)
-    sp = SamplingParams(np.full(4000, 1.0, np.float32), np.zeros(4000, np.int32), np.full(4000, 0.9, np.float32),
+    sp = SamplingRows(np.full(4000, 1.0, np.float32), np.zeros(4000, np.int32), np.full(4000, 0.9, np.float32),
                         np.tile(sequence_key(7), (4000, 1)))
     tokens = np.asarray(jax.jit(sample_tokens)(logits, sp, np.arange(4000, dtype=np.int32)))  # positions differ
     freq = np.bincount(tokens, minlength=4) / 4000

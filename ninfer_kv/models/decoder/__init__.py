@@ -37,8 +37,9 @@ from .steps import (
     PrefillOutput,
     VerifyOutput,
     make_steps,
+    shared_steps,
 )
-from .sampling import GREEDY, SamplingConfig, SamplingParams, sample_tokens, sampling_rows, sequence_key
+from .sampling import GREEDY, SamplingConfig, SamplingRows, sample_tokens, sampling_rows, sequence_key
 from .weights import init_params, param_count, param_shapes
 
 __all__ = [
@@ -56,7 +57,7 @@ __all__ = [
     "StepConfig",
     "GREEDY",
     "SamplingConfig",
-    "SamplingParams",
+    "SamplingRows",
     "sample_tokens",
     "sampling_rows",
     "sequence_key",
@@ -76,6 +77,7 @@ __all__ = [
     "PrefillOutput",
     "VerifyOutput",
     "make_steps",
+    "shared_steps",
     "init_params",
     "param_count",
     "param_shapes",

@@ -33,7 +33,7 @@ from jax.typing import ArrayLike
 
 __all__ = [
     "SamplingConfig",
-    "SamplingParams",
+    "SamplingRows",
     "GREEDY",
     "sequence_key",
     "sampling_rows",
@@ -101,7 +101,7 @@ GREEDY = SamplingConfig()
 """Greedy decoding (temperature 0)."""
 
 
-class SamplingParams(NamedTuple):
+class SamplingRows(NamedTuple):
     """Per-row sampling inputs of a step (a pytree of arrays; data, never static).
 
     Attributes:
@@ -123,7 +123,7 @@ def sequence_key(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.key(int(seed), impl=_KEY_IMPL)), np.uint32)
 
 
-def sampling_rows(configs: Sequence[SamplingConfig], bucket: int) -> SamplingParams:
+def sampling_rows(configs: Sequence[SamplingConfig], bucket: int) -> SamplingRows:
     """Host arrays of ``configs`` (one per real row) padded to ``bucket`` rows with greedy rows."""
     n = len(configs)
     if not isinstance(bucket, (int, np.integer)) or bucket < max(n, 1):
@@ -137,7 +137,7 @@ def sampling_rows(configs: Sequence[SamplingConfig], bucket: int) -> SamplingPar
             raise TypeError(f"configs[{i}] must be a SamplingConfig, got {type(c).__name__}")
         temp[i], top_k[i], top_p[i] = c.temperature, c.top_k, c.top_p
         key[i] = sequence_key(c.seed)
-    return SamplingParams(temp, top_k, top_p, key)
+    return SamplingRows(temp, top_k, top_p, key)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -202,7 +202,7 @@ def _gumbel(key_data: jax.Array, position: jax.Array, v: int) -> jax.Array:
     return jax.random.gumbel(jax.random.fold_in(key, position), (v,), jnp.float32)
 
 
-def sample_tokens(logits: ArrayLike, sampling: SamplingParams, positions: ArrayLike) -> jax.Array:
+def sample_tokens(logits: ArrayLike, sampling: SamplingRows, positions: ArrayLike) -> jax.Array:
     """int32 ``(B,)`` tokens from float32 ``logits (B, V)``; ``positions (B,)`` is the sequence index of
     the token each row produces (the key is folded with it).  Greedy rows take the argmax."""
     logits = jnp.asarray(logits, jnp.float32)

@@ -31,7 +31,7 @@ Steps (``B`` in ``step_config.batch_buckets``; pad with :func:`ninfer_kv.models.
 positions, valid, table_rows are int32 ``(B,)``; ``kv_lens = positions + valid`` is formed inside.
 
 Sampling: prefill, decode and verify take an optional last argument ``sampling``, a
-:class:`~ninfer_kv.models.decoder.sampling.SamplingParams` of ``(B,)`` rows (temperature, top-k,
+:class:`~ninfer_kv.models.decoder.sampling.SamplingRows` of ``(B,)`` rows (temperature, top-k,
 top-p, the sequence's key), and then choose ``next_tokens`` / ``target_tokens`` with
 :func:`~ninfer_kv.models.decoder.sampling.sample_tokens`, folding each row's key with the sequence
 position of the token it produces (``positions + valid`` for prefill and decode,
@@ -57,6 +57,7 @@ trace without a compile or a compile without a trace both indicate a bug).
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import threading
 import weakref
@@ -72,13 +73,14 @@ from ...store import KVDeviceState, apply_work
 from .config import StepConfig
 from .model import forward_paged, logits_from_hidden
 from .mtp import mtp_draft_paged, mtp_forward_paged
-from .sampling import SamplingParams, greedy_tokens, sample_tokens
+from .sampling import SamplingRows, greedy_tokens, sample_tokens
 
 __all__ = [
     "CompileCounter",
     "CountedStep",
     "ModelSteps",
     "make_steps",
+    "shared_steps",
     "PrefillOutput",
     "DecodeOutput",
     "VerifyOutput",
@@ -314,8 +316,8 @@ def _check_tokens(name: str, tokens) -> None:
 def _check_sampling(what: str, sampling, b: int) -> None:
     if sampling is None:
         return
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"{what}: sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+    if not isinstance(sampling, SamplingRows):
+        raise TypeError(f"{what}: sampling must be a SamplingRows or None, got {type(sampling).__name__}")
     want = {"temperature": ((b,), np.float32), "top_k": ((b,), np.int32), "top_p": ((b,), np.float32),
             "key": ((b, 2), np.uint32)}
     for name, (shape, dtype) in want.items():
@@ -361,14 +363,14 @@ def _greedy(logits: jax.Array) -> jax.Array:
     return greedy_tokens(logits)
 
 
-def _choose(logits: jax.Array, sampling: SamplingParams | None, produced: jax.Array) -> jax.Array:
+def _choose(logits: jax.Array, sampling: SamplingRows | None, produced: jax.Array) -> jax.Array:
     """Tokens from ``logits (B, V)``: greedy without ``sampling``, else sampled at positions ``produced (B,)``."""
     if sampling is None:
         return _greedy(logits)
     return sample_tokens(logits, sampling, produced)
 
 
-def _choose_chunk(logits: jax.Array, sampling: SamplingParams | None, positions: jax.Array) -> jax.Array:
+def _choose_chunk(logits: jax.Array, sampling: SamplingRows | None, positions: jax.Array) -> jax.Array:
     """Tokens from ``logits (B, T, V)``; token ``t`` of row ``b`` is produced at ``positions[b] + t + 1``."""
     if sampling is None:
         return _greedy(logits)
@@ -509,3 +511,11 @@ def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable) -> Cou
 def make_steps(step_config: StepConfig) -> ModelSteps:
     """Build the jitted step functions for ``step_config``."""
     return ModelSteps(step_config)
+
+
+@functools.lru_cache(maxsize=8)
+def shared_steps(step_config: StepConfig) -> ModelSteps:
+    """The step functions of ``step_config``, shared by every user of an equal config (the params are
+    arguments, not constants of the programs), so a second generator or engine of the same model and
+    buckets reuses the compiled programs instead of tracing and compiling them again."""
+    return make_steps(step_config)

@@ -61,9 +61,11 @@ class TextTokenizer:
         """Tokens in the vocabulary, added tokens included."""
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens the file's post-processor adds included)."""
-        return list(self._tok.encode(text).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the special tokens the file's
+        post-processor adds (a BOS) are included — a rendered chat template holds its own, so it is
+        encoded without them, as transformers does."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
