@@ -270,6 +270,139 @@ def test_an_unexpected_failure_is_one_line_without_traceback(capsys, monkeypatch
     assert "internal error: RuntimeError: disk on fire second line" in err and "Traceback" not in err
 
 
+# -- plan --model DIR: the model's numbers from a checkpoint's config.json ------------------------
+def _checkpoint_dir(tmp_path, family="llama", name=None, **overrides):
+    """A checkpoint directory holding only ``config.json`` (plan reads no weights)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "models"))
+    try:
+        from hf_fixtures import FAMILY_CONFIGS
+    finally:
+        sys.path.pop(0)
+    cfg = {**FAMILY_CONFIGS[family], **overrides}
+    directory = tmp_path / (name or f"{family}-ckpt")
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory, cfg
+
+
+MODEL_TAIL = ["--profile", "k8v4", "--max-concurrency", "8", "--kv-capacity", "4096"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
+def test_plan_model_json_is_the_plan_of_its_numbers(capsys, tmp_path, family):
+    directory, cfg = _checkpoint_dir(tmp_path, family)
+    layers, kv_heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    js = run_json(capsys, ["plan", "--model", str(directory)] + MODEL_TAIL)
+    assert js.pop("model") == {
+        "path": str(directory), "architecture": cfg["architectures"][0], "family": family, "layers": layers,
+        "kv_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": cfg["max_position_embeddings"],
+    }
+    by_flags = ["plan", "--layers", str(layers), "--kv-heads", str(kv_heads), "--head-dim", str(head_dim),
+                "--max-context", str(cfg["max_position_embeddings"])] + MODEL_TAIL
+    assert js == run_json(capsys, by_flags)  # --max-context defaults to max_position_embeddings
+    assert js["max_context"] == 4096 and js["pools"]["main"]["kv_heads"] == kv_heads
+
+
+def test_plan_model_table_names_the_checkpoint(capsys, tmp_path):
+    directory, _ = _checkpoint_dir(tmp_path, "mistral")
+    code, out, err = run(capsys, ["plan", "--model", str(directory)] + MODEL_TAIL)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == "KV plan"
+    assert lines[1].split() == ["checkpoint", str(directory), "(MistralForCausalLM)"]
+    assert "2 layers, 1 KV head, head dim 64; max_position_embeddings 4,096 (the max context S)" in lines[2]
+    assert "4,096 tokens (L = ceil(S/P) = 64 logical pages)" in out
+    assert any(line.split()[:6] == ["main", "k8v4", "page-major", "2", "1", "64"] for line in lines)
+    # an explicit --max-context (here by its alias --max-model-len) below the model's context
+    code, out, _ = run(capsys, ["plan", "--model", str(directory), "--max-model-len", "1000"] + MODEL_TAIL)
+    assert code == 0 and "1,000 tokens (L = ceil(S/P) = 16 logical pages)" in out and "(the max context S)" not in out
+
+
+def test_plan_model_over_a_mesh(capsys, tmp_path):
+    directory, _ = _checkpoint_dir(tmp_path, "qwen3")
+    argv = ["plan", "--model", str(directory), "--mesh", "data=2,model=2", "--profile", "bf16", "--max-concurrency", "8",
+            "--kv-capacity", "16384"]
+    js = run_json(capsys, argv)
+    assert js["model"]["architecture"] == "Qwen3ForCausalLM" and js["kv_heads"] == 2
+    code, out, _ = run(capsys, argv)
+    assert code == 0 and out.startswith("KV plan over a device mesh\n  checkpoint")
+    assert "(Qwen3ForCausalLM)" in out
+
+
+def test_vllm_names_are_aliases(capsys, tmp_path):
+    base = SMALL[:-4] + ["--kv-capacity", "1000"]  # SMALL without --max-context and --max-concurrency
+    assert SMALL[-4:] == ["--max-context", "1000", "--max-concurrency", "8"]
+    expect = run_json(capsys, SMALL + ["--kv-capacity", "1000"])
+    assert run_json(capsys, base + ["--max-model-len", "1000", "--max-num-seqs", "8"]) == expect
+    assert run_json(capsys, base + ["--max-model-len=1000", "--max-concurrency", "8"]) == expect
+    directory, _ = _checkpoint_dir(tmp_path)
+    tail = ["--profile", "bf16", "--kv-capacity", "4096"]
+    assert (run_json(capsys, ["plan", "--model", str(directory), "--max-num-seqs", "4", "--max-model-len", "2048"] + tail)
+            == run_json(capsys, ["plan", "--model", str(directory), "--max-concurrency", "4", "--max-context", "2048"]
+                        + tail))
+    assert_usage_error(capsys, base + ["--max-model-len", "0", "--max-num-seqs", "8"], "--max-model-len", "0", ">= 1")
+    assert_usage_error(capsys, base + ["--max-model-len", "1000", "--max-num-seqs", "x"], "--max-num-seqs", "'x'")
+    assert_usage_error(capsys, base + ["--max-model-len", "1000", "--max-num-seqs", str(2**31)],
+                       "--max-concurrency 2147483648", "int32")
+
+
+@pytest.mark.parametrize("flags", [["--layers", "2"], ["--kv-heads", "2"], ["--head-dim", "64"],
+                                   ["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]])
+def test_plan_model_excludes_the_numbers(capsys, tmp_path, flags):
+    directory, _ = _checkpoint_dir(tmp_path)
+    err = assert_usage_error(capsys, ["plan", "--model", str(directory)] + flags + MODEL_TAIL + ["--json"],
+                             "not allowed with argument --model", "config.json")
+    assert all(f in err for f in flags if f.startswith("--"))
+
+
+def test_plan_model_errors(capsys, tmp_path):
+    directory, _ = _checkpoint_dir(tmp_path)
+    missing = tmp_path / "nowhere"
+    assert_usage_error(capsys, ["plan", "--model", str(missing)] + MODEL_TAIL, f"--model {missing}: no such directory")
+    assert_usage_error(capsys, ["plan", "--model", str(directory / "config.json")] + MODEL_TAIL,
+                       "config.json: not a directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_usage_error(capsys, ["plan", "--model", str(empty)] + MODEL_TAIL, f"--model {empty}", "no config.json")
+    (empty / "config.json").write_text("{not json")
+    assert_usage_error(capsys, ["plan", "--model", str(empty)] + MODEL_TAIL, str(empty / "config.json"))
+    assert_usage_error(capsys, ["plan", "--model", str(directory), "--max-context", "5000"] + MODEL_TAIL,
+                       "--max-context 5000", "max_position_embeddings=4096", "at most 4096")
+    assert_usage_error(capsys, ["plan", "--model", str(directory), "--max-model-len", "5000"] + MODEL_TAIL,
+                       "--max-context 5000", "max_position_embeddings=4096")
+    # what the command line takes is still checked (the default context is the model's)
+    assert_usage_error(capsys, ["plan", "--model", str(directory), "--profile", "bf16", "--max-concurrency", "8",
+                                "--kv-capacity", "10"], "--kv-capacity 10", "--max-context 4096 (the default")
+
+
+def test_plan_model_refusals_name_the_config(capsys, tmp_path):
+    gemma, _ = _checkpoint_dir(tmp_path, "llama", architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+    assert_usage_error(capsys, ["plan", "--model", str(gemma)] + MODEL_TAIL, f"--model {gemma}", "Gemma2ForCausalLM")
+    odd, _ = _checkpoint_dir(tmp_path, "llama", name="odd", head_dim=96)
+    err = assert_usage_error(capsys, ["plan", "--model", str(odd), "--profile", "int8", "--max-concurrency", "8",
+                                      "--kv-capacity", "4096"], f"--model {odd}", "--profile int8-g64", "head_dim=96",
+                             "% 64")
+    assert "--head-dim" not in err and "the default" not in err  # the head dim is the model's, not a flag
+    windowed, _ = _checkpoint_dir(tmp_path, "mistral", name="windowed", sliding_window=1024)
+    assert_usage_error(capsys, ["plan", "--model", str(windowed)] + MODEL_TAIL, "sliding_window=1024",
+                       "--max-context 4096 (the default", "--max-context <= 1024")
+    assert run_json(capsys, ["plan", "--model", str(windowed), "--max-context", "1024"] + MODEL_TAIL)["max_context"] == 1024
+    err = assert_usage_error(capsys, ["plan", "--model", str(odd), "--mesh", "data=1,model=3"] + MODEL_TAIL,
+                             "num_key_value_heads=2", "model axis of size 3")
+    assert "--kv-heads" not in err
+
+
+def test_plan_without_model_requires_its_numbers(capsys):
+    tail = ["--profile", "bf16", "--max-concurrency", "8", "--kv-capacity", "1000"]
+    assert_usage_error(capsys, ["plan", "--layers", "2"] + tail, "required", "--kv-heads, --head-dim, --max-context",
+                       "--model DIR")
+    err = assert_usage_error(capsys, ["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"] + tail,
+                             "required: --max-context")
+    assert "--model" not in err
+    assert_usage_error(capsys, ["plan", "--max-context", "1000"] + tail, "--layers, --kv-heads, --head-dim")
+
+
 # -- fuzz: numeric flags never give a traceback ---------------------------------------------------
 _NUMBERS = st.one_of(
     st.integers(-3, 300),

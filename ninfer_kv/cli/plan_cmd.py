@@ -1,14 +1,23 @@
 """``ninfer-kv plan``: resolve Main capacity M, every pool's pages and bytes, and the capacity curve B(M).
 
-The capacity policy is explicit (``--kv-capacity``) or automatic (``--free-bytes``, ``--headroom-bytes``);
-``--backend`` adds the MTP or Draft Full pool, and ``--mesh data=D,model=T`` plans per device over a mesh.
+The model is given by its numbers (``--layers``, ``--kv-heads``, ``--head-dim``) or read from a
+Hugging Face checkpoint directory (``--model DIR``: its ``config.json`` only, no weights; the layers,
+KV heads and head dim come from there and ``--max-context`` defaults to its
+``max_position_embeddings``).  The capacity policy is explicit (``--kv-capacity``) or automatic
+(``--free-bytes``, ``--headroom-bytes``); ``--backend`` adds the MTP or Draft Full pool, and
+``--mesh data=D,model=T`` plans per device over a mesh.  ``--max-model-len`` and ``--max-num-seqs``
+are aliases of ``--max-context`` and ``--max-concurrency`` (vLLM's names).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 
 from ..units import describe_bytes, format_bytes
+from .flags import speak_in_flags
+from .parser import PROG, UsageError
 from .registry import CommandOutput, register_subcommand
 from .tables import kv_lines, render_table
 from .tables import thousands as _n
@@ -19,14 +28,25 @@ __all__ = ["configure", "run"]
 
 def configure(p: argparse.ArgumentParser) -> None:
     """Declare the ``plan`` arguments: model, engine, capacity policy, speculative backend and mesh."""
-    model = p.add_argument_group("model")
-    model.add_argument("--layers", type=POSITIVE_INT, required=True, metavar="N", help="full-attention layers")
-    model.add_argument("--kv-heads", type=POSITIVE_INT, required=True, metavar="H", help="KV heads")
-    model.add_argument("--head-dim", type=POSITIVE_INT, required=True, metavar="D", help="head dim")
+    model = p.add_argument_group("model (--model DIR, or --layers, --kv-heads and --head-dim)")
+    model.add_argument(
+        "--model", metavar="DIR",
+        help="Hugging Face checkpoint directory: layers, KV heads and head dim from its config.json (no weights "
+        "are read); --max-context defaults to its max_position_embeddings",
+    )
+    model.add_argument("--layers", type=POSITIVE_INT, metavar="N", help="full-attention layers")
+    model.add_argument("--kv-heads", type=POSITIVE_INT, metavar="H", help="KV heads")
+    model.add_argument("--head-dim", type=POSITIVE_INT, metavar="D", help="head dim")
     add_profile(model)
     engine = p.add_argument_group("engine")
-    engine.add_argument("--max-context", type=POSITIVE_INT, required=True, metavar="S", help="per-sequence ceiling S")
-    engine.add_argument("--max-concurrency", type=POSITIVE_INT, required=True, metavar="C", help="active rows C")
+    engine.add_argument(
+        "--max-context", "--max-model-len", dest="max_context", type=POSITIVE_INT, metavar="S",
+        help="per-sequence ceiling S (required without --model; default with it: the model's max_position_embeddings)",
+    )
+    engine.add_argument(
+        "--max-concurrency", "--max-num-seqs", dest="max_concurrency", type=POSITIVE_INT, required=True, metavar="C",
+        help="active rows C",
+    )
     cap = p.add_argument_group("capacity policy (exactly one of --kv-capacity and --free-bytes)")
     policy = cap.add_mutually_exclusive_group(required=True)
     policy.add_argument("--kv-capacity", type=POSITIVE_INT, metavar="TOKENS", help="explicit Main capacity in tokens")
@@ -42,8 +62,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--draft-full-layers", type=NON_NEGATIVE_INT, metavar="N", help="DFlash full-attention layers (default 0)"
     )
-    spec.add_argument("--draft-kv-heads", type=POSITIVE_INT, metavar="H", help="Draft Full KV heads (default --kv-heads)")
-    spec.add_argument("--draft-head-dim", type=POSITIVE_INT, metavar="D", help="Draft Full head dim (default --head-dim)")
+    spec.add_argument("--draft-kv-heads", type=POSITIVE_INT, metavar="H",
+                      help="Draft Full KV heads (default: the model's, --kv-heads)")
+    spec.add_argument("--draft-head-dim", type=POSITIVE_INT, metavar="D",
+                      help="Draft Full head dim (default: the model's, --head-dim)")
     mesh = p.add_argument_group("device mesh")
     mesh.add_argument(
         "--mesh", type=MESH, metavar="data=D,model=T",
@@ -52,6 +74,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
 
 
+_MODEL_FLAGS = ("layers", "kv_heads", "head_dim")
 _MTP_FLAGS = ("draft_window", "mtp_layers")
 _DFLASH_FLAGS = ("draft_full_layers", "draft_kv_heads", "draft_head_dim")
 
@@ -94,10 +117,144 @@ def _dflash_note(speculative) -> str | None:
     return None
 
 
+class _Checkpoint:
+    """What ``--model DIR`` contributes: the directory, its architecture and KV numbers."""
+
+    def __init__(self, directory: str, info, config):
+        self.directory = directory
+        self.architecture = info.architecture
+        self.family = info.family
+        self.max_position_embeddings = info.max_position_embeddings
+        self.layers = config.num_layers
+        self.kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.directory,
+            "architecture": self.architecture,
+            "family": self.family,
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+
+    def pairs(self, context_defaulted: bool) -> list[tuple[str, str]]:
+        context = f"max_position_embeddings {_n(self.max_position_embeddings)}"
+        if context_defaulted:
+            context += " (the max context S)"
+        return [
+            ("checkpoint", f"{self.directory} ({self.architecture})"),
+            ("model", f"{_count(self.layers, 'layer')}, {_count(self.kv_heads, 'KV head')}, head dim {self.head_dim}; "
+                      f"{context}"),
+        ]
+
+
+def _count(n: int, what: str) -> str:
+    return f"{_n(n)} {what}" + ("" if n == 1 else "s")
+
+
+def _check_model_flags(args: argparse.Namespace) -> None:
+    """``--model`` excludes the model's numbers; without it they (and ``--max-context``) are required."""
+    given = [_flag(a) for a in _MODEL_FLAGS if getattr(args, a) is not None]
+    if args.model is not None:
+        if given:
+            raise UsageError(f"{PROG} plan", f"argument {', '.join(given)}: not allowed with argument --model (the "
+                                             f"model's layers, KV heads and head dim come from its config.json)")
+        return
+    missing = [_flag(a) for a in _MODEL_FLAGS + ("max_context",) if getattr(args, a) is None]
+    if missing:
+        hint = " (or --model DIR, which reads the model's numbers from its config.json)" if len(given) < 3 else ""
+        raise UsageError(f"{PROG} plan", f"the following arguments are required: {', '.join(missing)}{hint}")
+
+
+def _read_checkpoint(args: argparse.Namespace) -> _Checkpoint:
+    """``--model DIR``'s ``config.json``, bounded and validated; ``--max-context`` checked against it."""
+    from ..models.hf import model_config_from_hf, read_config
+    from ..planning.bounds import MAX_CONTEXT
+
+    directory = args.model
+    if not os.path.isdir(directory):
+        if not os.path.exists(directory):
+            raise ValueError(f"--model {directory}: no such directory")
+        raise ValueError(f"--model {directory}: not a directory (a Hugging Face checkpoint directory with config.json)")
+    if not os.path.lexists(os.path.join(directory, "config.json")):
+        raise ValueError(f"--model {directory}: no config.json in the directory (a Hugging Face checkpoint directory "
+                         f"holds one)")
+    context = None if args.max_context is None else min(args.max_context, MAX_CONTEXT)
+    config, info = model_config_from_hf(read_config(directory), max_context=context)
+    if args.max_context is not None and args.max_context > info.max_position_embeddings:
+        raise ValueError(f"--max-context {args.max_context} exceeds the model's context: max_position_embeddings="
+                         f"{info.max_position_embeddings} in {os.path.join(directory, 'config.json')} (allowed: at "
+                         f"most {info.max_position_embeddings})")
+    return _Checkpoint(directory, info, config)
+
+
+_MODEL_PARAMETERS = {"num_layers": "num_hidden_layers", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+_MODEL_PARAMETER_RE = re.compile(r"\b(" + "|".join(_MODEL_PARAMETERS) + r")\b")
+
+
+def _checkpoint_error(exc: ValueError, args: argparse.Namespace, *, reading: bool) -> UsageError:
+    """A refusal while reading or planning ``--model DIR``, as one line.  The directory and the model's
+    numbers keep their config.json names (they are no flags here) and the message names ``--model DIR``
+    when it is about the checkpoint; the other parameters speak in flags."""
+    held: list[str] = []
+
+    def hold(text: str) -> str:
+        held.append(text)
+        return f"\x00{len(held) - 1}\x00"
+
+    message = str(exc)
+    path = re.compile(r"(?<![^\s'(=])" + re.escape(args.model) + r"(?=[/:\s')]|$)") if args.model else None
+    about_model = reading or _MODEL_PARAMETER_RE.search(message) is not None
+    if about_model and "--model" not in message and (path is None or not path.search(message)):
+        message = f"--model {args.model}: {message}"
+    if path is not None:
+        message = path.sub(lambda m: hold(m.group(0)), message)
+    message = _MODEL_PARAMETER_RE.sub(lambda m: hold(_MODEL_PARAMETERS[m.group(1)]), message)
+    message = speak_in_flags(message, args._parser, _typed_flags(args))
+    message = re.sub("\x00([0-9]+)\x00", lambda m: held[int(m.group(1))], message)
+    return UsageError(f"{PROG} plan", message)
+
+
+def _typed_flags(args: argparse.Namespace) -> list[str]:
+    """The flags whose value is not their default: the ones the user typed, as far as ``args`` tells."""
+    typed = []
+    for action in args._parser._actions:
+        if not action.option_strings or action.dest in ("help", "json"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value is not None and value != action.default:
+            typed.append(action.option_strings[0])
+    return typed
+
+
 def run(args: argparse.Namespace) -> CommandOutput:
     """Plan the pools for the parsed flags (over a mesh with ``--mesh``); text view and ``--json`` object."""
+    _check_model_flags(args)
+    if args.model is None:
+        return _run(args, None)
+    try:
+        checkpoint = _read_checkpoint(args)
+    except ValueError as exc:
+        raise _checkpoint_error(exc, args, reading=True) from None
+    try:
+        return _run(args, checkpoint)
+    except ValueError as exc:
+        raise _checkpoint_error(exc, args, reading=False) from None
+
+
+def _run(args: argparse.Namespace, checkpoint: _Checkpoint | None) -> CommandOutput:
     from ..planning import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, plan_kv_cache
 
+    head: list[tuple[str, str]] = []
+    if checkpoint is not None:
+        head = checkpoint.pairs(context_defaulted=args.max_context is None)
+        args = argparse.Namespace(**vars(args))
+        args.layers, args.kv_heads, args.head_dim = checkpoint.layers, checkpoint.kv_heads, checkpoint.head_dim
+        if args.max_context is None:
+            args.max_context = checkpoint.max_position_embeddings
     speculative = _speculative_from_args(args)
     if args.kv_capacity is not None:
         if args.headroom_bytes is not None:
@@ -109,7 +266,10 @@ def run(args: argparse.Namespace) -> CommandOutput:
         policy_json = {"kind": "automatic", "free_bytes": policy.free_bytes, "headroom_bytes": policy.headroom_bytes}
     model = ModelKVConfig(args.layers, args.kv_heads, args.head_dim, args.profile)
     if args.mesh is not None:
-        return _run_mesh_plan(args, model, policy, policy_json, speculative)
+        out = _run_mesh_plan(args, model, policy, policy_json, speculative, head)
+        if checkpoint is not None:
+            out.data["model"] = checkpoint.to_json()
+        return out
     plan = plan_kv_cache(
         model,
         max_context=args.max_context,
@@ -124,10 +284,12 @@ def run(args: argparse.Namespace) -> CommandOutput:
         data["draft_window"] = speculative.draft_window
     note = _dflash_note(speculative)
     data["notes"] = [note] if note else []
-    return CommandOutput(data=data, text=_plan_text(plan, speculative, policy_json))
+    if checkpoint is not None:
+        data["model"] = checkpoint.to_json()
+    return CommandOutput(data=data, text=_plan_text(plan, speculative, policy_json, head))
 
 
-def _run_mesh_plan(args, model, policy, policy_json: dict, speculative) -> CommandOutput:
+def _run_mesh_plan(args, model, policy, policy_json: dict, speculative, head=()) -> CommandOutput:
     from ..planning import plan_kv_cache_mesh
 
     mp = plan_kv_cache_mesh(model, args.mesh, max_context=args.max_context, max_concurrency=args.max_concurrency,
@@ -144,6 +306,7 @@ def _run_mesh_plan(args, model, policy, policy_json: dict, speculative) -> Comma
         f"(the planes cost {rep}x the unreplicated cache)")
     single = mp.single_device_bytes
     lines += kv_lines([
+        *head,
         ("mesh", f"{spec} ({spec.size} devices)"),
         ("KV heads", head_text),
         ("rows", f"C = {_n(mp.max_concurrency)} = {spec.data} data shard(s) x {_n(dev.max_concurrency)} rows"),
@@ -165,7 +328,7 @@ def _local_policy_json(policy_json: dict, mp) -> dict:
     return policy_json
 
 
-def _plan_text(plan, speculative, policy_json: dict) -> str:
+def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
     from ..geometry import PAGE_SIZE as P
     from ..kinds import PoolKind
 
@@ -185,6 +348,7 @@ def _plan_text(plan, speculative, policy_json: dict) -> str:
     lines = ["KV plan"]
     lines += kv_lines(
         [
+            *head,
             ("page size P", f"{P} tokens"),
             ("max context S", f"{_n(b.max_context)} tokens (L = ceil(S/P) = {_n(b.logical_pages)} logical pages)"),
             ("max concurrency C", _n(b.max_concurrency)),
