@@ -1,0 +1,141 @@
+"""The model behind the engine: a small protocol, and the Hugging Face decoder implementing it.
+
+The engine owns the store, the device state and the scheduling; a model only runs steps.  A step
+takes the caller's :class:`~ninfer_kv.KVDeviceState` (donated) and the round's
+:class:`~ninfer_kv.RoundWork`, applies the work first (:func:`~ninfer_kv.apply_work`), runs the
+model over the batch through the paged ops of the Main pool, and returns the new state with the
+token each row chooses::
+
+    state, out = model.prefill(state, work, tokens, positions, valid, table_rows, sampling)
+    state, out = model.decode(state, work, tokens, positions, valid, table_rows, sampling)
+
+* ``tokens`` int32 ``(B, T)`` (``T = model.prefill_chunk`` for prefill, 1 for decode),
+  ``positions``, ``valid``, ``table_rows`` int32 ``(B,)``: row ``b`` appends ``valid[b]`` tokens at
+  sequence positions ``positions[b] ..`` into execution row ``table_rows[b]`` and attends to
+  everything before them.  ``B`` is one of the engine's batch buckets; padding rows have
+  ``valid == 0`` and write and read nothing (:mod:`ninfer_kv.models.decoder.buckets`).
+* ``sampling``: ``None`` (every row greedy) or a
+  :class:`~ninfer_kv.models.decoder.sampling.SamplingRows` of ``(B,)`` rows; the token a row
+  produces at sequence position ``positions + valid`` is drawn with its key folded with that
+  position (:func:`~ninfer_kv.models.decoder.sampling.sample_tokens` does exactly this).
+* the state arrives with the work-pending mark (docs/API.md): reading its planes or tables before
+  ``state = apply_work(state, work)`` raises ``PendingWorkError`` when the step is traced;
+* ``out.next_tokens`` int32 ``(B,)``: the token chosen after each row's last valid token (index
+  ``max(valid - 1, 0)``: a padding row has ``valid == 0``; its outputs are ignored);
+  ``out.logits`` float32 ``(B, V)`` there (read only when a request asks for log-probabilities).
+
+A model also says what it stores (:meth:`EngineModel.kv_config`: layers, KV heads, head dim of its
+full-attention layers), its vocabulary and its prefill chunk.  :class:`DecoderModel` implements the
+protocol over :class:`~ninfer_kv.models.decoder.steps.ModelSteps`; ``examples/engine_custom_model.py``
+implements it for a model written in plain JAX.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import jax
+
+from ..device import KVDeviceState
+from ..models.decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig
+from ..models.decoder.sampling import SamplingRows
+from ..models.decoder.steps import ModelSteps, shared_steps
+from ..planning import ModelKVConfig
+from ..layout import PagedKVStorageLayout
+from ..profiles import KVProfile
+from ..work import RoundWork
+
+__all__ = ["StepOutput", "EngineModel", "DecoderModel"]
+
+
+class StepOutput(NamedTuple):
+    """What a model step returns besides the state: ``next_tokens`` int32 ``(B,)`` and ``logits``
+    float32 ``(B, V)`` at each row's last valid token."""
+
+    next_tokens: jax.Array
+    logits: jax.Array
+
+
+@runtime_checkable
+class EngineModel(Protocol):
+    """A model the engine can serve (module docstring).
+
+    Attributes:
+      vocab_size: token ids are in ``[0, vocab_size)``.
+      prefill_chunk: tokens per prefill call (``T`` of :meth:`prefill`), a multiple of 64.
+    """
+
+    vocab_size: int
+    prefill_chunk: int
+
+    def kv_config(self, profile: KVProfile) -> ModelKVConfig:
+        """The KV shape of the model's full-attention layers, stored in ``profile``."""
+
+    def prepare(self, layout: PagedKVStorageLayout, batch_buckets: tuple[int, ...]) -> None:
+        """Receive the Main pool's layout (profile, layers, KV heads, head dim: what
+        ``kv_config(profile)`` planned) and the batch sizes the steps will be called with, before
+        any step; the steps read ``state.planes[PoolKind.MAIN]`` and ``state.tables[PoolKind.MAIN]``."""
+
+    def prefill(self, state: KVDeviceState, work: RoundWork, tokens, positions, valid, table_rows,
+                sampling: SamplingRows | None = None) -> tuple[KVDeviceState, StepOutput]:
+        """One chunk of prefill for every row (module docstring)."""
+
+    def decode(self, state: KVDeviceState, work: RoundWork, tokens, positions, valid, table_rows,
+               sampling: SamplingRows | None = None) -> tuple[KVDeviceState, StepOutput]:
+        """One token of decode for every row (module docstring)."""
+
+
+class DecoderModel:
+    """The package's decoder (:mod:`ninfer_kv.models.decoder`, the Hugging Face families) as an
+    :class:`EngineModel`.
+
+    Args:
+      params: the parameter tree (``load_checkpoint(...).params`` or ``init_params``).
+      config: its :class:`~ninfer_kv.models.decoder.config.ModelConfig`.
+      impl: op implementation (``"auto"``: the FFI kernels on CPU, Pallas on GPU).
+      prefill_chunk: tokens per prefill call (a multiple of 64).
+    """
+
+    def __init__(self, params: dict, config: ModelConfig, *, impl: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        StepConfig(model=config, impl=impl, prefill_chunk=prefill_chunk)  # validates impl and chunk
+        self.params = params
+        self.config = config
+        self.impl = impl
+        self.prefill_chunk = int(prefill_chunk)
+        self.vocab_size = config.vocab_size
+        self._steps: ModelSteps | None = None
+
+    def kv_config(self, profile: KVProfile) -> ModelKVConfig:
+        """The decoder's KV shape in ``profile``."""
+        return self.config.kv_config(KVProfile.parse(profile))
+
+    def prepare(self, layout: PagedKVStorageLayout, batch_buckets: tuple[int, ...]) -> None:
+        """Build (or reuse: steps are shared per configuration) the jitted steps for ``layout``'s profile."""
+        if layout != self.config.main_layout(layout.profile):
+            raise ValueError(f"the store's Main layout {layout} is not this decoder's "
+                             f"{self.config.main_layout(layout.profile)}")
+        step_config = StepConfig(model=self.config, profile=layout.profile, impl=self.impl,
+                                 prefill_chunk=self.prefill_chunk, batch_buckets=tuple(batch_buckets))
+        self._steps = shared_steps(step_config)
+
+    @property
+    def steps(self) -> ModelSteps:
+        """The jitted steps (after :meth:`prepare`)."""
+        if self._steps is None:
+            raise RuntimeError("DecoderModel.prepare(profile, batch_buckets) must run before any step")
+        return self._steps
+
+    def _run(self, name, state, work, tokens, positions, valid, table_rows, sampling):
+        args = (tokens, positions, valid, table_rows) + (() if sampling is None else (sampling,))
+        state, out = self.steps.on_state(name)(self.params, state, work, *args)
+        return state, StepOutput(out.next_tokens, out.logits)
+
+    def prefill(self, state, work, tokens, positions, valid, table_rows, sampling=None):
+        """One prefill chunk per row through the decoder's jitted state step."""
+        return self._run("prefill", state, work, tokens, positions, valid, table_rows, sampling)
+
+    def decode(self, state, work, tokens, positions, valid, table_rows, sampling=None):
+        """One decode token per row through the decoder's jitted state step."""
+        return self._run("decode", state, work, tokens, positions, valid, table_rows, sampling)
