@@ -171,8 +171,8 @@ class EngineCore:
             need = min(need, -(-(prompt - 1) // PAGE_SIZE) + n * (whole - (prompt - 1) // PAGE_SIZE))
         capacity = self.store.pool("main").capacity
         if need > capacity:
-            raise ValueError(f"the request needs {need} pages of {PAGE_SIZE} tokens (n={n} x {prompt} prompt + {budget} "
-                             f"max tokens) but the Main pool holds {capacity}; lower max_tokens or n")
+            raise ValueError(f"the request needs {need} pages of {PAGE_SIZE} tokens (n={n} x {prompt} prompt + "
+                             f"{budget} max tokens) but the Main pool holds {capacity}; lower max_tokens or n")
 
     def _prompt_ids(self, prompt_token_ids) -> np.ndarray:
         if isinstance(prompt_token_ids, (str, bytes)):

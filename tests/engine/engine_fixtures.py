@@ -67,7 +67,8 @@ def decoder_model() -> DecoderModel:
     return DecoderModel(m.params, m.config)
 
 
-def make_llm(*, max_num_seqs: int = MAX_NUM_SEQS, kv_capacity=MAX_NUM_SEQS * MAX_MODEL_LEN, model=None, **kwargs) -> LLM:
+def make_llm(*, max_num_seqs: int = MAX_NUM_SEQS, kv_capacity=MAX_NUM_SEQS * MAX_MODEL_LEN, model=None,
+             **kwargs) -> LLM:
     """An :class:`LLM` over the shared model (token ids in and out)."""
     return LLM(model if model is not None else decoder_model(), max_model_len=MAX_MODEL_LEN,
                max_num_seqs=max_num_seqs, kv_capacity=kv_capacity, **kwargs)

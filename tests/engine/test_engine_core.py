@@ -31,7 +31,6 @@ from .engine_fixtures import (
     reference,
 )
 
-GREEDY = dict(temperature=0.0)
 SMALL = 6 * 64
 """A Main pool of 6 pages: one request of 200 + 8 tokens (4 pages) at a time, with room for 2 more pages."""
 
@@ -52,7 +51,8 @@ def assert_alone(out, max_tokens: int) -> None:
         assert c.finish_reason == "length"
 
 
-def run_one(engine, rid, prompt, params) -> object:
+def run_one(engine, rid, prompt, params):
+    """Serve one request to its end (after whatever else is queued); its output."""
     engine.add_request(rid, prompt, params)
     out = drain(engine)[rid]
     check_engine(engine)
@@ -337,7 +337,8 @@ def test_sampled_completions_are_reproducible_distinct_and_batch_independent():
     # top-k and top-p too, as served alone
     nucleus = SamplingParams(max_tokens=8, temperature=0.9, top_k=5, top_p=0.8, seed=7)
     got = run_one(engine, "s4", prompt, nucleus).outputs[0].token_ids
-    alone = gen.generate([prompt], max_new_tokens=8, sampling=SamplingConfig(temperature=0.9, top_k=5, top_p=0.8, seed=7))
+    config = SamplingConfig(temperature=0.9, top_k=5, top_p=0.8, seed=7)
+    alone = gen.generate([prompt], max_new_tokens=8, sampling=config)
     assert alone[0].generated == got
     assert_store_empty(engine)
 
