@@ -36,7 +36,7 @@ from ..device import apply_work_jit, resync, take_step_work
 from ..errors import PoolCapacityError
 from ..geometry import PAGE_SIZE
 from ..models.decoder.buckets import bucket_for, bucket_ladder, pad_rows
-from ..models.decoder.sampling import sampling_rows
+from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store import KVStore
 from .model import EngineModel
 from .outputs import FINISH_ABORT, RequestOutput
@@ -389,7 +389,7 @@ class EngineCore:
         configs = [s.sampling for s in seqs]
         sampling = None
         if any(c is not None and not c.greedy for c in configs):
-            sampling = sampling_rows([c if c is not None else _GREEDY for c in configs], bucket)
+            sampling = sampling_rows([c if c is not None else GREEDY for c in configs], bucket)
         self.store.map_rows(rows, ends)
         try:
             self.state, work = take_step_work(self.store, self.state)
@@ -455,6 +455,10 @@ class EngineCore:
         lost_ckpt = set(report.lost_checkpoints)
         for entry in list(self.cache.index):
             if entry.value in lost_ckpt:
+                for s in self.running:  # forks still running keep their own pages; the entry goes
+                    if s.source is entry:
+                        s.source = None
+                        self.cache.index.unpin(entry)
                 self.cache.index.remove(entry)
                 self.store.release_checkpoint(entry.value)
 
@@ -569,9 +573,6 @@ class EngineCore:
     def clear_cache(self) -> int:
         """Release every cached prefix no running request uses; returns how many."""
         return self.cache.clear()
-
-
-from ..models.decoder.sampling import GREEDY as _GREEDY  # noqa: E402
 
 
 def _no_text(token: int) -> None:
