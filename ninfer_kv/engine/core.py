@@ -14,7 +14,10 @@ Each :meth:`EngineCore.step` is one round:
    prefilled once by a *prefix job* and retained, and the requests then fork it;
 3. **prefill**: every sequence still in its prompt gets one chunk (batched, padded to a bucket);
    a sequence whose prompt completes produces its first token;
-4. **decode**: every other running sequence produces one token (batched);
+4. **decode**: every other running sequence produces one token (batched); with lease growth
+   (``KVStore(..., entitlement=EntitlementPolicy(kv_lease_growth=True))``) the decoding sequences'
+   entitlements are extended first (:meth:`~ninfer_kv.store.KVStore.round_boundary`), and one the
+   pool cannot extend, even after evicting cached prefixes, ends with ``"length"``;
 5. **finish**: ended sequences are released, or retained and indexed in the prefix cache; ended
    prefix jobs are retained and indexed (their waiting requests are admitted next round).
 
@@ -39,7 +42,7 @@ from ..models.decoder.buckets import bucket_for, bucket_ladder, pad_rows
 from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store import KVStore
 from .model import EngineModel
-from .outputs import FINISH_ABORT, RequestOutput
+from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
 from .prefix_cache import PrefixCache
 from .prefix_index import PrefixIndex
 from .requests import FINISHED, JOB, RUNNING, WAITING, PrefixJob, Request, Sequence
@@ -165,7 +168,10 @@ class EngineCore:
         if n > self.max_num_seqs:
             raise ValueError(f"n={n} completions run at once, one row each; max_num_seqs={self.max_num_seqs} "
                              f"(allowed: n <= {self.max_num_seqs})")
-        whole = -(-(prompt + budget) // PAGE_SIZE)
+        tokens = prompt + budget
+        if self.store.policy.kv_lease_growth:  # an activation leases the prompt and a cushion at least
+            tokens = min(tokens, prompt + self.store.policy.cushion_tokens)
+        whole = -(-tokens // PAGE_SIZE)
         need = n * whole
         if n > 1:  # the prompt's checkpoint, then n forks sharing its full pages
             need = min(need, -(-(prompt - 1) // PAGE_SIZE) + n * (whole - (prompt - 1) // PAGE_SIZE))
@@ -225,10 +231,29 @@ class EngineCore:
         for group in _groups(pre, self.buckets[-1]):
             self._unit("prefill", group, produced)
         dec = [s for s in self.running if not s.prefilling and not s.done and id(s) not in produced]
+        if dec and self.store.policy.kv_lease_growth:
+            dec = self._grow(dec)
         for group in _groups(dec, self.buckets[-1]):
             self._unit("decode", group, produced)
         self._finish_done()
         return self._outputs()
+
+    def _grow(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Lease growth: extend the decoding sequences' entitlements at the round boundary, evicting
+        cached prefixes while some cannot be covered; a sequence the pool still cannot extend ends
+        with finish reason ``"length"`` at its committed frontier (bounded completion)."""
+        rows = np.array([s.row for s in seqs], np.int64)
+        grant = self.store.round_boundary(rows)
+        while grant.length_limited.any() and self.cache.evict_one():
+            grant = self.store.round_boundary(rows)
+        keep = []
+        for s, limited in zip(seqs, grant.length_limited.tolist()):
+            if limited:
+                s.finish_reason = FINISH_LENGTH
+                self._changed[s.request.request_id] = s.request
+            else:
+                keep.append(s)
+        return keep
 
     def _outputs(self) -> list[RequestOutput]:
         out = []

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..profiles import KVProfile
-from ..store import KVStore
+from ..store import EntitlementPolicy, KVStore
 from .capacity import engine_plan
 from .core import EngineCore
 from .model import DecoderModel, EngineModel
@@ -62,6 +62,8 @@ class LLM:
       kv_capacity: Main pool tokens, or ``"auto"``: from the memory left after the weights.
       host_memory: bytes of the Host tier (0: none) that evicted prefixes are offloaded to.
       enable_prefix_caching: reuse the longest cached prefix of every prompt.
+      lease_growth: reserve the prompt and a window (4096 tokens) instead of the whole budget, so more
+        requests run at once; one the pool cannot extend ends with finish reason ``"length"``.
       impl: op implementation (``"auto"``: FFI kernels on CPU, Pallas on GPU).
       seed: the seed of requests that give none.
       tokenizer: with an :class:`EngineModel`, an optional
@@ -80,6 +82,7 @@ class LLM:
         kv_capacity: int | str = "auto",
         host_memory: int | str = 0,
         enable_prefix_caching: bool = True,
+        lease_growth: bool = False,
         impl: str = "auto",
         seed: int = 0,
         tokenizer=None,
@@ -89,8 +92,9 @@ class LLM:
         _check_int("seed", seed, 0, 2**32 - 1)
         if max_model_len is not None:
             _check_int("max_model_len", max_model_len, 2, 2**31 - 64)
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching={enable_prefix_caching!r} must be True or False")
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("lease_growth", lease_growth)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r} must be True or False")
         profile = KVProfile.parse(kv_cache_dtype)
         self.chat_template = None
         if isinstance(model, EngineModel):
@@ -102,7 +106,7 @@ class LLM:
             engine_model, eos, max_model_len = self._load(str(model), dtype, max_model_len, impl)
         plan = engine_plan(engine_model.kv_config(profile), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            kv_capacity=kv_capacity)
-        store = KVStore(plan, host_bytes=host_memory or None)
+        store = KVStore(plan, host_bytes=host_memory or None, entitlement=EntitlementPolicy(kv_lease_growth=lease_growth))
         self.plan = plan
         self.engine = EngineCore(
             engine_model, store, eos_token_ids=eos, text_state=self._text_state_factory(),

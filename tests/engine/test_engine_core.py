@@ -665,3 +665,29 @@ def test_stop_token_ids_eos_and_ignore_eos():
     # a stop id given with ignore_eos still stops
     out = run_one(eos_engine, "both", prompt, greedy(8, ignore_eos=True, stop_token_ids=[stop]))
     assert out.outputs[0].token_ids == want[: k + 1] and out.outputs[0].stop_reason == stop
+
+
+def test_lease_growth_runs_more_requests_and_ends_the_one_the_pool_cannot_extend_at_length():
+    """Six pages; two requests of 10 prompt tokens and no max_tokens (each may reach the 256-token
+    context: 4 pages).  Without growth the second waits for the first; with it both start (the second
+    leases the 2 pages left), and the second ends with "length" once the pool cannot extend it,
+    its tokens a prefix of the first's (same prompt, greedy)."""
+    rng = np.random.default_rng(11)
+    prompt = tokens(rng, 10)
+    for growth in (False, True):
+        engine = make_llm(kv_capacity=SMALL, lease_growth=growth, enable_prefix_caching=False).engine
+        engine.add_request("first", prompt, greedy(None))
+        engine.add_request("second", prompt, greedy(None))
+        engine.step()
+        assert len(engine.running) == (2 if growth else 1)
+        done = drain(engine)
+        check_engine(engine)
+        first, second = done["first"].outputs[0], done["second"].outputs[0]
+        assert first.finish_reason == second.finish_reason == "length"
+        assert len(first.token_ids) == MAX_MODEL_LEN - len(prompt)
+        if growth:
+            assert 64 <= len(second.token_ids) < len(first.token_ids)  # bounded completion at its covered frontier
+            assert second.token_ids == first.token_ids[: len(second.token_ids)]
+        else:
+            assert second.token_ids == first.token_ids
+        assert_store_empty(engine)
