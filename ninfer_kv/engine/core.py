@@ -40,6 +40,7 @@ from ..errors import PoolCapacityError
 from ..geometry import PAGE_SIZE
 from ..models.decoder.buckets import bucket_for, bucket_ladder, pad_rows
 from ..models.decoder.sampling import GREEDY, sampling_rows
+from ..models.request_checks import token_ids
 from ..store import KVStore
 from .model import EngineModel
 from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
@@ -145,10 +146,7 @@ class EngineCore:
         if ids.size >= self.max_model_len:
             raise ValueError(f"the prompt has {ids.size} tokens; max_model_len={self.max_model_len} leaves no room to "
                              f"generate (allowed: at most {self.max_model_len - 1} prompt tokens)")
-        for what, values in (("stop_token_ids", params.stop_token_ids or ()),):
-            for t in values:
-                if not 0 <= int(t) < self.vocab_size:
-                    raise ValueError(f"{what} holds {t}, outside the vocabulary [0, {self.vocab_size})")
+        token_ids("stop_token_ids", params.stop_token_ids or (), self.vocab_size)
         room = self.max_model_len - ids.size
         budget = room if params.max_tokens is None else min(int(params.max_tokens), room)
         self._check_fits(ids.size, budget, params.n)
@@ -181,19 +179,12 @@ class EngineCore:
                              f"{budget} max tokens) but the Main pool holds {capacity}; lower max_tokens or n")
 
     def _prompt_ids(self, prompt_token_ids) -> np.ndarray:
-        if isinstance(prompt_token_ids, (str, bytes)):
-            raise TypeError("prompt_token_ids must be a list of token ids; pass text to LLM.generate")
-        items = list(prompt_token_ids)
-        if not items:
+        ids = token_ids("prompt_token_ids", prompt_token_ids, self.vocab_size)
+        if not ids:
             raise ValueError("the prompt is empty; it must hold at least one token")
-        for i, t in enumerate(items):
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"prompt_token_ids[{i}]={t!r} is not a token id (an integer in [0, {self.vocab_size}))")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids[{i}]={int(t)} is outside the vocabulary [0, {self.vocab_size})")
-        ids = np.asarray(items, np.int32)
-        ids.flags.writeable = False
-        return ids
+        out = np.asarray(ids, np.int32)
+        out.flags.writeable = False
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Ask to end a request at the next round boundary (its row and reservation are freed then and
@@ -496,11 +487,15 @@ class EngineCore:
                     and len(s.request.sequences) == s.request.params.n:
                 self._end_request(s.request)
 
-    def _release_sequence(self, s: Sequence, retain: bool) -> None:
-        """End ``s`` in the store: retained and indexed (its committed tokens) or released."""
+    def _leave(self, s: Sequence) -> None:
+        """Take ``s`` off the running list and unpin the cache entry it forked."""
         self.running.remove(s)
         if s.source is not None:
             self.cache.index.unpin(s.source)
+
+    def _release_sequence(self, s: Sequence, retain: bool) -> None:
+        """End ``s`` in the store: retained and indexed (its committed tokens) or released."""
+        self._leave(s)
         if retain and self.caching and s.frontier > 0:
             ckpt = self.store.finish(s.handle, retain=True)
             self.cache.keep(np.asarray(s.tokens[: s.frontier], np.int32), ckpt, self.stats.rounds)
@@ -521,9 +516,7 @@ class EngineCore:
 
     def _complete_job(self, job: PrefixJob) -> None:
         s = job.sequence
-        self.running.remove(s)
-        if s.source is not None:
-            self.cache.index.unpin(s.source)
+        self._leave(s)
         if job.entry is not None:
             self.pending.remove(job.entry)
         self.jobs.remove(job)
@@ -542,9 +535,7 @@ class EngineCore:
             return
         s = job.sequence
         if s in self.running:
-            self.running.remove(s)
-            if s.source is not None:
-                self.cache.index.unpin(s.source)
+            self._leave(s)
             self.store.finish(s.handle)
         if job.entry is not None:
             self.pending.remove(job.entry)

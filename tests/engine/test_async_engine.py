@@ -167,7 +167,11 @@ def test_a_bad_request_raises_in_generate_and_the_others_continue():
         await bad("text without a tokenizer", greedy(2))
         await bad([1, 2], greedy(2, stop_token_ids=[VOCAB]))
         await bad([1, 2], greedy(2, n=99))
-        await bad([1, 2], greedy(2), rid="g0")  # a duplicate of a running request
+        held = engine.generate(ps[0], greedy(None), request_id="held")  # up to the context: still running below
+        first = await held.__anext__()
+        assert not first.finished
+        await bad([1, 2], greedy(2), rid="held")  # a duplicate of a running request
+        await held.aclose()  # leaving early aborts it
         return await asyncio.gather(*good)
 
     streams = run(main())
