@@ -34,7 +34,8 @@ from ninfer_kv.profiles import KVProfile  # noqa: E402
 
 
 def teacher_forced(config: DemoConfig, records, profile: KVProfile):
-    """(agreeing positions, positions, max |logit diff|) of ``profile`` over BF16's sequences."""
+    """(agreeing positions, positions, max |log-probability diff|) of ``profile`` over BF16's sequences
+    (against the log-probabilities the BF16 run reported for its tokens and their top alternatives)."""
     model = config.model_config
     params, _ = _params(model, config.seed)
     agree = total = 0
@@ -42,7 +43,11 @@ def teacher_forced(config: DemoConfig, records, profile: KVProfile):
     for r, mine in dense_generation_logits(params, model, profile, records):
         agree += int(np.sum(np.argmax(mine, axis=-1) == r.generated))
         total += r.generated.size
-        max_diff = max(max_diff, float(np.max(np.abs(mine - r.logits))))
+        z = mine.astype(np.float64) - mine.max(axis=-1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+        for j, served in enumerate(r.logprobs):
+            for token, value in served.items():
+                max_diff = max(max_diff, abs(value - float(logp[j, token])))
     return agree, total, max_diff
 
 

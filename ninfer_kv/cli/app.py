@@ -10,14 +10,17 @@ from .flags import speak_in_flags
 from .parser import PROG, UsageError, build_parser, one_line
 from .registry import Subcommand, registered_subcommands
 
-__all__ = ["EXIT_USAGE", "EXIT_INTERNAL", "main"]
+__all__ = ["EXIT_USAGE", "EXIT_INTERNAL", "EXIT_CHECK_FAILED", "main"]
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 1
+EXIT_CHECK_FAILED = 3
+"""The command ran and printed its result, but a check it made failed (the demo's dense check)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 success, 2 bad usage or bad value, 1 internal error).
+    """Run the CLI; returns the exit status (0 success, 2 bad usage or bad value, 1 internal error,
+    3 a check the command made failed, after printing its result).
 
     No traceback is printed: a bad value is one line on stderr naming the flag, the value and the
     allowed range; an unexpected failure is one line too (set ``NINFER_KV_TRACEBACK=1`` to see it).
@@ -45,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.write(json.dumps(result.data) + "\n")
             else:
                 sys.stdout.write(result.text.rstrip("\n") + "\n")
+            return result.exit_code
         return 0
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -21,10 +21,13 @@ SUBCOMMAND_MODULES: tuple[str, ...] = ("ninfer_kv.demo.cli",)
 
 @dataclasses.dataclass(frozen=True)
 class CommandOutput:
-    """What a subcommand produced: ``data`` for ``--json`` and ``text`` for the default view."""
+    """What a subcommand produced: ``data`` for ``--json`` and ``text`` for the default view, and
+    the exit status after printing them (``EXIT_CHECK_FAILED`` when a check the command ran
+    failed, e.g. the demo's dense check)."""
 
     data: dict
     text: str
+    exit_code: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,14 @@
 """An end-to-end serving demo over the KV store: ``ninfer-kv demo``.
 
-A small Qwen-style model (:mod:`ninfer_kv.models.decoder`) serves a workload of requests that
-share system prompts, with continuous batching through a :class:`~ninfer_kv.store.KVStore`:
-admission under capacity, chunked prefill, batch buckets, prefix checkpoints forked with COW tails,
-memory pressure handled by offloading cold checkpoints to the Host tier, optional MTP speculative
-decoding and ``kv_lease_growth``; afterwards every request is checked against a dense no-cache
-recomputation.
+A small Qwen-style model (:mod:`ninfer_kv.models.decoder`) or a Hugging Face checkpoint serves a
+workload of requests that share system prompts through the public engine (:mod:`ninfer_kv.engine`):
+admission by entitlement, chunked prefill, batch buckets, token-granular prefix reuse with COW
+tails, memory pressure handled by offloading cold prefixes to the Host tier, optional MTP
+speculative decoding, ``kv_lease_growth`` and data-parallel meshes; afterwards every request is
+checked against a dense no-cache recomputation.
 
-Modules: ``requests`` (workload), ``engine`` (model units through the store), ``prefix_cache``
-(retained checkpoints and the pressure policy), ``scheduler`` (continuous batching), ``drafter``
-(MTP head calibration), ``dense_check``, ``summary`` (table and JSON), ``progress``, ``run``
+Modules: ``requests`` (workload), ``serve`` (the workload through the engine), ``drafter`` (MTP
+head calibration), ``dense_check``, ``summary`` (table and JSON), ``progress``, ``run``
 (:func:`run_demo`), ``cli`` (the subcommand).
 
 The names below are imported on first use, so ``import ninfer_kv.demo.cli`` (done by every
@@ -25,7 +24,6 @@ __all__ = [
     "DemoResult",
     "run_demo",
     "validate",
-    "demo_buckets",
     "MODELS",
     "BACKENDS",
     "WorkloadSpec",
@@ -37,7 +35,6 @@ _HOME = {
     "DemoConfig": "run",
     "run_demo": "run",
     "validate": "run",
-    "demo_buckets": "run",
     "MODELS": "run",
     "BACKENDS": "run",
     "DemoResult": "summary",

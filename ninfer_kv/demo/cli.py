@@ -18,6 +18,7 @@ import os
 import sys
 
 from ..cli import BYTES, POSITIVE_INT, PROFILE, CommandOutput, bounded_int, register_subcommand
+from ..cli.app import EXIT_CHECK_FAILED
 from ..profiles import KVProfile
 
 __all__ = ["configure", "run"]
@@ -247,7 +248,8 @@ def run(args: argparse.Namespace) -> CommandOutput:
         ensure_devices(config.mesh.size)
     validate(config)  # plan and workload errors surface as one-line usage errors, before any compile
     result = run_demo(config, progress=not args.no_progress)
-    return CommandOutput(data=result.to_json(), text=result.table())
+    failed = result["dense_match"] is False
+    return CommandOutput(data=result.to_json(), text=result.table(), exit_code=EXIT_CHECK_FAILED if failed else 0)
 
 
 register_subcommand(

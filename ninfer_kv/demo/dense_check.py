@@ -3,21 +3,25 @@
 For a request with prompt ``p`` and generated tokens ``g_1 .. g_m`` the dense reference runs the
 same model over ``p + g_1 .. g_{m-1}`` from position 0 with plain causal attention and the same
 codec round trip applied to K/V (:func:`ninfer_kv.models.decoder.dense_logits`), and compares,
-at every generated position ``j``:
+at every generated position ``j``, with what the engine reported (the log-probabilities of the
+generated token and of its :data:`~ninfer_kv.demo.serve.DENSE_LOGPROBS` most likely alternatives,
+public :class:`~ninfer_kv.engine.Logprob` values):
 
-* the logits: ``max |served - dense| <= tol(profile)``;
-* the greedy token: ``g_j == argmax(dense)``, or — a tie within the tolerance — the dense logit of
-  ``g_j`` is within ``tol(profile)`` of the dense maximum.  Each dense position sees the served
-  tokens before it, so one such tie cannot cascade.
+* the log-probabilities: ``max |served - dense| <= tol``;
+* the greedy token: ``g_j == argmax(dense)``, or — a tie within ``tol`` — the dense logit of
+  ``g_j`` is within ``tol`` of the dense maximum.  Each dense position sees the served tokens
+  before it, so one such tie cannot cascade.
 
-Why a tolerance, and why per profile: the paged path computes K and V in prefill chunks and decode
-steps, the reference over the whole sequence; the float32 results differ in the last bits
-(different matmul shapes), and the codec then occasionally rounds the two to neighbouring codes.
-Codes are bit-identical for identical inputs (the ops' contract), so the difference is at most one
-code step of a few elements, and its effect on the logits scales with the codec's step: about
-``2e-4`` for BF16, ``7e-4`` for INT8-G64 and a few ``1e-3`` for the FP8 and NVFP4 codecs on the
-demo models.  :data:`DENSE_TOLERANCES` allows several times that.  ``tokens_match`` reports exact
-greedy equality separately (always true for BF16 in practice).
+The tolerance is relative to the logits' scale: ``tol = tol(profile) * max(1, max |dense logit|)``
+over the request.  Why a tolerance, and why per profile: the paged path computes K and V in prefill
+chunks and decode steps, the reference over the whole sequence; the float32 results differ in the
+last bits (different matmul shapes), and the codec then occasionally rounds the two to neighbouring
+codes.  Codes are bit-identical for identical inputs (the ops' contract), so the difference is at
+most one code step of a few elements, and its effect on the logits grows with the codec's step and
+with the logits' magnitude: about ``2e-4`` for BF16, ``7e-4`` for INT8-G64 and a few ``1e-3`` for
+the FP8 and NVFP4 codecs on the demo models (logits of order 1); a checkpoint's logits of order 10
+to 30 move proportionally more.  :data:`DENSE_TOLERANCES` allows several times that.
+``tokens_match`` reports exact greedy equality separately (always true for BF16 in practice).
 
 Requests are recomputed in batches of :data:`DENSE_BATCH` rows padded to one length (causal
 attention makes the padding invisible), so the reference compiles once per run.
@@ -33,7 +37,7 @@ import numpy as np
 from ..geometry import PAGE_SIZE, ceil_div
 from ..models.decoder import ModelConfig, dense_logits
 from ..profiles import KVProfile
-from .scheduler import RequestRecord
+from .serve import RequestRecord
 
 __all__ = ["DenseCheck", "DENSE_TOLERANCES", "DENSE_BATCH", "check_dense", "tolerance_for"]
 
@@ -51,20 +55,26 @@ class DenseCheck:
     """Outcome of :func:`check_dense`.
 
     Attributes:
-      match: every logit within ``tolerance`` and every greedy token equal or tied within it.
+      match: every log-probability within the request's tolerance and every greedy token equal or
+        tied within it.
       tokens_match: every greedy token exactly equal.
       tie_flips: positions where the served token differs from the dense argmax by a tie within
         the tolerance.
-      max_abs_logit_diff: over every generated position of every request.
-      tolerance: the logit tolerance.
+      max_abs_logprob_diff: over every reported log-probability of every request.
+      max_relative_diff: the largest ``difference / max(1, logit scale)`` of a request (what
+        ``tolerance`` bounds).
+      logit_scale: the largest ``max |dense logit|`` of a request.
+      tolerance: the profile's tolerance per unit of logit scale.
       checked_tokens: generated positions compared.
-      mismatched_requests: ids of requests with a differing token or a logit out of tolerance.
+      mismatched_requests: ids of requests with a differing token or a difference out of tolerance.
     """
 
     match: bool
     tokens_match: bool
     tie_flips: int
-    max_abs_logit_diff: float
+    max_abs_logprob_diff: float
+    max_relative_diff: float
+    logit_scale: float
     tolerance: float
     checked_tokens: int
     mismatched_requests: tuple[int, ...]
@@ -102,6 +112,12 @@ def dense_generation_logits(params: dict, model: ModelConfig, profile, records: 
             yield r, logits[i, n0 - 1 : n0 - 1 + r.generated.size]
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
 def check_dense(
     params: dict,
     model: ModelConfig,
@@ -112,25 +128,33 @@ def check_dense(
 ) -> DenseCheck:
     """Recompute every record densely and compare (see the module docstring).
 
-    ``tolerance`` defaults to :func:`tolerance_for` ``(profile)``.
+    ``tolerance`` (per unit of logit scale) defaults to :func:`tolerance_for` ``(profile)``.
     """
-    tol = tolerance_for(profile) if tolerance is None else float(tolerance)
-    max_diff = 0.0
+    base = tolerance_for(profile) if tolerance is None else float(tolerance)
+    max_diff = max_rel = top_scale = 0.0
     checked = ties = 0
     tokens_ok = True
     bad: list[int] = []
     for r, dense in dense_generation_logits(params, model, profile, records):
         m = r.generated.size
+        scale = float(np.max(np.abs(dense)))
+        tol = base * max(1.0, scale)
         differ = np.argmax(dense, axis=-1).astype(np.int32) != r.generated
         # a differing token is a tie when its dense logit is within tol of the dense maximum
         gap = dense.max(axis=-1) - np.take_along_axis(dense, r.generated[:, None].astype(np.int64), 1)[:, 0]
         untied = differ & ~(gap <= tol)
-        diff = float(np.max(np.abs(dense - r.logits)))
+        logp = _log_softmax(dense)
+        diff = 0.0
+        for j, served in enumerate(r.logprobs):
+            for token, value in served.items():
+                diff = max(diff, abs(value - float(logp[j, token])))
         if not np.isfinite(diff):
             diff = float("inf")
         checked += m
         ties += int(np.sum(differ & (gap <= tol)))
         max_diff = max(max_diff, diff)
+        max_rel = max(max_rel, diff / max(1.0, scale))
+        top_scale = max(top_scale, scale)
         tokens_ok &= not differ.any()
         if untied.any() or not diff <= tol:
             bad.append(r.request.id)
@@ -138,8 +162,10 @@ def check_dense(
         match=not bad,
         tokens_match=tokens_ok,
         tie_flips=ties,
-        max_abs_logit_diff=max_diff,
-        tolerance=tol,
+        max_abs_logprob_diff=max_diff,
+        max_relative_diff=max_rel,
+        logit_scale=top_scale,
+        tolerance=base,
         checked_tokens=checked,
         mismatched_requests=tuple(sorted(bad)),
     )

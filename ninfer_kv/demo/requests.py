@@ -14,10 +14,13 @@ gives the same tokens on every platform.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
-__all__ = ["WorkloadSpec", "Request", "make_workload"]
+from ..geometry import PAGE_SIZE
+
+__all__ = ["WorkloadSpec", "Request", "make_workload", "check_workload_fits"]
 
 
 def _int_at_least(name: str, value, minimum: int) -> int:
@@ -145,3 +148,20 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[Request]:
             n = int(rng.integers(spec.unique_prompt_tokens[0], spec.unique_prompt_tokens[1] + 1))
             out.append(Request(i, _frozen(_tokens(rng, n, vocab_size)), budget))
     return out
+
+
+def check_workload_fits(requests: Sequence[Request], max_context: int, logical_pages: int, lead: int = 0) -> None:
+    """Raise ``ValueError`` unless every request fits one sequence: ``prompt + budget <= S`` and, with
+    an MTP draft lead of ``lead`` tokens, ``prompt + budget + lead <= L * P``."""
+    ceiling = logical_pages * PAGE_SIZE
+    for r in requests:
+        if r.total_tokens > max_context:
+            raise ValueError(
+                f"request {r.id} needs prompt {r.prompt_tokens} + budget {r.max_new_tokens} = {r.total_tokens} tokens "
+                f"but --max-context is {max_context} (allowed: >= {max(q.total_tokens for q in requests)} for this workload)"
+            )
+        if r.total_tokens + lead > ceiling:
+            raise ValueError(
+                f"request {r.id}: {r.total_tokens} tokens plus the MTP draft lead of {lead} exceed the logical capacity "
+                f"L*P = {ceiling} tokens; raise --max-context"
+            )

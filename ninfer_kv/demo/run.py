@@ -1,4 +1,4 @@
-"""Build and run one serving demo: model, plan, store, engine, scheduler, dense check, summary."""
+"""Build and run one serving demo: model, plan, the public engine (:mod:`.serve`), dense check, summary."""
 
 from __future__ import annotations
 
@@ -22,21 +22,17 @@ from ..planning import (
     plan_kv_cache,
     plan_kv_cache_mesh,
 )
-from ..mesh import KVMesh, MeshSpec
+from ..mesh import MeshSpec
 from ..profiles import KVProfile
-from ..store import EntitlementPolicy, KVStore
-from ..models.decoder import IMPLS, ModelConfig, ModelSteps, StepConfig, init_params, make_steps
-from ..models.decoder.buckets import bucket_ladder
+from ..models.decoder import IMPLS, ModelConfig, init_params
 from .dense_check import check_dense
 from .drafter import fit_mtp_head
-from .engine import ModelEngine, model_fingerprint
-from .prefix_cache import PrefixCache, host_page_counters
 from .progress import make_progress
-from .requests import WorkloadSpec, make_workload
-from .scheduler import Scheduler, check_workload_fits
+from .requests import WorkloadSpec, check_workload_fits, make_workload
+from .serve import serve
 from .summary import DemoResult
 
-__all__ = ["DemoConfig", "MODELS", "BACKENDS", "run_demo", "validate", "demo_buckets", "build_store", "tokens_digest"]
+__all__ = ["DemoConfig", "MODELS", "BACKENDS", "run_demo", "validate", "tokens_digest"]
 
 MODELS = {
     "tiny": dict(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=256),
@@ -86,11 +82,6 @@ def _int_at_least(name: str, value, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
     return value
-
-
-def demo_buckets(max_concurrency: int) -> tuple[int, ...]:
-    """Batch buckets: powers of 4 below ``max_concurrency``, then ``max_concurrency`` itself."""
-    return bucket_ladder(max_concurrency, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,22 +194,6 @@ class DemoConfig:
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig("mtp", draft_window=self.draft_window) if self.backend == "mtp" else None
 
-    @property
-    def step_config(self) -> StepConfig:
-        return StepConfig(
-            model=self.model_config,
-            profile=self.profile,
-            impl=self.impl,
-            draft_window=self.draft_window,
-            batch_buckets=demo_buckets(self.max_concurrency),
-        )
-
-
-@functools.lru_cache(maxsize=8)
-def _steps(step_config: StepConfig) -> ModelSteps:
-    """Jitted steps shared by runs of one configuration in a process (compiled once per bucket)."""
-    return make_steps(step_config)
-
 
 @functools.lru_cache(maxsize=4)
 def _params(model: ModelConfig, seed: int) -> tuple[dict, float | None]:
@@ -228,17 +203,6 @@ def _params(model: ModelConfig, seed: int) -> tuple[dict, float | None]:
         return params, None
     head = fit_mtp_head(params, model, seed)
     return head.params, head.agreement
-
-
-def build_store(config: DemoConfig, plan) -> KVStore:
-    """The store of a run: the plan's pools, the entitlement policy, and a Host arena of
-    ``config.host_bytes`` (none when 0).  A checkpoint needs the model's state image to be reused."""
-    policy = EntitlementPolicy(
-        kv_lease_growth=config.kv_lease_growth,
-        window_tokens=config.lease_window_tokens,
-        cushion_tokens=config.lease_cushion_tokens,
-    )
-    return KVStore(plan, entitlement=policy, requires_state_image=True, host_bytes=config.host_bytes or None)
 
 
 class _CompileClock:
@@ -268,18 +232,6 @@ def _resolved_impl(impl: str) -> str:
         return ops.resolve_impl(impl).name
 
 
-def _leaks(store: KVStore, cache: PrefixCache) -> tuple[int, int]:
-    """Release every checkpoint, then count pages still leased or reserved, and live Host extents."""
-    cache.release_all()
-    store.check_invariants()
-    pages = 0
-    for kind in store.pool_kinds:
-        pool = store.pool(kind)
-        pages += pool.allocated + pool.reserved
-    extents = store.host_occupancy().extent_count if cache.host_tier else 0
-    return pages, int(extents)
-
-
 def validate(config: DemoConfig):
     """Resolve the plan and the workload of ``config``; ``ValueError`` if they cannot be served.
 
@@ -306,80 +258,6 @@ def tokens_digest(records) -> str:
     return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
-@dataclasses.dataclass
-class _Served:
-    """What the serving part of a run produced (one device or a mesh)."""
-
-    records: list
-    scheduler: object  # SchedulerStats (summed over data shards)
-    units: object  # UnitStats
-    pressure: object  # PressureStats
-    host_tier: bool
-    offloaded: int
-    restored: int
-    leaked_pages: int
-    leaked_extents: int
-    pool_pages: dict
-    compiles: dict
-    mesh_steps: dict | None = None  # a mesh run: merged steps and the lanes they served
-
-
-def _unit_compiles(after: dict, before: dict) -> dict[str, int]:
-    compiles: dict[str, int] = {}  # per unit (a state step counts for the unit it runs)
-    for name, n in after.items():
-        unit = name.removesuffix("_state")
-        compiles[unit] = compiles.get(unit, 0) + n - before.get(name, 0)
-    return compiles
-
-
-def _serve_single(config: DemoConfig, plan, requests, params, fingerprint: str, on_finish, begin) -> _Served:
-    store = build_store(config, plan)
-    steps = _steps(config.step_config)
-    compiles_before = steps.compiles()
-    engine = ModelEngine(steps, params, store, fingerprint)
-    cache = PrefixCache(store, engine.flushed_state)
-    begin()
-    scheduler = Scheduler(engine, cache, requests, on_finish=on_finish)
-    records = scheduler.run()
-    jax.block_until_ready(engine.state)
-    store.check_state(engine.state)  # every round work applied once, in order
-    offloaded, restored = host_page_counters(store)
-    leaked_pages, leaked_extents = _leaks(store, cache)
-    return _Served(records, scheduler.stats, engine.stats, cache.stats, cache.host_tier, offloaded, restored,
-                   leaked_pages, leaked_extents, {k.value: store.pool(k).capacity for k in store.pool_kinds},
-                   _unit_compiles(steps.compiles(), compiles_before))
-
-
-def _serve_mesh(config: DemoConfig, plan, requests, params, fingerprint: str, on_finish, begin) -> _Served:
-    from .mesh_run import merge_pressure_stats, merge_scheduler_stats, merge_unit_stats, serve_mesh
-
-    kv_mesh = KVMesh(config.mesh)
-    local = demo_buckets(config.mesh.local_concurrency(config.max_concurrency))
-    policy = EntitlementPolicy(kv_lease_growth=config.kv_lease_growth, window_tokens=config.lease_window_tokens,
-                               cushion_tokens=config.lease_cushion_tokens)
-    served = serve_mesh(plan, kv_mesh, config.step_config, local, params, fingerprint, requests,
-                        entitlement=policy, host_bytes=config.host_bytes or None, on_finish=on_finish,
-                        before_serve=lambda steps: begin())
-    counters = [host_page_counters(e.store) for e in served.engines]
-    leaks = [_leaks(e.store, c) for e, c in zip(served.engines, served.caches)]
-    pool_pages: dict[str, int] = {}
-    for e in served.engines:
-        for k in e.store.pool_kinds:
-            pool_pages[k.value] = pool_pages.get(k.value, 0) + e.store.pool(k).capacity
-    return _Served(
-        served.records,
-        merge_scheduler_stats([s.stats for s in served.schedulers]),
-        merge_unit_stats([e.stats for e in served.engines]),
-        merge_pressure_stats([c.stats for c in served.caches]),
-        served.caches[0].host_tier,
-        sum(c[0] for c in counters), sum(c[1] for c in counters),
-        sum(x[0] for x in leaks), sum(x[1] for x in leaks),
-        pool_pages,
-        _unit_compiles(served.steps.compiles(), {}),
-        served.step_stats(),
-    )
-
-
 def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> DemoResult:
     """Serve ``config.workload`` with continuous batching through a KV store; see :class:`DemoResult`."""
     plan, requests = validate(config)
@@ -389,7 +267,6 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
     else:
         params, calibration = _params(model, config.seed)
     impl = _resolved_impl(config.impl)
-    fingerprint = model_fingerprint(model, config.seed, config.profile.value)
     bar = make_progress(len(requests), enabled=progress)
     generated = 0
     clock = {"compile": _CompileClock.read(), "start": time.perf_counter()}
@@ -403,9 +280,8 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
         elapsed = time.perf_counter() - clock["start"]
         bar.update(1, tokens=generated, tok_s=f"{generated / max(elapsed, 1e-9):.0f}")
 
-    serve = _serve_single if config.mesh is None else _serve_mesh
     try:
-        served = serve(config, plan, requests, params, fingerprint, on_finish, begin)
+        served = serve(config, plan, requests, params, dense_check=config.dense_check, on_finish=on_finish, begin=begin)
     finally:
         bar.close()
     serve_seconds = time.perf_counter() - clock["start"]
@@ -416,8 +292,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
     if config.dense_check:
         dense = check_dense(params, model, config.profile, records)
     compiles = served.compiles
-    st = served.scheduler
-    es = served.units
+    st = served.stats
     finish_reasons: dict[str, int] = {}
     for r in records:
         finish_reasons[r.finish_reason] = finish_reasons.get(r.finish_reason, 0) + 1
@@ -433,28 +308,29 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
         "dense_match": bool(dense.match) if dense is not None else None,
         "dense_tolerance": dense.tolerance if dense is not None else None,
         "dense": dense.to_json() if dense is not None else None,
-        "prefix_hits": st.prefix_hits,
-        "prefix_tokens_reused": st.prefix_tokens_reused,
+        "prefix_hits": served.cache["hits"],
+        "prefix_tokens_reused": served.cache["hit_tokens"],
         "prefix_jobs": st.prefix_jobs,
-        "offloaded_pages": served.offloaded,
-        "restored_pages": served.restored,
-        "evictions": dataclasses.asdict(served.pressure),
+        "offloaded_pages": served.offloaded_pages,
+        "restored_pages": served.restored_pages,
+        "evictions": {"offloads": served.cache["offloaded"], "releases": served.cache["released"],
+                      "host_full": served.cache["host_full"]},
         "host_tier": served.host_tier,
-        "peak_host_bytes": st.peak_host_bytes,
+        "peak_host_bytes": served.peak_host_bytes,
         "compiles": compiles,
-        "buckets": {name: sorted(b) for name, b in es.buckets.items()},
-        "units": dict(es.units),
-        "peak_pages": dict(st.peak_pages),
+        "buckets": served.buckets,
+        "units": served.units,
+        "peak_pages": served.peak_pages,
         "pool_pages": served.pool_pages,
         "leaked_pages": served.leaked_pages,
         "leaked_host_extents": served.leaked_extents,
         "finish_reasons": finish_reasons,
         "bounded_completions": st.bounded_completions,
         "lease_pages_granted": st.lease_pages_granted,
-        "peak_active": st.peak_active,
+        "peak_active": served.peak_active,
         "admission_waits": st.admission_waits,
         "rounds": st.rounds,
-        "prefill_tokens": es.prefill_tokens,
+        "prefill_tokens": st.prefill_tokens,
         "mtp": None,
         "profile": config.profile.value,
         "impl": impl,
@@ -480,10 +356,10 @@ def run_demo(config: DemoConfig = DemoConfig(), *, progress: bool = True) -> Dem
         data["mtp"] = {
             "draft_window": config.draft_window,
             "head_calibration_agreement": calibration,
-            "rounds": es.spec_rounds,
-            "drafts_verified": es.drafts_verified,
-            "drafts_accepted": es.drafts_accepted,
-            "acceptance_rate": es.drafts_accepted / es.drafts_verified if es.drafts_verified else 0.0,
-            "tokens_per_round": es.decode_tokens / es.spec_rounds if es.spec_rounds else 0.0,
+            "rounds": st.spec_rounds,
+            "drafts_verified": st.drafts_verified,
+            "drafts_accepted": st.drafts_accepted,
+            "acceptance_rate": st.drafts_accepted / st.drafts_verified if st.drafts_verified else 0.0,
+            "tokens_per_round": st.decode_tokens / st.spec_rounds if st.spec_rounds else 0.0,
         }
     return DemoResult(data, tuple(sorted(records, key=lambda r: r.request.id)))

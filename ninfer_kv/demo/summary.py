@@ -6,7 +6,8 @@ JSON keys (every key is present; ``null`` where it does not apply):
   serving wall time, compilation included), ``serve_seconds``, ``compile_seconds``,
   ``tokens_per_s_excl_compile``, ``rounds``, ``prefill_tokens``;
 * correctness: ``dense_match``, ``dense_tolerance``, ``dense`` (``tokens_match``, ``tie_flips``,
-  ``max_abs_logit_diff``, ``tolerance``, ``checked_tokens``, ``mismatched_requests``);
+  ``max_abs_logprob_diff``, ``max_relative_diff``, ``logit_scale``, ``tolerance``, ``checked_tokens``,
+  ``mismatched_requests``; ``ninfer-kv demo`` exits with status 3 when ``dense_match`` is false);
   ``null`` with ``--no-dense-check``;
 * prefixes and memory: ``prefix_hits``, ``prefix_tokens_reused``, ``prefix_jobs``,
   ``offloaded_pages``, ``restored_pages`` (the store's Host transfer counters), ``evictions``
@@ -67,8 +68,8 @@ class DemoResult:
             ("speed", f"{d['generated_tokens']:,} tokens generated in {d['serve_seconds']:.2f} s = {d['tokens_per_s']:.1f} "
              f"tokens/s, of which {d['compile_seconds']:.1f} s was compiling ({d['tokens_per_s_excl_compile']:.1f} "
              f"tokens/s without it); {d['rounds']} scheduling steps"),
-            ("shared prompts", f"{d['prefix_hits']} requests reused a cached system prompt "
-             f"({d['prefix_tokens_reused']:,} prompt tokens not recomputed); {d['prefix_jobs']} system prompts computed"),
+            ("shared prompts", f"{d['prefix_hits']} requests reused a cached prefix "
+             f"({d['prefix_tokens_reused']:,} prompt tokens not recomputed); {d['prefix_jobs']} shared prefixes computed once"),
             ("host memory", (f"{d['offloaded_pages']} KV pages moved to host memory, {d['restored_pages']} moved back; "
                              f"at most {format_bytes(d['peak_host_bytes'])} held there") if d["host_tier"] else "not used"),
             ("memory pressure", f"{ev['offloads']} cached prompts moved to host memory, {ev['releases']} dropped"
@@ -81,9 +82,10 @@ class DemoResult:
              + (f"; {d['lease_pages_granted']} KV pages granted as requests grew" if d["kv_lease_growth"] else "")),
             ("correctness", "not checked (--no-dense-check)" if dense is None else
              ("same tokens" if dense["tokens_match"] else f"{dense['tie_flips']} near-tie token(s) differ")
-             + f" as an unpaged full-precision model over {dense['checked_tokens']:,} tokens; largest logit "
-             f"difference {dense['max_abs_logit_diff']:.2e} (allowed {dense['tolerance']:.0e}): "
-             + ("PASS" if d["dense_match"] else "FAIL")),
+             + f" as an unpaged full-precision model over {dense['checked_tokens']:,} tokens; largest "
+             f"log-probability difference {dense['max_abs_logprob_diff']:.2e} = {dense['max_relative_diff']:.2e} x the "
+             f"logits' scale (allowed {dense['tolerance']:.0e} x scale): "
+             + ("PASS" if d["dense_match"] else "FAIL (exit status 3)")),
             ("leaks", "none: every KV page and host buffer was returned" if not (d["leaked_pages"] or d["leaked_host_extents"])
              else f"{d['leaked_pages']} KV pages and {d['leaked_host_extents']} host buffers not returned"),
         ]

@@ -35,19 +35,20 @@ from typing import Callable, Sequence as Seq
 
 import numpy as np
 
-from ..device import apply_work_jit, resync, take_step_work
 from ..errors import PoolCapacityError
 from ..geometry import PAGE_SIZE
-from ..models.decoder.buckets import bucket_for, bucket_ladder, pad_rows
-from ..models.decoder.sampling import GREEDY, sampling_rows
+from ..models.decoder.buckets import bucket_ladder
 from ..models.request_checks import token_ids
+from ..planning import PoolKind
 from ..store import KVStore
-from .model import EngineModel
+from .model import EngineModel, draft_window_of
 from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
 from .prefix_cache import PrefixCache
 from .prefix_index import PrefixIndex
 from .requests import FINISHED, JOB, RUNNING, WAITING, PrefixJob, Request, Sequence
+from .runner import DeviceRunner, UnitCall, drive
 from .sampling_params import SamplingParams
+from .speculative import HiddenStates, pending_pairs
 
 __all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS"]
 
@@ -61,10 +62,16 @@ class EngineStats:
     """Counters of an engine.
 
     Attributes:
-      rounds: calls of :meth:`EngineCore.step`; prefill_units / decode_units: model steps run.
-      prefill_tokens / decode_tokens: tokens they processed (padding excluded).
+      rounds: calls of :meth:`EngineCore.step`; prefill_units / decode_units: model steps run
+        (a speculative round counts as one decode unit).
+      prefill_tokens / decode_tokens: tokens they processed (padding excluded; decode: tokens produced).
       prefix_jobs: prefixes computed once for several sequences.
       failed_steps: steps that raised (their requests failed, the state was repaired).
+      admission_waits: rounds in which a request waited for pages or rows.
+      bounded_completions: sequences ended with ``"length"`` because the pool could not extend
+        their lease (lease growth only); lease_pages_granted: pages those leases grew by.
+      spec_rounds: sequence-rounds of speculative decoding; drafts_verified / drafts_accepted: the
+        drafts verified and accepted in them.
     """
 
     rounds: int = 0
@@ -74,6 +81,12 @@ class EngineStats:
     decode_tokens: int = 0
     prefix_jobs: int = 0
     failed_steps: int = 0
+    admission_waits: int = 0
+    bounded_completions: int = 0
+    lease_pages_granted: int = 0
+    spec_rounds: int = 0
+    drafts_verified: int = 0
+    drafts_accepted: int = 0
 
 
 class EngineCore:
@@ -88,6 +101,11 @@ class EngineCore:
       decode_token: ``decode_token(id) -> str`` for log-probability entries (``None``: no text).
       enable_prefix_caching: keep finished sequences' KV and reuse it.
       seed: the engine seed, from which requests without a seed draw theirs.
+      runner: what runs the units (default: a :class:`~ninfer_kv.engine.runner.DeviceRunner` on one
+        device; a data-parallel engine passes its shard's).
+
+    A model with a ``draft_window`` (an MTP head; :mod:`ninfer_kv.engine.speculative`) over a store
+    with an MTP pool decodes in speculative rounds.
     """
 
     def __init__(
@@ -100,13 +118,24 @@ class EngineCore:
         decode_token: Callable[[int], str] | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        runner=None,
     ):
         self.model = model
         self.store = store
         self.max_model_len = store.max_context
         self.max_num_seqs = store.max_concurrency
         self.buckets = bucket_ladder(self.max_num_seqs, 2)
-        model.prepare(store.layout("main"), self.buckets)
+        self.draft_window = draft_window_of(model)
+        has_mtp = PoolKind.MTP in store.pool_kinds
+        if has_mtp != bool(self.draft_window):
+            raise ValueError("the store has an MTP pool but the model has no MTP head (draft_window)" if has_mtp else
+                             f"the model drafts {self.draft_window} tokens per round but the store has no MTP pool; "
+                             "plan it with SpeculativeConfig('mtp', draft_window=K)")
+        if self.draft_window and store.policy.kv_lease_growth and store.policy.cushion_tokens < self.draft_window + 1:
+            raise ValueError(f"lease growth with draft_window={self.draft_window} needs cushion_tokens >= "
+                             f"{self.draft_window + 1} (a round writes up to K + 1 tokens); got "
+                             f"{store.policy.cushion_tokens}")
+        self.runner = runner if runner is not None else DeviceRunner(model, store, self.buckets)
         self.chunk = int(model.prefill_chunk)
         if self.chunk < PAGE_SIZE or self.chunk % PAGE_SIZE:
             raise ValueError(f"the model's prefill_chunk={self.chunk} must be a positive multiple of {PAGE_SIZE}")
@@ -116,8 +145,7 @@ class EngineCore:
         self.decode_token = decode_token
         self.caching = bool(enable_prefix_caching)
         self.seed = int(seed)
-        self.state = store.allocate_state()
-        self.cache = PrefixCache(store, self.flushed_state)
+        self.cache = PrefixCache(store, self.runner.flushed_state)
         self.pending = PrefixIndex()  # prefixes being computed by jobs
         self.waiting_index = PrefixIndex()  # prompts of waiting requests (for shared-prefix jobs)
         self.requests: dict[str, Request] = {}
@@ -214,37 +242,61 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One round (module docstring); returns the outputs of the requests that changed, finished
         ones included (each returned once finished, then forgotten)."""
+        return drive(self.round(), self.runner.run)
+
+    def round(self):
+        """The round as a generator: yields each :class:`~ninfer_kv.engine.runner.UnitCall`, is sent
+        the model's output (or thrown the step's exception), and returns what :meth:`step` returns.
+        :meth:`step` drives it on this engine's runner; a data-parallel engine drives the rounds of
+        its shards together, merging their units into shared steps."""
         self.stats.rounds += 1
         self._apply_aborts()
         self._admit()
-        produced: set = set()
         pre = [s for s in self.running if s.prefilling]
         for group in _groups(pre, self.buckets[-1]):
-            self._unit("prefill", group, produced)
-        dec = [s for s in self.running if not s.prefilling and not s.done and id(s) not in produced]
-        if dec and self.store.policy.kv_lease_growth:
-            dec = self._grow(dec)
-        for group in _groups(dec, self.buckets[-1]):
-            self._unit("decode", group, produced)
+            yield from self._prefill(group)
+        prefilled = {id(s) for s in pre}  # a sequence whose prompt completed this round has its token
+        dec = [s for s in self.running if not s.prefilling and not s.done and id(s) not in prefilled
+               and s.request is not None]
+        limits = self._limits(dec)
+        for group in _groups(list(zip(dec, limits)), self.buckets[-1]):
+            seqs = [s for s, _ in group]
+            if self.draft_window:
+                yield from self._speculate(seqs, [lim for _, lim in group])
+            else:
+                yield from self._decode(seqs)
         self._finish_done()
         return self._outputs()
 
-    def _grow(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Lease growth: extend the decoding sequences' entitlements at the round boundary, evicting
-        cached prefixes while some cannot be covered; a sequence the pool still cannot extend ends
-        with finish reason ``"length"`` at its committed frontier (bounded completion)."""
+    def _limits(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens each decoding sequence may produce this round (``K + 1`` in a speculative round,
+        else 1, within its budget).  With lease growth the entitlements are extended first
+        (:meth:`~ninfer_kv.store.KVStore.round_boundary`), evicting cached prefixes while some
+        sequence's lease cannot cover its next token; one the pool still cannot extend ends with
+        finish reason ``"length"`` at its committed frontier (bounded completion) and leaves the list."""
+        per_round = self.draft_window + 1 if self.draft_window else 1
+        limits = [min(per_round, s.request.budget - len(s.generated)) for s in seqs]
+        if not seqs or not self.store.policy.kv_lease_growth:
+            return limits
         rows = np.array([s.row for s in seqs], np.int64)
-        grant = self.store.round_boundary(rows)
-        while grant.length_limited.any() and self.cache.evict_one():
+        front = np.array([s.frontier for s in seqs], np.int64)
+        while True:
             grant = self.store.round_boundary(rows)
-        keep = []
-        for s, limited in zip(seqs, grant.length_limited.tolist()):
-            if limited:
+            self.stats.lease_pages_granted += int(np.sum(grant.granted_pages[PoolKind.MAIN]))
+            if not grant.length_limited.any() or not self.cache.evict_one():
+                break
+        room = grant.covered_tokens - front
+        keep, kept_limits = [], []
+        for s, lim, r, short in zip(seqs, limits, room.tolist(), grant.length_limited.tolist()):
+            if short or r < 1:
                 s.finish_reason = FINISH_LENGTH
+                self.stats.bounded_completions += 1
                 self._changed[s.request.request_id] = s.request
             else:
                 keep.append(s)
-        return keep
+                kept_limits.append(int(min(lim, r)))
+        seqs[:] = keep
+        return kept_limits
 
     def _outputs(self) -> list[RequestOutput]:
         out = []
@@ -272,6 +324,7 @@ class EngineCore:
         for req in list(self.waiting):
             verdict = self._try_admit(req)
             if verdict == "blocked":
+                self.stats.admission_waits += 1
                 break
 
     def _free_rows(self) -> int:
@@ -334,6 +387,9 @@ class EngineCore:
             if entry is not None:
                 self.cache.index.pin(entry)
                 self.cache.index.touch(entry, self.stats.rounds)
+            if self.draft_window:
+                held = req.private_source[2] if checkpoint is not None else self.cache.hidden_of(entry)
+                self._resume_mtp(seq, held, start)
             if self.text_state is not None:
                 seq.text = self.text_state(req.prompt_ids, req.params)
             if req.params.logprobs is not None:
@@ -362,6 +418,7 @@ class EngineCore:
         if entry is not None:
             self.cache.index.pin(entry)
             self.cache.index.touch(entry, self.stats.rounds)
+        self._resume_mtp(seq, self.cache.hidden_of(entry), seq.frontier)
         job.sequence = seq
         if owner is None:
             job.entry = self.pending.insert(job.tokens, job, now=self.stats.rounds)
@@ -371,6 +428,19 @@ class EngineCore:
         self.running.append(seq)
         self.stats.prefix_jobs += 1
         return "waiting"
+
+    def _resume_mtp(self, seq: Sequence, held, start: int) -> None:
+        """A speculative engine's sequence starts with the hidden states ``held[:start]`` of the
+        tokens it forked (from a cache entry or a private checkpoint) at the MTP frontier the store
+        continued it at."""
+        if not self.draft_window:
+            return
+        d = self.model.hidden_size
+        if start == 0:
+            seq.hidden, seq.mtp_frontier = HiddenStates(d), 0
+            return
+        seq.hidden = HiddenStates(d, held[:start])
+        seq.mtp_frontier = self.store.address_space(seq.handle, PoolKind.MTP).committed_frontier
 
     def _activate(self, prompt: int, budget: int, source, m: int, entry):
         """``store.activate``, evicting cached prefixes (never ``entry``) while the pool lacks pages."""
@@ -384,57 +454,166 @@ class EngineCore:
                     raise
 
     # -- units ------------------------------------------------------------------------------------------------------
-    def _unit(self, kind: str, seqs: list[Sequence], produced: set) -> None:
-        n = len(seqs)
-        t = self.chunk if kind == "prefill" else 1
+    def _prefill(self, seqs: list[Sequence]):
+        """One prefill chunk for every sequence of ``seqs``; one whose prompt completes produces its
+        first token.  With a speculative model the MTP pool then catches up."""
+        n, t = len(seqs), self.chunk
         tokens = np.zeros((n, t), np.int32)
         pos = np.zeros(n, np.int32)
         valid = np.zeros(n, np.int32)
         for i, s in enumerate(seqs):
-            if kind == "prefill":
-                v = min(t, s.target - s.frontier)
-                tokens[i, :v] = s.tokens[s.frontier: s.frontier + v]
-            else:
-                v = 1
-                tokens[i, 0] = s.tokens[-1]
+            v = min(t, s.target - s.frontier)
+            tokens[i, :v] = s.tokens[s.frontier: s.frontier + v]
             pos[i], valid[i] = s.frontier, v
         rows = np.array([s.row for s in seqs], np.int64)
         ends = pos.astype(np.int64) + valid
-        bucket = bucket_for(n, self.buckets)
-        padded = pad_rows(tokens, pos, valid, rows, bucket=bucket)
-        configs = [s.sampling for s in seqs]
-        sampling = None
-        if any(c is not None and not c.greedy for c in configs):
-            sampling = sampling_rows([c if c is not None else GREEDY for c in configs], bucket)
         self.store.map_rows(rows, ends)
         try:
-            self.state, work = take_step_work(self.store, self.state)
-            run = self.model.prefill if kind == "prefill" else self.model.decode
-            self.state, out = run(self.state, work, padded.tokens, padded.positions, padded.valid, padded.table_rows,
-                                  sampling)
+            out = yield UnitCall("prefill", tokens, pos, valid, rows, _sampling(seqs))
             chosen = np.asarray(out.next_tokens)[:n]
+            hidden = np.asarray(out.hidden, np.float32) if self.draft_window else None
         except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests only
             self._fail_unit(seqs, exc)
             return
         self.store.commit_rows(rows, ends)
-        if kind == "prefill":
-            self.stats.prefill_units += 1
-            self.stats.prefill_tokens += int(valid.sum())
-        else:
-            self.stats.decode_units += 1
-            self.stats.decode_tokens += n
+        self.stats.prefill_units += 1
+        self.stats.prefill_tokens += int(valid.sum())
         want = [i for i, s in enumerate(seqs) if s.logprobs is not None and int(ends[i]) >= s.target]
-        logits = np.asarray(out.logits[: n]) if want else None
+        logits = np.asarray(out.logits[:n]) if want else None
         for i, s in enumerate(seqs):
             s.frontier = int(ends[i])
+            if hidden is not None:
+                s.hidden.extend(hidden[i, : valid[i]])
             if s.request is None or s.prefilling:
                 continue
-            token = int(chosen[i])
-            if s.logprobs is not None:
-                s.record_logprobs(token, logits[i], s.request.params.logprobs, self.decode_token or _no_text)
-            s.append(token)
-            produced.add(id(s))
-            self._changed[s.request.request_id] = s.request
+            self._produce(s, int(chosen[i]), logits[i] if s.logprobs is not None else None)
+        if self.draft_window:
+            yield from self._extend_mtp(seqs)
+
+    def _decode(self, seqs: list[Sequence]):
+        """One token for every sequence of ``seqs``."""
+        n = len(seqs)
+        tokens = np.array([[s.tokens[-1]] for s in seqs], np.int32)
+        pos = np.array([s.frontier for s in seqs], np.int32)
+        valid = np.ones(n, np.int32)
+        rows = np.array([s.row for s in seqs], np.int64)
+        ends = pos.astype(np.int64) + 1
+        self.store.map_rows(rows, ends)
+        try:
+            out = yield UnitCall("decode", tokens, pos, valid, rows, _sampling(seqs))
+            chosen = np.asarray(out.next_tokens)[:n]
+        except Exception as exc:  # noqa: BLE001
+            self._fail_unit(seqs, exc)
+            return
+        self.store.commit_rows(rows, ends)
+        self.stats.decode_units += 1
+        self.stats.decode_tokens += n
+        logits = np.asarray(out.logits[:n]) if any(s.logprobs is not None for s in seqs) else None
+        for i, s in enumerate(seqs):
+            s.frontier = int(ends[i])
+            self._produce(s, int(chosen[i]), logits[i] if s.logprobs is not None else None)
+
+    def _produce(self, s: Sequence, token: int, logits) -> None:
+        if logits is not None:
+            s.record_logprobs(token, logits, s.request.params.logprobs, self.decode_token or _no_text)
+        s.append(token)
+        self._changed[s.request.request_id] = s.request
+
+    def _extend_mtp(self, seqs: list[Sequence]):
+        """Write every pending MTP pair of ``seqs`` (``mtp_extend``, a chunk at a time)."""
+        t, d = self.chunk, self.model.hidden_size
+        while True:
+            todo = []
+            for s in seqs:
+                if s.handle is None or s not in self.running:
+                    continue
+                c = pending_pairs(s.frontier, len(s.tokens), s.mtp_frontier,
+                                  keep_last=s.request is not None and not s.prefilling)
+                if c:
+                    todo.append((s, min(c, t)))
+            if not todo:
+                return
+            n = len(todo)
+            hidden = np.zeros((n, t, d), np.float32)
+            nxt = np.zeros((n, t), np.int32)
+            pos = np.zeros(n, np.int32)
+            valid = np.zeros(n, np.int32)
+            for i, (s, c) in enumerate(todo):
+                hidden[i, :c] = s.hidden.window(s.mtp_frontier, s.mtp_frontier + c)
+                nxt[i, :c] = s.tokens[s.mtp_frontier + 1: s.mtp_frontier + 1 + c]
+                pos[i], valid[i] = s.mtp_frontier, c
+            rows = np.array([s.row for s, _ in todo], np.int64)
+            ends = pos.astype(np.int64) + valid
+            self.store.map_rows(rows, ends, pool=PoolKind.MTP)
+            try:
+                yield UnitCall("mtp_extend", nxt, pos, valid, rows, None, hidden)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_unit([s for s, _ in todo], exc)
+                return
+            self.store.commit_rows(rows, ends, pool=PoolKind.MTP)
+            for s, c in todo:
+                s.mtp_frontier += c
+
+    def _speculate(self, seqs: list[Sequence], limits: list[int]):
+        """One MTP round per sequence: draft ``K`` tokens, verify ``min(K + 1, limit)`` of them, settle
+        both pools (:mod:`ninfer_kv.engine.speculative`)."""
+        k, d = self.draft_window, self.model.hidden_size
+        n = len(seqs)
+        rows = np.array([s.row for s in seqs], np.int64)
+        hidden = np.zeros((n, k + 1, d), np.float32)
+        nxt = np.zeros((n, k + 1), np.int32)
+        mpos = np.zeros(n, np.int32)
+        mvalid = np.zeros(n, np.int32)
+        for i, s in enumerate(seqs):
+            c = s.frontier - s.mtp_frontier
+            if not 1 <= c <= k + 1 or len(s.tokens) != s.frontier + 1:
+                raise AssertionError(f"sequence of {s.request.request_id!r}: {c} pending MTP pairs, expected 1..{k + 1}")
+            hidden[i, :c] = s.hidden.window(s.mtp_frontier, s.frontier)
+            nxt[i, :c] = s.tokens[s.mtp_frontier + 1: s.frontier + 1]
+            mpos[i], mvalid[i] = s.mtp_frontier, c
+        front = np.array([s.frontier for s in seqs], np.int64)
+        self.store.map_rows(rows, front + (k - 1), pool=PoolKind.MTP)  # the provisional lead of K - 1 drafts
+        try:
+            drafted = yield UnitCall("mtp_draft", nxt, mpos, mvalid, rows, None, hidden)
+            drafts = np.asarray(drafted)[:n]
+        except Exception as exc:  # noqa: BLE001
+            self._fail_unit(seqs, exc)
+            return
+        self.store.commit_rows(rows, front, pool=PoolKind.MTP)  # the extended pairs are canonical
+        tokens = np.zeros((n, k + 1), np.int32)
+        vvalid = np.array(limits, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, 0] = s.tokens[-1]
+            tokens[i, 1:] = drafts[i]
+        self.store.map_rows(rows, front + vvalid)
+        try:
+            out = yield UnitCall("verify", tokens, front.astype(np.int32), vvalid, rows, _sampling(seqs))
+            accepted = np.asarray(out.num_accepted)[:n].astype(np.int64)
+            target = np.asarray(out.target_tokens)[:n]
+            vhidden = np.asarray(out.hidden, np.float32)[:n]
+            logits = np.asarray(out.logits[:n]) if any(s.logprobs is not None for s in seqs) else None
+        except Exception as exc:  # noqa: BLE001
+            self._fail_unit(seqs, exc)
+            return
+        kept = np.zeros(n, np.int64)
+        for i, s in enumerate(seqs):
+            for j in range(int(accepted[i]) + 1):  # the accepted drafts, then the bonus token
+                self._produce(s, int(target[i, j]), logits[i, j] if s.logprobs is not None else None)
+                kept[i] += 1
+                if s.finish_reason is not None:  # nothing after a stop
+                    break
+        self.store.settle_rows(rows, front + kept)
+        self.store.settle_rows(rows, front, pool=PoolKind.MTP)
+        for i, s in enumerate(seqs):
+            s.hidden.extend(vhidden[i, : kept[i]])  # h_n .. : the next round's pending pairs
+            s.mtp_frontier = int(front[i])
+            s.frontier = int(front[i] + kept[i])
+        st = self.stats
+        st.decode_units += 1
+        st.spec_rounds += n
+        st.drafts_verified += int((vvalid - 1).sum())
+        st.drafts_accepted += int(np.minimum(accepted, kept - 1).sum())
+        st.decode_tokens += int(kept.sum())
 
     def _fail_unit(self, seqs: list[Sequence], exc: Exception) -> None:
         """A step raised: fail its requests, repair the device state, keep the store consistent."""
@@ -449,14 +628,10 @@ class EngineCore:
                 if s is not None and s.finish_reason is None:
                     s.finish_reason = FINISH_ABORT
             self._end_request(req, retain=False)
-        if _consumed(self.state):
-            self.state = self.store.allocate_state()
-        self.state, report = resync(self.store, self.state)
-        self._handle_lost(report)
+        self._handle_lost(*self.runner.repair())
 
-    def _handle_lost(self, report) -> None:
+    def _handle_lost(self, lost_seq: set, lost_ckpt: set) -> None:
         """Requests and cache entries whose content a repair could not restore are given up."""
-        lost_seq = set(report.lost_sequences)
         for s in list(self.running):
             if s.handle in lost_seq:
                 if s.request is not None:
@@ -468,14 +643,13 @@ class EngineCore:
                     self._end_request(req, retain=False)
                 else:
                     self._drop_job(s.job)
-        lost_ckpt = set(report.lost_checkpoints)
         for entry in list(self.cache.index):
             if entry.value in lost_ckpt:
                 for s in self.running:  # forks still running keep their own pages; the entry goes
                     if s.source is entry:
                         s.source = None
                         self.cache.index.unpin(entry)
-                self.cache.index.remove(entry)
+                self.cache.forget(entry)
                 self.store.release_checkpoint(entry.value)
 
     # -- finishing ----------------------------------------------------------------------------------------------------
@@ -498,7 +672,8 @@ class EngineCore:
         self._leave(s)
         if retain and self.caching and s.frontier > 0:
             ckpt = self.store.finish(s.handle, retain=True)
-            self.cache.keep(np.asarray(s.tokens[: s.frontier], np.int32), ckpt, self.stats.rounds)
+            self.cache.keep(np.asarray(s.tokens[: s.frontier], np.int32), ckpt, self.stats.rounds,
+                            hidden=self._hidden_kept(s))
         else:
             self.store.finish(s.handle)
 
@@ -525,10 +700,14 @@ class EngineCore:
             if job.owner.status == FINISHED:  # aborted meanwhile
                 self.store.release_checkpoint(ckpt)
             else:
-                job.owner.private_source = (ckpt, int(job.tokens.size))
+                job.owner.private_source = (ckpt, int(job.tokens.size), self._hidden_kept(s))
                 job.owner.status = WAITING
         else:
-            self.cache.keep(job.tokens, ckpt, self.stats.rounds)
+            self.cache.keep(job.tokens, ckpt, self.stats.rounds, hidden=self._hidden_kept(s))
+
+    def _hidden_kept(self, s: Sequence):
+        """The hidden states a retained sequence keeps for its forks (speculative engines only)."""
+        return s.hidden.frozen(s.frontier) if self.draft_window else None
 
     def _drop_job(self, job: PrefixJob | None) -> None:
         if job is None or job not in self.jobs:
@@ -580,11 +759,14 @@ class EngineCore:
         self._unindex_waiting(req)
 
     # -- state -------------------------------------------------------------------------------------------------------
+    @property
+    def state(self):
+        """The device state the runner holds."""
+        return self.runner.state
+
     def flushed_state(self):
         """The device state with every pending round work applied (an offload's source)."""
-        if any(not p.empty for p in self.store.pending_work().values()):
-            self.state = apply_work_jit(self.state, self.store.take_work())
-        return self.state
+        return self.runner.flushed_state()
 
     def clear_cache(self) -> int:
         """Release every cached prefix no running request uses; returns how many."""
@@ -608,7 +790,7 @@ def _groups(items: list, size: int):
         yield items[i: i + size]
 
 
-def _consumed(state) -> bool:
-    """Whether a step consumed ``state`` (its buffers were donated or deleted)."""
-    sync = getattr(state, "sync", None)
-    return sync is not None and hasattr(sync, "is_deleted") and sync.is_deleted()
+def _sampling(seqs: list[Sequence]) -> list | None:
+    """Each sequence's sampling config, or ``None`` when every one is greedy."""
+    configs = [s.sampling for s in seqs]
+    return configs if any(c is not None and not c.greedy for c in configs) else None

@@ -24,6 +24,20 @@ token each row chooses::
   ``max(valid - 1, 0)``: a padding row has ``valid == 0``; its outputs are ignored);
   ``out.logits`` float32 ``(B, V)`` there (read only when a request asks for log-probabilities).
 
+Speculative decoding (optional).  A model with an MTP head sets ``draft_window`` (``K``) and
+``hidden_size`` (``d``), returns ``out.hidden`` float32 ``(B, T, d)`` (every position's main hidden
+state) from prefill and decode, and has three more calls (:mod:`ninfer_kv.engine.speculative` says
+what they compute)::
+
+    state, drafts = model.mtp_draft(state, work, hidden, next_tokens, positions, valid, table_rows)
+    state, _ = model.mtp_extend(state, work, hidden, next_tokens, positions, valid, table_rows)
+    state, out = model.verify(state, work, tokens, positions, valid, table_rows, sampling)
+
+``mtp_*`` read and write ``state.planes[PoolKind.MTP]`` (``hidden (B, T, d)``, ``next_tokens (B, T)``;
+``drafts`` int32 ``(B, K)``); ``verify`` takes ``tokens (B, K + 1)`` and returns
+:class:`VerifyOutput`.  The engine then plans the store with ``SpeculativeConfig("mtp", K)`` and
+decodes in speculative rounds.
+
 A model also says what it stores (:meth:`EngineModel.kv_config`: layers, KV heads, head dim of its
 full-attention layers), its vocabulary and its prefill chunk.  :class:`DecoderModel` implements the
 protocol over :class:`~ninfer_kv.models.decoder.steps.ModelSteps`; ``examples/engine_custom_model.py``
@@ -35,6 +49,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 from ..device import KVDeviceState
 from ..models.decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig
@@ -45,15 +60,40 @@ from ..layout import PagedKVStorageLayout
 from ..profiles import KVProfile
 from ..work import RoundWork
 
-__all__ = ["StepOutput", "EngineModel", "DecoderModel"]
+__all__ = ["StepOutput", "VerifyOutput", "EngineModel", "DecoderModel", "draft_window_of"]
 
 
 class StepOutput(NamedTuple):
     """What a model step returns besides the state: ``next_tokens`` int32 ``(B,)`` and ``logits``
-    float32 ``(B, V)`` at each row's last valid token."""
+    float32 ``(B, V)`` at each row's last valid token; ``hidden`` float32 ``(B, T, d)`` from a
+    speculative model (``None`` otherwise)."""
 
     next_tokens: jax.Array
     logits: jax.Array
+    hidden: jax.Array | None = None
+
+
+class VerifyOutput(NamedTuple):
+    """What a speculative model's ``verify`` returns besides the state: ``target_tokens`` int32
+    ``(B, K + 1)`` (the token chosen after each input position), ``num_accepted`` int32 ``(B,)``
+    (the longest prefix of drafts ``tokens[:, 1:]`` equal to the targets, among ``i < valid``),
+    ``logits`` float32 ``(B, K + 1, V)`` and ``hidden`` float32 ``(B, K + 1, d)``."""
+
+    target_tokens: jax.Array
+    num_accepted: jax.Array
+    logits: jax.Array
+    hidden: jax.Array
+
+
+def draft_window_of(model) -> int:
+    """The draft window ``K`` of a speculative model, 0 for a plain one (``ValueError`` when it is
+    not a positive int)."""
+    k = getattr(model, "draft_window", 0) or 0
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"the model's draft_window={k!r} must be a positive int (or 0: no speculative decoding)")
+    if k and not (isinstance(getattr(model, "hidden_size", None), int) and model.hidden_size > 0):
+        raise ValueError("a speculative model (draft_window > 0) must say its hidden_size, a positive int")
+    return k
 
 
 @runtime_checkable
@@ -94,48 +134,89 @@ class DecoderModel:
       config: its :class:`~ninfer_kv.models.decoder.config.ModelConfig`.
       impl: op implementation (``"auto"``: the FFI kernels on CPU, Pallas on GPU).
       prefill_chunk: tokens per prefill call (a multiple of 64).
+      draft_window: with a config that has an MTP head (``ModelConfig(mtp=True)``), decode in
+        speculative rounds of ``K`` drafts (0: plain decoding).
+      mesh: a :class:`~ninfer_kv.mesh.KVMesh` to run the steps on a sharded state (main model,
+        greedy; :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine`), or ``None``.
     """
 
-    def __init__(self, params: dict, config: ModelConfig, *, impl: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, params: dict, config: ModelConfig, *, impl: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
+                 draft_window: int = 0, mesh=None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        StepConfig(model=config, impl=impl, prefill_chunk=prefill_chunk)  # validates impl and chunk
+        if draft_window and not config.mtp:
+            raise ValueError(f"draft_window={draft_window} needs a model with an MTP head (ModelConfig(mtp=True))")
+        if draft_window and mesh is not None:
+            raise ValueError("speculative decoding runs on one device; a mesh serves the main model only")
+        StepConfig(model=config, impl=impl, prefill_chunk=prefill_chunk,
+                   draft_window=max(1, int(draft_window)))  # validates impl, chunk and K
         self.params = params
         self.config = config
         self.impl = impl
         self.prefill_chunk = int(prefill_chunk)
         self.vocab_size = config.vocab_size
-        self._steps: ModelSteps | None = None
+        self.draft_window = int(draft_window)
+        self.hidden_size = config.d_model
+        self.mesh = mesh
+        self._steps = None
 
     def kv_config(self, profile: KVProfile) -> ModelKVConfig:
         """The decoder's KV shape in ``profile``."""
         return self.config.kv_config(KVProfile.parse(profile))
 
     def prepare(self, layout: PagedKVStorageLayout, batch_buckets: tuple[int, ...]) -> None:
-        """Build (or reuse: steps are shared per configuration) the jitted steps for ``layout``'s profile."""
-        if layout != self.config.main_layout(layout.profile):
+        """Build (or reuse: steps are shared per configuration) the jitted steps for ``layout``'s
+        profile (on a mesh, ``layout`` is one device's and the buckets are global)."""
+        if self.mesh is None and layout != self.config.main_layout(layout.profile):
             raise ValueError(f"the store's Main layout {layout} is not this decoder's "
                              f"{self.config.main_layout(layout.profile)}")
         step_config = StepConfig(model=self.config, profile=layout.profile, impl=self.impl,
-                                 prefill_chunk=self.prefill_chunk, batch_buckets=tuple(batch_buckets))
-        self._steps = shared_steps(step_config)
+                                 prefill_chunk=self.prefill_chunk, batch_buckets=tuple(batch_buckets),
+                                 draft_window=max(1, self.draft_window))
+        if self.mesh is None:
+            self._steps = shared_steps(step_config)
+        else:
+            from ..models.decoder.mesh_steps import MeshSteps
+
+            self._steps = MeshSteps(step_config, self.mesh, layout)
 
     @property
     def steps(self) -> ModelSteps:
         """The jitted steps (after :meth:`prepare`)."""
         if self._steps is None:
-            raise RuntimeError("DecoderModel.prepare(profile, batch_buckets) must run before any step")
+            raise RuntimeError("DecoderModel.prepare(layout, batch_buckets) must run before any step")
         return self._steps
 
-    def _run(self, name, state, work, tokens, positions, valid, table_rows, sampling):
-        args = (tokens, positions, valid, table_rows) + (() if sampling is None else (sampling,))
-        state, out = self.steps.on_state(name)(self.params, state, work, *args)
-        return state, StepOutput(out.next_tokens, out.logits)
+    def _run(self, name, state, work, *args, sampling=None):
+        if sampling is not None:
+            if self.mesh is not None:
+                raise ValueError("the mesh steps choose greedily; sampling is not supported on a mesh")
+            args = args + (sampling,)
+        return self.steps.on_state(name)(self.params, state, work, *args)
 
     def prefill(self, state, work, tokens, positions, valid, table_rows, sampling=None):
         """One prefill chunk per row through the decoder's jitted state step."""
-        return self._run("prefill", state, work, tokens, positions, valid, table_rows, sampling)
+        state, out = self._run("prefill", state, work, tokens, positions, valid, table_rows, sampling=sampling)
+        return state, StepOutput(out.next_tokens, out.logits, out.hidden if self.draft_window else None)
 
     def decode(self, state, work, tokens, positions, valid, table_rows, sampling=None):
         """One decode token per row through the decoder's jitted state step."""
-        return self._run("decode", state, work, tokens, positions, valid, table_rows, sampling)
+        state, out = self._run("decode", state, work, tokens, positions, valid, table_rows, sampling=sampling)
+        return state, StepOutput(out.next_tokens, out.logits, out.hidden if self.draft_window else None)
+
+    def verify(self, state, work, tokens, positions, valid, table_rows, sampling=None):
+        """Verify ``K`` drafts per row (speculative decoding)."""
+        state, out = self._run("verify", state, work, tokens, positions, valid, table_rows, sampling=sampling)
+        return state, VerifyOutput(out.target_tokens, out.num_accepted, out.logits, out.hidden)
+
+    def mtp_extend(self, state, work, hidden, next_tokens, positions, valid, table_rows):
+        """Write MTP pairs (speculative decoding)."""
+        hidden = jnp.asarray(hidden, self.config.jnp_dtype)
+        state, _ = self._run("mtp_extend", state, work, hidden, next_tokens, positions, valid, table_rows)
+        return state, None
+
+    def mtp_draft(self, state, work, hidden, next_tokens, positions, valid, table_rows):
+        """Extend the pending MTP pairs and draft ``K`` tokens per row (speculative decoding)."""
+        hidden = jnp.asarray(hidden, self.config.jnp_dtype)
+        state, out = self._run("mtp_draft", state, work, hidden, next_tokens, positions, valid, table_rows)
+        return state, out.drafts

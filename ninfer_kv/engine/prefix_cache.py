@@ -36,6 +36,8 @@ class CacheStats:
       hits: admissions that forked a cached prefix; hit_tokens: the prompt tokens they reused.
       inserted: checkpoints indexed; redundant: finished sequences not kept (a cached one covers them).
       offloaded: entries moved to the Host tier; released: entries given up entirely.
+      host_full: offloads refused because the Host arena could not make room (the entry was
+        released instead).
     """
 
     hits: int = 0
@@ -44,6 +46,7 @@ class CacheStats:
     redundant: int = 0
     offloaded: int = 0
     released: int = 0
+    host_full: int = 0
 
 
 class PrefixCache:
@@ -61,6 +64,7 @@ class PrefixCache:
         self.index = PrefixIndex()
         self.host_tier = store.host_occupancy() is not None
         self.stats = CacheStats()
+        self._hidden: dict = {}  # entry -> the hidden states kept with it (speculative engines)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -71,9 +75,15 @@ class PrefixCache:
         return self.index.longest_match(tokens, limit)
 
     # -- insertion --------------------------------------------------------------------------------------
-    def keep(self, tokens: Sequence[int], checkpoint: CheckpointHandle, now: int) -> PrefixEntry | None:
-        """Index a retained ``checkpoint`` holding ``tokens``; release it instead when a cached entry
-        already covers them.  Entries the new one makes redundant are released (unless pinned)."""
+    def hidden_of(self, entry: PrefixEntry | None):
+        """The hidden states kept with ``entry`` (``None`` without)."""
+        return None if entry is None else self._hidden.get(entry)
+
+    def keep(self, tokens: Sequence[int], checkpoint: CheckpointHandle, now: int, *,
+             hidden=None) -> PrefixEntry | None:
+        """Index a retained ``checkpoint`` holding ``tokens`` (with a speculative model's ``hidden``
+        states of those tokens); release it instead when a cached entry already covers them.
+        Entries the new one makes redundant are released (unless pinned)."""
         cover = self.index.covering(tokens)
         if cover is not None:
             self.store.release_checkpoint(checkpoint)
@@ -84,6 +94,8 @@ class PrefixCache:
             if old.pins == 0:
                 self._release(old)
         entry = self.index.insert(tokens, checkpoint, now=now)
+        if hidden is not None:
+            self._hidden[entry] = hidden
         self.stats.inserted += 1
         return entry
 
@@ -124,13 +136,19 @@ class PrefixCache:
                 hosted = [e for e in self.index.eviction_order()
                           if e is not exclude and e is not entry and not self._on_device(e)]
                 if not hosted:
+                    self.stats.host_full += 1
                     return False
                 self._release(hosted[0])
 
     def _release(self, entry: PrefixEntry) -> None:
-        self.index.remove(entry)
+        self.forget(entry)
         self.store.release_checkpoint(entry.value)
         self.stats.released += 1
+
+    def forget(self, entry: PrefixEntry) -> None:
+        """Take ``entry`` out of the index (its checkpoint is the caller's to release)."""
+        self._hidden.pop(entry, None)
+        self.index.remove(entry)
 
     def clear(self) -> int:
         """Release every unpinned entry; returns how many were released."""

@@ -43,7 +43,8 @@ class Request:
       status: :data:`WAITING`, :data:`JOB`, :data:`RUNNING` or :data:`FINISHED`.
       sequences: the running or finished sequence of each completion (``None`` until admitted).
       num_cached_tokens: prompt tokens reused from the prefix cache.
-      private_source: ``(checkpoint, tokens)`` of a prefix job run for this request alone (no cache).
+      private_source: ``(checkpoint, tokens, hidden states or None)`` of a prefix job run for this
+        request alone (no cache).
       aborted: :meth:`~ninfer_kv.engine.EngineCore.abort` was called.
       error: the exception that failed it, if any.
     """
@@ -105,6 +106,8 @@ class Sequence:
       text: the completion's text state (``None`` without a tokenizer, or for a job).
       logprobs: one ``{token id: Logprob}`` per generated token when requested.
       finish_reason, stop_reason: how it ended.
+      hidden, mtp_frontier: with a speculative model, the main hidden states of every position
+        and the MTP pool's committed frontier (:mod:`ninfer_kv.engine.speculative`).
     """
 
     handle: SequenceHandle
@@ -122,6 +125,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    hidden: Any = None
+    mtp_frontier: int = 0
 
     @property
     def prefilling(self) -> bool:

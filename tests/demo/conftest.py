@@ -44,3 +44,14 @@ def run(**overrides):
 @pytest.fixture(scope="session")
 def bf16_run():
     return run()
+
+
+def engine_steps(config: DemoConfig):
+    """The jitted steps the engine of a one-device demo run ``config`` uses (shared per configuration)."""
+    from ninfer_kv.models.decoder import StepConfig
+    from ninfer_kv.models.decoder.buckets import bucket_ladder
+    from ninfer_kv.models.decoder.steps import shared_steps
+
+    return shared_steps(StepConfig(model=config.model_config, profile=config.profile, impl=config.impl,
+                                   batch_buckets=bucket_ladder(config.max_concurrency, 2),
+                                   draft_window=config.draft_window if config.backend == "mtp" else 1))

@@ -1,14 +1,12 @@
-"""The demo engine owns the device state: every unit is one state step that applies the store's
+"""The engine owns the device state: every unit is one state step that applies the store's
 round work first, and every work was applied once, in order."""
 
-from ninfer_kv.demo.run import _steps
-
-from .conftest import demo_config
+from .conftest import demo_config, engine_steps
 
 
 def test_units_run_as_state_steps_and_apply_every_work(bf16_run):
     d = bf16_run.to_json()
-    steps = _steps(demo_config().step_config)
+    steps = engine_steps(demo_config())
     # the planes-and-tables steps never ran: each unit dispatched its state step (work applied inside)
     for name in ("prefill", "decode"):
         assert steps.steps[name].traces == 0, name

@@ -1,5 +1,6 @@
-"""End-to-end serving runs of the demo at small size: correctness against the dense model,
-compilation per bucket, leaks, prefix forks, memory pressure, MTP settlement and lease growth."""
+"""End-to-end serving runs of the demo (the public engine) at small size: correctness against the
+dense model, compilation per bucket, leaks, prefix forks, memory pressure, MTP settlement and lease
+growth."""
 
 from __future__ import annotations
 
@@ -7,12 +8,8 @@ import numpy as np
 import pytest
 
 from ninfer_kv.demo import DemoConfig, run_demo
-from ninfer_kv.demo.prefix_cache import HOST_VERBS
-from ninfer_kv.store import KVStore
 
-from .conftest import WORKLOAD, demo_config, run
-
-HOST_TIER = all(hasattr(KVStore, verb) for verb in HOST_VERBS)
+from .conftest import WORKLOAD, demo_config, engine_steps, run
 
 
 def _budgets():
@@ -38,7 +35,7 @@ def test_bf16_matches_dense_and_leaks_nothing(bf16_run):
     d = _common_checks(bf16_run)
     assert d["dense_match"] is True
     assert d["dense"]["tokens_match"] is True
-    assert d["dense"]["max_abs_logit_diff"] <= d["dense"]["tolerance"] == 1e-3
+    assert d["dense"]["max_relative_diff"] <= d["dense"]["tolerance"] == 1e-3
     assert d["dense"]["checked_tokens"] == d["generated_tokens"]
     budgets = _budgets()
     for r in bf16_run.records:  # no lease growth: every request spends exactly its budget
@@ -49,9 +46,11 @@ def test_bf16_matches_dense_and_leaks_nothing(bf16_run):
 def test_prefix_forks_and_memory_pressure(bf16_run):
     d = bf16_run.to_json()
     assert d["prefix_hits"] >= 1
-    assert d["prefix_tokens_reused"] == 150 * d["prefix_hits"]
-    assert d["prefix_jobs"] >= 2  # each system prompt computed at least once
-    assert any(r.prefix_hit for r in bf16_run.records)
+    # every hit reuses at least the 150-token system prompt, at any token (not rounded to a page)
+    hits = [r for r in bf16_run.records if r.prefix_hit]
+    assert len(hits) == d["prefix_hits"] and all(150 <= r.cached_tokens < r.request.prompt_tokens for r in hits)
+    assert d["prefix_tokens_reused"] == sum(r.cached_tokens for r in hits)
+    assert d["prefix_jobs"] >= 2  # each system prompt computed once for the requests waiting on it
     ev = d["evictions"]
     assert ev["offloads"] + ev["releases"] >= 1  # 10 pages cannot hold 4 lanes and both prefixes
     assert d["peak_pages"]["main"] == d["pool_pages"]["main"] == 10
@@ -60,15 +59,13 @@ def test_prefix_forks_and_memory_pressure(bf16_run):
 
 
 def test_every_step_compiles_once_per_bucket_across_runs(bf16_run):
-    from ninfer_kv.demo.run import _steps
-
     again = run_demo(demo_config(), progress=False)  # a second run on the same jitted steps
     assert all(n == 0 for n in again["compiles"].values()), again["compiles"]
-    steps = _steps(demo_config().step_config)
+    steps = engine_steps(demo_config())
     for name, step in steps.steps.items():
         per_signature = step.counter.compiles_by_signature()
         assert all(n == 1 for n in per_signature.values()), (name, per_signature)
-        assert step.compiles <= len(steps.config.batch_buckets)
+        assert step.compiles <= len(steps.config.batch_buckets) * 2  # each bucket, with or without sampling
         assert step.compiles == step.traces
 
 
@@ -127,7 +124,6 @@ def test_kv_lease_growth_generates_prefixes_of_the_full_generation(bf16_run):
         assert r.bounded or len(got) == len(full[r.request.id])
 
 
-@pytest.mark.skipif(not HOST_TIER, reason="the store has no Host tier yet (offload_checkpoint, drop_device_replica, ...)")
 def test_offload_and_restore_under_pressure(bf16_run):
     d = bf16_run.to_json()
     assert d["host_tier"] is True
@@ -187,12 +183,11 @@ def test_config_rejects_bad_values():
         DemoConfig(mesh="model=3")
 
 
-@pytest.mark.skipif(not HOST_TIER, reason="the store has no Host tier yet")
 def test_host_arena_too_small_releases_instead():
-    # 100 KiB cannot hold one 150-token checkpoint of the tiny model (3 pages of 64 KiB): every
-    # offload is refused by the arena and the victim is released; serving is unaffected
+    # 100 KiB cannot hold a 150-token prefix of the tiny model (3 pages of 64 KiB):
+    # those offloads are refused by the arena and the victim is released; serving is unaffected
     d = run(host_bytes=100 * 1024).to_json()
     ev = d["evictions"]
-    assert ev["offloads"] == 0 and ev["host_full"] >= 1 and ev["releases"] == ev["host_full"]
-    assert d["offloaded_pages"] == 0 and d["leaked_host_extents"] == 0
+    assert ev["host_full"] >= 1 and ev["releases"] >= ev["host_full"]
+    assert d["peak_host_bytes"] <= 100 * 1024 and d["leaked_host_extents"] == 0
     assert d["dense_match"] is True and d["leaked_pages"] == 0

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.demo import WorkloadSpec, make_workload
-from ninfer_kv.demo.run import demo_buckets
 
 
 @st.composite
@@ -88,11 +87,3 @@ def test_default_workload_shape():
 def test_spec_rejects_bad_values(kw):
     with pytest.raises(ValueError):
         WorkloadSpec(**kw)
-
-
-def test_demo_buckets():
-    assert demo_buckets(1) == (1,)
-    assert demo_buckets(4) == (1, 4)
-    assert demo_buckets(8) == (1, 4, 8)
-    assert demo_buckets(64) == (1, 4, 16, 64)
-    assert demo_buckets(100) == (1, 4, 16, 64, 100)

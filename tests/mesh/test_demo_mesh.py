@@ -45,8 +45,7 @@ def test_mesh_tokens_equal_one_device():
     assert mesh["pool_pages"] == {"main": 10}  # 5 per data shard
     # every shard's units of a round share one mesh step: a step serves lanes of both shards
     steps = mesh["mesh_steps"]
-    units = sum(mesh["units"].values())  # units of the shards' schedulers, summed
-    assert steps["steps"] < units, (steps, mesh["units"])
+    assert steps["steps"] == sum(mesh["units"].values()), (steps, mesh["units"])
     assert steps["max_lanes_per_step"] > 2, steps  # more than one shard's 2 local rows
     assert steps["slots_per_step"] >= steps["lanes_per_step"] > 0
 
@@ -57,11 +56,10 @@ _PLANES_SCRIPT = textwrap.dedent(
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from ninfer_kv.demo import DemoConfig, WorkloadSpec
-    from ninfer_kv.demo.run import demo_buckets, validate, _params
-    from ninfer_kv.demo.mesh_run import mesh_step_config
+    from ninfer_kv.demo.run import validate, _params
+    from ninfer_kv.engine import DecoderModel
+    from ninfer_kv.engine.data_parallel import DataParallelEngine
     from ninfer_kv.mesh import KVMesh
-    from ninfer_kv.models.decoder.mesh_steps import MeshSteps
-    from ninfer_kv.demo.mesh_engine import MeshState
     from ninfer_kv.planning import ExplicitCapacity, PoolKind
     from ninfer_kv.store.sharded import ShardedKVStore
 
@@ -70,9 +68,9 @@ _PLANES_SCRIPT = textwrap.dedent(
     plan, _ = validate(cfg)
     kv_mesh = KVMesh(cfg.mesh)
     sharded = ShardedKVStore(plan, kv_mesh)
-    steps = MeshSteps(mesh_step_config(cfg.step_config, demo_buckets(2), 2), kv_mesh, sharded.layout())
     params, _ = _params(cfg.model_config, 0)
-    shared = MeshState(sharded, steps, params, demo_buckets(2))
+    engine = DataParallelEngine(DecoderModel(params, cfg.model_config, impl="ffi", mesh=kv_mesh), sharded)
+    shared, steps = engine.runner, engine.runner.model.steps
     plane = next(iter(shared.state.planes[PoolKind.MAIN].values()))
     n_glob, h_glob = plane.shape[1], plane.shape[2]
     local = plane.addressable_shards[0].data.shape
@@ -97,7 +95,7 @@ _PLANES_SCRIPT = textwrap.dedent(
 
 
 def test_mesh_step_keeps_planes_on_their_devices():
-    """The demo's compiled mesh decode step: each FFI call sees one device's block of the planes and
+    """The engine's compiled mesh decode step: each FFI call sees one device's block of the planes and
     no collective moves a plane (only activations cross devices)."""
     proc = subprocess.run([sys.executable, "-c", _PLANES_SCRIPT], capture_output=True, text=True, timeout=120,
                           env=_env(), cwd=ROOT)
