@@ -3,7 +3,7 @@
     python bench/bench_mesh.py [--mesh data=2,model=4] [--batch 16] [--context 1024] [--steps 20]
 
 Forces 8 host devices before JAX starts (on a CPU).  One mesh step serves every data shard's lanes
-together (``--batch`` = ``D * C_local`` tokens per step, as the demo's lockstep rounds do); both
+together (``--batch`` = ``D * C_local`` tokens per step, as the engine's lockstep rounds do); both
 programs decode one token for every sequence in every layer (append + attention through the FFI kernels), with the same total batch,
 heads and context: the sharded one per device inside ``shard_map``, the single-device one on device
 0 over the whole cache.  Also prints the per-device bytes of the mesh plan next to the bytes of one

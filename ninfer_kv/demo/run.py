@@ -105,8 +105,8 @@ class DemoConfig:
       fixed_bytes: the fixed part of ``B(M)``.
       seed: weights seed (the workload has its own seed).
       dense_check: recompute every request densely after the run.
-      mesh: serve over a ``data x model`` device mesh (:mod:`ninfer_kv.demo.mesh_run`; main model
-        only), or ``None`` for one device.  ``max_concurrency`` and ``kv_capacity`` are totals over
+      mesh: serve over a ``data x model`` device mesh (main model only, through
+        :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine`), or ``None`` for one device.  ``max_concurrency`` and ``kv_capacity`` are totals over
         the data shards, ``host_bytes`` is per data shard.
     """
 

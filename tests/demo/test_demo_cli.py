@@ -75,3 +75,23 @@ def test_text_view_is_the_summary_table(capsys):
     assert out.startswith("ninfer-kv demo: 4 requests on model tiny")
     assert "step functions" in out and "prefill" in out and "decode" in out
     assert "not checked (--no-dense-check)" in out
+
+
+def test_a_failed_dense_check_prints_the_result_and_exits_3(monkeypatch, capsys):
+    """The dense check's verdict is the exit status: FAIL in the table, status 3, the JSON still printed."""
+    from ninfer_kv.demo import dense_check, run
+
+    real = dense_check.check_dense
+
+    def strict(*args, **kwargs):  # a zero tolerance: the paged path's last-bit differences fail it
+        return real(*args, **dict(kwargs, tolerance=0.0))
+
+    monkeypatch.setattr(run, "check_dense", strict)
+    assert main(["demo", *TINY]) == 3
+    out = capsys.readouterr().out
+    assert "FAIL (exit status 3)" in out
+    assert main(["demo", *TINY, "--json"]) == 3
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["dense_match"] is False and data["dense"]["mismatched_requests"]
+    monkeypatch.setattr(run, "check_dense", real)
+    assert main(["demo", *TINY]) == 0 and "PASS" in capsys.readouterr().out
