@@ -190,11 +190,12 @@ def _finish(config, engine, stores, cores, runner, records, peaks, peak_active, 
         occupancy = store.host_occupancy()
         if occupancy is not None:
             leaked_extents += int(occupancy.extent_count)
+    log = runner.log
     compiles: dict = {}
     for name, n in model_steps.compiles().items():
         unit = name.removesuffix("_state")
         compiles[unit] = compiles.get(unit, 0) + n - compiles_before.get(name, 0)
-    log = runner.log
+    compiles = {unit: n for unit, n in compiles.items() if n or unit in log.units}  # steps this run used
     mesh_steps = None
     if config.mesh is not None:
         lanes, slots = runner.lanes, runner.slots
