@@ -50,7 +50,7 @@ from .runner import DeviceRunner, UnitCall, drive
 from .sampling_params import SamplingParams
 from .speculative import HiddenStates, pending_pairs
 
-__all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS"]
+__all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS", "request_seed"]
 
 MIN_SHARED_TOKENS = PAGE_SIZE
 """Tokens that waiting requests must share beyond the cached prefix before a prefix job computes
@@ -178,10 +178,11 @@ class EngineCore:
         room = self.max_model_len - ids.size
         budget = room if params.max_tokens is None else min(int(params.max_tokens), room)
         self._check_fits(ids.size, budget, params.n)
-        base = params.seed if params.seed is not None else _mix(self.seed, next(self._arrivals) + 1)
+        arrival = next(self._arrivals)
+        base = params.seed if params.seed is not None else request_seed(self.seed, arrival)
         seeds = tuple(base if i == 0 else _mix(base, i) for i in range(params.n))
         req = Request(request_id, prompt, ids, params, budget, frozenset(params.stop_token_ids or ()),
-                      frozenset() if params.ignore_eos else self.eos_token_ids, seeds, next(self._arrivals))
+                      frozenset() if params.ignore_eos else self.eos_token_ids, seeds, arrival)
         self.requests[request_id] = req
         self.waiting.append(req)
         self._index_waiting(req)
@@ -775,6 +776,11 @@ class EngineCore:
 
 def _no_text(token: int) -> None:
     return None
+
+
+def request_seed(engine_seed: int, arrival: int) -> int:
+    """The sampling seed of the ``arrival``-th request (from 0) that gives none."""
+    return _mix(engine_seed, arrival + 1)
 
 
 def _mix(seed: int, i: int) -> int:

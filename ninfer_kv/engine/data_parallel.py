@@ -15,18 +15,22 @@ the output.  So a round costs as many mesh steps as the busiest shard has units.
 everything is the shards' program order, shards in order between steps: a run is deterministic, and
 a request's tokens depend only on its own rows (the same as on one device).
 
-The mesh steps choose greedily and run the main model only (no sampling, no MTP head).  A step that
+The mesh steps run the main model only (no MTP head); they sample exactly as the one-device steps
+do (each request's key folded with the token's position), so seeded requests give the same tokens.  A step that
 raises fails the requests of every shard's unit in it; the sharded state is repaired once with
 :func:`~ninfer_kv.resync` and every shard gives up what it lost.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from ..models.decoder.buckets import bucket_for, pad_rows
+from ..models.decoder.buckets import bucket_for, bucket_ladder, pad_rows
+from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store.sharded import ShardedCheckpoint, ShardedKVStore
-from .core import EngineCore, EngineStats
+from .core import EngineCore, EngineStats, request_seed
 from .outputs import RequestOutput
 from .runner import UnitCall, UnitLog, call_model, consumed
 from .sampling_params import SamplingParams
@@ -80,8 +84,6 @@ class MeshRunner:
     def run_merged(self, kind: str, calls: list[tuple[int, UnitCall]]) -> list:
         """One mesh step of ``kind`` for ``calls`` (``(shard, call)``, at most one per shard); returns
         each call's slice of the output, in order."""
-        if any(c.sampling is not None for _, c in calls):
-            raise ValueError("the mesh steps choose greedily; a sampled request cannot run on a mesh")
         sharded = self.sharded
         bucket = bucket_for(max(len(c.rows) for _, c in calls), self.local_buckets)
         total = bucket * sharded.num_shards
@@ -91,15 +93,21 @@ class MeshRunner:
         pos = np.zeros(total, np.int32)
         valid = np.zeros(total, np.int32)
         table_rows = np.full(total, inert, np.int32)
+        configs = [GREEDY] * total
         for shard, c in calls:
             rows = np.asarray(c.rows, np.int64) + shard * sharded.rows_per_shard
             padded = pad_rows(c.tokens, c.positions, c.valid, rows, bucket=bucket, scratch_row=inert)
             lo = shard * bucket
             tokens[lo: lo + bucket], pos[lo: lo + bucket] = padded.tokens, padded.positions
             valid[lo: lo + bucket], table_rows[lo: lo + bucket] = padded.valid, padded.table_rows
+            if c.sampling is not None:
+                configs[lo: lo + len(c.rows)] = [g if g is not None else GREEDY for g in c.sampling]
+        sampling = None
+        if any(c.sampling is not None for _, c in calls):
+            sampling = sampling_rows(configs, total)
         self.log.record(kind, total)
         self.state, work = sharded.take_step_work(self.state)
-        self.state, out = call_model(self.model, kind, self.state, work, tokens, pos, valid, table_rows, None, None)
+        self.state, out = call_model(self.model, kind, self.state, work, tokens, pos, valid, table_rows, sampling, None)
         fields = {f: np.asarray(x) for f, x in out._asdict().items() if x is not None}
         self.lanes.append(sum(len(c.rows) for _, c in calls))
         self.slots.append(total)
@@ -161,8 +169,6 @@ class DataParallelEngine:
     def __init__(self, model, sharded: ShardedKVStore, *, eos_token_ids=(), text_state=None, decode_token=None,
                  enable_prefix_caching: bool = True, seed: int = 0):
         stores = [ShardStore(sharded, d) for d in range(sharded.num_shards)]
-        from ..models.decoder.buckets import bucket_ladder
-
         local = bucket_ladder(stores[0].max_concurrency, 2)
         self.runner = MeshRunner(model, sharded, local)
         self.sharded = sharded
@@ -172,21 +178,25 @@ class DataParallelEngine:
             for d, store in enumerate(stores)
         ]
         self._shard_of: dict[str, int] = {}
+        self.seed = int(seed)
+        self._arrivals = 0
 
     # -- requests -----------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None, *,
                     prompt: str | None = None):
         """Queue a request on the shard that holds or computes its longest prefix (ties: the one
         with the fewest unfinished requests, then the lowest); checked as
-        :meth:`EngineCore.add_request`, and greedy only."""
+        :meth:`EngineCore.add_request`.  A request without a seed gets the one it would get from a
+        single engine with the same seed and arrivals, so its tokens do not depend on the shard."""
         if isinstance(request_id, str) and request_id in self._shard_of:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if params is not None and isinstance(params, SamplingParams) and params.temperature != 0:
-            raise ValueError(f"temperature={params.temperature} is not supported on a mesh (its steps choose "
-                             f"greedily); allowed: 0")
+        params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams) and params.seed is None:
+            params = dataclasses.replace(params, seed=request_seed(self.seed, self._arrivals))
         shard = self._route(prompt_token_ids)
         req = self.cores[shard].add_request(request_id, prompt_token_ids, params, prompt=prompt)
         self._shard_of[request_id] = shard
+        self._arrivals += 1
         return req
 
     def _route(self, prompt_token_ids) -> int:

@@ -136,8 +136,8 @@ class DecoderModel:
       prefill_chunk: tokens per prefill call (a multiple of 64).
       draft_window: with a config that has an MTP head (``ModelConfig(mtp=True)``), decode in
         speculative rounds of ``K`` drafts (0: plain decoding).
-      mesh: a :class:`~ninfer_kv.mesh.KVMesh` to run the steps on a sharded state (main model,
-        greedy; :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine`), or ``None``.
+      mesh: a :class:`~ninfer_kv.mesh.KVMesh` to run the steps on a sharded state (main model only;
+        :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine`), or ``None``.
     """
 
     def __init__(self, params: dict, config: ModelConfig, *, impl: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
@@ -189,8 +189,6 @@ class DecoderModel:
 
     def _run(self, name, state, work, *args, sampling=None):
         if sampling is not None:
-            if self.mesh is not None:
-                raise ValueError("the mesh steps choose greedily; sampling is not supported on a mesh")
             args = args + (sampling,)
         return self.steps.on_state(name)(self.params, state, work, *args)
 

@@ -4,8 +4,8 @@ The steps take a sharded :class:`~ninfer_kv.KVDeviceState` (``ShardedKVStore.all
 and a :class:`~ninfer_kv.store.sharded.ShardedRoundWork` padded to one shape
 (``ShardedKVStore.take_step_work``)::
 
-    prefill_state(params, state, work, tokens (B, chunk), positions, valid, table_rows) -> (state, PrefillOutput)
-    decode_state(params, state, work, tokens (B, 1), positions, valid, table_rows)     -> (state, DecodeOutput)
+    prefill_state(params, state, work, tokens (B, chunk), positions, valid, table_rows[, sampling]) -> (state, PrefillOutput)
+    decode_state(params, state, work, tokens (B, 1), positions, valid, table_rows[, sampling])     -> (state, DecodeOutput)
 
 with ``B = D * B_local``: batch slots ``[d * B_local, (d + 1) * B_local)`` carry global rows of data
 shard ``d`` (``d * C_local + local row``) or the inert row ``C``.  Every step first applies the work
@@ -15,7 +15,9 @@ paged attention run per device inside ``shard_map``
 (:func:`~ninfer_kv.sharded_ops.sharded_paged_append`, :func:`~ninfer_kv.sharded_ops.sharded_paged_attention`):
 a device writes and reads only its data shard's pages and its model shard's KV heads.  The
 attention outputs are gathered over the model axis for the output projection; the planes never
-leave their devices.  The outputs are the single-device steps' (planes and tables ``None``).
+leave their devices.  The outputs are the single-device steps' (planes and tables ``None``); with
+``sampling`` (a :class:`~ninfer_kv.models.decoder.sampling.SamplingRows` of ``(B,)`` rows, replicated)
+tokens are sampled exactly as the single-device steps sample them, else chosen greedily.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ...store import KVDeviceState
 from .config import StepConfig
 from .model import decoder_layer, embed_tokens, logits_from_hidden
 from .layers import token_positions
-from .steps import STATE_DONATED_ARGNUMS, CountedStep, DecodeOutput, PrefillOutput, _at_index, _greedy, _token_check
+from .steps import STATE_DONATED_ARGNUMS, CountedStep, DecodeOutput, PrefillOutput, _at_index, _choose, _token_check
 
 __all__ = ["MeshSteps", "forward_paged_mesh"]
 
@@ -86,17 +88,21 @@ class MeshSteps:
             return forward_paged_mesh(params, model, kv_mesh, layout, state, tokens, positions, valid, table_rows,
                                       impl=impl)
 
-        def prefill(params, state, work, tokens, positions, valid, table_rows):
+        def produced(positions, valid):
+            return jnp.asarray(positions, jnp.int32) + jnp.asarray(valid, jnp.int32)
+
+        def prefill(params, state, work, tokens, positions, valid, table_rows, sampling=None):
             state = sharded_apply_work(kv_mesh, state, work)
             hidden, state = run(params, state, tokens, positions, valid, table_rows)
             logits = logits_from_hidden(params, model, _at_index(hidden, jnp.maximum(valid - 1, 0)))
-            return state, PrefillOutput(None, None, logits, _greedy(logits), hidden)
+            chosen = _choose(logits, sampling, produced(positions, valid))
+            return state, PrefillOutput(None, None, logits, chosen, hidden)
 
-        def decode(params, state, work, tokens, positions, valid, table_rows):
+        def decode(params, state, work, tokens, positions, valid, table_rows, sampling=None):
             state = sharded_apply_work(kv_mesh, state, work)
             hidden, state = run(params, state, tokens, positions, valid, table_rows)
             logits = logits_from_hidden(params, model, hidden[:, 0])
-            return state, DecodeOutput(None, None, logits, _greedy(logits), hidden)
+            return state, DecodeOutput(None, None, logits, _choose(logits, sampling, produced(positions, valid)), hidden)
 
         def checked(name, t):
             check = _token_check(cfg, name, t)
