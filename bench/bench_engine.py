@@ -32,20 +32,24 @@ generation that forks a cached prefix); compiles that still happen inside a time
 counted and printed.
 
 vLLM (``--vllm-python PATH``: the python of a virtual environment where ``import vllm`` works): the
-same prompts run through ``vllm.LLM(model=DIR, ...)`` in a subprocess (``VLLM_CPU_OMP_THREADS_BIND``
-0-1), measured the same way through ``llm.llm_engine`` (``add_request`` / ``step``); the chat turns
-are built from vLLM's own outputs.  Without it: ``vLLM: not installed, skipped``.
+same prompts run through ``vllm.LLM(model=DIR, skip_tokenizer_init=True, kv_cache_memory_bytes=<our
+pool's bytes>, ...)`` in a subprocess (``VLLM_CPU_OMP_THREADS_BIND=0-1``, tcmalloc preloaded), measured
+the same way through ``llm.llm_engine`` (``add_request`` / ``step``); the chat turns are built from
+vLLM's own outputs.  Its block size and prefix caching stay at vLLM's defaults (printed), so its cached
+tokens are also compared with the shared prefixes rounded down to whole blocks.  Without it:
+``vLLM: not installed, skipped``.
 
     PYTHONPATH=. python bench/bench_engine.py                                   # everything, defaults
     PYTHONPATH=. python bench/bench_engine.py --requests 0.125 --max-new-tokens 16   # a quick check
     PYTHONPATH=. python bench/bench_engine.py --requests offline=8,shared=16,chat=4 --workloads shared,chat
+    PYTHONPATH=. python bench/bench_engine.py --vllm-python /path/to/vllm-venv/bin/python   # and vLLM
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import math
 import os
 import platform
 import subprocess
@@ -94,34 +98,38 @@ def build_workloads(vocab: int, counts: dict, *, seed: int, system_tokens: int, 
 
 
 def run_workload(backend, name: str, wl: dict, max_new: int) -> dict:
-    """Run one workload through ``backend``; returns its per-request records and references."""
+    """Run one workload through ``backend``; returns its per-request records and the shared-prefix
+    references: ``exact_each`` (each request's exact shared prefix) and ``alt_each`` (the variant named
+    ``alt_name``), one entry per request in submission order."""
     if name in ("offline", "shared"):
         batch = backend.run_batch(name, wl["prompts"], max_new)
         n = len(wl["prompts"])
         if name == "offline":
-            exact, alt, alt_name = 0, 0, None
+            exact_each, alt_each, alt_name = [0] * n, [0] * n, None
         else:
             p = wl["system_tokens"]
-            exact, alt, alt_name = n * p, (n - 1) * p, f"{n - 1} x {p} (the first request computes it)"
-        return {"batches": [batch], "exact": exact, "alt": alt, "alt_name": alt_name,
+            exact_each, alt_each = [p] * n, [0] + [p] * (n - 1)
+            alt_name = f"{n - 1} x {p} (the first request computes it)"
+        return {"batches": [batch], "exact_each": exact_each, "alt_each": alt_each, "alt_name": alt_name,
                 "exact_name": "0 (nothing shared)" if name == "offline" else f"{n} x {wl['system_tokens']}"}
     convs = wl["messages"]
     history = [[] for _ in convs]
-    batches, exact, alt = [], 0, 0
+    batches, exact_each, alt_each = [], [], []
     for turn in range(len(convs[0])):
         prompts = [history[c] + convs[c][turn] for c in range(len(convs))]
-        if turn:
-            exact += sum(len(h) for h in history)
-            alt += sum(len(h) - 1 for h in history)
+        exact_each += [len(h) for h in history]
+        alt_each += [max(len(h) - 1, 0) for h in history]
         batch = backend.run_batch(f"chat{turn}", prompts, max_new)
         batches.append(batch)
         history = [prompts[c] + batch["requests"][c]["output"] for c in range(len(convs))]
-    return {"batches": batches, "exact": exact, "alt": alt, "exact_name": "previous prompt + output",
-            "alt_name": "less its last output token (no K/V computed)"}
+    return {"batches": batches, "exact_each": exact_each, "alt_each": alt_each,
+            "exact_name": "previous prompt + output",
+            "alt_name": "previous prompt + output less its last token (its K/V was never computed)"}
 
 
-def summarize(result: dict) -> dict:
-    """Throughput, TTFT, cached tokens and host time of a workload's batches."""
+def summarize(result: dict, block: int | None = None) -> dict:
+    """Throughput, TTFT, cached tokens and host time of a workload's batches.  With ``block``, the
+    shared-prefix references are also given rounded down to whole blocks of that many tokens."""
     reqs = [r for b in result["batches"] for r in b["requests"]]
     wall = sum(b["wall"] for b in result["batches"])
     ttft = np.array([r["ttft"] for r in reqs])
@@ -132,10 +140,13 @@ def summarize(result: dict) -> dict:
         "output_tokens": out_tokens, "prompt_tokens": sum(r["prompt_len"] for r in reqs),
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
         "latency_p50": float(np.percentile([r["latency"] for r in reqs], 50)),
-        "cached": cached, "exact": result["exact"], "alt": result["alt"],
+        "cached": cached, "exact": sum(result["exact_each"]), "alt": sum(result["alt_each"]),
         "exact_name": result["exact_name"], "alt_name": result["alt_name"],
         "concurrency": max(b.get("concurrency", 0) for b in result["batches"]),
     }
+    if block:
+        s.update(block=block, exact_blocks=sum(n // block * block for n in result["exact_each"]),
+                 alt_blocks=sum(n // block * block for n in result["alt_each"]))
     if all("step_s" in b for b in result["batches"]):
         step = sum(b["step_s"] for b in result["batches"])
         s.update(step_s=step, host_s=wall - step, host_share=(wall - step) / wall,
@@ -151,44 +162,85 @@ def summarize(result: dict) -> dict:
     return s
 
 
+def references(s: dict) -> list[tuple[str, int]]:
+    """The shared-prefix references a summary's cached-token count is compared with, by name."""
+    refs = [(f"the exact shared prefix ({s['exact_name']})", s["exact"])]
+    if s["alt_name"]:
+        refs.append((s["alt_name"], s["alt"]))
+    if "block" in s:
+        rounded = f"rounded down to whole {s['block']}-token blocks"
+        refs.append((f"the exact shared prefix {rounded}", s["exact_blocks"]))
+        if s["alt_name"]:
+            refs.append((f"{s['alt_name']}, {rounded}", s["alt_blocks"]))
+    return refs
+
+
 def cached_verdict(s: dict) -> str:
-    if s["cached"] == s["exact"]:
-        return f"equal to the exact shared prefix ({s['exact_name']})"
-    if s["alt_name"] and s["cached"] == s["alt"]:
-        return f"equal to {s['alt_name']}"
-    return f"NOT equal (cached - exact = {s['cached'] - s['exact']:+d})"
+    matches = [name for name, value in references(s) if value == s["cached"]]
+    if matches:
+        return "equal to " + "; and to ".join(matches)
+    return f"NOT equal to the exact shared prefix (cached - exact = {s['cached'] - s['exact']:+,})"
 
 
 # -- the vLLM side ---------------------------------------------------------------------------------------------
 
 
 class VllmBackend:
-    """``vllm.LLM`` over the same checkpoint, driven through ``llm.llm_engine``."""
+    """``vllm.LLM`` over the same checkpoint, driven through ``llm.llm_engine`` (``add_request`` / ``step``).
+
+    vLLM's own defaults are kept for everything the comparison is about (block size, prefix caching,
+    chunked prefill, the batched-token budget); only the KV cache size is set, to our pool's bytes."""
 
     def __init__(self, spec: dict):
         from vllm import LLM, SamplingParams
+        from vllm.inputs import tokens_input
 
         self.SamplingParams = SamplingParams
-        dtype = {"auto": "auto", "bfloat16": "bfloat16", "float32": "float32"}[spec["dtype"]]
-        self.llm = LLM(model=spec["checkpoint"], dtype=dtype, max_model_len=spec["max_model_len"],
-                       max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=True, skip_tokenizer_init=True,
-                       seed=0)
+        self.tokens_input = tokens_input
+        start = time.perf_counter()
+        self.llm = LLM(model=spec["checkpoint"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+                       max_num_seqs=spec["max_num_seqs"], kv_cache_memory_bytes=spec["kv_bytes"],
+                       skip_tokenizer_init=True, seed=0)
+        self.load_s = time.perf_counter() - start
         self.engine = self.llm.llm_engine
-        warm = self.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
-        self.llm.generate([{"prompt_token_ids": list(range(1, 300))}, {"prompt_token_ids": list(range(1, 200))}],
-                          warm, use_tqdm=False)
+        start = time.perf_counter()
+        self._warm_up()
+        self.warm_s = time.perf_counter() - start
+
+    def config(self) -> dict:
+        """The settings vLLM resolved that the comparison depends on."""
+        cfg = self.engine.vllm_config
+        return {"block_size": cfg.cache_config.block_size,
+                "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+                "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
+                "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+                "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+                "kv_tokens": (cfg.cache_config.num_gpu_blocks or 0) * cfg.cache_config.block_size,
+                "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
+                "load_s": self.load_s, "warm_s": self.warm_s}
+
+    def _params(self, max_new: int):
+        """Greedy, exactly ``max_new`` tokens, token ids only (no tokenizer)."""
+        return self.SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, detokenize=False)
+
+    def _warm_up(self) -> None:
+        """A short generation, then one that hits a cached prefix (as ours does before timing)."""
+        base = list(range(1, 2 * PAGE + 11))
+        self.run_batch("warm0", [base], 3)
+        self.run_batch("warm1", [base + [7, 8, 9], base[:PAGE + 5] + [5]], 3)
         self.reset()
 
     def reset(self) -> None:
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
 
     def run_batch(self, tag: str, prompts: list, max_new: int) -> dict:
-        params = self.SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, detokenize=False)
+        params = self._params(max_new)
         ids = [f"{tag}-{i}" for i in range(len(prompts))]
         first, done = {}, {}
         t0 = time.perf_counter()
         for rid, p in zip(ids, prompts):
-            self.engine.add_request(rid, {"prompt_token_ids": p}, params)
+            self.engine.add_request(rid, self.tokens_input(p), params)
         while self.engine.has_unfinished_requests():
             outs = self.engine.step()
             now = time.perf_counter() - t0
@@ -208,41 +260,82 @@ class VllmBackend:
 
 def vllm_worker(spec_path: str, out_path: str) -> None:
     """The subprocess: run every workload through vLLM, write the summaries as JSON."""
-    spec = json.loads(Path(spec_path).read_text())
-    backend = VllmBackend(spec)
-    results = {}
-    for name in spec["workloads"]:
-        backend.reset()
-        results[name] = summarize(run_workload(backend, name, spec["data"][name], spec["max_new"]))
     import vllm
 
-    Path(out_path).write_text(json.dumps({"version": vllm.__version__, "results": results}))
+    spec = json.loads(Path(spec_path).read_text())
+    backend = VllmBackend(spec)
+    config = backend.config()
+    results = {}
+    print(f"vLLM: start-up {config['load_s']:.1f} s, warm-up {config['warm_s']:.1f} s", flush=True)
+    for name in spec["workloads"]:
+        backend.reset()
+        print(f"vLLM: running {name} ...", flush=True)
+        result = run_workload(backend, name, spec["data"][name], spec["max_new"])
+        results[name] = s = summarize(result, block=config["block_size"])
+        print(f"vLLM:   {s['requests']} requests in {s['wall_s']:.1f} s", flush=True)
+    Path(out_path).write_text(json.dumps({"version": vllm.__version__, "config": config, "results": results}))
+
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_env() -> dict:
+    """The subprocess's environment: 2 OpenMP compute threads on cores 0-1 (as ours), tcmalloc."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1")
+    if TCMALLOC.exists() and "tcmalloc" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(TCMALLOC), env.get("LD_PRELOAD", "")]))
+    env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def vllm_importable(python: str | None) -> bool:
+    if not python:
+        return False
+    try:
+        return subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0
+    except OSError:  # no such interpreter
+        return False
+
+
+def run_worker(python: str, spec: Path, out: Path, log: Path) -> int:
+    """Run the vLLM subprocess; its output goes to ``log``, and its own ``vLLM:`` lines to stdout too."""
+    cmd = [python, str(Path(__file__).resolve()), "--vllm-worker", str(spec), str(out)]
+    with open(log, "w") as f, subprocess.Popen(cmd, env=vllm_env(), stdout=subprocess.PIPE,
+                                               stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            f.write(line)
+            if line.startswith("vLLM: "):
+                print(f"  {line}", end="", flush=True)
+    return proc.returncode
 
 
 def run_vllm(args, checkpoint: Path, data: dict, workloads: list[str], kv_bytes: int) -> dict | None:
-    """vLLM's summaries, or ``None`` (and the line saying so) when it cannot be imported."""
+    """vLLM's summaries, or ``None`` (and the line saying so) when it cannot be imported or fails."""
     python = args.vllm_python
-    try:
-        importable = bool(python) and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0
-    except OSError:  # no such interpreter
-        importable = False
-    if not importable:
+    if not vllm_importable(python):
         print("vLLM: not installed, skipped")
         return None
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_bytes / 2**30))))
-    env.pop("JAX_PLATFORMS", None)
+    log = args.cache_dir / "vllm_worker.log"
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"checkpoint": str(checkpoint), "dtype": args.dtype,
+        spec.write_text(json.dumps({"checkpoint": str(checkpoint), "dtype": args.dtype, "kv_bytes": kv_bytes,
                                     "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                                     "workloads": workloads, "data": data, "max_new": args.max_new_tokens}))
-        print(f"vLLM: running the workloads in {python} ...", flush=True)
-        proc = subprocess.run([python, str(Path(__file__).resolve()), "--vllm-worker", str(spec), str(out)], env=env)
-        if proc.returncode != 0 or not out.exists():
-            print(f"vLLM: the subprocess failed (exit {proc.returncode}); no comparison")
+        print(f"vLLM: running the workloads in {python} (its log: {log}) ...", flush=True)
+        start = time.perf_counter()
+        code = run_worker(python, spec, out, log)
+        if code != 0 or not out.exists():
+            print(f"vLLM: the subprocess failed (exit {code}); no comparison. The end of its log:")
+            print("".join(log.read_text().splitlines(keepends=True)[-30:]))
             return None
-        return json.loads(out.read_text())
+        theirs = json.loads(out.read_text())
+    c = theirs["config"]
+    print(f"vLLM {theirs['version']}: whole subprocess {time.perf_counter() - start:.1f} s (start-up with "
+          f"its compiles {c['load_s']:.1f} s, warm-up {c['warm_s']:.1f} s); block size {c['block_size']}, "
+          f"prefix caching {c['enable_prefix_caching']}, chunked prefill {c['enable_chunked_prefill']}, "
+          f"max_num_batched_tokens {c['max_num_batched_tokens']}, max_num_seqs {c['max_num_seqs']}, "
+          f"dtype {c['dtype']}, KV cache {c['kv_tokens']:,} tokens ({kv_bytes / 2**30:.2f} GiB)", flush=True)
+    return theirs
 
 
 # -- the ninfer_kv side ----------------------------------------------------------------------------------------
@@ -319,17 +412,17 @@ class NinferBackend:
         from ninfer_kv.device import take_step_work
 
         eng = self.engine
-        model = eng.model
+        model, runner = eng.model, eng.runner
         for kind, t in (("decode", 1), ("prefill", eng.chunk)):
             for b in eng.buckets:
                 zeros = np.zeros(b, np.int32)
                 args = (np.zeros((b, t), np.int32), zeros, zeros.copy(), zeros.copy())
-                state, work = take_step_work(eng.store, eng.state)
+                state, work = take_step_work(eng.store, runner.state)
                 if kind == "prefill" and hasattr(model, "steps") and hasattr(model, "params"):
-                    # the work taken is empty (the decode calls applied everything): eng.state stays valid
+                    # the work taken is empty (the decode calls applied everything): the state stays valid
                     model.steps.on_state(kind).lower(model.params, state, work, *args).compile()
                     continue
-                eng.state, out = getattr(model, kind)(state, work, *args, None)
+                runner.state, out = getattr(model, kind)(state, work, *args, None)
                 jax.block_until_ready(out.next_tokens)
         params = self.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         base = list(range(1, 2 * PAGE + 11))
@@ -412,47 +505,64 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores ({platform.machine()}), load average {load}"
 
 
-def print_workload(name: str, s: dict, v: dict | None) -> None:
-    def ms(x):
-        return f"{x * 1e3:,.0f} ms" if x < 10 else f"{x:,.1f} s"
+def _time(x: float) -> str:
+    return f"{x * 1e3:,.0f} ms" if x < 10 else f"{x:,.1f} s"
 
-    rows = [["requests", s["requests"], v["requests"] if v else ""],
-            ["max requests running at once", s["concurrency"], ""],
-            ["prompt / output tokens", f"{s['prompt_tokens']:,} / {s['output_tokens']:,}",
-             f"{v['prompt_tokens']:,} / {v['output_tokens']:,}" if v else ""],
-            ["wall time", f"{s['wall_s']:.2f} s", f"{v['wall_s']:.2f} s" if v else ""],
-            ["requests/s", f"{s['req_per_s']:.3f}", f"{v['req_per_s']:.3f}" if v else ""],
-            ["output tokens/s", f"{s['out_tok_per_s']:.2f}", f"{v['out_tok_per_s']:.2f}" if v else ""],
-            ["TTFT p50", ms(s["ttft_p50"]), ms(v["ttft_p50"]) if v else ""],
-            ["TTFT p99", ms(s["ttft_p99"]), ms(v["ttft_p99"]) if v else ""],
-            ["latency p50", ms(s["latency_p50"]), ms(v["latency_p50"]) if v else ""],
-            ["cached prompt tokens", f"{s['cached']:,}", f"{v['cached']:,}" if v else ""],
-            [f"exact shared prefix: {s['exact_name']}", f"{s['exact']:,}", ""]]
+
+def _ratio(s: dict, v: dict, key: str) -> str:
+    return f"{s[key] / v[key]:.2f}x" if v[key] else "n/a"
+
+
+def _side_by_side_rows(s: dict, v: dict | None) -> list[list]:
+    """The rows both engines have: ninfer_kv, vLLM (empty without it), ninfer_kv / vLLM."""
+    def row(label, fmt, key=None):
+        return [label, fmt(s), fmt(v) if v else "", _ratio(s, v, key) if v and key else ""]
+
+    rows = [row("requests", lambda x: x["requests"]),
+            row("prompt / output tokens", lambda x: f"{x['prompt_tokens']:,} / {x['output_tokens']:,}"),
+            row("wall time", lambda x: f"{x['wall_s']:.2f} s", "wall_s"),
+            row("requests/s", lambda x: f"{x['req_per_s']:.3f}", "req_per_s"),
+            row("output tokens/s", lambda x: f"{x['out_tok_per_s']:.2f}", "out_tok_per_s"),
+            row("TTFT p50", lambda x: _time(x["ttft_p50"]), "ttft_p50"),
+            row("TTFT p99", lambda x: _time(x["ttft_p99"]), "ttft_p99"),
+            row("latency p50", lambda x: _time(x["latency_p50"]), "latency_p50"),
+            row("cached prompt tokens", lambda x: f"{x['cached']:,}"),
+            row(f"exact shared prefix: {s['exact_name']}", lambda x: f"{x['exact']:,}")]
     if s["alt_name"]:
-        rows.append([f"  ... {s['alt_name']}", f"{s['alt']:,}", ""])
-    rows += [["model step time (prefill + decode)",
-              f"{s['step_s']:.2f} s ({s['prefill_steps']} + {s['decode_steps']} steps: "
-              f"{s['prefill_step_s']:.2f} + {s['decode_step_s']:.2f} s)", ""],
-             ["engine host time (wall - steps)", f"{s['host_s']:.3f} s = {100 * s['host_share']:.2f}% of wall", ""],
-             ["engine rounds (step() calls), host per round",
-              f"{s['rounds']}, {1e3 * s['host_s'] / s['rounds']:.2f} ms", ""],
-             ["prefix jobs", s["prefix_jobs"], ""],
-             ["compiles inside the timed run", f"{s['compiles']} ({s['compile_s']:.2f} s)"
-              + (f": {', '.join(s['compiled'])}" if s["compiled"] else ""), ""]]
-    headers = ["", "ninfer_kv", "vLLM"] if v else ["", "ninfer_kv"]
-    if v:
-        def ratio(key):
-            return f"{s[key] / v[key]:.2f}x" if v[key] else "n/a"
+        rows.append(row(f"  ... {s['alt_name']}", lambda x: f"{x['alt']:,}"))
+    if v and "block" in v:
+        rows.append([f"  ... rounded down to vLLM's {v['block']}-token blocks", "", f"{v['exact_blocks']:,}", ""])
+        if s["alt_name"]:
+            rows.append([f"  ... {s['alt_name']}, rounded down", "", f"{v['alt_blocks']:,}", ""])
+    return rows
 
-        rows += [["ninfer_kv / vLLM: requests/s", ratio("req_per_s"), ""],
-                 ["ninfer_kv / vLLM: output tokens/s", ratio("out_tok_per_s"), ""],
-                 ["ninfer_kv / vLLM: TTFT p50, p99", f"{ratio('ttft_p50')}, {ratio('ttft_p99')}", ""],
-                 ["cached tokens ninfer_kv - vLLM", f"{s['cached'] - v['cached']:+,}", ""]]
-    else:
-        rows = [r[:2] for r in rows]
+
+def _engine_rows(s: dict) -> list[list]:
+    """The rows only ours has: where its wall time goes."""
+    return [["max requests running at once", s["concurrency"]],
+            ["model step time (prefill + decode)",
+             f"{s['step_s']:.2f} s ({s['prefill_steps']} + {s['decode_steps']} steps: "
+             f"{s['prefill_step_s']:.2f} + {s['decode_step_s']:.2f} s)"],
+            ["engine host time (wall - steps)", f"{s['host_s']:.3f} s = {100 * s['host_share']:.2f}% of wall"],
+            ["engine rounds (step() calls), host per round",
+             f"{s['rounds']}, {1e3 * s['host_s'] / s['rounds']:.2f} ms"],
+            ["prefix jobs", s["prefix_jobs"]],
+            ["compiles inside the timed run", f"{s['compiles']} ({s['compile_s']:.2f} s)"
+             + (f": {', '.join(s['compiled'])}" if s["compiled"] else "")]]
+
+
+def print_workload(name: str, s: dict, v: dict | None) -> None:
+    """One workload's table: ours and vLLM's numbers side by side (with the ratios), then ours alone."""
     print(f"\n## {name}\n")
-    print(table(rows, headers))
-    print(f"\ncached prompt tokens {s['cached']:,}: {cached_verdict(s)}")
+    if v:
+        print(table(_side_by_side_rows(s, v), ["", "ninfer_kv", "vLLM", "ninfer_kv / vLLM"]))
+        print("(ninfer_kv / vLLM above 1: higher for ninfer_kv; better for rates, worse for times)\n")
+        print(table(_engine_rows(s), ["", "ninfer_kv"]))
+    else:
+        print(table([r[:2] for r in _side_by_side_rows(s, None)] + _engine_rows(s), ["", "ninfer_kv"]))
+    print(f"\nninfer_kv: cached prompt tokens {s['cached']:,}: {cached_verdict(s)}")
+    if v:
+        print(f"vLLM: cached prompt tokens {v['cached']:,}: {cached_verdict(v)}")
 
 
 # -- main ----------------------------------------------------------------------------------------------------------
@@ -591,12 +701,11 @@ def main() -> None:
         s = ours[name]
         print(f"  {s['requests']} requests in {s['wall_s']:.1f} s, host {100 * s['host_share']:.2f}%", flush=True)
     del backend
+    gc.collect()  # free our KV pool and weights before vLLM allocates its own
 
     theirs = run_vllm(args, checkpoint, {w: data[w] for w in workloads}, workloads, kv_bytes)
     for name in workloads:
         print_workload(name, ours[name], theirs["results"][name] if theirs else None)
-    if theirs:
-        print(f"\nvLLM {theirs['version']}")
 
     print("\n## Goals\n")
     for name in [w for w in ("shared", "chat") if w in workloads]:
