@@ -15,7 +15,7 @@ from typing import Callable
 
 __all__ = ["CommandOutput", "Subcommand", "SUBCOMMAND_MODULES", "register_subcommand", "registered_subcommands"]
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("ninfer_kv.demo.cli",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("ninfer_kv.demo.cli", "ninfer_kv.server.cli")
 """Dotted names of modules that register further subcommands when imported (besides the built-ins)."""
 
 

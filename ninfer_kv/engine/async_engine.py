@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
 from typing import AsyncIterator
 
@@ -158,13 +159,28 @@ class AsyncLLMEngine:
 
     # -- state ------------------------------------------------------------------------------------------------------
     async def stats(self) -> dict:
-        """Requests waiting and running, and the engine's counters, read on the engine thread."""
+        """Read on the engine thread: requests ``waiting`` and ``running``, the engine's counters
+        (``stats``, ``cache``), ``pages`` per pool (``{pool: (used, capacity)}``, used = leased or
+        reserved, cached prefixes included) and ``host_bytes`` (the Host tier's bytes in use, 0
+        without one)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._stats)
 
     def _stats(self) -> dict:
         e = self.engine
-        return {"waiting": e.num_waiting, "running": e.num_running, "stats": e.stats, "cache": e.cache.stats}
+        pages = {}
+        for kind in e.store.pool_kinds:
+            pool = e.store.pool(kind)
+            pages[kind.value] = (pool.capacity - pool.available, pool.capacity)
+        host = e.store.host_occupancy()
+        return {"waiting": e.num_waiting, "running": e.num_running, "stats": dataclasses.replace(e.stats),
+                "cache": dataclasses.replace(e.cache.stats), "pages": pages,
+                "host_bytes": 0 if host is None else int(host.used_bytes)}
+
+    async def clear_cache(self) -> int:
+        """Release every cached prefix no running request uses (on the engine thread); returns how many."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.engine.clear_cache)
 
     def shutdown(self, *, abort: bool = True) -> None:
         """Stop serving: abort what is unfinished (or let it finish) and stop the engine thread."""

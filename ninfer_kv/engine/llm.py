@@ -181,17 +181,26 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or several (a list
         of them), rendered with the checkpoint's chat template as transformers renders it."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        params = _params_list(sampling_params, len(conversations))
+        encoded = [self.render_chat(conv, add_generation_prompt=add_generation_prompt,
+                                    chat_template_kwargs=chat_template_kwargs) for conv in conversations]
+        return self._run(encoded, params, use_tqdm)
+
+    def render_chat(self, messages, *, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+        """The prompt text of one conversation (the checkpoint's chat template) and its token ids."""
         if self.chat_template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json 'chat_template' or "
                              "chat_template.jinja); use generate()")
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        params = _params_list(sampling_params, len(conversations))
-        encoded = []
-        for i, conv in enumerate(conversations):
-            text = self.chat_template.render(conv, add_generation_prompt=add_generation_prompt,
-                                             **dict(chat_template_kwargs or {}))
-            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
-        return self._run(encoded, params, use_tqdm)
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         **dict(chat_template_kwargs or {}))
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, prompt, where: str = "prompt") -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt as :meth:`generate` takes it (text, token ids or
+        a prompt dict); ``ValueError`` / ``TypeError`` naming ``where`` when it is not one."""
+        return self._encode(prompt, where)
 
     def _run(self, encoded, params, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
