@@ -162,7 +162,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
                     *, prompt: str | None = None) -> Request:
         """Queue a request; every argument is checked first (``ValueError`` / ``TypeError`` naming the
-        value), and a refused request changes nothing."""
+        value), and a refused request changes nothing.  The next :meth:`step` returns its first
+        output (no tokens yet), so a caller learns at once that it was queued."""
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.requests:
@@ -186,6 +187,7 @@ class EngineCore:
         self.requests[request_id] = req
         self.waiting.append(req)
         self._index_waiting(req)
+        self._changed[request_id] = req  # the next round reports it queued (an output with no tokens yet)
         return req
 
     def _check_fits(self, prompt: int, budget: int, n: int) -> None:
