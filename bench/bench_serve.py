@@ -59,7 +59,6 @@ import ipaddress
 import json
 import math
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -508,17 +507,10 @@ def run_launched(which: str, args, checkpoint: Path, prompts: list[Prompt], warm
 
 
 def machine() -> str:
-    """CPU model, core count and load average: the run's conditions."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{model}, {os.cpu_count()} cores, load average {load}"
+    """CPU model, core count and load average: the run's conditions (``bench_engine.machine``)."""
+    from bench_engine import machine as engine_machine
+
+    return engine_machine()
 
 
 def rate_text(rate: float) -> str:
