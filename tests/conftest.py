@@ -52,6 +52,9 @@ HEAVY_FIRST = (
     "tests/mesh/test_demo_mesh.py",
     "tests/test_docs.py",
     "tests/demo/test_demo_serving.py",
+    "tests/server/test_openai_api.py",
+    "tests/server/test_load.py",
+    "tests/server/test_shutdown.py",
 )
 """Modules that take the longest (seconds of CPU each, measured), collected before the others."""
 

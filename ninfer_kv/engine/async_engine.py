@@ -85,13 +85,20 @@ class AsyncLLMEngine:
                     return
         finally:
             if not finished:  # the consumer left early: free the request's row at the next round
-                await self.abort(request_id)
+                self._abort_soon(request_id)
 
     async def abort(self, request_id: str) -> bool:
         """End ``request_id`` at the next round (its stream ends with finish reason ``"abort"``);
         ``False`` when no unfinished request has that id."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._abort, request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue an abort on the engine thread without waiting for it: a consumer that leaves
+        because it was cancelled cannot await (its awaits are cancelled too, and a cancelled
+        ``run_in_executor`` withdraws a call that has not started)."""
+        with contextlib.suppress(RuntimeError):  # shut down: the engine aborts everything anyway
+            self._executor.submit(self._abort, request_id)
 
     def _next_id(self) -> int:
         with self._lock:

@@ -19,6 +19,8 @@ import contextlib
 import time
 import uuid
 
+import anyio
+
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
@@ -79,7 +81,8 @@ class _Server:
             raise APIError(400, f"{bad[0]} is not supported by this server (leave it unset)", param=bad[0],
                            code="unsupported_parameter")
 
-    def sampling(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(self, req, max_tokens: int | None, logprobs: int | None,
+                 max_tokens_field: str = "max_tokens") -> SamplingParams:
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
@@ -88,9 +91,13 @@ class _Server:
                 logprobs=logprobs,
             )
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc), param=param_of(str(exc)), code="invalid_value") from None
+            message, param = str(exc), param_of(str(exc))
+            if param == "max_tokens" and max_tokens_field != param:
+                message, param = max_tokens_field + message[len(param):], max_tokens_field
+            raise APIError(400, message, param=param, code="invalid_value") from None
 
-    def check_lengths(self, prompts: list[Prompt], max_tokens: int | None, where: str) -> None:
+    def check_lengths(self, prompts: list[Prompt], max_tokens: int | None, where: str,
+                      max_tokens_field: str = "max_tokens") -> None:
         for p in prompts:
             if not p.ids:
                 raise APIError(400, f"{where} is empty; it must hold at least one token", param=where)
@@ -100,9 +107,9 @@ class _Server:
                                param=where, code="context_length_exceeded")
             if max_tokens is not None and len(p.ids) + max_tokens > self.max_model_len:
                 raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; "
-                                    f"{len(p.ids)} in the {where} plus max_tokens={max_tokens} exceed it (allowed: "
-                                    f"max_tokens <= {self.max_model_len - len(p.ids)})",
-                               param="max_tokens", code="context_length_exceeded")
+                                    f"{len(p.ids)} in the {where} plus {max_tokens_field}={max_tokens} exceed it "
+                                    f"(allowed: {max_tokens_field} <= {self.max_model_len - len(p.ids)})",
+                               param=max_tokens_field, code="context_length_exceeded")
 
     def encode(self, prompt, where: str) -> Prompt:
         try:
@@ -126,15 +133,17 @@ class _Server:
             return finals
 
         task = asyncio.create_task(consume())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise APIError(400, "the client disconnected", code="client_disconnected")
+        finally:
+            if not task.done():  # the client left, or the server is shutting down: abort
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise APIError(400, "the client disconnected", code="client_disconnected")
+            tracker.close(prompts)
 
     async def guarded(self, outputs):
         """Engine refusals as 400s, failed steps as 500s."""
@@ -163,8 +172,17 @@ class _Server:
             await outputs.aclose()
             raise
 
+        shutdown = anyio.Event()  # set by sse-starlette when the server begins to shut down
+
+        async def abort_after_grace():
+            await shutdown.wait()
+            await asyncio.sleep(self.grace)
+            for i in range(len(prompts)):  # their streams end with finish_reason "abort" and [DONE]
+                await self.engine.abort(f"{rid}-{i}")
+
         async def events():
             finals = {}
+            watcher = asyncio.create_task(abort_after_grace())
             try:
                 item = first
                 while True:
@@ -184,10 +202,13 @@ class _Server:
                                                      code=exc.code))
                 yield {"data": body.model_dump_json()}
             finally:
+                watcher.cancel()
+                tracker.close(prompts)
                 await outputs.aclose()
             yield {"data": "[DONE]"}
 
-        return EventSourceResponse(events(), shutdown_grace_period=self.grace)
+        # after the grace period the engine aborts the requests; the margin lets that round end them
+        return EventSourceResponse(events(), shutdown_event=shutdown, shutdown_grace_period=self.grace + 5.0)
 
 
 def _totals(finals: dict) -> tuple[int, int, int]:
@@ -294,8 +315,9 @@ def create_app(engine: AsyncLLMEngine, *, served_model_name: str, api_key: str |
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else 0
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = server.sampling(req, max_tokens, k if req.logprobs else None)
+        params = server.sampling(req, max_tokens, k if req.logprobs else None, field)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             text, ids = server.llm.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
@@ -303,7 +325,7 @@ def create_app(engine: AsyncLLMEngine, *, served_model_name: str, api_key: str |
             raise APIError(400, f"the chat template could not render these messages: {exc}",
                            param="messages") from None
         prompts = [Prompt(text, list(ids))]
-        server.check_lengths(prompts, max_tokens, "messages")
+        server.check_lengths(prompts, max_tokens, "messages", field)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tracker = Tracker(server.metrics, req.n, arrival)
         if req.stream:

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> None:
           f"{llm.engine.max_num_seqs}, {pages} KV pages) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
-                            timeout_graceful_shutdown=int(args.shutdown_grace) + 2)
+                            timeout_graceful_shutdown=int(args.shutdown_grace) + 10)
     # uvicorn answers SIGTERM with its graceful shutdown, then raises the signal again under the
     # handler that was in place before it started: this one, which exits with status 0 (so does a
     # SIGTERM that arrives before uvicorn took the signal over)

@@ -83,6 +83,7 @@ class Tracker:
         self.sent_tokens: dict[int, int] = {}
         self.last_time: dict[int, float] = {}
         self.finished: set[int] = set()
+        self.done_prompts: set[int] = set()
         self.first_token = False
 
     def index(self, prompt: int, completion: int) -> int:
@@ -115,9 +116,18 @@ class Tracker:
                 if finish is not None:
                     self.finished.add(k)
                 yield k, c, text, first, finish
-        if out.finished:
+        if out.finished and prompt not in self.done_prompts:
+            self.done_prompts.add(prompt)
             self.metrics.finished(len(out.prompt_token_ids), out.num_cached_tokens,
                                   [c.finish_reason for c in out.outputs])
+
+    def close(self, prompts: list[Prompt]) -> None:
+        """The HTTP request ended: prompts whose final output never arrived (the client left, the
+        server shut down) count as aborted."""
+        for i, p in enumerate(prompts):
+            if i not in self.done_prompts:
+                self.done_prompts.add(i)
+                self.metrics.finished(len(p.ids), 0, ["abort"] * self.n)
 
 
 def _top(entry: dict, chosen: int, k: int) -> list:

@@ -28,10 +28,10 @@ class ServerMetrics:
         self.host_bytes = Gauge("ninfer_kv_host_tier_bytes", "Bytes of offloaded prefixes in the Host tier.",
                                 registry=r)
         self.prompt_tokens = Counter("ninfer_kv_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("ninfer_kv_generation_tokens", "Tokens generated.", registry=r)
+        self.generation_tokens = Counter("ninfer_kv_generation_tokens", "Tokens generated and sent to clients.", registry=r)
         self.cache_hit_tokens = Counter("ninfer_kv_prefix_cache_hit_tokens",
                                         "Prompt tokens reused from the prefix cache.", registry=r)
-        self.requests = Counter("ninfer_kv_requests", "Finished completions (one per choice) by finish reason.", ["finish_reason"],
+        self.requests = Counter("ninfer_kv_requests", "Finished completions (one per choice) by finish reason; a client that left counts as abort.", ["finish_reason"],
                                 registry=r)
         self.ttft = Histogram("ninfer_kv_time_to_first_token_seconds", "Time from arrival to the first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
