@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -115,6 +116,36 @@ def test_a_consumer_that_leaves_early_aborts_its_request():
             assert_stream(outs, p, 8)
     assert stats["running"] == 0 and llm.engine.store.occupancy().active_spaces == 0
     check_engine(llm.engine)
+    assert_store_empty(llm.engine)
+
+
+def test_a_consumer_cancelled_again_while_it_cleans_up_still_aborts_its_request():
+    """A server's task group cancels a disconnected stream's task at every await (anyio's cancel
+    scopes do): the request is still aborted, promptly, not run to its end."""
+    llm = make_llm(max_num_seqs=1)
+    engine = AsyncLLMEngine(llm)
+    long_prompt = prompts(3, 1)[0]
+
+    async def consume():
+        async for _ in engine.generate(long_prompt, greedy(180, ignore_eos=True), request_id="cut"):
+            pass  # always waiting inside the stream, where the cancellation lands
+
+    async def main():
+        task = asyncio.create_task(consume())
+        while (await engine.stats())["running"] == 0:
+            await asyncio.sleep(0.01)
+        engine._executor.submit(time.sleep, 0.3)  # the engine thread is busy: an abort queues behind it
+        task.cancel()
+        await asyncio.sleep(0)
+        task.cancel()  # cancelled again inside its cleanup
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        stats = await idle(engine)
+        return stats
+
+    stats = run(main())
+    engine.shutdown()
+    assert stats["stats"].decode_tokens < 90, "the request ran (about) to its end: the abort was lost"
     assert_store_empty(llm.engine)
 
 
