@@ -8,6 +8,7 @@
 * :mod:`.generation` — engine requests in, OpenAI choices, deltas and usage out;
 * :mod:`.guard` — the API key and the body limit, before anything else runs;
 * :mod:`.errors` — the OpenAI error shape for every refusal;
+* :mod:`.limits` — the default body limit and shutdown grace;
 * :mod:`.metrics` — Prometheus metrics (``prometheus_client``).
 
 docs/SERVER.md describes the server.  Importing this package imports none of FastAPI, uvicorn or JAX.

@@ -29,6 +29,7 @@ from ..engine import AsyncLLMEngine, SamplingParams
 from .errors import APIError, install, param_of
 from .generation import Prompt, Tracker, chat_logprobs, completion_logprobs, run, usage
 from .guard import RequestGuard
+from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (
     MAX_PROMPTS,
@@ -50,12 +51,8 @@ from .protocol import (
     ModelList,
 )
 
-__all__ = ["create_app", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_SHUTDOWN_GRACE"]
+__all__ = ["create_app"]
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-"""Largest request body (bytes) unless the server says otherwise."""
-DEFAULT_SHUTDOWN_GRACE = 30.0
-"""Seconds running requests get to finish after SIGTERM before they are aborted."""
 _DISCONNECT_POLL = 0.25
 
 

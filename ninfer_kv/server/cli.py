@@ -54,7 +54,7 @@ def _grace(text: str) -> float:
 
 def configure(p: argparse.ArgumentParser) -> None:
     """Declare the server's arguments."""
-    from .app import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE
+    from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE
 
     p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory (Qwen3, Qwen2, "
                    "Llama, Mistral; tokenizer.json for text, the chat template for chat completions)")
