@@ -215,6 +215,14 @@ def _totals(finals: dict) -> tuple[int, int, int]:
     return prompt, completion, cached
 
 
+def _usage_chunk(req, chunk_type, rid: str, created: int, name: str):
+    """The last chunk of a stream that asked for usage (``stream_options.include_usage``): no
+    choices, the request's usage; ``None`` when it did not ask."""
+    if req.stream_options is None or not req.stream_options.include_usage:
+        return None
+    return lambda finals: chunk_type(id=rid, created=created, model=name, choices=[], usage=usage(*_totals(finals)))
+
+
 def _completion_prompts(server: _Server, prompt) -> list[Prompt]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         items = [prompt]
@@ -289,12 +297,8 @@ def create_app(engine: AsyncLLMEngine, *, served_model_name: str, api_key: str |
                 return CompletionChunk(id=rid, created=created, model=server.name, choices=[
                     CompletionChunkChoice(index=index, text=text, logprobs=lp, finish_reason=finish)])
 
-            def final_usage(finals):
-                return CompletionChunk(id=rid, created=created, model=server.name, choices=[],
-                                       usage=usage(*_totals(finals)))
-
-            include = req.stream_options is not None and req.stream_options.include_usage
-            return await server.stream(rid, prompts, params, tracker, chunk, final_usage if include else None)
+            final = _usage_chunk(req, CompletionChunk, rid, created, server.name)
+            return await server.stream(rid, prompts, params, tracker, chunk, final)
         finals = await server.collect(request, rid, prompts, params, tracker)
         choices = [
             CompletionChoice(index=tracker.index(i, c.index), text=c.text, finish_reason=c.finish_reason,
@@ -336,12 +340,8 @@ def create_app(engine: AsyncLLMEngine, *, served_model_name: str, api_key: str |
                     ChatChunkChoice(index=index, delta=Delta(role=role, content=text), logprobs=lp,
                                     finish_reason=finish)])
 
-            def final_usage(finals):
-                return ChatCompletionChunk(id=rid, created=created, model=server.name, choices=[],
-                                           usage=usage(*_totals(finals)))
-
-            include = req.stream_options is not None and req.stream_options.include_usage
-            return await server.stream(rid, prompts, params, tracker, chunk, final_usage if include else None)
+            final = _usage_chunk(req, ChatCompletionChunk, rid, created, server.name)
+            return await server.stream(rid, prompts, params, tracker, chunk, final)
         finals = await server.collect(request, rid, prompts, params, tracker)
         choices = [
             ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
