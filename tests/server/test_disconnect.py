@@ -19,8 +19,6 @@ pytest.importorskip("uvicorn")
 
 from .server_fixtures import (  # noqa: E402
     HOST,
-    http_client,
-    openai_client,
     running_server,
     scrape,
     wait_idle,
@@ -42,19 +40,6 @@ PROMPT_TIMEOUT = 15.0
 def server(text_checkpoint, tmp_path_factory):
     with running_server(text_checkpoint, *FLAGS, log_dir=tmp_path_factory.mktemp("serve")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai_client(server)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with http_client(server) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 
 import openai  # noqa: E402
 
-from .server_fixtures import assert_error, http_client, openai_client, running_server, scrape, wait_idle  # noqa: E402
+from .server_fixtures import assert_error, running_server, scrape, wait_idle  # noqa: E402
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256
@@ -35,19 +35,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "A normal chat"
 def server(text_checkpoint, tmp_path_factory):
     with running_server(text_checkpoint, *map(str, FLAGS), log_dir=tmp_path_factory.mktemp("serve")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with http_client(server) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai_client(server)
-    yield c
-    c.close()
 
 
 def still_serves(server, http) -> None:

@@ -25,8 +25,6 @@ pytest.importorskip("uvicorn")
 from .server_fixtures import (  # noqa: E402
     CHARS,
     decode,
-    http_client,
-    openai_client,
     render_chat,
     running_server,
     scrape,
@@ -50,19 +48,6 @@ CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user"
 def server(text_checkpoint, tmp_path_factory):
     with running_server(text_checkpoint, *map(str, FLAGS), log_dir=tmp_path_factory.mktemp("serve")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai_client(server)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with http_client(server) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
