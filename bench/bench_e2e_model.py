@@ -3,7 +3,7 @@
 For each batch size B the same model (default ModelConfig: vocab 512, d_model 256, 4 layers,
 8 query heads, 2 KV heads, head dim 128) decodes greedily from a ``--context``-token prompt:
 
-* paged: ``examples.model`` decode step over the Main pool through ``ninfer_kv.ops`` with
+* paged: ``ninfer_kv.models.decoder`` decode step over the Main pool through ``ninfer_kv.ops`` with
   ``--impl`` (default ``auto``: FFI on CPU when built, else the reference with a warning); every
   row's logical blocks map to a random permutation of physical pages; B * ceil(S / 64) pages.
 * dense: the usual contiguous cache, one bfloat16 ``(B, H, S, D)`` array per layer, written at
@@ -30,7 +30,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from examples.model import (  # noqa: E402
+from ninfer_kv.geometry import PAGE_SIZE, ceil_div  # noqa: E402
+from ninfer_kv.models.decoder import (  # noqa: E402
     ModelConfig,
     StepConfig,
     init_dense_cache,
@@ -39,7 +40,6 @@ from examples.model import (  # noqa: E402
     make_steps,
     prompt_chunks,
 )
-from ninfer_kv.geometry import PAGE_SIZE, ceil_div  # noqa: E402
 from ninfer_kv.ops import resolve_impl  # noqa: E402
 
 

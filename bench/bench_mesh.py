@@ -41,12 +41,12 @@ def main(argv=None) -> None:
     import numpy as np
 
     from ninfer_kv import ExplicitCapacity, ModelKVConfig, PagedKVBatchLayerView, ops
+    from ninfer_kv.device.mesh import KVMesh
+    from ninfer_kv.device.sharded_ops import sharded_paged_append, sharded_paged_attention
+    from ninfer_kv.device.state import KVDeviceState
     from ninfer_kv.geometry import PAGE_SIZE, ceil_div
     from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.mesh import KVMesh
     from ninfer_kv.planning import PoolKind, plan_kv_cache_mesh
-    from ninfer_kv.sharded_ops import sharded_paged_append, sharded_paged_attention
-    from ninfer_kv.device.state import KVDeviceState
 
     mesh = KVMesh(args.mesh)
     dd, hh = mesh.data, args.kv_heads

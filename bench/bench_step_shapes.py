@@ -101,10 +101,10 @@ def alone_times(store, state, reps: int) -> tuple:
 def serving_programs(rounds: int, rng, padded: bool, head_dim: int) -> int:
     """Work-applying programs compiled by a loop (C = 64) that, every few rounds, moves a Host-only
     checkpoint of random length back into service (restores of 1 to 46 pages, a COW tail)."""
-    from ninfer_kv.page_copy import compiled_variants
+    from ninfer_kv.device.page_copy import compiled_variants
+    from ninfer_kv.device.work import _apply_work_jit
     from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
     from ninfer_kv.store import KVStore
-    from ninfer_kv.store.round_work import _apply_work_jit
 
     jax.clear_caches()
     plan = plan_kv_cache(ModelKVConfig(num_layers=1, num_kv_heads=1, head_dim=head_dim), max_context=4096,

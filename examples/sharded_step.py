@@ -35,7 +35,7 @@ def main(argv=None) -> str:
     ap.add_argument("--local-devices", type=int, default=None,
                     help="host devices each process forces on a CPU (default: mesh size / --num-processes)")
     args = ap.parse_args(argv)
-    from ninfer_kv.mesh import MeshSpec  # no JAX backend starts here
+    from ninfer_kv.mesh_spec import MeshSpec  # no JAX backend starts here
 
     spec = MeshSpec.parse(args.mesh)
     processes = args.num_processes if args.process_id is not None else 1
@@ -54,9 +54,9 @@ def main(argv=None) -> str:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
     from ninfer_kv import ExplicitCapacity, ModelKVConfig
-    from ninfer_kv.mesh import KVMesh
+    from ninfer_kv.device.mesh import KVMesh
+    from ninfer_kv.device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention
     from ninfer_kv.planning import plan_kv_cache_mesh
-    from ninfer_kv.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention
     from ninfer_kv.store.sharded import ShardedKVStore
 
     mesh = KVMesh(spec)                                        # all processes' devices, data-major

@@ -122,7 +122,7 @@ def _model(text: str) -> str:
 
 
 def _mesh(text: str):
-    from ..mesh import MeshSpec
+    from ..mesh_spec import MeshSpec
 
     try:
         return MeshSpec.parse(text)

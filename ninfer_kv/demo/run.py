@@ -22,7 +22,7 @@ from ..planning import (
     plan_kv_cache,
     plan_kv_cache_mesh,
 )
-from ..mesh import MeshSpec
+from ..mesh_spec import MeshSpec
 from ..profiles import KVProfile
 from ..models.decoder import IMPLS, ModelConfig, init_params
 from .dense_check import check_dense

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..engine import DecoderModel, EngineCore, SamplingParams
 from ..engine.outputs import FINISH_LENGTH
-from ..mesh import KVMesh
+from ..device.mesh import KVMesh
 from ..store import EntitlementPolicy, KVStore
 from .requests import Request
 

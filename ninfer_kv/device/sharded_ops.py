@@ -2,7 +2,7 @@
 
 Each function wraps the single-device op (:func:`~ninfer_kv.apply_work`, :func:`ops.paged_append`,
 :func:`ops.paged_attention`, any implementation: reference, FFI, Pallas) in ``jax.shard_map``
-over the :class:`~ninfer_kv.mesh.KVMesh`: a device sees only its data shard's pages and rows and
+over the :class:`~ninfer_kv.device.mesh.KVMesh`: a device sees only its data shard's pages and rows and
 its model shard's heads, so no plane is ever gathered or reduced across devices (a sharded
 custom call outside ``shard_map`` would have its inputs all-gathered first).
 

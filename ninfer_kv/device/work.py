@@ -190,7 +190,7 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     One jitted program; except on the CPU backend without the FFI library, with page writes into
     float planes, where XLA does not keep a scatter in place (the whole plane would be copied):
     there the page writes run as in-place per-page programs
-    (:func:`~ninfer_kv.page_copy.write_pages_donated`, which write nothing when the work is out of
+    (:func:`~ninfer_kv.device.page_copy.write_pages_donated`, which write nothing when the work is out of
     order), then the table updates and the serial as one program.  Same result either way.
     """
     state = _check_pair(state, work)  # the mark cleared on the host: one program with or without it

@@ -136,7 +136,7 @@ class DecoderModel:
       prefill_chunk: tokens per prefill call (a multiple of 64).
       draft_window: with a config that has an MTP head (``ModelConfig(mtp=True)``), decode in
         speculative rounds of ``K`` drafts (0: plain decoding).
-      mesh: a :class:`~ninfer_kv.mesh.KVMesh` to run the steps on a sharded state (main model only;
+      mesh: a :class:`~ninfer_kv.device.mesh.KVMesh` to run the steps on a sharded state (main model only;
         :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine`), or ``None``.
     """
 

@@ -7,7 +7,7 @@
 * :class:`TransferReport`, :func:`coalesce_runs` — what a transfer moved, run by run over adjacent
   physical IDs.  The copies themselves (:func:`~ninfer_kv.device.host_transfer.offload_pages`,
   :func:`~ninfer_kv.device.host_transfer.restore_pages`) are device work: they live in the device
-  layer (also importable as ``ninfer_kv.host.transfer``).
+  layer.
 * :func:`copy_blocks` — ``dst[...] = src`` (or a gather along the first axis) for page data, with
   streaming stores over the FFI library's threads when it is built, else numpy.
 

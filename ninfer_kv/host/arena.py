@@ -22,7 +22,7 @@ a copy, so on CPU the arena uses the plain numpy buffer directly (``memory_kind 
 Lifetime.  ``to_device`` never leaves a device array aliasing the arena (``may_alias=False`` is not
 honoured by every client, so aliasing is detected and replaced by a private copy), but the runtime
 may read the host bytes after ``device_put`` returns; the host bytes are free once the returned array is ready
-(``block_until_ready``), which :func:`~ninfer_kv.host.transfer.restore_pages` awaits before it
+(``block_until_ready``), which :func:`~ninfer_kv.device.host_transfer.restore_pages` awaits before it
 returns.  The arena is not thread-safe; one host thread owns it.
 """
 

@@ -5,7 +5,7 @@
   embeddings, an optional MTP head) with jitted chunked-prefill / decode / verify / MTP step
   functions whose attention goes only through ``ninfer_kv.ops``, sampling inside the steps, and
   dense no-cache references.  It is what the ``ninfer-kv demo`` serving loop, the examples and the
-  end-to-end tests run; :mod:`ninfer_kv.models.qwen_tiny` is an alias kept for older imports.
+  end-to-end tests run.
 * :mod:`ninfer_kv.models.hf` — Hugging Face checkpoint directories: ``config.json`` mapping,
   safetensors loading and writing, tokenizer and EOS.
 * :mod:`ninfer_kv.models.generate` — :class:`~ninfer_kv.models.generate.PagedGenerator`, text

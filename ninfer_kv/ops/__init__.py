@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ..page_copy import copy_page_columns
+from ..device.page_copy import copy_page_columns
 from ..views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
 from . import validation
 from .dispatch import (  # registers the built-in backends in ninfer_kv.ops.registry

@@ -147,7 +147,7 @@ class AutomaticCapacity:
         """Read F from ``device.memory_stats()`` (GPU). On CPU the caller must pass F explicitly.
 
         ``device`` may be one device, a sequence of devices, a ``jax.sharding.Mesh`` or a
-        :class:`~ninfer_kv.mesh.KVMesh`: F is then the *minimum* free memory over them (every device
+        :class:`~ninfer_kv.device.mesh.KVMesh`: F is then the *minimum* free memory over them (every device
         of a mesh holds the same per-device share of the plan, so the tightest one decides).  In a
         multi-process program only this process's devices can be read; each process then plans
         from its own minimum, so pass the global minimum explicitly when the hosts differ.

@@ -17,7 +17,7 @@ __all__ = ["MeshKVPlan", "plan_kv_cache_mesh"]
 
 @dataclasses.dataclass(frozen=True)
 class MeshKVPlan:
-    """A plan over a ``data x model`` device mesh (see :mod:`ninfer_kv.mesh`).
+    """A plan over a ``data x model`` device mesh (see :mod:`ninfer_kv.mesh_spec`).
 
     Attributes:
       mesh: the :class:`~ninfer_kv.mesh_spec.MeshSpec`.

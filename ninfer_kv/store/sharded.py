@@ -1,6 +1,6 @@
 """ShardedKVStore: one host-only KVStore per data shard of a device mesh.
 
-Each data shard ``d`` of a :class:`~ninfer_kv.mesh.KVMesh` is its own pool set: a plain
+Each data shard ``d`` of a :class:`~ninfer_kv.device.mesh.KVMesh` is its own pool set: a plain
 :class:`~ninfer_kv.store.KVStore` built from the shard plan of a :class:`~ninfer_kv.planning.MeshKVPlan`,
 with its own page-ID namespace ``0 .. N_local - 1``, free capacity, reservations and
 ``(C_local, L)`` block tables.  The sharded store only routes:
@@ -12,7 +12,7 @@ with its own page-ID namespace ``0 .. N_local - 1``, free capacity, reservations
   another shard is **refused** (:class:`CrossShardError`, nothing changes): the caller activates on
   the checkpoint's shard (``store.shard_of(checkpoint)``), or starts from the root;
 * :meth:`take_work` takes every shard's round work at once and stacks it per shard
-  (:class:`ShardedRoundWork`); :func:`~ninfer_kv.sharded_ops.sharded_apply_work` applies each
+  (:class:`ShardedRoundWork`); :func:`~ninfer_kv.device.sharded_ops.sharded_apply_work` applies each
   shard's part on its own devices inside ``shard_map``.
 
 Many processes.  The bookkeeping is deterministic Python: the same calls in the same order give the
@@ -70,7 +70,7 @@ class ShardedKVStore:
 
     Args:
       plan: a :class:`MeshKVPlan` (``plan_kv_cache_mesh``).
-      mesh: the :class:`~ninfer_kv.mesh.KVMesh` the state lives on (its spec must equal the plan's);
+      mesh: the :class:`~ninfer_kv.device.mesh.KVMesh` the state lives on (its spec must equal the plan's);
         ``None`` for bookkeeping only (no :meth:`allocate_state`).
       host_bytes: capacity of a Host arena *per data shard* (``None``: no Host tier).
       entitlement, requires_state_image, fault_injector: as :class:`KVStore` (every shard).
@@ -307,7 +307,7 @@ class ShardedKVStore:
 
     def take_work(self) -> ShardedRoundWork:
         """Every shard's round work since the last take, stacked per shard (host arrays; apply with
-        :func:`~ninfer_kv.sharded_ops.sharded_apply_work` after :meth:`ShardedRoundWork.device_put`)."""
+        :func:`~ninfer_kv.device.sharded_ops.sharded_apply_work` after :meth:`ShardedRoundWork.device_put`)."""
         return stack_works([s.take_work() for s in self.shards])
 
     def apply_work_alone(self, state: "KVDeviceState", work: ShardedRoundWork) -> "KVDeviceState":

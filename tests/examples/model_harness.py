@@ -12,7 +12,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from examples.model import StepConfig, make_steps, prompt_chunks
+from ninfer_kv.models.decoder import StepConfig, make_steps, prompt_chunks
 
 TOL_BF16 = 1e-4  # paged vs dense logits, BF16 profile (float32 model; observed ~3e-6)
 TOL_QUANT = 1e-3  # paged vs dense-with-codec-round-trip logits, quantized profiles (observed ~3e-6)

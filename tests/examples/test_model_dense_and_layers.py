@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from examples.model import (
+from model_harness import TOL_BF16
+from ninfer_kv.models.decoder import (
     ModelConfig,
     StepConfig,
     bucket_for,
@@ -23,9 +24,8 @@ from examples.model import (
     param_count,
     prompt_chunks,
 )
-from examples.model.dense import dense_forward
-from examples.model.layers import apply_rope, rms_norm, swiglu
-from model_harness import TOL_BF16
+from ninfer_kv.models.decoder.dense import dense_forward
+from ninfer_kv.models.decoder.layers import apply_rope, rms_norm, swiglu
 
 
 # -- layers ------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import warnings
 import numpy as np
 import pytest
 
-from examples.model import ModelConfig, dense_greedy_generate, init_params
 from model_harness import greedy_decode, make, prefill, random_tables
+from ninfer_kv.models.decoder import ModelConfig, dense_greedy_generate, init_params
 from ninfer_kv.ops import available_impls
 
 TOL_KERNEL = 1e-3  # kernel implementations vs the dense float32 reference (observed ~3e-5 on CPU)
@@ -44,7 +44,7 @@ def test_ffi_decode_temp_memory_does_not_grow_with_context():
     """No staging copy proportional to context: the decode step's temporaries are independent of L and N."""
     if "ffi" not in _available():
         pytest.skip("the FFI implementation is not available here")
-    from examples.model import StepConfig, make_steps
+    from ninfer_kv.models.decoder import StepConfig, make_steps
 
     cfg = ModelConfig.tiny()
     params = init_params(cfg, seed=0)

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.model import ModelConfig, dense_mtp_forward, init_params
-from examples.model.dense import dense_forward
 from model_harness import TOL_BF16, i32, make, prefill, random_tables
+from ninfer_kv.models.decoder import ModelConfig, dense_mtp_forward, init_params
+from ninfer_kv.models.decoder.dense import dense_forward
 
 C, L = 2, 4
 NUM_MAIN_PAGES = C * L + 2

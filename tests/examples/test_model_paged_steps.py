@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.model import ModelConfig, dense_greedy_generate, dense_logits, init_params, pad_rows
 from model_harness import TOL_BF16, TOL_QUANT, copy_planes, greedy_decode, i32, make, prefill, random_tables
+from ninfer_kv.models.decoder import ModelConfig, dense_greedy_generate, dense_logits, init_params, pad_rows
 
 C, L = 4, 4  # 4 execution rows, 256 tokens per row
 NUM_PAGES = C * L + 5

@@ -57,9 +57,9 @@ _PLANES_SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from ninfer_kv.demo import DemoConfig, WorkloadSpec
     from ninfer_kv.demo.run import validate, _params
+    from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.engine import DecoderModel
     from ninfer_kv.engine.data_parallel import DataParallelEngine
-    from ninfer_kv.mesh import KVMesh
     from ninfer_kv.planning import ExplicitCapacity, PoolKind
     from ninfer_kv.store.sharded import ShardedKVStore
 

@@ -18,9 +18,10 @@ _SCRIPT = textwrap.dedent(
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     import numpy as np
     from ninfer_kv.demo.run import MODELS, _params
+    from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.engine import DecoderModel, EngineCore, SamplingParams
     from ninfer_kv.engine.data_parallel import DataParallelEngine
-    from ninfer_kv.mesh import KVMesh, MeshSpec
+    from ninfer_kv.mesh_spec import MeshSpec
     from ninfer_kv.models.decoder import ModelConfig
     from ninfer_kv.planning import ExplicitCapacity, plan_kv_cache, plan_kv_cache_mesh
     from ninfer_kv.store import KVStore

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ninfer_kv.mesh import MeshSpec
+from ninfer_kv.mesh_spec import MeshSpec
 from ninfer_kv.planning import (AutomaticCapacity, ExplicitCapacity, ModelKVConfig, PlanBoundError, PoolKind, plan_kv_cache,
                                 plan_kv_cache_mesh)
 

@@ -102,7 +102,7 @@ _NO_SHARDS = textwrap.dedent(
     import jax, numpy as np
     jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
     from ninfer_kv import ExplicitCapacity, ModelKVConfig
-    from ninfer_kv.mesh import KVMesh
+    from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.planning import plan_kv_cache_mesh
     from ninfer_kv.store.sharded import ShardedKVStore
     mesh = KVMesh("data=2,model=1")  # the first 2 of the 4 devices: process 0's two

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from ninfer_kv.errors import LifecycleError, RowError
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache_mesh
-from ninfer_kv.store.errors import LifecycleError, RowError
 from ninfer_kv.store.sharded import CrossShardError, ShardedCheckpoint, ShardedKVStore, ShardedSequence
 
 PLAN = plan_kv_cache_mesh(ModelKVConfig(1, 4, 64, "bf16"), "data=4,model=2", max_context=256, max_concurrency=8,

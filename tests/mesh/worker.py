@@ -18,12 +18,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ninfer_kv import PagedKVBatchLayerView, PagedKVStorageLayout, ops  # noqa: E402
-from ninfer_kv.mesh import KVMesh  # noqa: E402
+from ninfer_kv.device.mesh import KVMesh  # noqa: E402
+from ninfer_kv.device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention  # noqa: E402
+from ninfer_kv.errors import KVStoreError  # noqa: E402
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache_mesh  # noqa: E402
 from ninfer_kv.profiles import KVProfile  # noqa: E402
-from ninfer_kv.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention  # noqa: E402
 from ninfer_kv.store import KVDeviceState, KVStore, apply_work_jit  # noqa: E402
-from ninfer_kv.store.errors import KVStoreError  # noqa: E402
 from ninfer_kv.store.sharded import CrossShardError, ShardedKVStore  # noqa: E402
 
 PROFILES = tuple(p.value for p in KVProfile)  # every profile of the spec table

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ninfer_kv.device.page_copy import compiled_variants, copy_page_columns
 from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.page_copy import compiled_variants, copy_page_columns
 
 
 def _random_planes(layout, n, seed=0):

@@ -19,7 +19,7 @@ from ninfer_kv.store import (
     WorkOrderError,
     take_step_work,
 )
-from ninfer_kv.store.round_work import PageWrites
+from ninfer_kv.store.page_writes import PageWrites
 
 from .helpers import P, assert_same, content_ok, device, random_fill, sync, tiny_plan, write_tokens
 
@@ -188,7 +188,7 @@ def test_page_writes_resolve_to_pre_work_sources():
             for name in model:
                 set_cols(model, name, op[1], host[name][0], P)
     copies, restores, payload = writes.take()
-    from ninfer_kv.store.round_work import PoolWork, RoundWork
+    from ninfer_kv.work import PoolWork, RoundWork
 
     pw = PoolWork(np.zeros((3, 0), np.int32), copies, restores, payload, store.max_concurrency, n)
     state = apply_work_jit(state, RoundWork(np.asarray(0, np.int32), {MAIN: pw}))

@@ -12,8 +12,6 @@ param_shapes), ``layers`` (RMSNorm, RoPE with scaling, SwiGLU), ``model`` (paged
 (MTP head), ``sampling`` (greedy / temperature / top-k / top-p with per-sequence keys), ``steps``
 (jitted steps with compile counters), ``dense`` (no-cache and contiguous-cache references),
 ``buckets`` (batch buckets and padding rows), ``mesh_steps`` (steps over a sharded cache).
-
-``ninfer_kv.models.qwen_tiny`` and ``examples.model`` are aliases of this package.
 """
 
 from .buckets import PaddedRows, bucket_for, bucket_ladder, pad_rows, prompt_chunks

@@ -9,15 +9,16 @@ and a :class:`~ninfer_kv.store.sharded.ShardedRoundWork` padded to one shape
 
 with ``B = D * B_local``: batch slots ``[d * B_local, (d + 1) * B_local)`` carry global rows of data
 shard ``d`` (``d * C_local + local row``) or the inert row ``C``.  Every step first applies the work
-per shard (:func:`~ninfer_kv.sharded_ops.sharded_apply_work`), then runs the decoder: embeddings,
+per shard (:func:`~ninfer_kv.device.sharded_ops.sharded_apply_work`), then runs the decoder: embeddings,
 norms, the q/k/v and output projections and the MLP are replicated; each layer's paged append and
 paged attention run per device inside ``shard_map``
-(:func:`~ninfer_kv.sharded_ops.sharded_paged_append`, :func:`~ninfer_kv.sharded_ops.sharded_paged_attention`):
-a device writes and reads only its data shard's pages and its model shard's KV heads.  The
-attention outputs are gathered over the model axis for the output projection; the planes never
-leave their devices.  The outputs are the single-device steps' (planes and tables ``None``); with
-``sampling`` (a :class:`~ninfer_kv.models.decoder.sampling.SamplingRows` of ``(B,)`` rows, replicated)
-tokens are sampled exactly as the single-device steps sample them, else chosen greedily.
+(:func:`~ninfer_kv.device.sharded_ops.sharded_paged_append`,
+:func:`~ninfer_kv.device.sharded_ops.sharded_paged_attention`): a device writes and reads only its
+data shard's pages and its model shard's KV heads.  The attention outputs are gathered over the
+model axis for the output projection; the planes never leave their devices.  The outputs are the
+single-device steps' (planes and tables ``None``); with ``sampling`` (a
+:class:`~ninfer_kv.models.decoder.sampling.SamplingRows` of ``(B,)`` rows, replicated) tokens are
+sampled exactly as the single-device steps sample them, else chosen greedily.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...mesh import KVMesh
+from ...device.mesh import KVMesh
+from ...device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention
 from ...planning import PoolKind
-from ...sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention
 from ...store import KVDeviceState
 from .config import StepConfig
 from .model import decoder_layer, embed_tokens, logits_from_hidden
