@@ -260,11 +260,6 @@ class KVProfile(enum.Enum):
         return cls.parse(value)
 
     @property
-    def cli_name(self) -> str:
-        """The profile's canonical name, as ``--profile`` takes it and as plans print it (its value)."""
-        return self.value
-
-    @property
     def k_codec(self) -> KVCodec:
         """The codec of K (FP8-E4M3FN-row for K8V4)."""
         return {

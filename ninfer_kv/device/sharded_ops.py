@@ -32,10 +32,6 @@ from .work import apply_work
 __all__ = ["sharded_apply_work", "sharded_gather_pages", "sharded_paged_append", "sharded_paged_attention", "local_rows"]
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
 def _shard_map(kv_mesh: KVMesh, fn, in_specs, out_specs, *, kernels: bool = False):
     # kernels=True: the body may call Pallas kernels or custom calls (the CPU lowering of
     # apply_work), whose output shapes carry no varying-axes annotation; the specs still say

@@ -277,18 +277,6 @@ class _Job:
     report: TransferReport | None = None
 
 
-def _merge(reports: list[TransferReport]) -> TransferReport:
-    if len(reports) == 1:
-        return reports[0]
-    return TransferReport(
-        pages=sum(r.pages for r in reports),
-        runs=sum(r.runs for r in reports),
-        chunks=sum(r.chunks for r in reports),
-        bytes=sum(r.bytes for r in reports),
-        path=reports[0].path,
-    )
-
-
 @dataclasses.dataclass(eq=False)
 class OffloadPlan:
     """A planned offload: extents reserved, pages pinned, waiting for its payload.
