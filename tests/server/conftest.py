@@ -1,17 +1,25 @@
 """Fixtures of the server tests: the tiny text checkpoint, written once per test process, and the
-clients of a module's ``server`` fixture (each module starts its own server with its flags)."""
+server each test module starts with its own ``FLAGS``, and that server's clients."""
 
 from __future__ import annotations
 
 import pytest
 
-from .server_fixtures import http_client, openai_client, write_text_checkpoint
+from .server_fixtures import http_client, openai_client, running_server, write_text_checkpoint
 
 
 @pytest.fixture(scope="session")
 def text_checkpoint(tmp_path_factory):
     """The checkpoint directory (config, weights, character-level tokenizer, chat template)."""
     return write_text_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def server(request, text_checkpoint, tmp_path_factory):
+    """A server process over the checkpoint, started with the test module's ``FLAGS``."""
+    flags = [str(f) for f in request.module.FLAGS]
+    with running_server(text_checkpoint, *flags, log_dir=tmp_path_factory.mktemp("serve")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

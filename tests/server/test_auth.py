@@ -34,12 +34,6 @@ ROUTES = [
 
 
 @pytest.fixture(scope="module")
-def server(text_checkpoint, tmp_path_factory):
-    with running_server(text_checkpoint, *FLAGS, log_dir=tmp_path_factory.mktemp("serve")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def model_name(text_checkpoint) -> str:
     """The served name: the ``--model`` argument exactly as passed."""
     return str(text_checkpoint)

@@ -19,7 +19,6 @@ pytest.importorskip("uvicorn")
 
 from .server_fixtures import (  # noqa: E402
     HOST,
-    running_server,
     scrape,
     wait_idle,
     wait_until,
@@ -34,12 +33,6 @@ FLAGS = ("--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "-
          "--kv-capacity", str(MAX_MODEL_LEN))
 PROMPT_TIMEOUT = 15.0
 """Seconds the next request may take once the row is freed (well under a second normally)."""
-
-
-@pytest.fixture(scope="module")
-def server(text_checkpoint, tmp_path_factory):
-    with running_server(text_checkpoint, *FLAGS, log_dir=tmp_path_factory.mktemp("serve")) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

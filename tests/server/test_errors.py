@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 
 import openai  # noqa: E402
 
-from .server_fixtures import assert_error, running_server, scrape, wait_idle  # noqa: E402
+from .server_fixtures import assert_error, scrape, wait_idle  # noqa: E402
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256
@@ -29,12 +29,6 @@ BAD = "invalid_request_error"
 
 COMPLETION = {"model": MODEL, "prompt": "A normal request", "max_tokens": 3, "temperature": 0}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "A normal chat"}], "max_tokens": 3, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server(text_checkpoint, tmp_path_factory):
-    with running_server(text_checkpoint, *map(str, FLAGS), log_dir=tmp_path_factory.mktemp("serve")) as s:
-        yield s
 
 
 def still_serves(server, http) -> None:

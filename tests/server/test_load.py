@@ -24,7 +24,6 @@ from .server_fixtures import (  # noqa: E402
     async_openai_client,
     http_client,
     openai_client,
-    running_server,
     scrape,
     wait_idle,
 )
@@ -44,12 +43,6 @@ FAMILIES = [
     "Streaming sends each token as soon as it is sampled, ",
 ]
 PROMPTS = [family + suffix for family in FAMILIES for suffix in ("one.", "two, longer.", "three!", "four")]
-
-
-@pytest.fixture(scope="module")
-def server(text_checkpoint, tmp_path_factory):
-    with running_server(text_checkpoint, *FLAGS, log_dir=tmp_path_factory.mktemp("serve")) as s:
-        yield s
 
 
 def plan(seed: int = 20261205):

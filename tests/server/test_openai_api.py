@@ -26,7 +26,6 @@ from .server_fixtures import (  # noqa: E402
     CHARS,
     decode,
     render_chat,
-    running_server,
     scrape,
     wait_idle,
 )
@@ -42,12 +41,6 @@ REF_TOKENS = 16
 """The longest greedy completion the tests compare (the reference computes this many per prompt)."""
 
 CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def server(text_checkpoint, tmp_path_factory):
-    with running_server(text_checkpoint, *map(str, FLAGS), log_dir=tmp_path_factory.mktemp("serve")) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
