@@ -50,9 +50,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ninfer_kv import KVProfile, PagedKVStorageLayout, ops  # noqa: E402
+from ninfer_kv import ops  # noqa: E402
+from ninfer_kv.profiles import KVProfile  # noqa: E402
+from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops.reference import attention_over_keys  # noqa: E402
 from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.views import allocate_planes
 
 P = 64
 
@@ -97,7 +100,7 @@ def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk
     tables = rng.permutation(num_pages).reshape(batch, blocks).astype(np.int32)
     k = rng.standard_normal((batch, context, kv_heads, head_dim)).astype(np.float32)
     v = rng.standard_normal((batch, context, kv_heads, head_dim)).astype(np.float32)
-    view = PagedKVBatchLayerView(layout.allocate(num_pages), jnp.asarray(tables), 0, layout)
+    view = PagedKVBatchLayerView(allocate_planes(layout, num_pages), jnp.asarray(tables), 0, layout)
     rows = jnp.arange(batch, dtype=jnp.int32)
     zeros = jnp.zeros((batch,), jnp.int32)
     full = jnp.full((batch,), context, jnp.int32)

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from ninfer_kv.cli import render_table  # noqa: E402
 from ninfer_kv.demo import DemoConfig, WorkloadSpec, run_demo  # noqa: E402
 from ninfer_kv.demo.dense_check import dense_generation_logits  # noqa: E402
-from ninfer_kv.demo.run import _params  # noqa: E402
+from ninfer_kv.demo.drafter import demo_params as _params  # noqa: E402
 from ninfer_kv.profiles import KVProfile  # noqa: E402
 
 

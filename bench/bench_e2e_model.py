@@ -41,6 +41,7 @@ from ninfer_kv.models.decoder import (  # noqa: E402
     prompt_chunks,
 )
 from ninfer_kv.ops import resolve_impl  # noqa: E402
+from ninfer_kv.views import allocate_planes
 
 
 def _i32(x) -> np.ndarray:
@@ -65,7 +66,7 @@ class PagedRunner:
         self.nbytes = layout.buffer_bytes(self.num_pages)
         self.tables = rng.permutation(self.num_pages).reshape(b, blocks).astype(np.int32)  # scattered pages
         self.rows = _i32(np.arange(b))
-        planes = layout.allocate(self.num_pages)
+        planes = allocate_planes(layout, self.num_pages)
         chunk = steps.config.prefill_chunk
         for offset, valid in prompt_chunks(s0, chunk):
             tok = np.zeros((b, chunk), np.int32)

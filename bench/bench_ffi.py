@@ -67,6 +67,7 @@ from ninfer_kv import ffi_ops  # noqa: E402
 from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops import reference  # noqa: E402
 from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.views import allocate_planes
 
 PAGE = 64
 
@@ -258,7 +259,7 @@ def bench_append(profile: str, args, rng) -> dict:
             out["ref_tps"] = None
             continue
         step = make(fn)
-        planes = lay.allocate(n)
+        planes = allocate_planes(lay, n)
         planes = jax.block_until_ready(step(planes, table, rows, pos, k, v, valid))
         times = []
         for _ in range(args.repeats):

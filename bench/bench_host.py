@@ -27,9 +27,10 @@ import time
 import jax
 import numpy as np
 
-from ninfer_kv import PagedKVStorageLayout
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.geometry import ceil_div
 from ninfer_kv.device import offload_pages, restore_pages
+from ninfer_kv.device.staging import staging_of
 from ninfer_kv.host import HostKVArena, HostKVPageLayout
 
 
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
     planes = _random_planes(layout, pool, seed=0)
     arena = HostKVArena(nbytes)
     extent = arena.allocate(nbytes, "main")
-    print(f"arena: {arena.capacity / 1e6:.1f} MB, memory_kind={arena.memory_kind}")
+    print(f"arena: {arena.capacity / 1e6:.1f} MB, memory_kind={staging_of(arena).memory_kind}")
 
     src_host = np.random.default_rng(1).integers(0, 256, size=nbytes, dtype=np.uint8)
     dst_host = np.empty_like(src_host)

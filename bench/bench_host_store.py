@@ -4,7 +4,7 @@ Default shape: a 32K-token checkpoint of a K8V4 Main pool with 16 layers, 2 KV h
 (512 pages of 823,296 B = 421.5 MB).  For contiguous and for scattered physical page IDs, each
 repetition runs the store verbs an engine under memory pressure runs::
 
-    store.offload_checkpoint(ck, state)   # plan -> gather from the state -> complete: device -> both
+    offload_checkpoint(store, ck, state)   # plan -> gather from the state -> complete: device -> both
     store.drop_device_replica(ck)         # both -> host: the Device pages go back to the pool
     h = store.activate(T, 64, source=ck)  # restore_host stage: the payload goes into the round work
     state = apply_work_jit(state, store.take_work())  # ... which writes it on the device, then Fork
@@ -33,11 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import PagedKVStorageLayout
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.geometry import PAGE_SIZE, ceil_div
 from ninfer_kv.host import coalesce_runs
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
-from ninfer_kv.store import KVStore, apply_work_jit
+from ninfer_kv.device import apply_work_jit
+from ninfer_kv.store import KVStore
+from ninfer_kv.device import allocate_state, offload_checkpoint
 
 BUDGET = 64  # output budget of the restoring activation
 
@@ -51,7 +53,7 @@ class _Device:
 
     def __init__(self, store: KVStore):
         self.store = store
-        self.state = store.allocate_state()
+        self.state = allocate_state(store)
 
     def sync(self):
         self.state = apply_work_jit(self.state, self.store.take_work())
@@ -89,9 +91,9 @@ def _checkpoint(store: KVStore, tokens: int, scattered: bool):
         other = store.activate(tokens, 0)
         for n in range(1, ceil_div(tokens, PAGE_SIZE) + 1):
             for h in (a, other):
-                store.ensure_mapped_to_tokens(h, min(n * PAGE_SIZE, tokens))
+                store.map(h, min(n * PAGE_SIZE, tokens))
     else:
-        store.ensure_mapped_to_tokens(a, tokens)
+        store.map(a, tokens)
     store.commit(a, tokens)
     return store.finish(a, retain=True), other
 
@@ -116,7 +118,7 @@ def run_case(args, scattered: bool, numpy_copy) -> dict:
     for i in range(args.repeat + 1):  # the first repetition warms up (compilation) and checks bytes
         t_numpy = _timed(numpy_copy)
         t0 = time.perf_counter()
-        report = store.offload_checkpoint(ck, dev.sync())
+        report = offload_checkpoint(store, ck, dev.sync())
         t1 = time.perf_counter()
         store.drop_device_replica(ck)
         t2 = time.perf_counter()
@@ -136,7 +138,7 @@ def run_case(args, scattered: bool, numpy_copy) -> dict:
             times["restore_activation"].append(t3 - t2)
         store.finish(h)
         store.release_host_replica(ck)
-        store.check_invariants()
+        store.audit_invariants()
     return {
         "pages": n,
         "bytes": n * store.layout().page_bytes,

@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from ninfer_kv.views import allocate_planes
 
 
 def main(argv=None) -> None:
@@ -40,13 +41,16 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from ninfer_kv import ExplicitCapacity, ModelKVConfig, PagedKVBatchLayerView, ops
+    from ninfer_kv import ops
+    from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig
+    from ninfer_kv.views import PagedKVBatchLayerView
     from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.device.sharded_ops import sharded_paged_append, sharded_paged_attention
     from ninfer_kv.device.state import KVDeviceState
     from ninfer_kv.geometry import PAGE_SIZE, ceil_div
     from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.planning import PoolKind, plan_kv_cache_mesh
+    from ninfer_kv.planning import plan_kv_cache_mesh
+    from ninfer_kv.kinds import PoolKind
 
     mesh = KVMesh(args.mesh)
     dd, hh = mesh.data, args.kv_heads
@@ -65,9 +69,9 @@ def main(argv=None) -> None:
     tables_single = tables_local + (np.arange(dd) * n_local)[:, None, None]
     tables_local = tables_local.reshape(args.batch, logical).astype(np.int32)
     tables_single = tables_single.reshape(args.batch, logical).astype(np.int32)
-    planes = lay_shard.allocate(dd * n_local)
+    planes = allocate_planes(lay_shard, dd * n_local)
     state = KVDeviceState({kind: planes}, {kind: jnp.asarray(tables_local)}, jnp.zeros((), jnp.int32),
-                          ((kind, 1),))
+                          ((kind, lay_shard),))
     state = jax.device_put(state, mesh.state_shardings(state))
     rows = np.arange(args.batch, dtype=np.int32)
     hq = 4 * max(hh, mesh.model)
@@ -91,7 +95,7 @@ def main(argv=None) -> None:
 
     dev0 = jax.devices()[0]
     lay_single = PagedKVStorageLayout(args.profile, args.layers, hh, args.head_dim)
-    single_planes = jax.device_put(lay_single.allocate(dd * n_local), dev0)
+    single_planes = jax.device_put(allocate_planes(lay_single, dd * n_local), dev0)
     single_tab = jax.device_put(jnp.asarray(tables_single), dev0)
 
     def single(planes, pos):

@@ -31,9 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_store import _lanes, _median_us, build_store  # noqa: E402
 
 from ninfer_kv import ops  # noqa: E402
-from ninfer_kv.planning import PoolKind  # noqa: E402
-from ninfer_kv.store import apply_work, apply_work_jit, step_work_shapes, take_step_work  # noqa: E402
+from ninfer_kv.kinds import PoolKind  # noqa: E402
+from ninfer_kv.device import apply_work, apply_work_jit, take_step_work  # noqa: E402
+from ninfer_kv.step_shapes import step_work_shapes  # noqa: E402
 from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.device import allocate_state, offload_checkpoint
 
 MAIN = PoolKind.MAIN
 
@@ -58,13 +60,13 @@ def decode_step_times(store, state, lanes: int, rounds: int, rng, shapes: list) 
         ts = []
         for _ in range(rounds):
             nxt = c + 1
-            store.map_rows(rows, nxt)
+            store.map(rows, nxt)
             work = store.take_work().pad_to(*shape)
             t0 = time.perf_counter()
             state = step(state, work, rows32, c.astype(np.int32), kv)
             jax.block_until_ready(state)
             ts.append(time.perf_counter() - t0)
-            store.commit_rows(rows, nxt)
+            store.commit(rows, nxt)
             c = nxt
         for h in handles:
             store.finish(h)
@@ -75,7 +77,7 @@ def decode_step_times(store, state, lanes: int, rounds: int, rng, shapes: list) 
 
 def alone_times(store, state, reps: int) -> tuple:
     h = store.activate(1000, 0)
-    store.ensure_mapped_to_tokens(h, 1000)
+    store.map(h, 1000)
     store.commit(h, 1000)
     ck = store.finish(h, retain=True)
     state = apply_work_jit(state, store.take_work())
@@ -101,7 +103,7 @@ def alone_times(store, state, reps: int) -> tuple:
 def serving_programs(rounds: int, rng, padded: bool, head_dim: int) -> int:
     """Work-applying programs compiled by a loop (C = 64) that, every few rounds, moves a Host-only
     checkpoint of random length back into service (restores of 1 to 46 pages, a COW tail)."""
-    from ninfer_kv.device.page_copy import compiled_variants
+    from ninfer_kv.ops.page_copy import compiled_variants
     from ninfer_kv.device.work import _apply_work_jit
     from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
     from ninfer_kv.store import KVStore
@@ -110,17 +112,17 @@ def serving_programs(rounds: int, rng, padded: bool, head_dim: int) -> int:
     plan = plan_kv_cache(ModelKVConfig(num_layers=1, num_kv_heads=1, head_dim=head_dim), max_context=4096,
                          max_concurrency=64, policy=ExplicitCapacity(64 * 4096))
     store = KVStore(plan, host_bytes=64 << 20)
-    state = store.allocate_state()
+    state = allocate_state(store)
     shapes = step_work_shapes(store)
     ckpts = []
     for frontier in rng.integers(40, 2990, size=rounds // 3 + 1).tolist():
         h = store.activate(frontier, 0)
-        store.ensure_mapped_to_tokens(h, frontier)
+        store.map(h, frontier)
         store.commit(h, frontier)
         ckpts.append((frontier, store.finish(h, retain=True)))
     state = apply_work_jit(state, store.take_work())
     for _, ck in ckpts:
-        store.offload_checkpoint(ck, state)
+        offload_checkpoint(store, ck, state)
         store.drop_device_replica(ck)
     _apply_work_jit.clear_cache()
     before = compiled_variants()
@@ -153,7 +155,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     store = build_store(args.lanes, args.max_context, args.head_dim)
-    state = store.allocate_state()
+    state = allocate_state(store)
     shapes = step_work_shapes(store)
     t = shapes.step[0]
     step_shapes = [shapes.step, (t, 8, 8), (t, 64, 64)]

@@ -35,10 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_kv import ops
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache
-from ninfer_kv.device.work import _check_step_state
-from ninfer_kv.store import KVStore, apply_work, apply_work_jit, take_step_work
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.device.rounds import _check_step_state
+from ninfer_kv.device import apply_work, apply_work_jit, take_step_work
+from ninfer_kv.store import KVStore
 from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.device import allocate_state
 
 MAIN = PoolKind.MAIN
 
@@ -73,8 +76,8 @@ def _lanes(store: KVStore, lanes: int, rounds: int, rng):
     lengths = rng.integers(64, 4096 - rounds // 2, size=lanes)
     handles = [store.activate(int(n), rounds + 8) for n in lengths]
     rows = np.array([store.row(h) for h in handles], np.int64)
-    store.map_rows(rows, lengths)
-    store.commit_rows(rows, lengths)
+    store.map(rows, lengths)
+    store.commit(rows, lengths)
     return handles, rows, lengths.astype(np.int64)
 
 
@@ -89,8 +92,8 @@ def decode_rounds(store: KVStore, state, lanes: int, rounds: int, rng):
     for _ in range(rounds):
         nxt = c + 1
         t0 = time.perf_counter()
-        new_pages = store.map_rows(rows, nxt)
-        store.commit_rows(rows, nxt)
+        new_pages = store.map(rows, nxt)
+        store.commit(rows, nxt)
         t1 = time.perf_counter()
         state, work = take_step_work(store, state)
         t2 = time.perf_counter()
@@ -174,7 +177,7 @@ def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
     times = {(f, p): [] for f in forms for p in range(len(forms))}
     for i in range(rounds):
         nxt = c + 1
-        store.map_rows(rows, nxt)
+        store.map(rows, nxt)
         state, work = take_step_work(store, state)
         pos = c.astype(np.int32)
         upd = work.pools[MAIN].tables
@@ -197,7 +200,7 @@ def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
                 own[form] = planes, tables = bare(planes, tables, upd, rows32, pos, kv, kv)
                 jax.block_until_ready(tables)
             times[(form, position)].append(time.perf_counter() - t0)
-        store.commit_rows(rows, nxt)
+        store.commit(rows, nxt)
         c = nxt
     for h in handles:
         store.finish(h)
@@ -213,7 +216,7 @@ def step_comparison(store: KVStore, state, lanes: int, rounds: int, rng):
 def fork_and_finish(store: KVStore, state, max_context: int, reps: int) -> dict:
     frontier = max_context - 1  # 511 full pages + a 63-column tail
     h = store.activate(frontier, 0)
-    store.ensure_mapped_to_tokens(h, frontier)
+    store.map(h, frontier)
     store.commit(h, frontier)
     ck = store.finish(h, retain=True)
     state = apply_work_jit(state, store.take_work())
@@ -229,7 +232,7 @@ def fork_and_finish(store: KVStore, state, max_context: int, reps: int) -> dict:
         t0 = time.perf_counter()
         f = store.activate(frontier, 1, source=ck)
         t1 = time.perf_counter()
-        store.ensure_mapped_to_tokens(f, frontier + 1)
+        store.map(f, frontier + 1)
         store.commit(f, frontier + 1)
         t2 = time.perf_counter()
         ck2 = store.finish(f, retain=True)
@@ -245,7 +248,7 @@ def fork_and_finish(store: KVStore, state, max_context: int, reps: int) -> dict:
         release.append(t5 - t4)
     jax.block_until_ready(state)
     store.release_checkpoint(ck)
-    store.check_state(state)
+    store.require_synced(state)
     return state, {
         "fork_us": _median_us(fork[1:]),
         "fork_sync_us": _median_us(sync[1:]),
@@ -264,7 +267,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     store = build_store(args.lanes, args.max_context, args.head_dim)
-    state = store.allocate_state()
+    state = allocate_state(store)
     state, _ = decode_rounds(store, state, args.lanes, 200, rng)  # warm-up (compiles the work buckets)
     state, r = decode_rounds(store, state, args.lanes, args.rounds, rng)
     back_to_back = trivial_dispatch_us()

@@ -75,6 +75,7 @@ from ninfer_kv.ops.reference import (  # noqa: E402
 )
 from ninfer_kv.profiles import KVCodec, KVProfile  # noqa: E402
 from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.views import allocate_planes
 
 PAGE = 64
 PROFILES = [p.value for p in KVProfile]
@@ -246,7 +247,7 @@ def reference_pool(profile, order, *, head_dim, kv_heads, kv_lens, seed, num_lay
     n_pages = bsz * blocks + 3
     table, rows = shuffled_tables(rs, bsz, blocks, n_pages - 3)
     lay = PagedKVStorageLayout(profile, num_layers, kv_heads, head_dim, order)
-    view = PagedKVBatchLayerView(lay.allocate(n_pages, fill=float("nan")), jnp.asarray(table), 1, lay)
+    view = PagedKVBatchLayerView(allocate_planes(lay, n_pages, fill=float("nan")), jnp.asarray(table), 1, lay)
     t = max(kv_lens)
     k = jax.random.normal(jax.random.key(seed + 1), (bsz, t, kv_heads, head_dim), jnp.float32)
     v = jax.random.normal(jax.random.key(seed + 2), (bsz, t, kv_heads, head_dim), jnp.float32)
@@ -407,12 +408,13 @@ def _planes_bytes_read(profile: str, bsz: int, ctx: int, kv_heads: int, head_dim
 def section_setup(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
     from ninfer_kv import ops
     from ninfer_kv.ops import dispatch
+    from ninfer_kv.ops import registry
 
     checks.header()
-    chosen = dispatch.resolve_impl("auto", platform="gpu").name
+    chosen = registry.resolve_impl("auto", platform="gpu").name
     checks.row("impl='auto' on a GPU", "-", "-", "resolves to", chosen, chosen == "pallas")
     if not shapes.smoke:
-        here = dispatch.resolve_impl("auto").name
+        here = registry.resolve_impl("auto").name
         checks.row("impl='auto' here", "-", "-", "resolves to", here, here == "pallas")
         view, rows = reference_pool("k8v4", "page-major", head_dim=128, kv_heads=2, kv_lens=[100, 200], seed=5)
         q = jax.random.normal(jax.random.key(3), (2, 1, 8, 128), jnp.bfloat16)
@@ -481,8 +483,8 @@ def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                 if shapes.decode_variants and profile == "bf16" and order == "page-major" and ctx == shapes.contexts[0]:
                     configs += [(f"k_splits={s}", pk.PagedAttentionConfig(k_splits=s)) for s in (4, 16)]
                     configs += [("block_k=128", pk.PagedAttentionConfig(block_k=128)),
-                                ("num_warps=8", pk.PagedAttentionConfig(num_warps=8)),
-                                ("num_stages=3", pk.PagedAttentionConfig(num_stages=3))]
+                                ("num_warps=8", pk.PagedAttentionConfig(compiler=pk.TritonConfig(num_warps=8))),
+                                ("num_stages=3", pk.PagedAttentionConfig(compiler=pk.TritonConfig(num_stages=3)))]
                 for label, cfg in configs:
                     if not sec.has(5, f"{profile} {order} {ctx} {label}"):
                         break
@@ -494,7 +496,8 @@ def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                     err = check_attention_rows(out, q, view, rows, pos, lens, sel)
                     ok = err <= ATTN_TOL
                     checks.failures += 0 if ok else 1
-                    desc = f"{label} (q{r.block_q} k{r.block_k} s{r.k_splits} w{r.num_warps})"
+                    warps = ((cfg and cfg.compiler) or pk.TritonConfig()).for_attention(d).num_warps
+                    desc = f"{label} (q{r.block_q} k{r.block_k} s{r.k_splits} w{warps})"
                     log(f"| ours | {profile} | {order} | {ctx} | {desc} | {_bw_cols(nbytes, seconds, state)} | "
                         f"{err:.1e} | {'PASS' if ok else 'FAIL'} |")
                     state.setdefault("ours", {})[(profile, order, ctx, label)] = seconds

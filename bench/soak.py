@@ -5,7 +5,7 @@ checkpoints (with COW tails), vectorized decode rounds, MTP speculative settleme
 leads Main by the draft window), early and length finishes, retain / release, checkpoint eviction —
 writing every token into the device planes through the *published* block tables.  Before a sequence
 finishes, its committed content is read back from the device in every pool and compared with what
-it wrote (and inherited); ``check_invariants`` runs every few rounds; at the end everything is
+it wrote (and inherited); ``audit_invariants`` runs every few rounds; at the end everything is
 released and the pools must be empty.
 
     PYTHONPATH=. python bench/soak.py [--sequences 10000] [--seed 0]
@@ -21,8 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.store import KVStore, PoolCapacityError, apply_work_jit
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.device import apply_work_jit
+from ninfer_kv.store import KVStore
+from ninfer_kv.errors import PoolCapacityError
+from ninfer_kv.device import allocate_state
 
 P = 64
 MAIN, MTP = PoolKind.MAIN, PoolKind.MTP
@@ -50,7 +54,7 @@ class _Writer:
 
     def __init__(self, store):
         self.store = store
-        self.state = store.allocate_state()
+        self.state = allocate_state(store)
         self.pending = {k: [] for k in store.pool_kinds}
 
     def sync(self):
@@ -172,7 +176,7 @@ def run_soak(
             # prefill the rest of the prompt in every pool
             for kind in store.pool_kinds:
                 c = len(content[kind])
-                stats["pages_mapped"] += store.ensure_mapped_to_tokens(h, prompt, pool=kind)
+                stats["pages_mapped"] += store.map(h, prompt, pool=kind)
                 vals = _values(rng, prompt - c)
                 writer.add(kind, row, c, vals)
                 content[kind].extend(vals)
@@ -192,11 +196,11 @@ def run_soak(
         target = np.array([s.target for s in live])
         spec_round = rng.random() < 0.3
         k = np.minimum(int(rng.integers(2, lead + 2)) if spec_round else 1, target - c)
-        stats["pages_mapped"] += store.map_rows(rows, c + k, pool=MAIN)
+        stats["pages_mapped"] += store.map(rows, c + k, pool=MAIN)
         cm = np.array([len(s.content[MTP]) for s in live])
         mtp_ent = np.array([store.address_space(s.h, MTP).entitlement_tokens for s in live])
         mtp_reach = np.minimum(cm + k + lead, mtp_ent)
-        stats["pages_mapped"] += store.map_rows(rows, mtp_reach, pool=MTP)
+        stats["pages_mapped"] += store.map(rows, mtp_reach, pool=MTP)
         main_vals, mtp_vals = [], []
         for r, ci, ki, cmi, reach in zip(rows, c, k, cm, mtp_reach):
             v = _values(rng, int(ki))
@@ -208,8 +212,8 @@ def run_soak(
         writer.flush()
         # the unit succeeded: settle each pool on its accepted frontier (MTP keeps its lead mapped)
         accepted = np.array([int(rng.integers(1, ki + 1)) if ki > 0 else 0 for ki in k])
-        store.settle_rows(rows, c + accepted, pool=MAIN)
-        store.settle_rows(rows, cm + accepted, np.minimum(cm + accepted + lead, mtp_ent), pool=MTP)
+        store.settle(rows, c + accepted, pool=MAIN)
+        store.settle(rows, cm + accepted, np.minimum(cm + accepted + lead, mtp_ent), pool=MTP)
         for s, v, w, a in zip(live, main_vals, mtp_vals, accepted):
             s.content[MAIN].extend(v[:a])
             s.content[MTP].extend(w[:a])
@@ -238,12 +242,12 @@ def run_soak(
                 else:
                     store.finish(s.h)
         if stats["rounds"] % check_every == 0:
-            store.check_invariants()
+            store.audit_invariants()
             stats["checks"] += 1
     for ck, _ in ckpts:
         store.release_checkpoint(ck)
-    store.check_invariants()
-    store.check_state(writer.state)
+    store.audit_invariants()
+    store.require_synced(writer.state)
     for kind in store.pool_kinds:
         occ = store.occupancy(kind)
         if occ.allocated or occ.reserved or occ.logical_pages or occ.retained_checkpoints:

@@ -34,12 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import apply_work, ops
+from ninfer_kv import ops
+from ninfer_kv.device import apply_work
 from ninfer_kv.codecs import codec_roundtrip
 from ninfer_kv.engine import LLM, SamplingParams, StepOutput
 from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.models.decoder.sampling import sample_tokens
-from ninfer_kv.planning import ModelKVConfig, PoolKind
+from ninfer_kv.planning import ModelKVConfig
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.profiles import KVProfile
 from ninfer_kv.views import PagedKVBatchLayerView
 

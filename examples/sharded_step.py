@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import os
 import sys
+from ninfer_kv.device import allocate_state
 
 
 def main(argv=None) -> str:
@@ -53,7 +54,7 @@ def main(argv=None) -> str:
     if args.process_id is not None:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
-    from ninfer_kv import ExplicitCapacity, ModelKVConfig
+    from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig
     from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention
     from ninfer_kv.planning import plan_kv_cache_mesh
@@ -67,7 +68,7 @@ def main(argv=None) -> str:
     plan = plan_kv_cache_mesh(ModelKVConfig(num_layers=2, num_kv_heads=8, head_dim=64, profile="k8v4"), mesh,
                               max_context=512, max_concurrency=8, policy=ExplicitCapacity(kv_capacity=4096))
     store = ShardedKVStore(plan, mesh)                         # one host-only KVStore per data shard
-    state = store.allocate_state()                             # planes P(None, data, model), tables P(data)
+    state = allocate_state(store)                             # planes P(None, data, model), tables P(data)
     layout = store.layout("main")                              # what one device holds: 8 / model heads
 
     @jax.jit
@@ -82,15 +83,15 @@ def main(argv=None) -> str:
     per_shard = [[store.activate(70 + 10 * d, 16, shard=d)] for d in range(mesh.data)]
     rows = store.batch_rows(per_shard, 1)                      # batch slot d -> a global row of shard d
     prompt = np.array([70 + 10 * d for d in range(mesh.data)])
-    store.map_rows(rows, prompt)                               # pages from each shard's own reservation
+    store.map(rows, prompt)                               # pages from each shard's own reservation
     work = store.take_work().device_put(mesh)                  # stacked per shard, global arrays
     rng = np.random.default_rng(0)
     b, t = mesh.data, int(prompt.max())
     q, k, v = (rng.standard_normal((b, t, h, 64)).astype(np.float32) for h in (16, 8, 8))
     state, out = step(state, work, rows, np.zeros(b, np.int32), prompt.astype(np.int32), q, k, v)
-    store.commit_rows(rows, prompt)                            # after the step succeeded
-    store.check_state(state)
-    store.check_invariants()
+    store.commit(rows, prompt)                            # after the step succeeded
+    store.require_synced(state)
+    store.audit_invariants()
     full = jax.jit(lambda x: x, out_shardings=mesh.sharding(mesh.replicated_spec()))(out)
     digest = hashlib.sha256(np.asarray(full.addressable_data(0)).tobytes()).hexdigest()
     tables = hashlib.sha256(store.host_block_table().tobytes()).hexdigest()[:16]  # page IDs of every shard

@@ -29,11 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import apply_work, ops, take_step_work
+from ninfer_kv import ops
+from ninfer_kv.device import apply_work, take_step_work
 from ninfer_kv.codecs import codec_roundtrip
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.store import KVStore
 from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.device import allocate_state
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, D_MODEL, VOCAB, CHUNK = 2, 2, 4, 64, 128, 256, 128
 
@@ -42,7 +45,7 @@ plan = plan_kv_cache(ModelKVConfig(LAYERS, KV_HEADS, HEAD_DIM, profile="k8v4"),
                      max_context=512, max_concurrency=2, policy=ExplicitCapacity(16 * 64))
 store = KVStore(plan)
 layout = store.layout("main")
-state = store.allocate_state()                                   # caller-owned planes + block tables
+state = allocate_state(store)                                   # caller-owned planes + block tables
 MAIN = PoolKind.MAIN
 
 # 2. A toy model: embeddings, per-layer q/k/v/o projections (your model goes here).
@@ -85,12 +88,12 @@ def run(handles, tokens, positions, valid):
     global state
     rows = np.array([store.row(h) for h in handles], np.int32)
     ends = positions + valid
-    store.map_rows(rows, ends)                                   # pages from each sequence's reservation
+    store.map(rows, ends)                                   # pages from each sequence's reservation
     state, work = take_step_work(store, state)                   # the work since the last unit, fixed shape; a
                                                                  # larger one (the fork's COW copy) is applied here
     state, logits = step(state, work, rows, positions.astype(np.int32),
                          valid.astype(np.int32), tokens.astype(np.int32))
-    store.commit_rows(rows, ends)                                # only after the step succeeded
+    store.commit(rows, ends)                                # only after the step succeeded
     return np.asarray(logits)
 
 
@@ -167,8 +170,8 @@ def main():
     store.release_checkpoint(ckpt)
     main_pool = store.pool("main")
     assert main_pool.allocated == main_pool.reserved == 0
-    store.check_invariants()
-    store.check_state(state)                                     # every round work applied once, in order
+    store.audit_invariants()
+    store.require_synced(state)                                     # every round work applied once, in order
     print(f"ok: 2 sequences forked a 150-token prefix, 8 tokens each match the dense model "
           f"(profile {layout.profile.value}, impl {ops.resolve_impl('auto').name}); "
           f"step traced for shapes {TRACES} only")

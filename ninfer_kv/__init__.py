@@ -18,191 +18,72 @@ from typing import TYPE_CHECKING
 from .version import __version__  # noqa: F401  (the package version)
 
 if TYPE_CHECKING:  # pragma: no cover  (the same names, for type checkers and readers)
-    from . import codecs, ops
-    from .geometry import KVPageGeometry, PAGE_SIZE, PlaneOrder, SENTINEL_PAGE
-    from .layout import PagedKVStorageLayout, PlaneInventoryEntry, PoolMemorySummary
-    from .planning import AutomaticCapacity, ExplicitCapacity, KVPlan, KVPoolSetLayout, MeshKVPlan, ModelKVConfig, PoolPlan, SequenceCapacityCurve, SpeculativeConfig, plan_kv_cache, plan_kv_cache_mesh
-    from .kinds import PoolKind, SpeculativeBackend
-    from .profiles import KVCodec, KVProfile, PlaneSpec
-    from .views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
-    from .host import HostKVArena, HostKVPageLayout
-    from .store import CheckpointHandle, CheckpointInfo, DeviceKVPageLease, DevicePagePool, EntitlementPolicy, KVAddressSpace, KVStore, LogicalKVPage, OffloadPlan, ResyncReport, RoundGrant, SequenceHandle, SequenceKVBundle
-    from .device import KVDeviceState, KVMesh, apply_work, apply_work_jit, gather_pages, resync, take_step_work
-    from .work import OffloadPayload, PendingWork, RoundWork, ShardedRoundWork, SyncStatus
-    from .step_shapes import StepWorkShapes, step_work_shapes
-    from .errors import DonatedStateError, EntitlementError, HostCapacityError, IncompleteContinuationError, KVStoreError, LifecycleError, LostContentError, PayloadError, PendingWorkError, PoolCapacityError, RowError, StaleHandleError, StaleReplicaError, TargetError, WorkOrderError
-    from .mesh_spec import MeshSpec
-    from .store.sharded import CrossShardError, ShardedCheckpoint, ShardedKVStore, ShardedSequence
-    from .device.sharded_ops import sharded_apply_work, sharded_gather_pages, sharded_paged_append, sharded_paged_attention
+    from . import ops
+    from .device import KVDeviceState, allocate_state, apply_work, resync, run_round, take_step_work
+    from .errors import KVStoreError
+    from .geometry import PAGE_SIZE
+    from .kinds import PoolKind
+    from .layout import PagedKVStorageLayout
+    from .planning import ExplicitCapacity, KVPlan, ModelKVConfig, SpeculativeConfig, plan_kv_cache
+    from .profiles import KVProfile
+    from .store import CheckpointHandle, KVStore, SequenceHandle
+    from .views import PagedKVBatchLayerView
 
 _LAZY = {
+    # plan
     "PAGE_SIZE": "geometry",
-    "KVPageGeometry": "geometry",
-    "PlaneOrder": "geometry",
-    "SENTINEL_PAGE": "geometry",
-    "PagedKVStorageLayout": "layout",
-    "PlaneInventoryEntry": "layout",
-    "PoolMemorySummary": "layout",
-    "AutomaticCapacity": "planning",
-    "ExplicitCapacity": "planning",
-    "KVPlan": "planning",
-    "KVPoolSetLayout": "planning",
     "ModelKVConfig": "planning",
-    "PoolPlan": "planning",
-    "SequenceCapacityCurve": "planning",
+    "ExplicitCapacity": "planning",
     "SpeculativeConfig": "planning",
+    "KVPlan": "planning",
     "plan_kv_cache": "planning",
-    "MeshKVPlan": "planning",
-    "plan_kv_cache_mesh": "planning",
     "PoolKind": "kinds",
-    "SpeculativeBackend": "kinds",
-    "KVCodec": "profiles",
     "KVProfile": "profiles",
-    "PlaneSpec": "profiles",
-    "PagedKVLayerView": "views",
-    "PagedKVBatchLayerView": "views",
-    "CyclicKVCacheLayerView": "views",
-    "CyclicKVLayout": "views",
-    "HostKVArena": "host",
-    "HostKVPageLayout": "host",
+    "PagedKVStorageLayout": "layout",
+    # the store and its handles
     "KVStore": "store",
-    "OffloadPlan": "store",
-    "ResyncReport": "store",
-    "EntitlementPolicy": "store",
-    "RoundGrant": "store",
     "SequenceHandle": "store",
     "CheckpointHandle": "store",
-    "CheckpointInfo": "store",
-    "SequenceKVBundle": "store",
-    "KVAddressSpace": "store",
-    "LogicalKVPage": "store",
-    "DevicePagePool": "store",
-    "DeviceKVPageLease": "store",
-    "KVDeviceState": "device",
-    "apply_work": "device",
-    "apply_work_jit": "device",
-    "gather_pages": "device",
-    "take_step_work": "device",
-    "resync": "device",
-    "KVMesh": "device",
-    "RoundWork": "work",
-    "SyncStatus": "work",
-    "OffloadPayload": "work",
-    "PendingWork": "work",
-    "ShardedRoundWork": "work",
-    "step_work_shapes": "step_shapes",
-    "StepWorkShapes": "step_shapes",
     "KVStoreError": "errors",
-    "StaleHandleError": "errors",
-    "PoolCapacityError": "errors",
-    "HostCapacityError": "errors",
-    "EntitlementError": "errors",
-    "LifecycleError": "errors",
-    "IncompleteContinuationError": "errors",
-    "StaleReplicaError": "errors",
-    "RowError": "errors",
-    "WorkOrderError": "errors",
-    "DonatedStateError": "errors",
-    "PendingWorkError": "errors",
-    "LostContentError": "errors",
-    "PayloadError": "errors",
-    "TargetError": "errors",
-    "MeshSpec": "mesh_spec",
-    "ShardedKVStore": "store.sharded",
-    "ShardedSequence": "store.sharded",
-    "ShardedCheckpoint": "store.sharded",
-    "CrossShardError": "store.sharded",
-    "sharded_apply_work": "device.sharded_ops",
-    "sharded_gather_pages": "device.sharded_ops",
-    "sharded_paged_append": "device.sharded_ops",
-    "sharded_paged_attention": "device.sharded_ops",
+    # the device state and a step's round
+    "KVDeviceState": "device",
+    "allocate_state": "device",
+    "apply_work": "device",
+    "take_step_work": "device",
+    "run_round": "device",
+    "resync": "device",
+    "PagedKVBatchLayerView": "views",
 }
-_MODULES = ("codecs", "ops")
+_MODULES = ("ops",)
 
 __all__ = [
     "PAGE_SIZE",
-    "KVPageGeometry",
-    "PlaneOrder",
-    "PagedKVStorageLayout",
-    "PlaneInventoryEntry",
-    "PoolMemorySummary",
-    "AutomaticCapacity",
-    "ExplicitCapacity",
-    "KVPlan",
-    "KVPoolSetLayout",
     "ModelKVConfig",
-    "PoolKind",
-    "PoolPlan",
-    "SequenceCapacityCurve",
-    "SpeculativeBackend",
+    "ExplicitCapacity",
     "SpeculativeConfig",
+    "KVPlan",
     "plan_kv_cache",
-    "KVCodec",
+    "PoolKind",
     "KVProfile",
-    "PlaneSpec",
-    "PagedKVLayerView",
-    "PagedKVBatchLayerView",
-    "CyclicKVCacheLayerView",
-    "CyclicKVLayout",
-    "codecs",
-    "ops",
-    "HostKVArena",
-    "HostKVPageLayout",
+    "PagedKVStorageLayout",
     "KVStore",
-    "KVDeviceState",
-    "RoundWork",
-    "OffloadPlan",
-    "apply_work",
-    "apply_work_jit",
-    "gather_pages",
-    "take_step_work",
-    "step_work_shapes",
-    "StepWorkShapes",
-    "resync",
-    "ResyncReport",
-    "SyncStatus",
-    "SENTINEL_PAGE",
-    "EntitlementPolicy",
-    "RoundGrant",
     "SequenceHandle",
     "CheckpointHandle",
-    "CheckpointInfo",
-    "SequenceKVBundle",
-    "KVAddressSpace",
-    "LogicalKVPage",
-    "DevicePagePool",
-    "DeviceKVPageLease",
     "KVStoreError",
-    "StaleHandleError",
-    "PoolCapacityError",
-    "HostCapacityError",
-    "EntitlementError",
-    "LifecycleError",
-    "IncompleteContinuationError",
-    "StaleReplicaError",
-    "RowError",
-    "WorkOrderError",
-    "DonatedStateError",
-    "PendingWorkError",
-    "LostContentError",
-    "PayloadError",
-    "TargetError",
-    "OffloadPayload",
-    "PendingWork",
-    "MeshSpec",
-    "KVMesh",
-    "MeshKVPlan",
-    "plan_kv_cache_mesh",
-    "ShardedKVStore",
-    "ShardedRoundWork",
-    "ShardedSequence",
-    "ShardedCheckpoint",
-    "CrossShardError",
-    "sharded_apply_work",
-    "sharded_gather_pages",
-    "sharded_paged_append",
-    "sharded_paged_attention",
+    "KVDeviceState",
+    "allocate_state",
+    "apply_work",
+    "take_step_work",
+    "run_round",
+    "resync",
+    "PagedKVBatchLayerView",
+    "ops",
 ]
+"""What a step author needs.  Everything else lives in a named submodule: :mod:`ninfer_kv.planning`
+(plans, pool sets, capacity curves, mesh plans), :mod:`ninfer_kv.store` (the store's verbs, handles
+and reports), :mod:`ninfer_kv.device` (device states, works, Host transfers, meshes),
+:mod:`ninfer_kv.views`, :mod:`ninfer_kv.layout`, :mod:`ninfer_kv.host`, :mod:`ninfer_kv.errors`,
+:mod:`ninfer_kv.work`, :mod:`ninfer_kv.engine`, :mod:`ninfer_kv.models`."""
 
 
 def __getattr__(name: str):

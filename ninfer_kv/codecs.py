@@ -43,6 +43,10 @@ bit-identical to the reference (and to a numpy implementation of the rules) on C
 
 from __future__ import annotations
 
+import dataclasses
+import types
+from typing import Callable, Mapping
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
@@ -71,6 +75,8 @@ __all__ = [
     "dequantize_nvfp4_g16",
     "pack_nibbles",
     "unpack_nibbles",
+    "CodecReference",
+    "CODEC_REFERENCES",
     "quantize",
     "dequantize",
     "encode_kv",
@@ -371,20 +377,46 @@ def dequantize_nvfp4_g16(code: jax.Array, scale: jax.Array) -> jax.Array:
     return e2m1_decode(unpack_nibbles(code)) * _expand(s, 16)
 
 
-# the codec spec table names each codec's functions (a sixth codec adds its row and two functions)
-_QUANTIZE = {codec: globals()[codec.spec.quantize] for codec in KVCodec}
-_DEQUANTIZE = {codec: globals()[codec.spec.dequantize] for codec in KVCodec}
+# -- the reference table ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodecReference:
+    """One codec's float32 reference functions: the semantics every kernel is tested against.
+
+    Attributes:
+      quantize: ``x (..., D) -> (code (..., X), scale (..., Xs) or None)``, without the head-dim
+        check (:func:`quantize` checks).
+      dequantize: ``(code, scale or None) -> float32 (..., D)``.
+    """
+
+    quantize: Callable[[jax.Array], tuple[jax.Array, jax.Array | None]]
+    dequantize: Callable[[jax.Array, jax.Array | None], jax.Array]
+
+
+CODEC_REFERENCES: Mapping[KVCodec, CodecReference] = types.MappingProxyType({
+    KVCodec.BF16: CodecReference(quantize=quantize_bf16, dequantize=dequantize_bf16),
+    KVCodec.INT8_G64: CodecReference(quantize=quantize_int8_g64, dequantize=dequantize_int8_g64),
+    KVCodec.FP8_E4M3FN_ROW: CodecReference(quantize=quantize_fp8_row, dequantize=dequantize_fp8_row),
+    KVCodec.NVFP4_G16: CodecReference(quantize=quantize_nvfp4_g16, dequantize=dequantize_nvfp4_g16),
+})
+"""The reference table: one :class:`CodecReference` per :class:`~ninfer_kv.profiles.KVCodec` (the
+JAX half of a codec's row; its storage facts are its row of :data:`ninfer_kv.profiles.CODEC_SPECS`)."""
+
+if list(CODEC_REFERENCES) != list(KVCodec):  # checked at import: exactly one row per codec, in KVCodec's order
+    raise RuntimeError(f"CODEC_REFERENCES must have one row per KVCodec, in its order; rows {list(CODEC_REFERENCES)}, "
+                       f"codecs {list(KVCodec)}")
 
 
 def quantize(codec: KVCodec, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Quantize ``x`` (..., D) with ``codec`` -> (code (..., X), scale (..., Xs) or None)."""
     codec.check_head_dim(x.shape[-1])
-    return _QUANTIZE[codec](x)
+    return CODEC_REFERENCES[codec].quantize(x)
 
 
 def dequantize(codec: KVCodec, code: jax.Array, scale: jax.Array | None) -> jax.Array:
     """Dequantize codes (and scales) of ``codec`` to float32 (..., D)."""
-    return _DEQUANTIZE[codec](code, scale)
+    return CODEC_REFERENCES[codec].dequantize(code, scale)
 
 
 def encode_kv(profile: KVProfile, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:

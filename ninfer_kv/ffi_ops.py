@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ffi_library
-from .ffi_library import LIBRARY_ENV, LIBRARY_NAME, REBUILD_HINT, FFILibraryPathError, FFIUnavailableError
+from .ffi_library import REBUILD_HINT, FFILibraryPathError, FFIUnavailableError
 from .geometry import PlaneOrder
 from .layout import word_dtype
 from .profiles import KVCodec, KVProfile
@@ -88,10 +88,6 @@ __all__ = [
     "arithmetic",
     "Arithmetic",
     "ARITHMETIC_NAMES",
-    "FFIUnavailableError",
-    "FFILibraryPathError",
-    "LIBRARY_ENV",
-    "LIBRARY_NAME",
     "ABI_VERSION",
     "TARGETS",
 ]
@@ -459,7 +455,7 @@ def write_pages(sync, stamp, planes: Mapping[str, jax.Array], copies, restores, 
     every source is read before any destination is written; entries with ``columns == 0`` or a
     destination outside the pool write nothing.  ``planes`` are the results' buffers (donate
     them); ``page_axis`` 1 (page-major) or 2 (head-major).  The semantics of
-    :func:`ninfer_kv.device.page_copy.write_pages`, without its whole-plane copies on XLA's CPU
+    :func:`ninfer_kv.ops.page_copy.write_pages`, without its whole-plane copies on XLA's CPU
     backend.
     """
     _require()

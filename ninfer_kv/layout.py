@@ -10,15 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .geometry import PAGE_SIZE, KVPageGeometry, PlaneOrder
+from .integers import check_int
 from .profiles import KVProfile, PlaneSpec
-
-if TYPE_CHECKING:  # pragma: no cover
-    import jax
 
 __all__ = ["PlaneInventoryEntry", "PlaneMemory", "PoolMemorySummary", "PagedKVStorageLayout", "word_dtype"]
 
@@ -133,9 +130,7 @@ class PoolMemorySummary:
 
 
 def _positive_int(name: str, value) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= 1")
-    return int(value)
+    return check_int(name, value, 1)
 
 
 class PagedKVStorageLayout:
@@ -274,38 +269,6 @@ class PagedKVStorageLayout:
         """Bytes of the buffers ``allocate(num_pages)`` creates (from the same shapes)."""
         _positive_int("num_pages", num_pages)
         return sum(math.prod(self.plane_shape(p.name, num_pages)) * p.dtype.itemsize for p in self.planes)
-
-    def allocate(self, num_pages: int, *, device=None, fill=None) -> dict[str, "jax.Array"]:
-        """Allocate the stacked device planes for ``num_pages`` physical page groups.
-
-        Args:
-          num_pages: physical page-group count N of the pool.
-          device: optional ``jax.Device`` or sharding to place the planes on.
-          fill: optional fill value (default zeros).  A NaN fill is applied to float planes only
-            (integer planes stay zero); any other value fills every plane, cast to its dtype.
-
-        Returns:
-          ``{plane name: array}`` with the shapes of :meth:`plane_shapes` and the dtypes of
-          :meth:`plane_dtypes`.
-
-        Raises:
-          ValueError: ``num_pages`` is not an integer >= 1.
-        """
-        import jax  # the layout itself is arithmetic: JAX is imported only to allocate
-        import jax.numpy as jnp
-
-        num_pages = _positive_int("num_pages", num_pages)
-        out = {}
-        for p in self.planes:
-            shape = self.plane_shape(p.name, num_pages)
-            value = 0
-            if fill is not None and (jnp.issubdtype(p.dtype, jnp.floating) or not np.isnan(fill)):
-                value = fill
-            arr = jnp.full(shape, value, dtype=p.dtype)
-            if device is not None:
-                arr = jax.device_put(arr, device)
-            out[p.name] = arr
-        return out
 
     def memory_summary(self, num_pages: int, pool: str = "main") -> PoolMemorySummary:
         """Per-plane bytes of the pool at ``num_pages`` pages, derived from the inventory."""

@@ -36,11 +36,6 @@ import numpy as np
 
 __all__ = ["KVCodec", "CodecSpec", "CODEC_SPECS", "KVProfile", "PlaneSpec", "PROFILE_ALIASES", "profile_names", "SUPPORTED_HEAD_DIMS_NOTE"]
 
-SUPPORTED_HEAD_DIMS_NOTE = (
-    "head_dim must be a positive integer; INT8-G64 needs a multiple of 64, NVFP4-G16 a multiple of 16"
-)
-
-
 class KVCodec(enum.Enum):
     """The codec of one tensor (K or V) of a profile; every fact about it is its row of
     :data:`CODEC_SPECS`."""
@@ -132,9 +127,12 @@ class KVCodec(enum.Enum):
         return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CodecSpec:
     """One codec's row of the spec table: everything that differs between codecs, in one place.
+
+    Rows are built with keywords.  The codec's float32 reference functions (JAX) are its row of
+    :data:`ninfer_kv.codecs.CODEC_REFERENCES`; this module stays free of JAX.
 
     Attributes:
       codec: the :class:`KVCodec`.
@@ -143,9 +141,8 @@ class CodecSpec:
       pack: logical elements per stored code element (2 for packed e2m1 nibbles).
       group: elements along D sharing one scale (``None``: the whole row of D; 1 without a scale).
       head_dim_multiple: ``D`` must be a multiple of it.
-      ffi_id: the codec's number in the C++ FFI kernels (``ffi/src/common.h``, ``enum class Codec``).
-      quantize, dequantize: the names of its functions in :mod:`ninfer_kv.codecs` (the float32
-        reference semantics every kernel is tested against).
+      ffi_id: the codec's number in the C++ FFI kernels (its row of ``NINFER_KV_CODECS`` in
+        ``ffi/src/common.h``).
       dense_tolerance: the largest absolute logit difference a model served through this codec may
         show against the unpaged full-precision model (the demo's check; a profile takes its codecs'
         largest).
@@ -159,24 +156,41 @@ class CodecSpec:
     group: int | None
     head_dim_multiple: int
     ffi_id: int
-    quantize: str
-    dequantize: str
     dense_tolerance: float
 
 
 _BF16, _E4M3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 
 CODEC_SPECS: Mapping[KVCodec, CodecSpec] = types.MappingProxyType({
-    KVCodec.BF16: CodecSpec(KVCodec.BF16, "BF16", _BF16, None, 1, 1, 1, 0, "quantize_bf16", "dequantize_bf16", 1e-3),
-    KVCodec.INT8_G64: CodecSpec(KVCodec.INT8_G64, "INT8-G64", np.dtype(np.int8), _BF16, 1, 64, 64, 1,
-                                "quantize_int8_g64", "dequantize_int8_g64", 3e-3),
-    KVCodec.FP8_E4M3FN_ROW: CodecSpec(KVCodec.FP8_E4M3FN_ROW, "FP8-E4M3FN-row", _E4M3, _BF16, 1, None, 1, 2,
-                                      "quantize_fp8_row", "dequantize_fp8_row", 3e-2),
-    KVCodec.NVFP4_G16: CodecSpec(KVCodec.NVFP4_G16, "NVFP4-G16", np.dtype(np.uint8), np.dtype(np.uint8), 2, 16, 16, 3,
-                                 "quantize_nvfp4_g16", "dequantize_nvfp4_g16", 3e-2),
+    KVCodec.BF16: CodecSpec(
+        codec=KVCodec.BF16, label="BF16", code_dtype=_BF16, scale_dtype=None, pack=1, group=1,
+        head_dim_multiple=1, ffi_id=0, dense_tolerance=1e-3,
+    ),
+    KVCodec.INT8_G64: CodecSpec(
+        codec=KVCodec.INT8_G64, label="INT8-G64", code_dtype=np.dtype(np.int8), scale_dtype=_BF16, pack=1, group=64,
+        head_dim_multiple=64, ffi_id=1, dense_tolerance=3e-3,
+    ),
+    KVCodec.FP8_E4M3FN_ROW: CodecSpec(
+        codec=KVCodec.FP8_E4M3FN_ROW, label="FP8-E4M3FN-row", code_dtype=_E4M3, scale_dtype=_BF16, pack=1, group=None,
+        head_dim_multiple=1, ffi_id=2, dense_tolerance=3e-2,
+    ),
+    KVCodec.NVFP4_G16: CodecSpec(
+        codec=KVCodec.NVFP4_G16, label="NVFP4-G16", code_dtype=np.dtype(np.uint8), scale_dtype=np.dtype(np.uint8),
+        pack=2, group=16, head_dim_multiple=16, ffi_id=3, dense_tolerance=3e-2,
+    ),
 })
 """The codec spec table: one :class:`CodecSpec` per codec (read by profiles, planning, the codecs,
 the FFI binding, the kernels' tests and the command line)."""
+
+
+def _head_dim_rule() -> str:
+    multiples = [(s.label, s.head_dim_multiple) for s in CODEC_SPECS.values() if s.head_dim_multiple > 1]
+    return ", ".join(f"{label} {'needs ' if i == 0 else ''}a multiple of {m}" for i, (label, m) in enumerate(multiples))
+
+
+SUPPORTED_HEAD_DIMS_NOTE = f"head_dim must be a positive integer; {_head_dim_rule()}"
+"""What a head dim must be, from the spec table: "head_dim must be a positive integer; INT8-G64 needs a
+multiple of 64, NVFP4-G16 a multiple of 16"."""
 
 
 @dataclasses.dataclass(frozen=True)

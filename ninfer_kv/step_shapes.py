@@ -1,13 +1,13 @@
 """Step-work shapes: how a serving loop bounds the programs that apply round works.
 
-Every jitted program that applies a :class:`~ninfer_kv.RoundWork` compiles once per shape of the
+Every jitted program that applies a :class:`~ninfer_kv.work.RoundWork` compiles once per shape of the
 work's buffers ``(table updates, copies, restores)``.  A serving loop therefore fixes
 
 * the **step shape**: the work its step applies every round, padded to one shape (one compile of
   the step), and
 * a short ladder of **alone shapes**: a work too large for the step (table rows of a burst of
   activations, COW copies of forks, Host restores) is padded to the smallest alone shape that holds
-  it and applied by :func:`~ninfer_kv.apply_work_jit` before the step, whose own work is then the
+  it and applied by :func:`~ninfer_kv.device.work.apply_work_jit` before the step, whose own work is then the
   next, empty, take.
 
 So the loop compiles at most ``1 + len(alone)`` work-applying programs (:attr:`StepWorkShapes.programs`),
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepWorkShapes", "step_work_shapes", "step_work_shape"]
+__all__ = ["StepWorkShapes", "step_work_shapes", "step_work_shape", "ladder_rungs"]
 
 Shape = tuple[int, int, int]
 
@@ -55,8 +55,14 @@ class StepWorkShapes:
         raise ValueError(f"a work of sizes {tuple(need)} exceeds the largest alone shape {self.alone[-1]}")
 
 
-def _rungs(first: int, cap: int, factor: int) -> list[int]:
-    out, n = [], max(int(first), 1)
+def ladder_rungs(first: int, factor: int, cap: int) -> list[int]:
+    """``first, first * factor, first * factor**2, ...`` below ``cap``, then ``cap`` itself.
+
+    The one bucket ladder of the package (``first >= 1``, ``factor >= 2``): the alone shapes here,
+    the store's buffer buckets (:func:`ninfer_kv.store.buckets.ladder`) and the decoder's batch
+    buckets (:func:`ninfer_kv.models.decoder.buckets.bucket_ladder`).
+    """
+    out, n = [], first
     while n < cap:
         out.append(n)
         n *= factor
@@ -85,8 +91,8 @@ def step_work_shapes(
     pages = max(store.pool(k).capacity for k in store.pool_kinds)
     t = min(cap, max(64, store.max_concurrency // 2)) if tables is None else min(cap, int(tables))
     step = (t, min(int(copies), pages), min(int(restores), pages))
-    t_rungs = _rungs(max(t * factor, 1), cap, factor)
-    p_rungs = _rungs(max(8, step[1], step[2]), pages, factor)
+    t_rungs = ladder_rungs(max(int(t * factor), 1), factor, cap)
+    p_rungs = ladder_rungs(max(8, step[1], step[2]), factor, pages)
     n = max(len(t_rungs), len(p_rungs))
     alone = tuple(
         (t_rungs[min(i, len(t_rungs) - 1)], p_rungs[min(i, len(p_rungs) - 1)], p_rungs[min(i, len(p_rungs) - 1)])

@@ -26,10 +26,48 @@ from jax.typing import ArrayLike
 from .layout import PagedKVStorageLayout
 from .profiles import KVProfile
 
-__all__ = ["PagedKVLayerView", "PagedKVBatchLayerView", "CyclicKVCacheLayerView", "CyclicKVLayout", "LayerIndex"]
+__all__ = [
+    "allocate_planes",
+    "PagedKVLayerView",
+    "PagedKVBatchLayerView",
+    "CyclicKVCacheLayerView",
+    "CyclicKVLayout",
+    "LayerIndex",
+]
 
 LayerIndex = Union[int, jax.Array]
 """A layer index: a Python int or a (possibly traced) integer scalar array."""
+
+
+def allocate_planes(layout: PagedKVStorageLayout, num_pages: int, *, device=None, fill=None) -> dict[str, jax.Array]:
+    """Allocate the planes of ``layout`` for ``num_pages`` physical page groups.
+
+    Args:
+      layout: a :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+      num_pages: physical page-group count N of the pool.
+      device: optional ``jax.Device`` or sharding to place the planes on.
+      fill: optional fill value (default zeros).  A NaN fill is applied to float planes only
+        (integer planes stay zero); any other value fills every plane, cast to its dtype.
+
+    Returns:
+      ``{plane name: array}`` with the shapes of ``layout.plane_shape`` and the dtypes of
+      ``layout.plane_dtypes``.
+
+    Raises:
+      ValueError: ``num_pages`` is not an integer >= 1.
+      TypeError: ``layout`` is not a :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+    """
+    if not isinstance(layout, PagedKVStorageLayout):
+        raise TypeError(f"layout must be a PagedKVStorageLayout, got {type(layout).__name__}")
+    layout.buffer_bytes(num_pages)  # validates num_pages (an integer >= 1)
+    out = {}
+    for p in layout.planes:
+        value = 0
+        if fill is not None and (jnp.issubdtype(p.dtype, jnp.floating) or not np.isnan(fill)):
+            value = fill
+        arr = jnp.full(layout.plane_shape(p.name, num_pages), value, dtype=p.dtype)
+        out[p.name] = jax.device_put(arr, device) if device is not None else arr
+    return out
 
 
 def _check_planes(planes: dict, expected_shapes: dict, dtypes: dict, what: str) -> None:
@@ -135,7 +173,7 @@ class PagedKVBatchLayerView(_PagedViewBase):
     """Batched view of one layer of a pool: stacked planes + block tables ``int32 (C, L)`` + layer.
 
     Args:
-      planes: the dict returned by ``layout.allocate(num_pages)`` (or the planes a step received).
+      planes: the dict returned by ``allocate_planes(layout, num_pages)`` (or the planes a step received).
       block_tables: ``int32 (C, L)``; entry ``[r, b]`` is the physical page of logical block ``b`` of
         the address space leased execution row ``r``.
       layer: a Python int or a (traced) int32 scalar selecting the layer in the stacked planes.

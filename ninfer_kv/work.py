@@ -98,6 +98,7 @@ class PoolWork:
 
     @property
     def empty(self) -> bool:
+        """Whether the work changes nothing (no table entries, copies or restores)."""
         return not (self.tables.shape[1] or self.copies.shape[1] or self.restores.shape[1])
 
     def used(self) -> tuple[int, int, int]:
@@ -109,6 +110,7 @@ class PoolWork:
         )
 
     def without_page_writes(self) -> "PoolWork":
+        """The same work with its page writes (COW copies, Host restores) removed."""
         payload = {n: np.zeros((0,) + x.shape[1:], x.dtype) for n, x in self.payload.items()}
         return PoolWork(
             self.tables, np.zeros((3, 0), np.int32), np.zeros((2, 0), np.int32), payload, self.pad_row, self.pad_page

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ninfer_kv
-from ninfer_kv import cli
-from ninfer_kv.cli import main, parse_bytes
+from ninfer_kv import cli, units
+from ninfer_kv.cli import main
+from ninfer_kv.units import parse_bytes
 from ninfer_kv.profiles import PROFILE_ALIASES, KVProfile
 
 REALISTIC = (
@@ -120,7 +121,7 @@ def test_plan_table_realistic(capsys):
 
 
 def test_plan_json_matches_library(capsys):
-    from ninfer_kv import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
+    from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
 
     argv = SMALL + ["--kv-capacity", "3000", "--fixed-bytes", "1MiB", "--backend", "dflash", "--draft-full-layers", "1",
                     "--draft-kv-heads", "1", "--draft-head-dim", "96"]
@@ -489,9 +490,9 @@ def test_parse_bytes_rejects(text):
 
 
 def test_format_bytes():
-    assert cli.format_bytes(512) == "512 B"
-    assert cli.format_bytes(823296) == "804.0 KiB"
-    assert cli.format_bytes(40 * 2**30) == "40.00 GiB"
+    assert units.format_bytes(512) == "512 B"
+    assert units.format_bytes(823296) == "804.0 KiB"
+    assert units.format_bytes(40 * 2**30) == "40.00 GiB"
 
 
 # -- registry -------------------------------------------------------------------------------------

@@ -6,8 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv import PAGE_SIZE, KVPageGeometry, KVProfile, PagedKVStorageLayout, PlaneOrder
+from ninfer_kv.geometry import PAGE_SIZE, KVPageGeometry, PlaneOrder
+from ninfer_kv.profiles import KVProfile
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.geometry import ceil_div
+from ninfer_kv.views import allocate_planes
 
 LAYERS, HEADS, PAGES, D = 2, 3, 5, 64
 
@@ -22,7 +25,7 @@ def _expected_shape(order, extent, layers=LAYERS, pages=PAGES, heads=HEADS):
 @pytest.mark.parametrize("profile", list(KVProfile), ids=lambda p: p.value)
 def test_allocate_shapes_and_dtypes(profile, order):
     layout = PagedKVStorageLayout(profile, LAYERS, HEADS, D, order=order)
-    planes = layout.allocate(PAGES)
+    planes = allocate_planes(layout, PAGES)
     assert tuple(planes) == profile.plane_names()
     for spec in profile.planes(D):
         arr = planes[spec.name]
@@ -83,7 +86,7 @@ def test_inventory_ordinals_run_layer_major():
 def test_memory_summary_matches_allocation():
     layout = PagedKVStorageLayout("nvfp4-g16", 2, 2, 32, order="head-major")
     summary = layout.memory_summary(3, pool="draft")
-    planes = layout.allocate(3)
+    planes = allocate_planes(layout, 3)
     assert summary.pool == "draft" and summary.order == "head-major" and summary.num_pages == 3
     for mem in summary.planes:
         assert mem.shape == planes[mem.name].shape
@@ -95,7 +98,7 @@ def test_memory_summary_matches_allocation():
 
 
 def test_fill_applies_to_float_planes_only():
-    planes = PagedKVStorageLayout("k8v4", 1, 1, 16).allocate(2, fill=np.nan)
+    planes = allocate_planes(PagedKVStorageLayout("k8v4", 1, 1, 16), 2, fill=np.nan)
     assert np.all(np.isnan(np.asarray(planes["k"], np.float32)))
     assert np.all(np.isnan(np.asarray(planes["k_scale"], np.float32)))
     assert not np.any(np.asarray(planes["v"])) and not np.any(np.asarray(planes["v_scale"]))
@@ -123,7 +126,7 @@ def test_bad_page_counts_and_plane_names():
     layout = PagedKVStorageLayout("bf16", 1, 1, 64)
     for bad in (0, -1, 2.0):
         with pytest.raises(ValueError, match="num_pages"):
-            layout.allocate(bad)
+            allocate_planes(layout, bad)
         with pytest.raises(ValueError, match="num_pages"):
             layout.buffer_bytes(bad)
     with pytest.raises(KeyError, match="k_scale"):

@@ -6,20 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv.planning import INT64_MAX, MAX_CONTEXT, MAX_PAGES, PlanBoundError, check_pool_bytes
+from ninfer_kv.planning import MAX_CONTEXT, MAX_PAGES, PlanBoundError, check_pool_bytes
+from ninfer_kv.units import INT64_MAX
 from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv import (
-    AutomaticCapacity,
-    ExplicitCapacity,
-    KVPoolSetLayout,
-    KVProfile,
-    ModelKVConfig,
-    PlaneOrder,
-    PoolKind,
-    SequenceCapacityCurve,
-    SpeculativeConfig,
-    plan_kv_cache,
-)
+from ninfer_kv.planning import AutomaticCapacity, ExplicitCapacity, KVPoolSetLayout, ModelKVConfig, SequenceCapacityCurve, SpeculativeConfig, plan_kv_cache
+from ninfer_kv.profiles import KVProfile
+from ninfer_kv.geometry import PlaneOrder
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.device.allocation import allocate_pools, allocated_pool_bytes
 
 P = 64
 TINY = ModelKVConfig(num_layers=1, num_kv_heads=1, head_dim=64, profile="bf16")
@@ -280,10 +274,10 @@ def test_curve_matches_really_allocated_buffers(name, model, spec):
     assert (builder.m_min, builder.m_max) == (5, 15)
     curve = builder.curve()
     for m in (builder.m_min, 9, builder.m_max):
-        real = builder.allocated_bytes(m)
+        real = allocated_pool_bytes(builder, m)
         assert real == curve.bytes_at(m) == builder.device_bytes(m)
         assert real == sum(p.bytes + p.table_bytes for p in builder.pools(m).values()) + 777
-    planes = builder.allocate(builder.m_min)
+    planes = allocate_pools(builder, builder.m_min)
     assert set(planes) == set(builder.pool_kinds)
     for kind, pool in builder.pools(builder.m_min).items():
         assert {n: a.shape for n, a in planes[kind].items()} == pool.layout.plane_shapes(pool.physical_pages)

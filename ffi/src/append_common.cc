@@ -35,19 +35,11 @@ ffi::Error ParseAppendInputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, A
 namespace {
 
 void WriteOne(Codec c, const void* base, bool bf16, int64_t index, int d, uint8_t* code, uint8_t* scale) {
-  static thread_local std::vector<float> row;
   if (bf16) {
-    const uint16_t* src = static_cast<const uint16_t*>(base) + index * d;
-    if (c == Codec::kBF16) {
-      CopyBf16Row(src, d, code);
-      return;
-    }
-    if (row.size() < static_cast<size_t>(d)) row.resize(d);
-    for (int i = 0; i < d; ++i) row[i] = Bf16ToFloat(src[i]);
-    QuantizeRow(c, row.data(), d, code, scale);
-    return;
+    QuantizeRowBf16(c, static_cast<const uint16_t*>(base) + index * d, d, code, scale);
+  } else {
+    QuantizeRow(c, static_cast<const float*>(base) + index * d, d, code, scale);
   }
-  QuantizeRow(c, static_cast<const float*>(base) + index * d, d, code, scale);
 }
 
 }  // namespace

@@ -497,11 +497,9 @@ bool ScalesFinite(const PreparedRows& p, int cnt) {
 ArithmeticChoice ArithmeticOf(Codec k, Codec v, int d) {
   (void)v;
   ArithmeticChoice a{Arithmetic::kFloat32, Arithmetic::kFloat32};
-#if defined(NINFER_KV_INT_SCORES)
-  if (k == Codec::kNvfp4G16 && d % 16 == 0 && d <= 256) a.scores = Arithmetic::kInt8x2;
-#else
-  (void)k, (void)d;
-#endif
+  VisitCodec(k, [&](auto codec) {
+    if (Decoder<decltype(codec)::value>::IntScores(d)) a.scores = Arithmetic::kInt8x2;
+  });
   return a;
 }
 
@@ -547,42 +545,18 @@ void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const
   }
   const PreparedRows kp = PrepareRows(k, cnt, d_, &kscale_, &knan_);
   const PreparedRows vp = PrepareRows(v, cnt, d_, &vscale_, &vnan_);
-  if (k.codec == Codec::kNvfp4G16 && ArithmeticOf(k.codec, v.codec, d_).scores == Arithmetic::kInt8x2 &&
-      ScalesFinite(kp, cnt) && PrepareQueryBytes()) {
-    switch (v.codec) {
-      case Codec::kBF16: FoldRunIntScores<Decoder<Codec::kBF16>>(kp, vp, ja, cnt, &pf); break;
-      case Codec::kInt8G64: FoldRunIntScores<Decoder<Codec::kInt8G64>>(kp, vp, ja, cnt, &pf); break;
-      case Codec::kFp8Row:
-        if (vp.any_nan()) {
-          FoldRunIntScores<Fp8ExactDecoder>(kp, vp, ja, cnt, &pf);
-        } else {
-          FoldRunIntScores<Decoder<Codec::kFp8Row>>(kp, vp, ja, cnt, &pf);
-        }
-        break;
-      case Codec::kNvfp4G16: FoldRunIntScores<Decoder<Codec::kNvfp4G16>>(kp, vp, ja, cnt, &pf); break;
-    }
+  if (ArithmeticOf(k.codec, v.codec, d_).scores == Arithmetic::kInt8x2 && ScalesFinite(kp, cnt) &&
+      PrepareQueryBytes()) {
+    VisitValueDecoder(v.codec, vp, [&](auto vdec) {
+      FoldRunIntScores<typename decltype(vdec)::type>(kp, vp, ja, cnt, &pf);
+    });
     return;
   }
-#define NINFER_KV_FOLD_V(KC)                                                                                   \
-  switch (v.codec) {                                                                                           \
-    case Codec::kBF16: FoldRun<Decoder<KC>, Decoder<Codec::kBF16>>(kp, vp, ja, cnt, &pf); break;        \
-    case Codec::kInt8G64: FoldRun<Decoder<KC>, Decoder<Codec::kInt8G64>>(kp, vp, ja, cnt, &pf); break;  \
-    case Codec::kFp8Row:                                                                                       \
-      if (vp.any_nan()) {                                                                                      \
-        FoldRun<Decoder<KC>, Fp8ExactDecoder>(kp, vp, ja, cnt, &pf);                                           \
-      } else {                                                                                                 \
-        FoldRun<Decoder<KC>, Decoder<Codec::kFp8Row>>(kp, vp, ja, cnt, &pf);                                   \
-      }                                                                                                        \
-      break;                                                                                                   \
-    case Codec::kNvfp4G16: FoldRun<Decoder<KC>, Decoder<Codec::kNvfp4G16>>(kp, vp, ja, cnt, &pf); break; \
-  }
-  switch (k.codec) {
-    case Codec::kBF16: NINFER_KV_FOLD_V(Codec::kBF16) break;
-    case Codec::kInt8G64: NINFER_KV_FOLD_V(Codec::kInt8G64) break;
-    case Codec::kFp8Row: NINFER_KV_FOLD_V(Codec::kFp8Row) break;
-    case Codec::kNvfp4G16: NINFER_KV_FOLD_V(Codec::kNvfp4G16) break;
-  }
-#undef NINFER_KV_FOLD_V
+  VisitCodec(k.codec, [&](auto codec) {
+    VisitValueDecoder(v.codec, vp, [&](auto vdec) {
+      FoldRun<Decoder<decltype(codec)::value>, typename decltype(vdec)::type>(kp, vp, ja, cnt, &pf);
+    });
+  });
 }
 
 void AttentionAccumulator::Output(int m, float* dst) const {

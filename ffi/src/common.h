@@ -5,7 +5,7 @@
 //  * A plane of a paged pool is stacked (num_layers, N, H, P, X) (page-major) or
 //    (num_layers, H, N, P, X) (head-major); one (layer, page, head) tile is P * X contiguous
 //    elements, token-major.  A cyclic plane is (num_layers, rows, H, slots, X).
-//  * Codec ids match ninfer_kv.ffi_ops: 0 BF16, 1 INT8-G64, 2 FP8-E4M3FN-row, 3 NVFP4-G16.
+//  * Codec ids are the rows of NINFER_KV_CODECS below (ninfer_kv.profiles.CODEC_SPECS' ffi_id).
 //  * All arithmetic runs with denormals flushed to zero (FTZ + DAZ), exactly as XLA's CPU
 //    executables do, so the codes written here are bit-identical to the jnp codecs compiled by XLA.
 #ifndef NINFER_KV_FFI_COMMON_H_
@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 
 #include "isa.h"
 
@@ -32,25 +33,78 @@ NINFER_KV_NAMESPACE_BEGIN
 // library whose version differs from its own (a stale build).
 constexpr int kAbiVersion = 4;
 
-// The codec table of the kernels, one row per codec: X(enumerator, id, name, data dtype, scale dtype).
-// The id is the codec's `ffi_id` in ninfer_kv/profiles.py (CODEC_SPECS); the dtypes name
-// xla::ffi::DataType members (INVALID: no scale plane).  Everything that only names a codec's
-// storage (the enum, validation, plane checks) is generated from it.
-#define NINFER_KV_CODECS(X)                       \
-  X(kBF16, 0, "bf16", BF16, INVALID)              \
-  X(kInt8G64, 1, "int8-g64", S8, BF16)            \
-  X(kFp8Row, 2, "fp8-e4m3fn-row", F8E4M3FN, BF16) \
-  X(kNvfp4G16, 3, "nvfp4-g16", U8, U8)
+// The codec table of the kernels, one row per codec:
+//   X(enumerator, id, name, label, data dtype, data bytes, pack, scale dtype, scale bytes, group,
+//     head-dim multiple)
+// The id, name (KVCodec value), label and the storage facts are the codec's CodecSpec row in
+// ninfer_kv/profiles.py (CODEC_SPECS; tests/test_spec_tables.py holds the two tables equal).  The
+// dtypes name xla::ffi::DataType members (INVALID: no scale plane); pack is the logical elements
+// per data element (2: two e2m1 nibbles a byte); group the elements sharing one scale (0: one
+// scale per row of D); scale bytes 0 means no scale plane.  Ids run 0, 1, ... in row order.
+//
+// Every codec dispatch of the kernels is generated from this table: the enum, validation, the
+// plane facts below, the plane checks (planes.cc), and every per-codec call through VisitCodec,
+// which hands the codec to generic code as a compile-time constant so that it picks the codec's
+// Encoder<C> (quantize.cc) or Decoder<C> (row_decoders.h).  A new codec is a new row here plus
+// its Encoder and Decoder specializations; no switch is edited.
+#define NINFER_KV_CODECS(X)                                                          \
+  X(kBF16, 0, "bf16", "BF16", BF16, 2, 1, INVALID, 0, 1, 1)                           \
+  X(kInt8G64, 1, "int8-g64", "INT8-G64", S8, 1, 1, BF16, 2, 64, 64)                   \
+  X(kFp8Row, 2, "fp8-e4m3fn-row", "FP8-E4M3FN-row", F8E4M3FN, 1, 1, BF16, 2, 0, 1)    \
+  X(kNvfp4G16, 3, "nvfp4-g16", "NVFP4-G16", U8, 1, 2, U8, 1, 16, 16)
 
-#define NINFER_KV_CODEC_ENUMERATOR(e, id, name, data, scale) e = id,
+#define NINFER_KV_CODEC_ENUMERATOR(e, id, ...) e = id,
 enum class Codec : int32_t { NINFER_KV_CODECS(NINFER_KV_CODEC_ENUMERATOR) };
 #undef NINFER_KV_CODEC_ENUMERATOR
 
-#define NINFER_KV_CODEC_COUNT(e, id, name, data, scale) +1
-constexpr int32_t kNumCodecs = 0 NINFER_KV_CODECS(NINFER_KV_CODEC_COUNT);
-#undef NINFER_KV_CODEC_COUNT
+// One codec's row of the table, without its dtypes (planes.cc maps those).
+struct CodecInfo {
+  Codec codec;
+  const char* name;        // "int8-g64"
+  const char* label;       // "INT8-G64" (messages)
+  int data_bytes;          // bytes per data element
+  int pack;                // logical elements per data element
+  int scale_bytes;         // bytes per scale (0: no scale plane)
+  int group;               // elements per scale (0: the whole row)
+  int head_dim_multiple;   // D must be a multiple of it
+};
+
+#define NINFER_KV_CODEC_INFO(e, id, name, label, data, data_bytes, pack, scale, scale_bytes, group, multiple) \
+  CodecInfo{Codec::e, name, label, data_bytes, pack, scale_bytes, group, multiple},
+constexpr CodecInfo kCodecInfo[] = {NINFER_KV_CODECS(NINFER_KV_CODEC_INFO)};
+#undef NINFER_KV_CODEC_INFO
+
+constexpr int32_t kNumCodecs = static_cast<int32_t>(sizeof(kCodecInfo) / sizeof(kCodecInfo[0]));
+
+constexpr bool CodecIdsInRowOrder() {
+  for (int32_t i = 0; i < kNumCodecs; ++i) {
+    if (static_cast<int32_t>(kCodecInfo[i].codec) != i) return false;
+  }
+  return true;
+}
+static_assert(CodecIdsInRowOrder(), "NINFER_KV_CODECS: the ids must be 0, 1, ... in row order");
 
 inline bool ValidCodec(int32_t c) { return c >= 0 && c < kNumCodecs; }
+
+// The row of a valid codec.
+inline const CodecInfo& InfoOf(Codec c) { return kCodecInfo[static_cast<int32_t>(c)]; }
+
+// A codec as a type: what VisitCodec hands its function (CodecConstant<C>::value is C).
+template <Codec C>
+using CodecConstant = std::integral_constant<Codec, C>;
+
+// Calls f(CodecConstant<c>{}) for codec c through a switch generated from the table (nothing for
+// a value that is no codec), so that f, a generic lambda, can name the codec's Encoder / Decoder:
+//   VisitCodec(c, [&](auto codec) { Decoder<decltype(codec)::value>::...; });
+template <class F>
+NINFER_KV_ALWAYS_INLINE void VisitCodec(Codec c, F&& f) {
+#define NINFER_KV_CODEC_CASE(e, ...) \
+  case Codec::e:                     \
+    f(CodecConstant<Codec::e>{});    \
+    return;
+  switch (c) { NINFER_KV_CODECS(NINFER_KV_CODEC_CASE) }
+#undef NINFER_KV_CODEC_CASE
+}
 
 // Storage facts of one codec for head dim D.
 struct CodecPlanes {
@@ -62,23 +116,15 @@ struct CodecPlanes {
 };
 
 inline CodecPlanes PlanesOf(Codec c, int d) {
-  switch (c) {
-    case Codec::kBF16: return {c, d, 2, 0, 0};
-    case Codec::kInt8G64: return {c, d, 1, d / 64, 2};
-    case Codec::kFp8Row: return {c, d, 1, 1, 2};
-    case Codec::kNvfp4G16: return {c, d / 2, 1, d / 16, 1};
-  }
-  return {c, 0, 0, 0, 0};
+  if (!ValidCodec(static_cast<int32_t>(c))) return {c, 0, 0, 0, 0};
+  const CodecInfo& info = InfoOf(c);
+  const int scale_extent = info.scale_bytes == 0 ? 0 : (info.group == 0 ? 1 : d / info.group);
+  return {c, d / info.pack, info.data_bytes, scale_extent, info.scale_bytes};
 }
 
-inline bool HeadDimSupported(Codec c, int d) {
-  if (d <= 0) return false;
-  if (c == Codec::kInt8G64) return d % 64 == 0;
-  if (c == Codec::kNvfp4G16) return d % 16 == 0;
-  return true;
-}
+inline bool HeadDimSupported(Codec c, int d) { return d > 0 && d % InfoOf(c).head_dim_multiple == 0; }
 
-inline int NumPlanes(Codec c) { return c == Codec::kBF16 ? 1 : 2; }
+inline int NumPlanes(Codec c) { return InfoOf(c).scale_bytes == 0 ? 1 : 2; }
 
 // Pointers to the first token of a run of tokens of one (layer, page/row, head) in the K and V
 // planes, plus the per-token byte strides.

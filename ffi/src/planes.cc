@@ -8,29 +8,30 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Generated from the codec table (NINFER_KV_CODECS in common.h).
-const char* CodecName(Codec c) {
-#define NINFER_KV_CODEC_NAME(e, id, name, data, scale) \
-  case Codec::e: return name;
-  switch (c) { NINFER_KV_CODECS(NINFER_KV_CODEC_NAME) }
-#undef NINFER_KV_CODEC_NAME
-  return "?";
+const char* CodecName(Codec c) { return InfoOf(c).name; }
+
+// The head-dim rule in words, from the table: "INT8-G64 needs a multiple of 64, NVFP4-G16 a
+// multiple of 16" (the codecs whose multiple is not 1).
+std::string HeadDimRule() {
+  std::string rule;
+  for (const CodecInfo& info : kCodecInfo) {
+    if (info.head_dim_multiple == 1) continue;
+    rule += rule.empty() ? std::string(info.label) + " needs" : std::string(", ") + info.label;
+    rule += " a multiple of " + std::to_string(info.head_dim_multiple);
+  }
+  return rule;
 }
 
-ffi::DataType DataDtype(Codec c) {
-#define NINFER_KV_CODEC_DATA(e, id, name, data, scale) \
-  case Codec::e: return ffi::DataType::data;
-  switch (c) { NINFER_KV_CODECS(NINFER_KV_CODEC_DATA) }
+// The storage dtypes of each codec, indexed by codec id (the table's row order).
+#define NINFER_KV_CODEC_DATA(e, id, name, label, data, ...) ffi::DataType::data,
+#define NINFER_KV_CODEC_SCALE(e, id, name, label, data, data_bytes, pack, scale, ...) ffi::DataType::scale,
+constexpr ffi::DataType kDataDtype[] = {NINFER_KV_CODECS(NINFER_KV_CODEC_DATA)};
+constexpr ffi::DataType kScaleDtype[] = {NINFER_KV_CODECS(NINFER_KV_CODEC_SCALE)};
 #undef NINFER_KV_CODEC_DATA
-  return ffi::DataType::INVALID;
-}
-
-ffi::DataType ScaleDtype(Codec c) {
-#define NINFER_KV_CODEC_SCALE(e, id, name, data, scale) \
-  case Codec::e: return ffi::DataType::scale;
-  switch (c) { NINFER_KV_CODECS(NINFER_KV_CODEC_SCALE) }
 #undef NINFER_KV_CODEC_SCALE
-  return ffi::DataType::INVALID;
-}
+
+ffi::DataType DataDtype(Codec c) { return kDataDtype[static_cast<int32_t>(c)]; }
+ffi::DataType ScaleDtype(Codec c) { return kScaleDtype[static_cast<int32_t>(c)]; }
 
 ffi::Error CheckPlane(const ffi::AnyBuffer& buf, const char* name, ffi::DataType dtype, int64_t extent,
                       const int64_t* lead, Codec codec) {
@@ -71,13 +72,17 @@ std::string DimsString(ffi::AnyBuffer::Dimensions dims) {
 ffi::Error ParsePlanes(const std::vector<ffi::AnyBuffer>& planes, int32_t k_codec, int32_t v_codec, int d,
                        PlaneSet* out) {
   if (!ValidCodec(k_codec) || !ValidCodec(v_codec)) {
-    return ffi::Error::InvalidArgument("k_codec and v_codec must be in [0, 3] (bf16, int8-g64, fp8-e4m3fn-row, nvfp4-g16)");
+    std::ostringstream os;
+    os << "k_codec and v_codec must be in [0, " << kNumCodecs - 1 << "] (";
+    for (int32_t i = 0; i < kNumCodecs; ++i) os << (i ? ", " : "") << kCodecInfo[i].name;
+    os << ")";
+    return ffi::Error::InvalidArgument(os.str());
   }
   const Codec kc = static_cast<Codec>(k_codec), vc = static_cast<Codec>(v_codec);
   if (!HeadDimSupported(kc, d) || !HeadDimSupported(vc, d)) {
     std::ostringstream os;
     os << "head_dim=" << d << " is not supported by codecs " << CodecName(kc) << " / " << CodecName(vc)
-       << " (INT8-G64 needs a multiple of 64, NVFP4-G16 a multiple of 16)";
+       << " (" << HeadDimRule() << ")";
     return ffi::Error::InvalidArgument(os.str());
   }
   const size_t want = static_cast<size_t>(NumPlanes(kc) + NumPlanes(vc));

@@ -18,8 +18,9 @@ NINFER_KV_NAMESPACE_BEGIN
 // (INT8 / FP8 with an infinite element) stores all codes 0; BF16 codes store every NaN as 0x7FC0.
 void QuantizeRow(Codec c, const float* x, int d, uint8_t* code, uint8_t* scale);
 
-// Writes x[0, d) (bfloat16 input) as BF16 codes: a copy of the bits, NaNs as 0x7FC0.
-void CopyBf16Row(const uint16_t* x, int d, uint8_t* code);
+// The same for a bfloat16 row x[0, d): the codes of its float32 values (BF16 codes: a copy of the
+// bits, NaNs as 0x7FC0).
+void QuantizeRowBf16(Codec c, const uint16_t* x, int d, uint8_t* code, uint8_t* scale);
 
 NINFER_KV_NAMESPACE_END
 

@@ -1,16 +1,26 @@
-// Vector decoders of one token row of a plane: chunk c is the kVL dequantized float32 values of
-// elements [c * kVL, (c + 1) * kVL), equal to float(code) * scale exactly as
-// ninfer_kv.codecs.decode_kv computes them.  Used directly on page memory (fused decode) when
-// the head dim is a multiple of kVL; a row never reads outside its own codes and scales.
+// The decoders of the codecs: everything that reads a codec's planes, one Decoder<C> per row of
+// NINFER_KV_CODECS (common.h).
+//
+// Decoder<C>::Row: vector decoder of one token row: chunk c is the kVL dequantized float32 values
+// of elements [c * kVL, (c + 1) * kVL), equal to float(code) * scale exactly as
+// ninfer_kv.codecs.decode_kv computes them.  Used directly on page memory (fused decode) when the
+// head dim is a multiple of kVL; a row never reads outside its own codes and scales.
+// Decoder<C>::Prepare: decodes a run's scales to float32 for the rows (PrepareRows).
+// Decoder<C>::Dequantize: a run into a float32 tile (DequantizeRows: head dims that are not a
+// multiple of kVL).
+// Traits with defaults (DecoderOps): NanValues, the decoder of value runs holding a NaN code;
+// IntScores(d), whether keys of head dim d take the integer scores of int_scores.h.
 #ifndef NINFER_KV_FFI_ROW_DECODERS_H_
 #define NINFER_KV_FFI_ROW_DECODERS_H_
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "dequantize.h"
+#include "int_scores.h"
 #include "scalar_codec.h"
 #include "simd.h"
 
@@ -234,8 +244,58 @@ inline void E4m3fnScaled16(const uint8_t* p, VFloat* out) {
 #define NINFER_KV_PAIR_DECODERS 1
 #endif
 
+// A run of token rows of one tensor, ready for a Decoder: codes in place, scales as float32.
+struct PreparedRows {
+  const uint8_t* data = nullptr;
+  int64_t stride = 0;             // bytes per token of the codes
+  const float* scales = nullptr;  // `groups` floats per token (null for BF16)
+  int groups = 0;
+  const uint8_t* nan = nullptr;   // per-token NaN-code flags (FP8 runs holding one), else null
+
+  // Whether some token of the run holds a NaN code (FP8).
+  bool any_nan() const { return nan != nullptr; }
+
+  template <class Dec>
+  typename Dec::Row At(int64_t j) const {
+    return typename Dec::Row(data + j * stride, scales ? scales + j * groups : nullptr, nan ? nan[j] != 0 : false);
+  }
+};
+
+// Helpers of the decoders' Prepare and Dequantize.
+
+inline void PrefetchBytes(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// Prefetches row r of a scaled source (its data bytes and its scale), if there is one.
+inline void PrefetchScaledRow(const RowSource* pf, int r) {
+  if (pf == nullptr) return;
+  PrefetchBytes(pf->data + r * pf->data_stride, pf->data_stride);
+  __builtin_prefetch(pf->scale + r * pf->scale_stride, 0, 3);
+}
+
+inline void ZeroPad(float* row, int d, int ld) {
+  for (int i = d; i < ld; ++i) row[i] = 0.0f;
+}
+
+// The bfloat16 scales of tokens [0, cnt) of src, `groups` per token, as float32 (INT8-G64, FP8 row).
+inline void PrepareBf16Scales(const RowSource& src, int cnt, int groups, AlignedFloats* scales, PreparedRows* out) {
+  // the scale rows of consecutive tokens are contiguous
+  const int total = cnt * groups;
+  float* f = scales->Get(static_cast<size_t>(total) + kVL);
+  int i = 0;
+  for (; i + kVL <= total; i += kVL) Store(f + i, AsFloat(LoadU16AsU32(src.scale + 2 * i) << 16));
+  for (; i < total; ++i) {
+    uint16_t b;
+    std::memcpy(&b, src.scale + 2 * i, 2);
+    f[i] = Bf16ToFloat(b);
+  }
+  out->scales = f;
+  out->groups = groups;
+}
+
 // Decoder<C>::Row(data, scales, nan) wraps one token row: `data` its codes, `scales` its scales
-// already decoded to float32 (PrepareScales), `nan` whether the row holds a NaN code (FP8 only).
+// already decoded to float32 (Prepare), `nan` whether the row holds a NaN code (FP8 only).
 // Chunk(c) returns dequantized chunk c; Chunk2(c, out) writes chunks c and c + 1 (c even), which
 // some levels decode together.
 // Defaults of every decoder row (CRTP): Chunk2 as two Chunk calls, and the key form used by the
@@ -262,11 +322,43 @@ struct RowOps {
   const R& Self() const { return static_cast<const R&>(*this); }
 };
 
+// Defaults of every Decoder<C> (CRTP).
+template <class D>
+struct DecoderOps {
+  // The decoder of value runs that hold a NaN code (any_nan()); D itself when Row decodes those.
+  using NanValues = D;
+  // Whether keys of head dim d take the integer scores (int_scores.h) on this level; their scorer
+  // (AttentionAccumulator::ScoresNvfp4Int) reads NVFP4 codes, so only Decoder<kNvfp4G16> says yes.
+  static bool IntScores(int d) { return false; }
+  // Decodes nothing: a codec without scales (PreparedRows keeps no scales).
+  static void Prepare(const RowSource& src, int cnt, int head_dim, AlignedFloats* scales, std::vector<uint8_t>* nan,
+                      PreparedRows* out) {}
+};
+
+// One specialization per row of NINFER_KV_CODECS.
 template <Codec C>
 struct Decoder;
 
 template <>
-struct Decoder<Codec::kBF16> {
+struct Decoder<Codec::kBF16> : DecoderOps<Decoder<Codec::kBF16>> {
+  static void Dequantize(const RowSource& s, int n, int d, int ld, float* out, const RowSource* pf) {
+    for (int r = 0; r < n; ++r) {
+      const uint8_t* src = s.data + r * s.data_stride;
+      if (pf) PrefetchBytes(pf->data + r * pf->data_stride, pf->data_stride);
+      float* row = out + static_cast<int64_t>(r) * ld;
+      int c = 0;
+      for (; c + kVL <= d; c += kVL) {
+        Store(row + c, AsFloat(LoadU16AsU32(src + 2 * c) << 16));
+      }
+      for (; c < d; ++c) {
+        uint16_t b;
+        std::memcpy(&b, src + 2 * c, 2);
+        row[c] = Bf16ToFloat(b);
+      }
+      ZeroPad(row, d, ld);
+    }
+  }
+
   struct Row : RowOps<Row> {
     const uint8_t* d = nullptr;
     Row() = default;
@@ -276,7 +368,29 @@ struct Decoder<Codec::kBF16> {
 };
 
 template <>
-struct Decoder<Codec::kInt8G64> {
+struct Decoder<Codec::kInt8G64> : DecoderOps<Decoder<Codec::kInt8G64>> {
+  static void Prepare(const RowSource& src, int cnt, int head_dim, AlignedFloats* scales, std::vector<uint8_t>*,
+                      PreparedRows* out) {
+    PrepareBf16Scales(src, cnt, head_dim / 64, scales, out);
+  }
+  static void Dequantize(const RowSource& s, int n, int d, int ld, float* out, const RowSource* pf) {
+    for (int r = 0; r < n; ++r) {
+      const uint8_t* src = s.data + r * s.data_stride;
+      const uint8_t* sc = s.scale + r * s.scale_stride;
+      PrefetchScaledRow(pf, r);
+      float* row = out + static_cast<int64_t>(r) * ld;
+      for (int g = 0; g < d / 64; ++g) {
+        uint16_t sb;
+        std::memcpy(&sb, sc + 2 * g, 2);
+        const VFloat scale = Splat(Bf16ToFloat(sb));
+        for (int c = g * 64; c < g * 64 + 64; c += kVL) {
+          Store(row + c, ToFloat(LoadI8AsI32(src + c)) * scale);
+        }
+      }
+      ZeroPad(row, d, ld);
+    }
+  }
+
   struct Row : RowOps<Row> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
@@ -293,8 +407,46 @@ struct Decoder<Codec::kInt8G64> {
   };
 };
 
+struct Fp8ExactDecoder;
+
 template <>
-struct Decoder<Codec::kFp8Row> {
+struct Decoder<Codec::kFp8Row> : DecoderOps<Decoder<Codec::kFp8Row>> {
+  using NanValues = Fp8ExactDecoder;
+  static void Prepare(const RowSource& src, int cnt, int head_dim, AlignedFloats* scales, std::vector<uint8_t>* nan,
+                      PreparedRows* out) {
+    PrepareBf16Scales(src, cnt, 1, scales, out);
+    // One scan over the run's codes (tokens are contiguous when the stride is the head dim);
+    // per-token flags only for a run that holds a NaN code at all.
+    const bool contiguous = src.data_stride == head_dim;
+    bool any = !contiguous || HasE4m3Nan(src.data, cnt * head_dim);
+    if (any) {
+      nan->resize(static_cast<size_t>(cnt));
+      any = false;
+      for (int j = 0; j < cnt; ++j) {
+        (*nan)[j] = HasE4m3Nan(src.data + j * src.data_stride, head_dim) ? 1 : 0;
+        any |= (*nan)[j] != 0;
+      }
+    }
+    out->nan = any ? nan->data() : nullptr;
+  }
+  static void Dequantize(const RowSource& s, int n, int d, int ld, float* out, const RowSource* pf) {
+    for (int r = 0; r < n; ++r) {
+      const uint8_t* src = s.data + r * s.data_stride;
+      PrefetchScaledRow(pf, r);
+      uint16_t sb;
+      std::memcpy(&sb, s.scale + r * s.scale_stride, 2);
+      const float sf = Bf16ToFloat(sb);
+      const VFloat scale = Splat(sf);
+      float* row = out + static_cast<int64_t>(r) * ld;
+      int c = 0;
+      for (; c + kVL <= d; c += kVL) {
+        Store(row + c, E4m3fnLanes(LoadU8AsU32(src + c)) * scale);
+      }
+      for (; c < d; ++c) row[c] = E4m3fnToFloat(src[c]) * sf;
+      ZeroPad(row, d, ld);
+    }
+  }
+
   // A row's values are code * s, computed as (code * 2^-8) * (s * 2^8): the same product (both
   // factors are exact, and s * 2^8 is finite for every scale amax / 448 can produce).  Keys leave
   // the factor s * 2^8 to the finished dot product (KeyScale); a key row holding a NaN code has a
@@ -351,7 +503,58 @@ struct Fp8ExactDecoder {
 };
 
 template <>
-struct Decoder<Codec::kNvfp4G16> {
+struct Decoder<Codec::kNvfp4G16> : DecoderOps<Decoder<Codec::kNvfp4G16>> {
+  static bool IntScores(int d) {
+#if defined(NINFER_KV_INT_SCORES)
+    return d % 16 == 0 && d <= 256;
+#else
+    return false;
+#endif
+  }
+  static void Prepare(const RowSource& src, int cnt, int head_dim, AlignedFloats* scales, std::vector<uint8_t>*,
+                      PreparedRows* out) {  // e4m3fn scale bytes
+    const int groups = head_dim / 16;
+    const int total = cnt * groups;
+    float* f = scales->Get(static_cast<size_t>(total) + kVL);
+    int i = 0;
+    for (; i + kVL <= total; i += kVL) Store(f + i, E4m3fnLanes(LoadU8AsU32(src.scale + i)));
+    for (; i < total; ++i) f[i] = E4m3fnToFloat(src.scale[i]);
+    out->scales = f;
+    out->groups = groups;
+  }
+  static void Dequantize(const RowSource& s, int n, int d, int ld, float* out, const RowSource* pf) {
+    const int nbytes = d / 2;
+    for (int r = 0; r < n; ++r) {
+      const uint8_t* src = s.data + r * s.data_stride;
+      const uint8_t* sc = s.scale + r * s.scale_stride;
+      PrefetchScaledRow(pf, r);
+      float* row = out + static_cast<int64_t>(r) * ld;
+      int byte = 0;
+      // kVL bytes -> 2 * kVL elements; each scale group is 16 elements (8 bytes).
+      for (; byte + kVL <= nbytes; byte += kVL) {
+        const VUInt b = LoadU8AsU32(src + byte);
+        VFloat lo = E2m1Lanes(b & 15u);
+        VFloat hi = E2m1Lanes(b >> 4);
+        const int e0 = 2 * byte;
+#if defined(__AVX512F__)
+        VFloat a = __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        VFloat z = __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+        VFloat a = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11);
+        VFloat z = __builtin_shufflevector(lo, hi, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+        Store(row + e0, a * Splat(E4m3fnToFloat(sc[e0 / 16])));
+        Store(row + e0 + kVL, z * Splat(E4m3fnToFloat(sc[(e0 + kVL) / 16])));
+      }
+      for (; byte < nbytes; ++byte) {
+        const float sf = E4m3fnToFloat(sc[(2 * byte) / 16]);
+        row[2 * byte] = E2m1ToFloat(src[byte] & 15u) * sf;
+        row[2 * byte + 1] = E2m1ToFloat(src[byte] >> 4) * sf;
+      }
+      ZeroPad(row, d, ld);
+    }
+  }
+
   struct Row : RowOps<Row> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
@@ -389,22 +592,27 @@ struct F32Decoder {
   };
 };
 
-// A run of token rows of one tensor, ready for a Decoder: codes in place, scales as float32.
-struct PreparedRows {
-  const uint8_t* data = nullptr;
-  int64_t stride = 0;             // bytes per token of the codes
-  const float* scales = nullptr;  // `groups` floats per token (null for BF16)
-  int groups = 0;
-  const uint8_t* nan = nullptr;   // per-token NaN-code flags (FP8 runs holding one), else null
-
-  // Whether some token of the run holds a NaN code (FP8).
-  bool any_nan() const { return nan != nullptr; }
-
-  template <class Dec>
-  typename Dec::Row At(int64_t j) const {
-    return typename Dec::Row(data + j * stride, scales ? scales + j * groups : nullptr, nan ? nan[j] != 0 : false);
-  }
+// A type as a value (what VisitValueDecoder hands its function).
+template <class T>
+struct TypeTag {
+  using type = T;
 };
+
+// Calls f(TypeTag<D>{}) with D the decoder of the value rows of run v of codec c: Decoder<c>, or
+// its NanValues when the run holds a NaN code.
+template <class F>
+NINFER_KV_ALWAYS_INLINE void VisitValueDecoder(Codec c, const PreparedRows& v, F&& f) {
+  VisitCodec(c, [&](auto codec) {
+    using D = Decoder<decltype(codec)::value>;
+    if constexpr (!std::is_same_v<typename D::NanValues, D>) {
+      if (v.any_nan()) {
+        f(TypeTag<typename D::NanValues>{});
+        return;
+      }
+    }
+    f(TypeTag<D>{});
+  });
+}
 
 // Decodes the scales of tokens [0, cnt) of `src` into `scales` (and NaN-code flags into `nan`)
 // and returns the prepared run.  Reads exactly the cnt tokens' scale bytes.

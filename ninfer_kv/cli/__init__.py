@@ -50,7 +50,6 @@ from __future__ import annotations
 import sys
 import types as _module_types
 
-from ..units import format_bytes, parse_bytes
 from . import layout_cmd, plan_cmd, generate_cmd  # noqa: F401  (the built-in commands; importing registers them, in this order)
 from . import registry as _registry
 from .app import main
@@ -88,8 +87,6 @@ __all__ = [
     "register_subcommand",
     "registered_subcommands",
     "build_parser",
-    "parse_bytes",
-    "format_bytes",
     "bounded_int",
     "render_table",
     "main",

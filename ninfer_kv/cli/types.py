@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from ..integers import check_int, int_range
 from ..profiles import PROFILE_ALIASES, KVProfile, profile_names
 from ..units import parse_bytes
 
@@ -46,8 +47,13 @@ def arg_type(name: str, fn: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+def _out_of_range(_name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"{value} is out of range; it must be {allowed}")
+
+
 def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+    """An argparse ``type=`` for text naming an integer in ``[minimum, maximum]`` (:func:`check_int`)."""
+    allowed = int_range(minimum, maximum)
 
     def parse(text: str) -> int:
         digits = str(text).strip()
@@ -57,9 +63,7 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], i
             value = int(digits, 10)
         except ValueError:
             raise ValueError(f"{text!r} is not an integer; it must be {allowed}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            raise ValueError(f"{value} is out of range; it must be {allowed}")
-        return value
+        return check_int("", value, minimum, maximum, error=_out_of_range)
 
     return arg_type("int", parse)
 

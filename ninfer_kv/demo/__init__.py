@@ -7,9 +7,11 @@ tails, memory pressure handled by offloading cold prefixes to the Host tier, opt
 speculative decoding, ``kv_lease_growth`` and data-parallel meshes; afterwards every request is
 checked against a dense no-cache recomputation.
 
-Modules: ``requests`` (workload), ``serve`` (the workload through the engine), ``drafter`` (MTP
-head calibration), ``dense_check``, ``summary`` (table and JSON), ``progress``, ``run``
-(:func:`run_demo`), ``cli`` (the subcommand).
+Modules: ``config`` (:class:`DemoConfig`, the demo models), ``requests`` (workload),
+``checkpoint_cache`` (checkpoint directories read once), ``drafter`` (demo model parameters, MTP
+head calibration), ``mesh`` (what a device mesh can serve), ``serve`` (the workload through the
+engine), ``dense_check``, ``summary`` (the run's statistics, table and JSON), ``progress`` (progress
+bar, compile clock), ``run`` (:func:`run_demo`: one run), ``cli`` (the subcommand).
 
 The names below are imported on first use, so ``import ninfer_kv.demo.cli`` (done by every
 ``ninfer-kv`` invocation) stays cheap.
@@ -32,11 +34,11 @@ __all__ = [
 ]
 
 _HOME = {
-    "DemoConfig": "run",
+    "DemoConfig": "config",
     "run_demo": "run",
     "validate": "run",
-    "MODELS": "run",
-    "BACKENDS": "run",
+    "MODELS": "config",
+    "BACKENDS": "config",
     "DemoResult": "summary",
     "WorkloadSpec": "requests",
     "Request": "requests",

@@ -187,11 +187,11 @@ def default_kv_capacity(config) -> int:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The :class:`~ninfer_kv.demo.run.DemoConfig` of parsed arguments (``ValueError`` on bad combinations)."""
-    from ..cli import parse_bytes
+    """The :class:`~ninfer_kv.demo.config.DemoConfig` of parsed arguments (``ValueError`` on bad combinations)."""
+    from ..units import parse_bytes
     from ..planning import AutomaticCapacity, ExplicitCapacity
+    from .config import DemoConfig
     from .requests import WorkloadSpec
-    from .run import DemoConfig
 
     if args.draft_window is not None and args.backend != "mtp":
         raise ValueError(f"--draft-window applies only to --backend mtp; got --backend {args.backend}")

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models.decoder import ModelConfig, dense_mtp_forward
+from ..models.decoder import ModelConfig, dense_mtp_forward, init_params
 from ..models.decoder.dense import dense_forward
 from ..models.decoder.mtp import mtp_input
 
-__all__ = ["CalibratedHead", "fit_mtp_head", "CALIBRATION_SHAPE", "RIDGE"]
+__all__ = ["CalibratedHead", "fit_mtp_head", "demo_params", "CALIBRATION_SHAPE", "RIDGE"]
 
 CALIBRATION_SHAPE = (16, 256)
 """(sequences, tokens) of random calibration text."""
@@ -105,3 +105,14 @@ def _main_logits(params: dict, hidden, *, model: ModelConfig):
     from ..models.decoder.model import logits_from_hidden
 
     return logits_from_hidden(params, model, hidden)
+
+
+@functools.lru_cache(maxsize=4)
+def demo_params(model: ModelConfig, seed: int) -> tuple[dict, float | None]:
+    """A demo model's parameters from ``seed``; with an MTP head, the head fitted as a drafter by
+    :func:`fit_mtp_head` (and its calibration agreement, else ``None``)."""
+    params = init_params(model, seed)
+    if not model.mtp:
+        return params, None
+    head = fit_mtp_head(params, model, seed)
+    return head.params, head.agreement

@@ -3,6 +3,8 @@
 While a bar is open it listens to JAX's compile events (``jax.monitoring``): when a step function
 has been lowered and its backend compile starts, the bar says ``compiling <function>``; when the
 compile ends, it goes back to ``serving`` and adds the compile time to its ``compile`` total.
+:class:`CompileClock` sums the same compile events over the whole process, for the summary's
+``compile_seconds``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,31 @@ from typing import TextIO
 from jax import monitoring
 from tqdm import tqdm
 
-__all__ = ["DemoProgress", "make_progress", "LOWERED_EVENT", "COMPILED_EVENT"]
+__all__ = ["DemoProgress", "make_progress", "CompileClock", "LOWERED_EVENT", "COMPILED_EVENT"]
 
 LOWERED_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 """Recorded when a function has been lowered to MLIR, just before its backend compile."""
 COMPILED_EVENT = "/jax/core/compile/backend_compile_duration"
 """Recorded when XLA has finished compiling a function."""
+
+
+class CompileClock:
+    """Seconds of XLA backend compilation, summed from ``jax.monitoring`` events (process-wide)."""
+
+    seconds = 0.0
+    _registered = False
+
+    @classmethod
+    def read(cls) -> float:
+        if not cls._registered:
+            monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._registered = True
+        return cls.seconds
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event == COMPILED_EVENT:
+            cls.seconds += float(duration)
 
 
 class DemoProgress:

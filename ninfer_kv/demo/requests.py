@@ -19,14 +19,9 @@ from typing import Sequence
 import numpy as np
 
 from ..geometry import PAGE_SIZE
+from ..integers import check_int
 
 __all__ = ["WorkloadSpec", "Request", "make_workload", "check_workload_fits"]
-
-
-def _int_at_least(name: str, value, minimum: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +53,14 @@ class WorkloadSpec:
     seed: int = 0
 
     def __post_init__(self):
-        _int_at_least("requests", self.requests, 1)
-        _int_at_least("max_new_tokens", self.max_new_tokens, 1)
-        _int_at_least("system_prompt_tokens", self.system_prompt_tokens, 1)
-        _int_at_least("system_prompts", self.system_prompts, 0)
-        _int_at_least("burst", self.burst, 1)
-        _int_at_least("seed", self.seed, 0)
+        for name, minimum in (("requests", 1), ("max_new_tokens", 1), ("system_prompt_tokens", 1),
+                              ("system_prompts", 0), ("burst", 1), ("seed", 0)):
+            check_int(name, getattr(self, name), minimum)
         if not 0.0 <= float(self.shared_fraction) <= 1.0:
             raise ValueError(f"shared_fraction={self.shared_fraction!r} is invalid; it must lie in [0, 1]")
         for name, lo_min in (("suffix_tokens", 1), ("unique_prompt_tokens", 1)):
             rng = tuple(getattr(self, name))
-            if len(rng) != 2 or _int_at_least(f"{name}[0]", rng[0], lo_min) > _int_at_least(f"{name}[1]", rng[1], lo_min):
+            if len(rng) != 2 or check_int(f"{name}[0]", rng[0], lo_min) > check_int(f"{name}[1]", rng[1], lo_min):
                 raise ValueError(f"{name}={rng!r} is invalid; it must be (lo, hi) with {lo_min} <= lo <= hi")
             object.__setattr__(self, name, (int(rng[0]), int(rng[1])))
 
@@ -125,7 +117,7 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> list[Request]:
     """The requests of ``spec`` in arrival order (see the module docstring)."""
     if not isinstance(spec, WorkloadSpec):
         raise TypeError(f"spec must be a WorkloadSpec, got {type(spec).__name__}")
-    _int_at_least("vocab_size", vocab_size, 2)
+    check_int("vocab_size", vocab_size, 2)
     rng = np.random.default_rng([spec.seed, 0x5EED])
     systems = [_tokens(rng, spec.system_prompt_tokens, vocab_size) for _ in range(spec.system_prompts)]
     n_shared = int(round(spec.shared_fraction * spec.requests)) if systems else 0

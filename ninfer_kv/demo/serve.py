@@ -166,9 +166,9 @@ def _sample_peaks(stores, peaks: dict) -> None:
 def _finish(config, engine, stores, cores, runner, records, peaks, peak_active, peak_host, model_steps,
             compiles_before) -> Served:
     if config.mesh is None:
-        stores[0].check_state(runner.state)  # every round work applied once, in order
+        stores[0].require_synced(runner.state)  # every round work applied once, in order
     else:
-        runner.sharded.check_state(runner.state)
+        runner.sharded.require_synced(runner.state)
     cache: dict = {}
     for core in cores:
         for k, v in dataclasses.asdict(core.cache.stats).items():
@@ -182,7 +182,7 @@ def _finish(config, engine, stores, cores, runner, records, peaks, peak_active, 
     leaked_pages = leaked_extents = 0
     pool_pages: dict = {}
     for store in stores:
-        store.check_invariants()
+        store.audit_invariants()
         for kind in store.pool_kinds:
             pool = store.pool(kind)
             leaked_pages += pool.allocated + pool.reserved

@@ -1,4 +1,5 @@
-"""The demo's result: one object, rendered as a readable table or as one JSON object.
+"""The demo's result: what a run measured (:func:`demo_result`), one object rendered as a readable
+table or as one JSON object.
 
 JSON keys (every key is present; ``null`` where it does not apply):
 
@@ -33,10 +34,13 @@ JSON keys (every key is present; ``null`` where it does not apply):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
-from ..cli import format_bytes, render_table
+from ..cli import render_table
+from ..units import format_bytes
 
-__all__ = ["DemoResult"]
+__all__ = ["DemoResult", "demo_result", "tokens_digest"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,3 +127,92 @@ class DemoResult:
             ),
         ]
         return "\n".join(lines)
+
+
+def tokens_digest(records) -> str:
+    """sha256 hex of every request's generated tokens in request order: the UTF-8 bytes of the
+    compact JSON list ``[[request id, [token, ...]], ...]``."""
+    doc = [[int(r.request.id), [int(t) for t in r.generated]] for r in sorted(records, key=lambda r: r.request.id)]
+    return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
+
+def demo_result(config, plan, served, *, generated: int, serve_seconds: float, compile_seconds: float, dense,
+                calibration: float | None, impl: str, device: str) -> DemoResult:
+    """The :class:`DemoResult` of a run of ``config`` (a :class:`~ninfer_kv.demo.config.DemoConfig`)
+    with ``plan``: what :func:`~ninfer_kv.demo.serve.serve` returned (``served``), ``generated``
+    tokens in ``serve_seconds`` (``compile_seconds`` of them compiling), the dense check (``None``
+    when skipped), the MTP head's calibration agreement, the resolved ``impl`` and the ``device``
+    platform."""
+    model = config.model_config
+    records = served.records
+    st = served.stats
+    finish_reasons: dict[str, int] = {}
+    for r in records:
+        finish_reasons[r.finish_reason] = finish_reasons.get(r.finish_reason, 0) + 1
+    data = {
+        "requests": len(records),
+        "generated_tokens": generated,
+        "tokens_per_s": generated / serve_seconds if serve_seconds > 0 else 0.0,
+        "serve_seconds": serve_seconds,
+        "compile_seconds": compile_seconds,
+        "tokens_per_s_excl_compile": generated / (serve_seconds - compile_seconds)
+        if serve_seconds > compile_seconds
+        else 0.0,
+        "dense_match": bool(dense.match) if dense is not None else None,
+        "dense_tolerance": dense.tolerance if dense is not None else None,
+        "dense": dense.to_json() if dense is not None else None,
+        "prefix_hits": served.cache["hits"],
+        "prefix_tokens_reused": served.cache["hit_tokens"],
+        "prefix_jobs": st.prefix_jobs,
+        "offloaded_pages": served.offloaded_pages,
+        "restored_pages": served.restored_pages,
+        "evictions": {"offloads": served.cache["offloaded"], "releases": served.cache["released"],
+                      "host_full": served.cache["host_full"]},
+        "host_tier": served.host_tier,
+        "peak_host_bytes": served.peak_host_bytes,
+        "compiles": served.compiles,
+        "buckets": served.buckets,
+        "units": served.units,
+        "peak_pages": served.peak_pages,
+        "pool_pages": served.pool_pages,
+        "leaked_pages": served.leaked_pages,
+        "leaked_host_extents": served.leaked_extents,
+        "finish_reasons": finish_reasons,
+        "bounded_completions": st.bounded_completions,
+        "lease_pages_granted": st.lease_pages_granted,
+        "peak_active": served.peak_active,
+        "admission_waits": st.admission_waits,
+        "rounds": st.rounds,
+        "prefill_tokens": st.prefill_tokens,
+        "mtp": None,
+        "profile": config.profile.value,
+        "impl": impl,
+        "backend": config.backend,
+        "kv_lease_growth": config.kv_lease_growth,
+        "device": device,
+        "mesh": None if config.mesh is None else {"data": config.mesh.data, "model": config.mesh.model},
+        "mesh_steps": served.mesh_steps,
+        "tokens_digest": tokens_digest(records),
+        "model": {
+            "name": config.model,
+            "layers": model.num_layers,
+            "kv_heads": model.num_kv_heads,
+            "head_dim": model.head_dim,
+            "d_model": model.d_model,
+            "vocab_size": model.vocab_size,
+        },
+        "plan": plan.to_json(),
+        "seed": config.seed,
+        "workload_seed": config.workload.seed,
+    }
+    if config.backend == "mtp":
+        data["mtp"] = {
+            "draft_window": config.draft_window,
+            "head_calibration_agreement": calibration,
+            "rounds": st.spec_rounds,
+            "drafts_verified": st.drafts_verified,
+            "drafts_accepted": st.drafts_accepted,
+            "acceptance_rate": st.drafts_accepted / st.drafts_verified if st.drafts_verified else 0.0,
+            "tokens_per_round": st.decode_tokens / st.spec_rounds if st.spec_rounds else 0.0,
+        }
+    return DemoResult(data, tuple(sorted(records, key=lambda r: r.request.id)))

@@ -69,8 +69,9 @@ from ..host.extent_allocator import HostExtent
 from ..host.host_layout import HostKVPageLayout, TransferReport, host_layout_of
 from ..host.runs import check_page_ids, coalesce_runs, max_bucket_pages, split_runs
 from ..layout import PagedKVStorageLayout
+from .staging import start_to_host, to_device
 
-__all__ = ["offload_pages", "restore_pages", "TransferReport", "host_layout_of", "TRANSFER_PATHS"]
+__all__ = ["offload_pages", "restore_pages", "TRANSFER_PATHS"]
 
 DEFAULT_MAX_CHUNK_BYTES = {"packed": 64 << 20, "host": 4 << 20}
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
@@ -304,7 +305,7 @@ def offload_pages(
 
     for chunk in chunks:
         packed = _gather_packed(planes, _starts(chunk), host_layout=host_layout, n=chunk.length)
-        pending.append((chunk, arena.start_to_host(packed)))
+        pending.append((chunk, start_to_host(arena, packed)))
         inflight += chunk.pages * stride
         while inflight > max_inflight_bytes and len(pending) > 1:
             inflight -= land_oldest()
@@ -371,7 +372,7 @@ def restore_pages(
     inflight = 0
     for chunk in chunks:
         lo = first_page + chunk.logical_start
-        block = arena.to_device(rows[lo : lo + chunk.pages], sharding)
+        block = to_device(arena, rows[lo : lo + chunk.pages], sharding)
         planes = _scatter_packed(planes, _starts(chunk), block, host_layout=host_layout, n=chunk.length)
         pending.append((block, chunk.pages * stride))
         inflight += chunk.pages * stride

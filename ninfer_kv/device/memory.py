@@ -5,7 +5,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-__all__ = ["free_device_bytes", "devices_of"]
+from ..planning.config import AutomaticCapacity
+from ..units import ByteSize
+
+__all__ = ["free_device_bytes", "devices_of", "capacity_from_device"]
 
 
 def devices_of(device) -> list:
@@ -43,3 +46,16 @@ def free_device_bytes(device=None) -> int:
         f = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         free = f if free is None else min(free, f)
     return max(free, 0)
+
+
+def capacity_from_device(device=None, headroom_bytes: ByteSize = 0) -> AutomaticCapacity:
+    """An :class:`~ninfer_kv.planning.AutomaticCapacity` whose free bytes F are read from
+    ``device.memory_stats()`` (GPU); on a CPU pass F to ``AutomaticCapacity`` yourself.
+
+    ``device`` may be one device, a sequence of devices, a ``jax.sharding.Mesh`` or a
+    :class:`~ninfer_kv.device.mesh.KVMesh`: F is then the *minimum* free memory over them (every
+    device of a mesh holds the same per-device share of the plan, so the tightest one decides).  In
+    a multi-process program only this process's devices can be read; each process then plans from
+    its own minimum, so pass the global minimum explicitly when the hosts differ.
+    """
+    return AutomaticCapacity(free_bytes=free_device_bytes(device), headroom_bytes=headroom_bytes)

@@ -2,7 +2,7 @@
 
 :class:`MeshSpec` is the shape of the mesh (sizes and axis names, no devices): planning and the
 command line use it.  :class:`KVMesh` binds it to real devices (a ``jax.sharding.Mesh``) and names
-the partition spec of every leaf of a :class:`~ninfer_kv.store.KVDeviceState` and of a sharded
+the partition spec of every leaf of a :class:`~ninfer_kv.device.state.KVDeviceState` and of a sharded
 round work.
 
 Sharding rules (``D`` data shards, ``T`` model shards, ``H`` KV heads):
@@ -147,7 +147,7 @@ class KVMesh:
         return NamedSharding(self.mesh, spec, memory_kind=memory_kind)
 
     def state_specs(self, state: "KVDeviceState") -> "KVDeviceState":
-        """A :class:`~ninfer_kv.store.KVDeviceState` of partition specs matching ``state``."""
+        """A :class:`~ninfer_kv.device.state.KVDeviceState` of partition specs matching ``state``."""
         planes = {}
         for kind, pool in state.planes.items():
             page_major = state.page_axis(kind) == PlaneOrder.PAGE_MAJOR.page_axis

@@ -159,7 +159,7 @@ def sharded_paged_attention(
 
 
 def sharded_gather_pages(kv_mesh: KVMesh, state: KVDeviceState, pages: dict) -> tuple[jax.Array, dict]:
-    """Per-shard :func:`~ninfer_kv.gather_pages`: ``pages = {PoolKind: int32 (D, B)}`` (row ``d``:
+    """Per-shard :func:`~ninfer_kv.device.work.gather_pages`: ``pages = {PoolKind: int32 (D, B)}`` (row ``d``:
     shard ``d``'s local page IDs).  Returns ``(serial, {PoolKind: {plane: words (D, B, layers, H, P, X)}})``
     split like the planes (data on axis 0, heads on axis 3): each device gathers its own pages."""
     from .work import gather_pages

@@ -1,10 +1,10 @@
 """The device programs of a :class:`~ninfer_kv.store.sharded.ShardedKVStore`.
 
 The sharded store is host-only bookkeeping, like every store; what runs on the mesh lives here:
-allocating a sharded :class:`~ninfer_kv.device.state.KVDeviceState`, applying a stacked
-:class:`~ninfer_kv.work.ShardedRoundWork` outside a step, padding the next work to a step's shape,
-and gathering one shard's offload payload per device.  The store's methods of the same names
-(``allocate_state``, ``apply_work_alone``, ``take_step_work``, ``gather_offload``) call these.
+applying a stacked :class:`~ninfer_kv.work.ShardedRoundWork` outside a step and gathering one
+shard's offload payload per device.  :func:`~ninfer_kv.device.allocation.allocate_state`,
+:func:`~ninfer_kv.device.rounds.take_step_work` and :func:`~ninfer_kv.device.offload.gather_offload`
+use them for a sharded store.
 
 The store is taken by duck type (``kv_mesh``, ``identity``, ``work_serial``, ``global_pools()``,
 ``take_work()``, ``shards``, ``num_shards``): this module imports nothing of :mod:`ninfer_kv.store`.
@@ -21,9 +21,8 @@ from ..errors import LifecycleError
 from ..work import OffloadPayload
 from .sharded_ops import sharded_apply_work, sharded_gather_pages
 from .state import KVDeviceState
-from .work import _shapes, _check_step_state
 
-__all__ = ["allocate_sharded_state", "apply_sharded_work_alone", "take_sharded_step_work", "gather_sharded_offload"]
+__all__ = ["apply_sharded_work_alone", "gather_sharded_offload"]
 
 # One jitted "apply alone" program per store (its mesh closed over, the state donated); the entry
 # goes with the store.
@@ -36,21 +35,6 @@ def _mesh_of(store):
     return store.kv_mesh
 
 
-def allocate_sharded_state(store, *, fill=None, memory_kind: str | None = None) -> KVDeviceState:
-    """A fresh sharded state on ``store``'s mesh, each device allocating only its own block
-    (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data)``, serial
-    replicated); ``memory_kind="pinned_host"`` places the same specs in pinned host memory."""
-    mesh = _mesh_of(store)
-    pools = store.global_pools()
-    blank = store.work_serial > 0  # a state allocated after takes holds none of their content
-
-    def build():
-        return KVDeviceState.zeros(pools, fill=fill, blank=blank, owner=store.identity)
-
-    shardings = mesh.state_shardings(jax.eval_shape(build), memory_kind=memory_kind)
-    return jax.jit(build, out_shardings=shardings)()
-
-
 def apply_sharded_work_alone(store, state: KVDeviceState, work) -> KVDeviceState:
     """Apply a stacked work outside any step: one jitted program over the mesh, the state donated."""
     mesh = _mesh_of(store)
@@ -61,21 +45,6 @@ def apply_sharded_work_alone(store, state: KVDeviceState, work) -> KVDeviceState
     if state.work_pending:  # the mark cleared on the host: one program with or without it
         state = state.replace(work_pending=False)
     return program(state, work.device_put(mesh))
-
-
-def take_sharded_step_work(store, state: KVDeviceState, shapes=None):
-    """``(state, work)``: the next stacked work padded to the step shape (global arrays on the
-    mesh); a work that does not fit is padded to the smallest alone shape holding it and applied
-    alone first, and the step gets the next, empty, take.  ``shapes`` as
-    :func:`~ninfer_kv.device.work.take_step_work` (of one shard)."""
-    mesh = _mesh_of(store)
-    _check_step_state(state)
-    shapes = _shapes(store.shards[0], shapes)
-    work = store.take_work()
-    if not work.fits(*shapes.step):
-        state = apply_sharded_work_alone(store, state, work.pad_to(*shapes.alone_shape(work.counts().values())))
-        work = store.take_work()
-    return state.replace(work_pending=True), work.pad_to(*shapes.step).device_put(mesh)
 
 
 def gather_sharded_offload(store, shard: int, plan, state: KVDeviceState) -> OffloadPayload:

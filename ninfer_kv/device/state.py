@@ -3,7 +3,7 @@
 The :class:`~ninfer_kv.store.KVStore` is host-only bookkeeping: it never holds a ``jax.Array``.
 Everything that lives on the device sits in one :class:`KVDeviceState`, a frozen dataclass
 registered as a JAX pytree, which the caller threads through its jitted steps (donated) and hands
-to :func:`~ninfer_kv.apply_work` together with each :class:`~ninfer_kv.RoundWork` the store emits.
+to :func:`~ninfer_kv.apply_work` together with each :class:`~ninfer_kv.work.RoundWork` the store emits.
 
 Pytree structure (explicit, so a sharded step can name a partition spec per leaf)::
 
@@ -17,7 +17,7 @@ Pytree structure (explicit, so a sharded step can name a partition spec per leaf
                              (0, BLANK, 0) for a state allocated after works were taken
         owner  = sync[4]     the identity of the store whose works this state applies (0: not yet
                              bound; the first work in order binds it)
-      page_axes: static ((PoolKind, page axis), ...)
+      layouts: static ((PoolKind, PagedKVStorageLayout), ...): each pool's layout (page axis, views)
 
 The order record is one array so that a step carries one small buffer for it, not three (every
 buffer of a jitted call costs a CPU decode step microseconds); inside ``jit`` the properties are
@@ -29,7 +29,7 @@ comes from the state's store, and otherwise poisons the state, which then stays 
 every later work writes nothing and every block-table entry holds the sentinel, so no op can read
 or write a page until :func:`~ninfer_kv.resync` repairs the state.  ``fault`` keeps what the
 repair needs to know: how far the state got before the slip.  The host compares both with
-:meth:`KVStore.check_state`.
+:meth:`KVStore.require_synced`.
 
 A state whose buffers were donated to a jitted step (or deleted) cannot be used again: flattening
 it (any ``jax.jit`` call, ``jax.tree`` function or ``apply_work``) raises
@@ -56,9 +56,11 @@ import numpy as np
 from ..errors import DonatedStateError, PendingWorkError
 from ..geometry import SENTINEL_PAGE
 from ..kinds import PoolKind
+from ..layout import PagedKVStorageLayout
+from ..views import PagedKVBatchLayerView, allocate_planes
 from ..work import BLANK, POISONED, SyncStatus
 
-__all__ = ["KVDeviceState", "POISONED", "BLANK", "SyncStatus", "check_live", "sync_record"]
+__all__ = ["KVDeviceState", "check_live", "sync_record"]
 
 _HEALTHY = (-1, -1, -1)
 
@@ -74,7 +76,7 @@ def check_live(state: "KVDeviceState") -> None:
         raise DonatedStateError(
             "this KVDeviceState was donated to a jitted step (or deleted): its buffers no longer exist. Use the "
             "state that step returned and thread it through every call (`state, out = step(state, ...)`); a state "
-            "that was lost this way can be replaced with store.allocate_state() followed by ninfer_kv.resync(store, "
+            "that was lost this way can be replaced with ninfer_kv.allocate_state(store) followed by ninfer_kv.resync(store, "
             "state)"
         )
 
@@ -89,7 +91,7 @@ class KVDeviceState:
     serial, the fault record and the owning store in one ``int32 (5,)`` array (:attr:`sync`; read
     it through :attr:`serial`, :attr:`fault` and :attr:`owner`).
 
-    Build it with :meth:`KVStore.allocate_state` (or :meth:`KVDeviceState.zeros`); advance it only
+    Build it with :func:`~ninfer_kv.device.allocation.allocate_state` (or :meth:`KVDeviceState.zeros`); advance it only
     through :func:`~ninfer_kv.apply_work` and the caller's own steps (which replace ``planes`` via
     :meth:`replace_planes`).  Built by hand it takes ``sync``, or ``serial`` with ``fault``
     (default the healthy ``(-1, -1, -1)``) and ``owner`` (default 0: bound to the store of the
@@ -102,14 +104,15 @@ class KVDeviceState:
         :attr:`work_pending`).
       tables: ``{PoolKind: int32 (C, L)}`` block-table matrices (same rule).
       sync: the ``int32 (5,)`` order record.
-      page_axes: static ``((PoolKind, page axis), ...)``.
+      layouts: static ``((PoolKind, PagedKVStorageLayout), ...)``: each pool's layout (its page axis,
+        and what :meth:`view` builds a layer view with).
       work_pending: static; ``True`` on the state :func:`~ninfer_kv.take_step_work` returns, until
         :func:`~ninfer_kv.apply_work` applies the work taken with it.
     """
 
-    __slots__ = ("_planes", "_tables", "sync", "page_axes", "work_pending")
+    __slots__ = ("_planes", "_tables", "sync", "layouts", "work_pending")
 
-    def __init__(self, planes: dict, tables: dict, serial=None, page_axes: tuple = (), fault=None, owner=None, *,
+    def __init__(self, planes: dict, tables: dict, serial=None, layouts: tuple = (), fault=None, owner=None, *,
                  sync=None, work_pending: bool = False):
         if sync is None:
             if serial is None:
@@ -119,7 +122,7 @@ class KVDeviceState:
             raise TypeError("pass either sync or serial/fault/owner, not both")
         if not isinstance(work_pending, bool):
             raise TypeError(f"work_pending must be a bool, got {work_pending!r}")
-        _build(self, planes, tables, sync, tuple(page_axes), work_pending)
+        _build(self, planes, tables, sync, tuple(layouts), work_pending)
 
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: KVDeviceState is immutable "
@@ -129,7 +132,7 @@ class KVDeviceState:
         raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}: KVDeviceState is immutable")
 
     def __repr__(self) -> str:
-        pools = ", ".join(k.value for k, _ in self.page_axes) or "none"
+        pools = ", ".join(k.value for k, _ in self.layouts) or "none"
         mark = ", work pending" if self.work_pending else ""
         return f"KVDeviceState(pools: {pools}; sync={self.sync!r}{mark})"
 
@@ -170,26 +173,39 @@ class KVDeviceState:
         """A fresh state for ``pools = {PoolKind: PoolPlan}`` (a plan's ``pools``): zero (or
         ``fill``) planes, sentinel tables, serial 0, bound to store ``owner`` (0: the store of its
         first work).  ``blank=True`` marks it as holding none of the content of works already
-        taken (:meth:`KVStore.allocate_state` after a take): poisoned until a
+        taken (:func:`~ninfer_kv.device.allocation.allocate_state` after a take): poisoned until a
         :func:`~ninfer_kv.resync`."""
-        planes, tables, axes = {}, {}, []
+        planes, tables, layouts = {}, {}, []
         put = (lambda x: jax.device_put(x, device)) if device is not None else (lambda x: x)
         for kind, pool_plan in pools.items():
             kind = PoolKind.parse(kind)
-            planes[kind] = pool_plan.layout.allocate(pool_plan.physical_pages, device=device, fill=fill)
+            planes[kind] = allocate_planes(pool_plan.layout, pool_plan.physical_pages, device=device, fill=fill)
             tables[kind] = put(jnp.full((pool_plan.max_concurrency, pool_plan.logical_pages), SENTINEL_PAGE, jnp.int32))
-            axes.append((kind, pool_plan.layout.order.page_axis))
+            layouts.append((kind, pool_plan.layout))
         record = sync_record(POISONED, (0, BLANK, 0), owner) if blank else sync_record(0, _HEALTHY, owner)
-        return cls(planes, tables, page_axes=tuple(axes), sync=put(jnp.asarray(record)))
+        return cls(planes, tables, layouts=tuple(layouts), sync=put(jnp.asarray(record)))
 
     # -- views ---------------------------------------------------------------------------------------
+    def layout(self, pool) -> PagedKVStorageLayout:
+        """The :class:`~ninfer_kv.layout.PagedKVStorageLayout` of ``pool`` (a ``PoolKind`` or its name)."""
+        kind = PoolKind.parse(pool)
+        for k, layout in self.layouts:
+            if k is kind:
+                return layout
+        raise ValueError(f"pool {kind.value} is not in this state; pools: {[k.value for k, _ in self.layouts]}")
+
     def page_axis(self, pool) -> int:
         """The axis of the physical page ID in ``pool``'s stacked planes (1 page-major, 2 head-major)."""
+        return self.layout(pool).order.page_axis
+
+    def view(self, pool, layer) -> PagedKVBatchLayerView:
+        """The :class:`~ninfer_kv.views.PagedKVBatchLayerView` of ``pool``'s planes and block tables at
+        ``layer`` (a Python int or a traced integer scalar) — what the ops take inside a step.  Put
+        the planes a step changed back with :meth:`replace_planes` (``state.replace_planes(pool,
+        view.planes)``).  On a mesh, build views inside ``shard_map`` with the store's per-device
+        layout instead (``ShardedKVStore.layout``)."""
         kind = PoolKind.parse(pool)
-        for k, axis in self.page_axes:
-            if k is kind:
-                return axis
-        raise ValueError(f"pool {kind.value} is not in this state; pools: {[k.value for k, _ in self.page_axes]}")
+        return PagedKVBatchLayerView(self.pool_planes(kind), self.table(kind), layer, self.layout(kind))
 
     def pool_planes(self, pool) -> dict:
         """The planes of ``pool`` (a ``PoolKind`` or its name)."""
@@ -222,14 +238,14 @@ class KVDeviceState:
         return self.replace(planes={**self.planes, kind: dict(planes)})
 
     def replace(self, **changes) -> "KVDeviceState":
-        """A copy with the given fields replaced (``planes``, ``tables``, ``sync``, ``page_axes``,
+        """A copy with the given fields replaced (``planes``, ``tables``, ``sync``, ``layouts``,
         ``work_pending``; ``serial``, ``fault`` and ``owner`` rebuild the order record, the parts not
         named kept).  Replacing ``planes`` or ``tables`` of a state whose work is pending raises
         :class:`PendingWorkError` unless ``work_pending=False`` is passed too (what
         :func:`~ninfer_kv.apply_work` does)."""
         if changes.keys() == {"work_pending"} and isinstance(changes["work_pending"], bool):  # the hot path
             new = object.__new__(KVDeviceState)
-            _build(new, self._planes, self._tables, self.sync, self.page_axes, changes["work_pending"])
+            _build(new, self._planes, self._tables, self.sync, self.layouts, changes["work_pending"])
             return new
         parts = {name: changes.pop(name) for name in ("serial", "fault", "owner") if name in changes}
         if parts:
@@ -242,10 +258,10 @@ class KVDeviceState:
                     parts.get("serial", self.serial), parts.get("fault", self.fault), parts.get("owner", self.owner),
                     like=self.sync,
                 )
-        unknown = set(changes) - {"planes", "tables", "sync", "page_axes", "work_pending"}
+        unknown = set(changes) - {"planes", "tables", "sync", "layouts", "work_pending"}
         if unknown:
             raise TypeError(f"KVDeviceState has no field(s) {sorted(unknown)}; fields: planes, tables, sync, "
-                            f"page_axes, work_pending (and serial, fault, owner)")
+                            f"layouts, work_pending (and serial, fault, owner)")
         pending = changes.get("work_pending", self.work_pending)
         if not isinstance(pending, bool):
             raise TypeError(f"work_pending must be a bool, got {pending!r}")
@@ -253,7 +269,7 @@ class KVDeviceState:
             _raise_pending("planes" if "planes" in changes else "tables")
         new = object.__new__(KVDeviceState)
         _build(new, changes.get("planes", self._planes), changes.get("tables", self._tables),
-               changes.get("sync", self.sync), tuple(changes.get("page_axes", self.page_axes)), pending)
+               changes.get("sync", self.sync), tuple(changes.get("layouts", self.layouts)), pending)
         return new
 
     def host_serial(self) -> int:
@@ -302,11 +318,11 @@ def _record_like(serial, fault=None, owner=None, like=None):
 _SET = object.__setattr__
 
 
-def _build(state: KVDeviceState, planes, tables, sync, page_axes: tuple, work_pending: bool) -> None:
+def _build(state: KVDeviceState, planes, tables, sync, layouts: tuple, work_pending: bool) -> None:
     _SET(state, "_planes", planes)
     _SET(state, "_tables", tables)
     _SET(state, "sync", sync)
-    _SET(state, "page_axes", page_axes)
+    _SET(state, "layouts", layouts)
     _SET(state, "work_pending", work_pending)
 
 
@@ -323,12 +339,12 @@ def _flatten_with_keys(state: KVDeviceState):
     check_live(state)
     keys = jax.tree_util.GetAttrKey
     children = ((keys("planes"), state._planes), (keys("tables"), state._tables), (keys("sync"), state.sync))
-    return children, (state.page_axes, state.work_pending)
+    return children, (state.layouts, state.work_pending)
 
 
 def _flatten(state: KVDeviceState):
     check_live(state)
-    return (state._planes, state._tables, state.sync), (state.page_axes, state.work_pending)
+    return (state._planes, state._tables, state.sync), (state.layouts, state.work_pending)
 
 
 def _unflatten(aux, children) -> KVDeviceState:

@@ -1,46 +1,36 @@
 """Applying round works to a device state: the pure function the caller's step runs, and the
-device side of offloads and repairs.
+gather of an offload's pages.
 
 * :func:`apply_work` (pure; inside the caller's jitted step, the state donated) applies one
   :class:`~ninfer_kv.work.RoundWork`: table updates scattered into each pool's ``(C, L)`` matrix,
   page writes into the planes, the serial advanced — or, for a work out of order or of another
   store, the state poisoned (nothing applied, every table entry the sentinel page).
-* :func:`apply_work_jit` runs it alone; :func:`take_step_work` takes a store's work padded to a
-  step's fixed shape (:mod:`ninfer_kv.step_shapes`), applying an oversized one alone first.
+* :func:`apply_work_jit` runs it alone (:func:`~ninfer_kv.device.rounds.take_step_work` pads a
+  store's work to a step's fixed shape, applying an oversized one alone first with it).
 * :func:`gather_pages` gathers an offload plan's pages (an :class:`~ninfer_kv.work.OffloadPayload`).
-* :func:`resync` repairs a poisoned, lagging or blank state with the store's plan.
-
-The functions take a store by duck type (``take_work``, ``plan_resync``, ``identity``): the device
-layer imports nothing of :mod:`ninfer_kv.store`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import weakref
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import PendingWorkError
 from ..geometry import SENTINEL_PAGE
-from ..step_shapes import StepWorkShapes, step_work_shapes
 from ..work import POISONED, GatherRequest, OffloadPayload, RoundWork
+from ..ops.page_copy import _words, cpu_float, write_pages, write_pages_donated
 from . import pytrees  # noqa: F401  (the work dataclasses as pytrees)
-from .page_copy import _words, cpu_float, write_pages, write_pages_donated
 from .state import KVDeviceState, check_live, sync_record
 
 __all__ = [
     "apply_work",
     "apply_work_reference",
     "apply_work_jit",
-    "resync",
     "gather_pages",
     "gather_pages_jit",
-    "take_step_work",
 ]
 
 
@@ -190,7 +180,7 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     One jitted program; except on the CPU backend without the FFI library, with page writes into
     float planes, where XLA does not keep a scatter in place (the whole plane would be copied):
     there the page writes run as in-place per-page programs
-    (:func:`~ninfer_kv.device.page_copy.write_pages_donated`, which write nothing when the work is out of
+    (:func:`~ninfer_kv.ops.page_copy.write_pages_donated`, which write nothing when the work is out of
     order), then the table updates and the serial as one program.  Same result either way.
     """
     state = _check_pair(state, work)  # the mark cleared on the host: one program with or without it
@@ -206,38 +196,6 @@ def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
         )
     state = state.replace(planes=planes)
     return _apply_work_jit(state, work.without_page_writes())
-
-
-def resync(store, state: KVDeviceState):
-    """Bring a poisoned, lagging or blank ``state`` back in line with ``store`` without rebuilding it.
-
-    Reads the state's serial and fault record (one host read), plans the repair on the host
-    (:meth:`KVStore.plan_resync`: every block table republished, the page writes the state missed
-    replayed from Host replicas still held and live COW sources, the sequences and checkpoints whose
-    committed content is gone quarantined) and applies it (the state donated).  Works for a
-    :class:`~ninfer_kv.store.KVStore` and a :class:`~ninfer_kv.store.sharded.ShardedKVStore`.
-
-    Returns:
-      ``(state, report)``: the repaired state (``store.check_state`` passes) and a
-      :class:`~ninfer_kv.store.repair.ResyncReport` naming every quarantined handle with the tokens
-      the device still holds of it.  A state already in line is returned as it is.
-
-    Raises:
-      WorkOrderError: the state applied more works than the store handed out (another store's).
-      DonatedStateError: the state was donated; repair the state the step returned.
-    """
-    if not isinstance(state, KVDeviceState):
-        raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
-    check_live(state)
-    work, report = store.plan_resync(state.sync_status())
-    if work is None:
-        return state, report
-    state = state.replace(sync=jax.device_put(sync_record(work.serial, (-1, -1, -1), store.identity), state.sync.sharding))
-    if isinstance(work, RoundWork):
-        state = apply_work_jit(state, work)
-    else:  # a sharded store's stacked work
-        state = store.apply_work_alone(state, work)
-    return state, report
 
 
 def _gather(state: KVDeviceState, pages: Mapping) -> dict:
@@ -276,60 +234,3 @@ def gather_pages(state: KVDeviceState, request: "GatherRequest | Mapping"):
 gather_pages_jit = jax.jit(gather_pages)
 
 
-def take_step_work(store, state: KVDeviceState, shapes: "StepWorkShapes | tuple[int, int, int] | None" = None):
-    """Take ``store``'s round work for a step that applies works of one fixed shape.
-
-    ``shapes``: a :class:`~ninfer_kv.store.step_shapes.StepWorkShapes` (default
-    ``step_work_shapes(store)``), or a bare ``(tables, copies, restores)`` step shape with the default
-    alone ladder.  Returns ``(state, work)``: ``work`` padded to the step shape for the step to
-    apply; a work that does not fit (COW copies or Host restores after activations, a burst of table
-    rows) is padded to the smallest alone shape that holds it and applied first
-    (:func:`apply_work_jit`, the returned ``state``), and the step gets the next, empty, take.  So
-    the loop compiles at most ``shapes.programs`` work-applying programs, whatever the rounds did.
-
-    The returned state carries the work-pending mark (:attr:`KVDeviceState.work_pending`): a step
-    that reads its planes or tables before ``apply_work(state, work)`` fails when it is traced, with
-    :class:`~ninfer_kv.errors.PendingWorkError`.
-
-    Raises (before anything is taken from the store):
-      DonatedStateError: ``state`` was donated to a jitted step or deleted (use the state it returned).
-      PendingWorkError: ``state`` still carries the mark of an earlier take whose work was never
-        applied (apply that work first, or :func:`resync`).
-    """
-    _check_step_state(state)
-    shapes = _shapes(store, shapes)
-    work = store.take_work()
-    if not work.fits(*shapes.step):
-        state = apply_work_jit(state, work.pad_to(*shapes.alone_shape(work.counts().values())))
-        work = store.take_work()
-    return state.replace(work_pending=True), work.pad_to(*shapes.step)
-
-
-def _check_step_state(state) -> None:
-    """What :func:`take_step_work` checks of the state before taking a work: a live
-    :class:`KVDeviceState` whose last taken work was applied (no work-pending mark)."""
-    if not isinstance(state, KVDeviceState):
-        raise TypeError(f"state must be a KVDeviceState, got {type(state).__name__}")
-    check_live(state)
-    if state.work_pending:
-        raise PendingWorkError(
-            "this KVDeviceState still carries the work-pending mark of an earlier take_step_work: the work "
-            "taken with it was never applied, so taking another would skip it. Apply it (`state = "
-            "ninfer_kv.apply_work(state, work)` inside the step, or `ninfer_kv.apply_work_jit(state, work)`) and "
-            "use the state that returns; a work that was lost can be repaired with ninfer_kv.resync(store, state)"
-        )
-
-
-_DEFAULT_SHAPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _shapes(store, shapes) -> StepWorkShapes:
-    if shapes is None:  # fixed by the store's geometry: computed once per store
-        found = _DEFAULT_SHAPES.get(store)
-        if found is None:
-            found = _DEFAULT_SHAPES[store] = step_work_shapes(store)
-        return found
-    if isinstance(shapes, StepWorkShapes):
-        return shapes
-    t, k, r = (int(x) for x in shapes)
-    return dataclasses.replace(step_work_shapes(store, tables=t, copies=k, restores=r), step=(t, k, r))

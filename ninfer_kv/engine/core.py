@@ -39,7 +39,7 @@ from ..errors import PoolCapacityError
 from ..geometry import PAGE_SIZE
 from ..models.decoder.buckets import bucket_ladder
 from ..models.request_checks import token_ids
-from ..planning import PoolKind
+from ..kinds import PoolKind
 from ..store import KVStore
 from .model import EngineModel, draft_window_of
 from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
@@ -145,7 +145,7 @@ class EngineCore:
         self.decode_token = decode_token
         self.caching = bool(enable_prefix_caching)
         self.seed = int(seed)
-        self.cache = PrefixCache(store, self.runner.flushed_state)
+        self.cache = PrefixCache(store, self.runner.offload_checkpoint)
         self.pending = PrefixIndex()  # prefixes being computed by jobs
         self.waiting_index = PrefixIndex()  # prompts of waiting requests (for shared-prefix jobs)
         self.requests: dict[str, Request] = {}
@@ -470,7 +470,7 @@ class EngineCore:
             pos[i], valid[i] = s.frontier, v
         rows = np.array([s.row for s in seqs], np.int64)
         ends = pos.astype(np.int64) + valid
-        self.store.map_rows(rows, ends)
+        self.store.map(rows, ends)
         try:
             out = yield UnitCall("prefill", tokens, pos, valid, rows, _sampling(seqs))
             chosen = np.asarray(out.next_tokens)[:n]
@@ -478,7 +478,7 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests only
             self._fail_unit(seqs, exc)
             return
-        self.store.commit_rows(rows, ends)
+        self.store.commit(rows, ends)
         self.stats.prefill_units += 1
         self.stats.prefill_tokens += int(valid.sum())
         want = [i for i, s in enumerate(seqs) if s.logprobs is not None and int(ends[i]) >= s.target]
@@ -501,14 +501,14 @@ class EngineCore:
         valid = np.ones(n, np.int32)
         rows = np.array([s.row for s in seqs], np.int64)
         ends = pos.astype(np.int64) + 1
-        self.store.map_rows(rows, ends)
+        self.store.map(rows, ends)
         try:
             out = yield UnitCall("decode", tokens, pos, valid, rows, _sampling(seqs))
             chosen = np.asarray(out.next_tokens)[:n]
         except Exception as exc:  # noqa: BLE001
             self._fail_unit(seqs, exc)
             return
-        self.store.commit_rows(rows, ends)
+        self.store.commit(rows, ends)
         self.stats.decode_units += 1
         self.stats.decode_tokens += n
         logits = np.asarray(out.logits[:n]) if any(s.logprobs is not None for s in seqs) else None
@@ -547,13 +547,13 @@ class EngineCore:
                 pos[i], valid[i] = s.mtp_frontier, c
             rows = np.array([s.row for s, _ in todo], np.int64)
             ends = pos.astype(np.int64) + valid
-            self.store.map_rows(rows, ends, pool=PoolKind.MTP)
+            self.store.map(rows, ends, pool=PoolKind.MTP)
             try:
                 yield UnitCall("mtp_extend", nxt, pos, valid, rows, None, hidden)
             except Exception as exc:  # noqa: BLE001
                 self._fail_unit([s for s, _ in todo], exc)
                 return
-            self.store.commit_rows(rows, ends, pool=PoolKind.MTP)
+            self.store.commit(rows, ends, pool=PoolKind.MTP)
             for s, c in todo:
                 s.mtp_frontier += c
 
@@ -575,20 +575,20 @@ class EngineCore:
             nxt[i, :c] = s.tokens[s.mtp_frontier + 1: s.frontier + 1]
             mpos[i], mvalid[i] = s.mtp_frontier, c
         front = np.array([s.frontier for s in seqs], np.int64)
-        self.store.map_rows(rows, front + (k - 1), pool=PoolKind.MTP)  # the provisional lead of K - 1 drafts
+        self.store.map(rows, front + (k - 1), pool=PoolKind.MTP)  # the provisional lead of K - 1 drafts
         try:
             drafted = yield UnitCall("mtp_draft", nxt, mpos, mvalid, rows, None, hidden)
             drafts = np.asarray(drafted)[:n]
         except Exception as exc:  # noqa: BLE001
             self._fail_unit(seqs, exc)
             return
-        self.store.commit_rows(rows, front, pool=PoolKind.MTP)  # the extended pairs are canonical
+        self.store.commit(rows, front, pool=PoolKind.MTP)  # the extended pairs are canonical
         tokens = np.zeros((n, k + 1), np.int32)
         vvalid = np.array(limits, np.int32)
         for i, s in enumerate(seqs):
             tokens[i, 0] = s.tokens[-1]
             tokens[i, 1:] = drafts[i]
-        self.store.map_rows(rows, front + vvalid)
+        self.store.map(rows, front + vvalid)
         try:
             out = yield UnitCall("verify", tokens, front.astype(np.int32), vvalid, rows, _sampling(seqs))
             accepted = np.asarray(out.num_accepted)[:n].astype(np.int64)
@@ -605,8 +605,8 @@ class EngineCore:
                 kept[i] += 1
                 if s.finish_reason is not None:  # nothing after a stop
                     break
-        self.store.settle_rows(rows, front + kept)
-        self.store.settle_rows(rows, front, pool=PoolKind.MTP)
+        self.store.settle(rows, front + kept)
+        self.store.settle(rows, front, pool=PoolKind.MTP)
         for i, s in enumerate(seqs):
             s.hidden.extend(vhidden[i, : kept[i]])  # h_n .. : the next round's pending pairs
             s.mtp_frontier = int(front[i])

@@ -27,6 +27,11 @@ import dataclasses
 
 import numpy as np
 
+from ..device.allocation import allocate_state
+from ..device.offload import offload_checkpoint
+from ..device.rounds import take_step_work
+from ..device.sharded_store import apply_sharded_work_alone
+from ..device.resync import resync
 from ..models.decoder.buckets import bucket_for, bucket_ladder, pad_rows
 from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store.sharded import ShardedCheckpoint, ShardedKVStore
@@ -39,9 +44,8 @@ __all__ = ["DataParallelEngine", "MeshRunner", "ShardStore"]
 
 
 class ShardStore:
-    """Data shard ``shard``'s :class:`~ninfer_kv.store.KVStore` as its engine core sees it: every
-    verb is the shard's own, except the Host offload, which gathers the pages from the sharded state
-    on the shard's devices."""
+    """Data shard ``shard``'s :class:`~ninfer_kv.store.KVStore` as its engine core sees it (every
+    verb is the shard's own; the shard's runner offloads from the sharded state)."""
 
     def __init__(self, sharded: ShardedKVStore, shard: int):
         self._sharded = sharded
@@ -50,9 +54,6 @@ class ShardStore:
 
     def __getattr__(self, name):
         return getattr(self._store, name)
-
-    def offload_checkpoint(self, checkpoint, state):
-        return self._sharded.offload_checkpoint(ShardedCheckpoint(self.shard, checkpoint), state)
 
 
 class MeshRunner:
@@ -75,7 +76,7 @@ class MeshRunner:
         self.local_buckets = tuple(local_buckets)
         d = sharded.num_shards
         model.prepare(sharded.layout("main"), tuple(d * b for b in self.local_buckets))
-        self.state = sharded.allocate_state()
+        self.state = allocate_state(sharded)
         self.log = UnitLog()
         self.lanes: list[int] = []
         self.slots: list[int] = []
@@ -106,7 +107,7 @@ class MeshRunner:
         if any(c.sampling is not None for _, c in calls):
             sampling = sampling_rows(configs, total)
         self.log.record(kind, total)
-        self.state, work = sharded.take_step_work(self.state)
+        self.state, work = take_step_work(sharded, self.state)
         self.state, out = call_model(self.model, kind, self.state, work, tokens, pos, valid, table_rows, sampling, None)
         fields = {f: np.asarray(x) for f, x in out._asdict().items() if x is not None}
         self.lanes.append(sum(len(c.rows) for _, c in calls))
@@ -116,16 +117,14 @@ class MeshRunner:
     def flushed_state(self):
         """The state with every shard's pending round work applied."""
         if any(not p.empty for s in self.sharded.shards for p in s.pending_work().values()):
-            self.state = self.sharded.apply_work_alone(self.state, self.sharded.take_work())
+            self.state = apply_sharded_work_alone(self.sharded, self.state, self.sharded.take_work())
         return self.state
 
     def repair(self, shard: int) -> tuple[set, set]:
         """Bring the sharded state back in line (once per failure; later calls find it in line) and
         return what ``shard`` lost (local handles)."""
-        from ..device import resync
-
         if consumed(self.state):
-            self.state = self.sharded.allocate_state()
+            self.state = allocate_state(self.sharded)
         self.state, report = resync(self.sharded, self.state)
         for h in report.lost_sequences:
             self._lost[h.shard][0].add(h.handle)
@@ -152,6 +151,10 @@ class _ShardRunner:
 
     def flushed_state(self):
         return self.mesh.flushed_state()
+
+    def offload_checkpoint(self, checkpoint):
+        """Move the shard's checkpoint to its Host tier, gathering the pages on the shard's devices."""
+        return offload_checkpoint(self.mesh.sharded, ShardedCheckpoint(self.shard, checkpoint), self.mesh.flushed_state())
 
     def repair(self) -> tuple[set, set]:
         return self.mesh.repair(self.shard)

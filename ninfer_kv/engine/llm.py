@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..integers import check_int, int_range, is_int
 from ..profiles import KVProfile
 from ..store import EntitlementPolicy, KVStore
 from .capacity import engine_plan
@@ -279,7 +280,7 @@ def _progress(total: int):
 
 
 def _check_int(name: str, value, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an integer in [{low}, {high}]")
-    if not low <= value <= high:
-        raise ValueError(f"{name}={value} is out of range; allowed: [{low}, {high}]")
+    """:func:`~ninfer_kv.integers.check_int`, with a ``TypeError`` for a value that is no integer."""
+    if not is_int(value):
+        raise TypeError(f"{name}={value!r} must be {int_range(low, high)}")
+    check_int(name, value, low, high)

@@ -2,7 +2,7 @@
 
 The engine owns the store, the device state and the scheduling; a model only runs steps.  A step
 takes the caller's :class:`~ninfer_kv.KVDeviceState` (donated) and the round's
-:class:`~ninfer_kv.RoundWork`, applies the work first (:func:`~ninfer_kv.apply_work`), runs the
+:class:`~ninfer_kv.work.RoundWork`, applies the work first (:func:`~ninfer_kv.apply_work`), runs the
 model over the batch through the paged ops of the Main pool, and returns the new state with the
 token each row chooses::
 

@@ -54,13 +54,14 @@ class PrefixCache:
 
     Args:
       store: the store whose checkpoints are cached.
-      flushed_state: returns the caller's device state with every round work applied (the source of
-        an offload's pages); used only with a Host tier.
+      offload: ``offload(checkpoint)`` moves a retained checkpoint's pages to the Host tier
+        (the runner's :func:`~ninfer_kv.device.offload.offload_checkpoint` from its flushed state);
+        used only with a Host tier.
     """
 
-    def __init__(self, store: KVStore, flushed_state: Callable[[], object]):
+    def __init__(self, store: KVStore, offload: Callable[[object], object]):
         self.store = store
-        self.flushed_state = flushed_state
+        self.offload = offload
         self.index = PrefixIndex()
         self.host_tier = store.host_occupancy() is not None
         self.stats = CacheStats()
@@ -126,7 +127,7 @@ class PrefixCache:
         while True:
             try:
                 if self.store.checkpoint(entry.value).placement == "device":
-                    self.store.offload_checkpoint(entry.value, self.flushed_state())
+                    self.offload(entry.value)
                 self.store.drop_device_replica(entry.value)
                 self.stats.offloaded += 1
                 return True

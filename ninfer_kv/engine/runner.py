@@ -15,7 +15,11 @@ from typing import Generator, NamedTuple
 
 import numpy as np
 
-from ..device import apply_work_jit, resync, take_step_work
+from ..device.allocation import allocate_state
+from ..device.offload import offload_checkpoint
+from ..device.rounds import take_step_work
+from ..device.resync import resync
+from ..device.work import apply_work_jit
 from ..models.decoder.buckets import bucket_for, pad_rows
 from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store import KVStore
@@ -81,7 +85,7 @@ class DeviceRunner:
         self.store = store
         self.buckets = tuple(buckets)
         model.prepare(store.layout("main"), self.buckets)
-        self.state = store.allocate_state()
+        self.state = allocate_state(store)
         self.log = UnitLog()
 
     def run(self, call: UnitCall):
@@ -108,11 +112,15 @@ class DeviceRunner:
             self.state = apply_work_jit(self.state, self.store.take_work())
         return self.state
 
+    def offload_checkpoint(self, checkpoint):
+        """Move a retained checkpoint's pages to the store's Host tier, from the flushed state."""
+        return offload_checkpoint(self.store, checkpoint, self.flushed_state())
+
     def repair(self) -> tuple[set, set]:
         """After a failed step: bring the state back in line with the store (a blank one when the
         step consumed it); returns the sequences and checkpoints whose content is lost."""
         if consumed(self.state):
-            self.state = self.store.allocate_state()
+            self.state = allocate_state(self.store)
         self.state, report = resync(self.store, self.state)
         return set(report.lost_sequences), set(report.lost_checkpoints)
 

@@ -11,11 +11,11 @@
 * :func:`copy_blocks` — ``dst[...] = src`` (or a gather along the first axis) for page data, with
   streaming stores over the FFI library's threads when it is built, else numpy.
 
-The package is host-only: importing it imports no JAX (the arena stages through JAX only when a
-transfer runs).
+The package is host-only: it imports no JAX.  How the arena's bytes reach a device (the staging
+memory kind, the copies) is the device layer's: :mod:`ninfer_kv.device.staging`.
 """
 
-from .arena import HostKVArena, select_memory_kind
+from .arena import HostKVArena
 from .block_copy import copy_blocks
 from .extent_allocator import (
     ExtentAllocationError,
@@ -32,7 +32,6 @@ from .runs import TransferChunk, check_page_ids, coalesce_runs, split_runs
 
 __all__ = [
     "HostKVArena",
-    "select_memory_kind",
     "copy_blocks",
     "ExtentAllocator",
     "ExtentAllocationError",

@@ -9,21 +9,12 @@ buffer; each extent carries the tag of its pool and is sized by that pool's
 side.  Extents are managed by :class:`~ninfer_kv.host.extent_allocator.ExtentAllocator` (best fit
 with coalescing, byte-exact accounting, generation-checked handles, whole-recipe plan validation).
 
-Memory kind.  Where the device's platform is a GPU and it exposes JAX's ``pinned_host`` memory,
-transfers stage through page-locked memory (``memory_kind == "pinned_host"``): a Device -> Host
-copy is first placed in ``pinned_host`` memory by the DMA engine and then copied into the arena;
-a Host -> Device copy goes numpy -> ``pinned_host`` -> device.  JAX's CPU client also lists a
-``pinned_host`` memory kind, but there it is ordinary host memory and staging through it would add
-a copy, so on CPU the arena uses the plain numpy buffer directly (``memory_kind == "host"``).
-``staging`` overrides the choice (``"pinned_host"`` forces staging where the memory kind exists,
-``"direct"`` disables it).  Only :meth:`HostKVArena.start_to_host` and
-:meth:`HostKVArena.to_device` know about the staging.
+Staging.  The arena records which device its transfers serve and how they should stage
+(``staging``: ``"auto"``, ``"pinned_host"`` or ``"direct"``); the transfers themselves, and the
+choice of the memory kind they stage through, are device work:
+:mod:`ninfer_kv.device.staging`.  This module imports no JAX.
 
-Lifetime.  ``to_device`` never leaves a device array aliasing the arena (``may_alias=False`` is not
-honoured by every client, so aliasing is detected and replaced by a private copy), but the runtime
-may read the host bytes after ``device_put`` returns; the host bytes are free once the returned array is ready
-(``block_until_ready``), which :func:`~ninfer_kv.device.host_transfer.restore_pages` awaits before it
-returns.  The arena is not thread-safe; one host thread owns it.
+The arena is not thread-safe; one host thread owns it.
 """
 
 from __future__ import annotations
@@ -31,23 +22,19 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..units import ByteSize, byte_count
 from .extent_allocator import ExtentAllocator, ExtentOccupancy, ExtentPlan, HostExtent
 
-if TYPE_CHECKING:  # pragma: no cover
-    import jax
-
-__all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT", "aligned_empty"]
+__all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT", "STAGING_MODES", "aligned_empty"]
 
 HOST_BUFFER_ALIGNMENT = 4096
 """Alignment of the arena buffer's base address (one host page)."""
 
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-_STAGING = ("auto", "pinned_host", "direct")
+STAGING_MODES = ("auto", "pinned_host", "direct")
+"""The values of :attr:`HostKVArena.staging`."""
 
 
 _HUGE_PAGE = 2 << 20
@@ -106,52 +93,6 @@ def aligned_empty(shape: tuple, dtype, alignment: int = HOST_BUFFER_ALIGNMENT) -
     return _aligned_buffer(count * dtype.itemsize, alignment).view(dtype).reshape(shape)
 
 
-def _has_memory_kind(device, kind: str) -> bool:
-    try:
-        return any(m.kind == kind for m in device.addressable_memories())
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return False
-
-
-def select_memory_kind(device, staging: str = "auto") -> str:
-    """The arena's memory kind for ``device``: ``"pinned_host"`` or ``"host"`` (see module doc)."""
-    if staging not in _STAGING:
-        raise ValueError(f"staging={staging!r} is invalid; allowed: {', '.join(_STAGING)}")
-    if staging == "direct":
-        return "host"
-    pinned = _has_memory_kind(device, "pinned_host")
-    if staging == "pinned_host":
-        if not pinned:
-            raise ValueError(f"staging='pinned_host' requested but device {device} has no pinned_host memory")
-        return "pinned_host"
-    return "pinned_host" if pinned and device.platform in _GPU_PLATFORMS else "host"
-
-
-def _aliases(array: "jax.Array", host: np.ndarray) -> bool:
-    """Whether ``array``'s buffer lies inside ``host``'s memory."""
-    try:
-        pointer = array.unsafe_buffer_pointer()
-    except Exception:  # platforms or memory kinds without a host-visible pointer never alias
-        return False
-    base = host.ctypes.data
-    return base <= pointer < base + host.nbytes
-
-
-def _put_private(host: np.ndarray, where) -> "jax.Array":
-    """``device_put`` that never leaves the result aliasing ``host``.
-
-    ``may_alias=False`` is not honoured everywhere (the CPU client of jaxlib 0.10 wraps suitably
-    aligned numpy memory in place regardless), and an extent's bytes are reused as soon as the
-    extent is freed, so aliasing is detected and replaced by a private copy.
-    """
-    import jax  # the host package imports no JAX until a transfer runs
-
-    out = jax.device_put(host, where, may_alias=False)
-    if _aliases(out, host):
-        out = jax.device_put(np.array(host, copy=True), where)
-    return out
-
-
 class HostKVArena:
     """Fixed host buffer + extent allocator shared by all pools' Host replicas.
 
@@ -159,13 +100,16 @@ class HostKVArena:
       capacity_bytes: bytes of the buffer (an integer, a whole-number float or a byte-size string
         such as ``"64MiB"``, see :mod:`ninfer_kv.units`); rounded up to a multiple of ``alignment``.
       alignment: extent alignment (power of two, default 256 bytes).
-      device: the accelerator whose transfers the arena serves (default ``jax.devices()[0]``).
-      staging: ``"auto"``, ``"pinned_host"`` or ``"direct"`` (see the module docstring).
+      device: the accelerator whose transfers the arena serves (``None``: JAX's default device,
+        resolved by the first transfer).
+      staging: ``"auto"`` (stage through page-locked ``pinned_host`` memory on a GPU that has it),
+        ``"pinned_host"`` (always; refused at the first transfer where the device lacks it) or
+        ``"direct"`` (never); see :mod:`ninfer_kv.device.staging`.
       prefault: touch every byte at construction (default True).
 
     Attributes:
-      device: the device the arena serves.
-      memory_kind: ``"pinned_host"`` (transfers staged through page-locked memory) or ``"host"``.
+      device: the device the arena serves (``None``: the default device).
+      staging: the requested staging (one of :data:`STAGING_MODES`).
       allocator: the :class:`~ninfer_kv.host.extent_allocator.ExtentAllocator` over the buffer.
       buffer: the arena's ``uint8 (capacity,)`` numpy buffer, its base aligned to 4096 bytes.
 
@@ -188,17 +132,14 @@ class HostKVArena:
         if not isinstance(alignment, (int, np.integer)) or alignment < 1 or alignment & (alignment - 1):
             raise ValueError(f"alignment={alignment!r} is invalid; it must be a power of two >= 1")
         capacity = -(-capacity_bytes // alignment) * alignment
-        if device is None:
-            import jax
-
-            device = jax.devices()[0]
+        if staging not in STAGING_MODES:
+            raise ValueError(f"staging={staging!r} is invalid; allowed: {', '.join(STAGING_MODES)}")
         self.device = device
-        self.memory_kind = select_memory_kind(self.device, staging)
+        self.staging = staging
         self.allocator = ExtentAllocator(capacity, alignment)
         self.buffer = _aligned_buffer(capacity, max(HOST_BUFFER_ALIGNMENT, int(alignment)))
         if prefault:
             self.buffer.fill(0)
-        self._pinned_sharding = None  # built at the first transfer (the host package imports no JAX)
 
     # -- allocator facade --------------------------------------------------------------------------
     @property
@@ -248,13 +189,13 @@ class HostKVArena:
         and tag), equal before and after a rolled-back allocation (:meth:`ExtentAllocator.describe`)."""
         return self.allocator.describe()
 
-    def check_invariants(self) -> None:
+    def audit_invariants(self) -> None:
         """Verify the allocator's structure and byte accounting.
 
         Raises:
           AssertionError: naming the first violated invariant.
         """
-        self.allocator.check_invariants()
+        self.allocator.audit_invariants()
 
     # -- bytes ---------------------------------------------------------------------------------------
     def view(self, extent: HostExtent) -> np.ndarray:
@@ -262,43 +203,9 @@ class HostKVArena:
         self.allocator.check(extent)
         return self.buffer[extent.offset : extent.offset + extent.nbytes]
 
-    # -- staging (the only place that knows the memory kind) -------------------------------------
-    @property
-    def _pinned(self):
-        """The page-locked staging sharding of a ``pinned_host`` arena (``None``: direct)."""
-        if self.memory_kind != "pinned_host":
-            return None
-        if self._pinned_sharding is None:
-            from jax.sharding import SingleDeviceSharding
-
-            self._pinned_sharding = SingleDeviceSharding(self.device, memory_kind="pinned_host")
-        return self._pinned_sharding
-
-    def start_to_host(self, x: "jax.Array") -> "jax.Array":
-        """Start the Device -> Host copy of ``x``; ``np.asarray`` of the result completes it."""
-        import jax
-
-        if self._pinned is not None:
-            return jax.device_put(x, self._pinned)
-        x.copy_to_host_async()
-        return x
-
-    def to_device(self, host: np.ndarray, sharding=None) -> "jax.Array":
-        """Start copying host bytes to ``sharding`` (``None``: uncommitted, default device).
-
-        The result never aliases the arena; the host bytes must stay unchanged until the returned
-        array is ready.
-        """
-        if self._pinned is not None:
-            import jax
-
-            staged = _put_private(host, self._pinned)
-            return jax.device_put(staged, sharding if sharding is not None else self.device)
-        return _put_private(host, sharding)
-
     def __repr__(self) -> str:
         occ = self.occupancy()
         return (
             f"HostKVArena(capacity={occ.capacity}, used={occ.used_bytes}, free={occ.free_bytes}, "
-            f"extents={occ.extent_count}, memory_kind={self.memory_kind!r})"
+            f"extents={occ.extent_count}, staging={self.staging!r})"
         )

@@ -450,7 +450,7 @@ class ExtentAllocator:
         live = sorted((sl.offset, sl.nbytes, sl.span, sl.tag) for sl in self._slots if sl.live)
         return (self.capacity, self.alignment, tuple(self._free.items()), tuple(live), self._used, self._padding)
 
-    def check_invariants(self) -> None:
+    def audit_invariants(self) -> None:
         """Verify every structural invariant; raises ``AssertionError`` naming the first violation."""
         free = self._free.items()
         assert self._free.offsets == sorted(self._free.offsets), "free offsets not sorted"

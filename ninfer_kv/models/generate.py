@@ -28,7 +28,9 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from ..device import KVDeviceState, take_step_work
+from ..device.allocation import allocate_state
+from ..device.rounds import take_step_work
+from ..device.state import KVDeviceState
 from ..geometry import PAGE_SIZE, ceil_div
 from ..planning import ExplicitCapacity, KVPlan, plan_kv_cache
 from ..profiles import KVProfile
@@ -158,7 +160,7 @@ class PagedGenerator:
         self.steps: ModelSteps = shared_steps(step_config)
         self.chunk = step_config.prefill_chunk
         self.buckets = step_config.batch_buckets
-        self.state: KVDeviceState = self.store.allocate_state()
+        self.state: KVDeviceState = allocate_state(self.store)
         self.active: list[GeneratedSequence] = []
         self._sequences: weakref.WeakSet = weakref.WeakSet()  # every sequence this generator started
 
@@ -248,7 +250,7 @@ class PagedGenerator:
     def _run(self, name: str, seqs: list[GeneratedSequence], tokens: np.ndarray, pos: np.ndarray, valid: np.ndarray):
         rows = np.array([s.row for s in seqs], np.int64)
         ends = pos.astype(np.int64) + valid
-        self.store.map_rows(rows, ends)
+        self.store.map(rows, ends)
         bucket = bucket_for(len(seqs), self.buckets)
         padded = pad_rows(tokens, pos, valid, rows, bucket=bucket)
         args = [padded.tokens, padded.positions, padded.valid, padded.table_rows]
@@ -256,7 +258,7 @@ class PagedGenerator:
             args.append(sampling_rows([s.sampling for s in seqs], bucket))
         self.state, work = take_step_work(self.store, self.state)
         self.state, out = self.steps.on_state(name)(self.params, self.state, work, *args)
-        self.store.commit_rows(rows, ends)
+        self.store.commit(rows, ends)
         chosen = np.asarray(out.next_tokens)[: len(seqs)]
         logits = np.asarray(out.logits)[: len(seqs)] if self.keep_logits else None
         return chosen, logits, ends

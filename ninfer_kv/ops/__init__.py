@@ -53,10 +53,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ..device.page_copy import copy_page_columns
-from ..views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
+from .page_copy import copy_page_columns
+from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView, PagedKVLayerView
 from . import validation
-from .dispatch import (  # registers the built-in backends in ninfer_kv.ops.registry
+from . import dispatch  # noqa: F401  (registers the built-in backends in ninfer_kv.ops.registry)
+from .registry import (
     ImplFallbackWarning,
     ImplUnavailableError,
     OpImpl,
@@ -85,10 +86,6 @@ __all__ = [
     "copy_page_columns",
     "gather_page_runs",
     "scatter_page_runs",
-    "PagedKVBatchLayerView",
-    "PagedKVLayerView",
-    "CyclicKVCacheLayerView",
-    "CyclicKVLayout",
     "resolve_impl",
     "available_impls",
     "registered_impls",

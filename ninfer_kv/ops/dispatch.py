@@ -1,10 +1,9 @@
-"""Implementation selection for the paged and cyclic ops: the built-in backends and the registry API.
+"""The built-in backends of the paged and cyclic ops.
 
 The registry itself is :mod:`ninfer_kv.ops.registry` (one table of ``(op, backend)`` entries, a
-leaf module); this module registers the built-in backends in it, one :func:`register_backend` call
-each, with ``"module:attribute"`` targets, so nothing is imported until a backend is first used,
-and re-exports the registry's names (``from ninfer_kv.ops.dispatch import resolve_impl`` keeps
-working).
+leaf module, and the registry API); this module registers the built-in backends in it, one
+:func:`~ninfer_kv.ops.registry.register_backend` call each, with ``"module:attribute"`` targets,
+so nothing is imported until a backend is first used.
 
 Built-in names:
 
@@ -26,44 +25,9 @@ it also scopes the warn-once memory so a fallback warning inside the block is al
 
 from __future__ import annotations
 
-from .registry import (
-    AUTO,
-    AUTO_PREFERENCE,
-    OP_NAMES,
-    ImplFallbackWarning,
-    ImplUnavailableError,
-    Loader,
-    OpImpl,
-    available_impls,
-    current_platform,
-    load_impl,
-    override_impls,
-    register_backend,
-    register_impl,
-    register_op,
-    registered_impls,
-    registered_ops,
-    resolve_impl,
-)
+from .registry import OP_NAMES, register_backend
 
 __all__ = [
-    "OpImpl",
-    "ImplUnavailableError",
-    "ImplFallbackWarning",
-    "AUTO",
-    "AUTO_PREFERENCE",
-    "OP_NAMES",
-    "Loader",
-    "register_backend",
-    "register_op",
-    "register_impl",
-    "registered_impls",
-    "registered_ops",
-    "available_impls",
-    "load_impl",
-    "resolve_impl",
-    "override_impls",
-    "current_platform",
 ]
 
 REBUILD_HINT = (

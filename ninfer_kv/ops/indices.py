@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ..int_arrays import INT32_MAX, INT32_MIN, host_int_array, int32_host_vector, is_tracer
+from ..int_arrays import int32_host_vector, is_tracer
 from ..int_arrays import require_integer_dtype as _require_integer_dtype
 from ..int_arrays import require_shape as _require_shape
 
-__all__ = ["INT32_MIN", "INT32_MAX", "is_tracer", "host_int_array", "int32_vector", "int32_host_vector"]
+__all__ = ["int32_vector"]
 
 def int32_vector(name: str, x: ArrayLike, length: int) -> jax.Array:
     """An op's index vector ``(B,) = (length,)`` as an int32 ``jax`` array (see the module docstring)."""

@@ -35,7 +35,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from ..layout import PagedKVStorageLayout
-from .indices import host_int_array
+from ..int_arrays import host_int_array
 
 __all__ = ["gather_page_runs", "scatter_page_runs", "run_page_ids"]
 

@@ -23,6 +23,13 @@ provides every op, warning once (:class:`ImplFallbackWarning`) when it had to sk
 
 :func:`override_impls` swaps backends and preferences inside a ``with`` block (tests,
 experiments); it also scopes the loaded backends and the warn-once memory to the block.
+
+This table is the one place a backend is chosen, Pallas kernel backends included: each of them
+(Triton today; Mosaic GPU or TPU later) is a subpackage ``pallas_kernels/<backend>/`` whose four
+ops run on that backend only (no config field or module-name lookup picks a backend), and an
+``impl=`` name registered here maps to them, e.g.
+``register_backend("pallas_tpu", {op: "pallas_kernels.<backend>.<module>:<op>", ...})`` plus the
+name in :data:`AUTO_PREFERENCE` for ``impl="auto"`` to try it.
 """
 
 from __future__ import annotations

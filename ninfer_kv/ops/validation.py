@@ -30,7 +30,8 @@ import jax
 import numpy as np
 
 from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
-from .indices import INT32_MAX, int32_vector
+from .indices import int32_vector
+from ..planning import INT32_MAX
 
 __all__ = [
     "is_concrete",

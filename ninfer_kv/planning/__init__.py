@@ -38,8 +38,6 @@ device mesh).  All of it is arithmetic: reading free device memory lives in
 
 from __future__ import annotations
 
-from ..kinds import PoolKind, SpeculativeBackend
-from ..units import INT64_MAX
 from .bounds import (
     INT32_MAX,
     MAX_CONTEXT,
@@ -57,9 +55,7 @@ from .plan import KVPlan, plan_kv_cache
 from .pool_set import KVPoolSetLayout, PoolPlan, SequenceCapacityCurve
 
 __all__ = [
-    "SpeculativeBackend",
     "SpeculativeConfig",
-    "PoolKind",
     "ModelKVConfig",
     "PoolPlan",
     "ExplicitCapacity",
@@ -71,7 +67,6 @@ __all__ = [
     "TABLE_ENTRY_BYTES",
     "PlanBoundError",
     "INT32_MAX",
-    "INT64_MAX",
     "MAX_PAGES",
     "MAX_CONTEXT",
     "MAX_LAYERS",

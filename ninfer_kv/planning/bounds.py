@@ -10,14 +10,13 @@ are bounded far above any real model (:data:`MAX_LAYERS`, :data:`MAX_KV_HEADS`,
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..geometry import PAGE_SIZE
+from ..integers import check_int
 from ..layout import PagedKVStorageLayout
 from ..units import INT64_MAX, byte_range, describe_bytes, format_bytes, to_byte_count
 
 __all__ = [
-    "TABLE_ENTRY_BYTES", "INT32_MAX", "INT64_MAX", "MAX_PAGES", "MAX_CONTEXT", "MAX_LAYERS", "MAX_KV_HEADS",
+    "TABLE_ENTRY_BYTES", "INT32_MAX", "MAX_PAGES", "MAX_CONTEXT", "MAX_LAYERS", "MAX_KV_HEADS",
     "MAX_HEAD_DIM", "PlanBoundError", "check_pool_bytes",
 ]
 
@@ -66,12 +65,8 @@ class PlanBoundError(ValueError):
 
 
 def _int_at_least(name: str, value: object, minimum: int, maximum: int | None = None, why: str = "") -> int:
-    allowed = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise PlanBoundError(name, value, allowed, why)
-    if value < minimum or (maximum is not None and value > maximum):
-        raise PlanBoundError(name, int(value), allowed, why)
-    return int(value)
+    """:func:`~ninfer_kv.integers.check_int` raising :class:`PlanBoundError` (with ``why``)."""
+    return check_int(name, value, minimum, maximum, error=lambda n, v, allowed: PlanBoundError(n, v, allowed, why))
 
 
 def _shown_bytes(value: object) -> str:

@@ -141,17 +141,3 @@ class AutomaticCapacity:
     def __init__(self, free_bytes: ByteSize, headroom_bytes: ByteSize = 0) -> None:
         object.__setattr__(self, "free_bytes", _byte_count("free_bytes", free_bytes))
         object.__setattr__(self, "headroom_bytes", _byte_count("headroom_bytes", headroom_bytes))
-
-    @classmethod
-    def from_device(cls, device=None, headroom_bytes: ByteSize = 0) -> "AutomaticCapacity":
-        """Read F from ``device.memory_stats()`` (GPU). On CPU the caller must pass F explicitly.
-
-        ``device`` may be one device, a sequence of devices, a ``jax.sharding.Mesh`` or a
-        :class:`~ninfer_kv.device.mesh.KVMesh`: F is then the *minimum* free memory over them (every device
-        of a mesh holds the same per-device share of the plan, so the tightest one decides).  In a
-        multi-process program only this process's devices can be read; each process then plans
-        from its own minimum, so pass the global minimum explicitly when the hosts differ.
-        """
-        from ..device.memory import free_device_bytes
-
-        return cls(free_bytes=free_device_bytes(device), headroom_bytes=headroom_bytes)

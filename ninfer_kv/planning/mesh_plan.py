@@ -114,7 +114,7 @@ def plan_kv_cache_mesh(
     ``max_concurrency`` is the total ``C`` (a multiple of ``D``); ``ExplicitCapacity.kv_capacity``
     is the total Main capacity over the data shards (each shard gets ``ceil(ceil(K / P) / D)``
     pages); ``AutomaticCapacity.free_bytes`` and ``fixed_bytes`` are per device (take F from
-    :meth:`AutomaticCapacity.from_device` over the mesh: the minimum over its devices).
+    :func:`~ninfer_kv.device.memory.capacity_from_device` over the mesh: the minimum over its devices).
     """
 
     spec_mesh = MeshSpec.parse(getattr(mesh, "spec", mesh))

@@ -21,7 +21,7 @@ class KVPlan:
     Built by :func:`plan_kv_cache`; :class:`~ninfer_kv.store.KVStore` takes it.
 
     Attributes:
-      builder: the :class:`KVPoolSetLayout` the plan was resolved with (``builder.allocate(m)``
+      builder: the :class:`KVPoolSetLayout` the plan was resolved with (``allocate_pools(builder, m)``
         builds the planes).
       m: Main page groups ``M``.
       pools: ``{PoolKind: PoolPlan}`` at ``M``, Main first.
@@ -100,7 +100,7 @@ def plan_kv_cache(
       speculative: the :class:`SpeculativeConfig` (default: backend off, Main pool only).
       fixed_bytes: bytes added to every ``B(M)`` (an integer, whole float or byte-size string).
 
-    Planning allocates nothing (``plan.builder.allocate(plan.m)`` does).
+    Planning allocates nothing (:func:`~ninfer_kv.device.allocation.allocate_pools` does).
 
     Raises:
       PlanBoundError: a value outside its bounds, worded in terms of the argument that caused it

@@ -17,9 +17,6 @@ from .bounds import (
 from .config import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, SpeculativeConfig
 from .pool_specs import POOL_SPECS
 
-if TYPE_CHECKING:  # pragma: no cover
-    import jax
-
 __all__ = ["PoolPlan", "SequenceCapacityCurve", "KVPoolSetLayout"]
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +44,7 @@ class PoolPlan:
 
     @property
     def bytes(self) -> int:
-        """Bytes of the pool's planes at ``physical_pages`` (what ``allocate`` creates; no block table)."""
+        """Bytes of the pool's planes at ``physical_pages`` (what ``allocate_planes`` creates; no block table)."""
         return self.layout.buffer_bytes(self.physical_pages)
 
     @property
@@ -110,7 +107,7 @@ class KVPoolSetLayout:
     """The production layout builder for a model, a speculative backend and (S, C).
 
     It is the single source of every pool's layout and page count as a function of ``M``; the
-    capacity curve is computed from it and verified against it, and ``allocate`` builds the real
+    capacity curve is computed from it and verified against it, and the device layer's ``allocate_pools`` builds the real
     device buffers from the same layouts.
 
     Args:
@@ -176,7 +173,8 @@ class KVPoolSetLayout:
         """The pools of this plan, Main first."""
         return tuple(self.layouts)
 
-    def _check_m(self, m: int) -> int:
+    def check_m(self, m: int) -> int:
+        """``m`` as an int after checking it is a Main page-group count in ``[M_min, M_max]``."""
         m = _int_at_least("M", m, 1)
         if not self.m_min <= m <= self.m_max:
             raise ValueError(f"M={m} Main page groups is outside [{self.m_min}, {self.m_max}]")
@@ -212,7 +210,7 @@ class KVPoolSetLayout:
           PlanBoundError: ``m`` is not an integer >= 1.
           ValueError: ``m`` outside ``[m_min, m_max]``.
         """
-        m = self._check_m(m)
+        m = self.check_m(m)
         return {
             kind: PoolPlan(kind, layout, self.physical_pages(kind, m), self.logical_pages, self.max_concurrency)
             for kind, layout in self.layouts.items()
@@ -243,22 +241,6 @@ class KVPoolSetLayout:
                     f"capacity curve mismatch at M={m}: curve {describe_bytes(got)}, "
                     f"layout builder {describe_bytes(expect)}"
                 )
-
-    def allocate(self, m: int, *, device=None) -> dict[PoolKind, dict[str, "jax.Array"]]:
-        """Allocate every pool's device planes at ``M`` (block tables are owned by the store)."""
-        from ..device.allocation import allocate_pools  # planning is arithmetic; buffers are device work
-
-        self.check_bounds(self._check_m(m))
-        return allocate_pools(self, m, device=device)
-
-    def allocated_bytes(self, m: int) -> int:
-        """Bytes of really allocated planes plus tables and fixed part (for curve verification)."""
-        total = 0
-        for kind, planes in self.allocate(m).items():
-            total += sum(int(a.nbytes) for a in planes.values())
-            del planes
-        total += sum(p.table_bytes for p in self.pools(m).values())
-        return total + self.fixed_bytes
 
     # -- capacity policies ----------------------------------------------------------------------
     def resolve(self, policy: "ExplicitCapacity | AutomaticCapacity") -> int:

@@ -30,7 +30,9 @@ from .errors import APIError, install, param_of
 from .generation import Prompt, Tracker, chat_logprobs, completion_logprobs, run, usage
 from .guard import RequestGuard
 from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE
-from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .metrics import ServerMetrics
 from .protocol import (
     MAX_PROMPTS,
     AssistantMessage,

@@ -89,8 +89,7 @@ class PoolActivationPlan:
 class ActivationVerbs:
     """``activate``, ``finish`` and ``release_checkpoint`` of :class:`~ninfer_kv.store.KVStore`."""
 
-    def __init__(self, core: StoreCore):
-        self.core = core
+    _core: StoreCore
 
     def activate(
         self,
@@ -138,21 +137,21 @@ class ActivationVerbs:
         prompt = _int("prompt_tokens", prompt_tokens)
         budget = _int("max_new_tokens", max_new_tokens)
         target = prompt + budget
-        if target > self.core.max_context:
+        if target > self._core.max_context:
             raise EntitlementError(
-                f"prompt_tokens + max_new_tokens = {target} exceeds max_context={self.core.max_context} "
-                f"(allowed: 0..{self.core.max_context})"
+                f"prompt_tokens + max_new_tokens = {target} exceeds max_context={self._core.max_context} "
+                f"(allowed: 0..{self._core.max_context})"
             )
         src_rec = None
         prefix = None  # the Main prefix continued from (None: the whole checkpoint)
         if source is not None:
-            src_rec = self.core.checkpoint_record(source, "activate")
-            if not self.core.reusable(src_rec):
+            src_rec = self._core.checkpoint_record(source, "activate")
+            if not self._core.reusable(src_rec):
                 raise IncompleteContinuationError(
                     "the checkpoint holds no state image and the model requires one: KV pages alone are not a "
                     "reusable continuation"
                 )
-            f_main = int(self.core.main.spaces.committed[src_rec.slots[PoolKind.MAIN]])
+            f_main = int(self._core.main.spaces.committed[src_rec.slots[PoolKind.MAIN]])
             if source_tokens is None:
                 if prompt < f_main:
                     raise ValueError(f"prompt_tokens={prompt} is below the checkpoint frontier {f_main}")
@@ -182,15 +181,15 @@ class ActivationVerbs:
                 raise ValueError("release_source=True needs a source checkpoint")
             if source_tokens is not None:
                 raise ValueError(f"source_tokens={source_tokens!r} needs a source checkpoint")
-        if not self.core.rows.free:
-            raise PoolCapacityError(f"all {self.core.max_concurrency} execution rows are leased")
+        if not self._core.rows.free:
+            raise PoolCapacityError(f"all {self._core.max_concurrency} execution rows are leased")
 
         # -- plan every pool (no state changes) --------------------------------------------------------
-        growth = self.core.policy.kv_lease_growth
-        min_tok, want_tok = self.core.policy.activation_tokens(prompt, target)
-        cap = self.core.logical_pages * PAGE_SIZE
+        growth = self._core.policy.kv_lease_growth
+        min_tok, want_tok = self._core.policy.activation_tokens(prompt, target)
+        cap = self._core.logical_pages * PAGE_SIZE
         plans = []
-        for kind, rt in self.core.runtimes.items():
+        for kind, rt in self._core.runtimes.items():
             lo = pages_for_tokens(min(cap, min_tok + rt.lead_tokens))
             hi = pages_for_tokens(min(cap, want_tok + rt.lead_tokens))
             src_slot = tail_slot = None
@@ -234,34 +233,34 @@ class ActivationVerbs:
 
         undo: list[Callable[[], None]] = []
         try:
-            row = self.core.rows.take()
-            undo.append(lambda: self.core.rows.untake(row))
-            handle = self.core.registry.add(_Record("sequence", {p.kind: row for p in plans}, row=row))
-            undo.append(lambda: self.core.registry.undo_add(handle))
+            row = self._core.rows.take()
+            undo.append(lambda: self._core.rows.untake(row))
+            handle = self._core.registry.add(_Record("sequence", {p.kind: row for p in plans}, row=row))
+            undo.append(lambda: self._core.registry.undo_add(handle))
             for p in plans:
-                self.core.fault("claim_spaces", p.kind)
+                self._core.fault("claim_spaces", p.kind)
                 undo.append(p.rt.claim(row, handle.id, p.ent, target, growth))
             for p in plans:
-                self.core.fault("reserve", p.kind)
+                self._core.fault("reserve", p.kind)
                 undo.append(p.rt.reserve(row, p.reserve))
             for p in plans:
-                self.core.fault("restore_host", p.kind)
+                self._core.fault("restore_host", p.kind)
                 undo.append(self._restore_host_pages(p, row))
             for p in plans:
-                self.core.fault("move_fork", p.kind)
+                self._core.fault("move_fork", p.kind)
                 if p.src is not None:
                     undo.append(p.rt.carry(row, p.src, p.carried, p.carried_committed))
             for p in plans:
-                self.core.fault("private_tail", p.kind)
+                self._core.fault("private_tail", p.kind)
                 if p.tail is not None:
                     undo.append(p.rt.private_tail(row, *p.tail))
-            self.core.fault("lease_rows", None)
-            self.core.rows.lease(row, handle.id)
-            undo.append(lambda: self.core.rows.unlease(row))
+            self._core.fault("lease_rows", None)
+            self._core.rows.lease(row, handle.id)
+            undo.append(lambda: self._core.rows.unlease(row))
             for p in plans:
-                self.core.fault("publish_tables", p.kind)
+                self._core.fault("publish_tables", p.kind)
                 undo.append(p.rt.publish_row(row))
-            self.core.fault("publish_active", None)
+            self._core.fault("publish_active", None)
         except BaseException:
             for action in reversed(undo):
                 action()
@@ -273,7 +272,7 @@ class ActivationVerbs:
             for p in plans:
                 if not p.move:
                     p.rt.release_inactive(p.src)
-            self.core.registry.remove(source)
+            self._core.registry.remove(source)
         return handle
 
     def _restore_host_pages(self, plan: PoolActivationPlan, row: int) -> Callable[[], None]:
@@ -288,7 +287,7 @@ class ActivationVerbs:
         """
         if not plan.restore:
             return lambda: None
-        return self.core.host.restore_for_activation(plan.kind, plan.src, row, blocks=plan.read_blocks)
+        return self._core.host.restore.for_activation(plan.kind, plan.src, row, blocks=plan.read_blocks)
 
     # -- finish and release ----------------------------------------------------------------------------------------
     def finish(
@@ -310,22 +309,22 @@ class ActivationVerbs:
 
         Returns the :class:`CheckpointHandle`, or ``None`` when released.
         """
-        rec = self.core.sequence_record(handle, "finish(retain=True)" if retain else None)
+        rec = self._core.sequence_record(handle, "finish(retain=True)" if retain else None)
         if retain:
-            if self.core.requires_state_image and state_image is None:
+            if self._core.requires_state_image and state_image is None:
                 raise IncompleteContinuationError(
                     "retain needs the model's state image for this frontier (requires_state_image=True); "
                     "KV pages alone are not a reusable continuation"
                 )
             if frontiers is not None:
                 stated = {PoolKind.parse(k): v for k, v in frontiers.items()}
-                if set(stated) != set(self.core.runtimes):
+                if set(stated) != set(self._core.runtimes):
                     raise IncompleteContinuationError(
                         f"frontiers name pools {sorted(k.value for k in stated)}; every enabled pool "
-                        f"{sorted(k.value for k in self.core.runtimes)} must be stated"
+                        f"{sorted(k.value for k in self._core.runtimes)} must be stated"
                     )
                 for kind, f in stated.items():
-                    c = int(self.core.runtimes[kind].spaces.committed[rec.row])
+                    c = int(self._core.runtimes[kind].spaces.committed[rec.row])
                     if f != c:
                         raise IncompleteContinuationError(
                             f"pool {kind.value}: checkpoint frontier {f} != committed frontier {c}; commit the "
@@ -334,28 +333,28 @@ class ActivationVerbs:
         elif state_image is not None or frontiers is not None:
             raise ValueError("state_image and frontiers are only meaningful with retain=True")
         row = rec.row
-        for rt in self.core.runtimes.values():
+        for rt in self._core.runtimes.values():
             rt.check_deactivate(row, retain)
-        slots = {kind: rt.deactivate(row, retain) for kind, rt in self.core.runtimes.items()}
-        self.core.registry.remove(handle)
-        self.core.rows.release(row)
+        slots = {kind: rt.deactivate(row, retain) for kind, rt in self._core.runtimes.items()}
+        self._core.registry.remove(handle)
+        self._core.rows.release(row)
         if retain:
-            return self.core.registry.add(_Record("checkpoint", slots, state_image=state_image))
+            return self._core.registry.add(_Record("checkpoint", slots, state_image=state_image))
         return None
 
     def release_checkpoint(self, handle: CheckpointHandle) -> None:
         """Release a retained checkpoint: drop its references; pages losing their last reference
         release their Device lease and their Host extent membership (an extent is freed with its last
         page).  Refused while a copy pins one of its pages."""
-        rec = self.core.checkpoint_record(handle)
-        for kind, rt in self.core.runtimes.items():
+        rec = self._core.checkpoint_record(handle)
+        for kind, rt in self._core.runtimes.items():
             pinned = np.flatnonzero(rt.pages.pins[rt.spaces.pages_of(rec.slots[kind])] != 0)
             if pinned.size:
                 raise LifecycleError(
                     f"pool {kind.value}: cannot release the checkpoint: logical blocks {pinned.tolist()} are pinned "
                     f"by an in-flight copy"
                 )
-        for kind, rt in self.core.runtimes.items():
+        for kind, rt in self._core.runtimes.items():
             rt.release_inactive(rec.slots[kind])
-        self.core.registry.remove(handle)
+        self._core.registry.remove(handle)
 

@@ -13,7 +13,7 @@ rows: an active address space lives in the slot of the row it leases, so the dec
 its frontiers by row with no indirection.  Inactive spaces (retained checkpoints) live in slots
 ``>= C`` and hold no row; activating one moves its state into a row slot.
 
-Invariants (checked by ``KVStore.check_invariants``):
+Invariants (checked by ``KVStore.audit_invariants``):
 
 * ``membership[s, :n_blocks[s]]`` are live pages; entries beyond are ``-1``;
 * ``mapped[s] == n_blocks[s] * P >= committed[s] >= protected[s]``;
@@ -24,16 +24,12 @@ Invariants (checked by ``KVStore.check_invariants``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ..geometry import PAGE_SIZE
 from ..errors import InvariantError, StaleHandleError
 from .columns import Column, ColumnTable
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .logical_page import LogicalKVPage
+from .logical_page import GenerationCheckedView, LogicalKVPage
 
 __all__ = ["AddressSpaceTable", "KVAddressSpace"]
 
@@ -184,23 +180,11 @@ class AddressSpaceTable(ColumnTable):
         return out
 
 
-class KVAddressSpace:
+class KVAddressSpace(GenerationCheckedView):
     """Read-only view of one address space (checked against its generation on every access)."""
 
-    __slots__ = ("_rt", "slot", "generation")
-
-    def __init__(self, runtime, slot: int, generation: int):
-        self._rt = runtime
-        self.slot = int(slot)
-        self.generation = int(generation)
-
-    def _s(self) -> int:
-        return self._rt.spaces.check(self.slot, self.generation)
-
-    @property
-    def pool(self):
-        """The :class:`~ninfer_kv.planning.PoolKind` this address space belongs to."""
-        return self._rt.kind
+    __slots__ = ()
+    _TABLE = "spaces"
 
     @property
     def active(self) -> bool:
@@ -216,27 +200,27 @@ class KVAddressSpace:
     @property
     def committed_frontier(self) -> int:
         """Committed tokens: the prefix a consumer may read."""
-        return int(self._rt.spaces.committed[self._s()])
+        return self._int("committed")
 
     @property
     def protected_frontier(self) -> int:
         """Tokens shared with checkpoints: immutable for this space (0 for a root sequence)."""
-        return int(self._rt.spaces.protected[self._s()])
+        return self._int("protected")
 
     @property
     def num_blocks(self) -> int:
         """Logical blocks mapped to pages (``mapped_tokens / P``)."""
-        return int(self._rt.spaces.n_blocks[self._s()])
+        return self._int("n_blocks")
 
     @property
     def mapped_tokens(self) -> int:
         """Tokens the membership covers: ``num_blocks * P`` (>= the committed frontier)."""
-        return int(self._rt.spaces.mapped[self._s()])
+        return self._int("mapped")
 
     @property
     def entitlement_pages(self) -> int:
         """Pages the space is guaranteed to obtain (mapped + reserved)."""
-        return int(self._rt.spaces.ent_pages[self._s()])
+        return self._int("ent_pages")
 
     @property
     def entitlement_tokens(self) -> int:
@@ -260,20 +244,14 @@ class KVAddressSpace:
         """Device page-group IDs of the membership, in logical order."""
         return self._rt.pages.device_page[self.page_slots].astype(np.int32)
 
-    def pages(self) -> "list[LogicalKVPage]":
+    def pages(self) -> list[LogicalKVPage]:
         """The membership as :class:`LogicalKVPage` views, in logical order."""
-        from .logical_page import LogicalKVPage
-
         slots = self.page_slots
         gens = self._rt.pages.generation[slots]
         return [LogicalKVPage(self._rt, int(s), int(g)) for s, g in zip(slots, gens)]
 
-    def __repr__(self) -> str:
-        try:
-            return (
-                f"KVAddressSpace(pool={self.pool.value}, slot={self.slot}, active={self.active}, "
-                f"committed={self.committed_frontier}, blocks={self.num_blocks}, "
-                f"entitlement_pages={self.entitlement_pages})"
-            )
-        except StaleHandleError:
-            return f"KVAddressSpace(slot={self.slot}, gen={self.generation}, stale)"
+    def _describe(self) -> str:
+        return (
+            f"pool={self.pool.value}, slot={self.slot}, active={self.active}, committed={self.committed_frontier}, "
+            f"blocks={self.num_blocks}, entitlement_pages={self.entitlement_pages}"
+        )

@@ -24,7 +24,7 @@ import numpy as np
 from ..geometry import SENTINEL_PAGE
 from .buckets import bucket
 
-__all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS", "SENTINEL_PAGE"]
+__all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS"]
 
 
 PUBLISH_BUCKETS: tuple[int, ...] = (64, 512, 4096, 32768)

@@ -7,18 +7,14 @@ shape per bucket, never one per length.
 
 from __future__ import annotations
 
+from ..step_shapes import ladder_rungs
+
 __all__ = ["ladder", "bucket"]
 
 
 def ladder(first: int, factor: int, cap: int) -> tuple[int, ...]:
     """Bucket sizes ``0, first, first * factor, ...`` up to and including ``cap``."""
-    out = [0]
-    b = first
-    while b < cap:
-        out.append(b)
-        b *= factor
-    out.append(max(cap, 0))
-    return tuple(sorted(set(out)))
+    return tuple(sorted({0, *ladder_rungs(first, factor, max(cap, 0))}))
 
 
 def bucket(n: int, sizes: tuple[int, ...]) -> int:

@@ -17,16 +17,15 @@ __all__ = ["InspectionVerbs"]
 class InspectionVerbs:
     """Read-only views of :class:`~ninfer_kv.store.KVStore`."""
 
-    def __init__(self, core: StoreCore):
-        self.core = core
+    _core: StoreCore
 
     def host_block_table(self, pool="main") -> np.ndarray:
         """A copy of the host mirror of ``pool``'s block tables (includes entries not yet taken)."""
-        return self.core.runtime(pool).table.host.copy()
+        return self._core.runtime(pool).table.host.copy()
 
     def occupancy(self, pool="main") -> PoolOccupancy:
         """``pool``'s :class:`PoolOccupancy`: capacity, allocated / reserved / available pages, logical, shared and Host pages, bytes."""
-        rt = self.core.runtime(pool)
+        rt = self._core.runtime(pool)
         pg, sp = rt.pages, rt.spaces
         live = pg.live
         inactive = sp.live & ~sp.active
@@ -51,33 +50,33 @@ class InspectionVerbs:
     def memory_summary(self) -> StoreMemorySummary:
         """A :class:`StoreMemorySummary` of every pool, the Host arena and the transfer counters (``.table()`` renders it)."""
         return StoreMemorySummary(
-            pools={k: self.occupancy(k) for k in self.core.runtimes},
-            active_sequences=int(self.core.rows.active().size),
-            retained_checkpoints=len(self.core.checkpoints()),
-            host=self.core.host_occupancy(),
-            offloaded_pages=self.core.stats.offloaded_pages,
-            restored_pages=self.core.stats.restored_pages,
+            pools={k: self.occupancy(k) for k in self._core.runtimes},
+            active_sequences=int(self._core.rows.active().size),
+            retained_checkpoints=len(self._core.checkpoints()),
+            host=self._core.host_occupancy(),
+            offloaded_pages=self._core.stats.offloaded_pages,
+            restored_pages=self._core.stats.restored_pages,
         )
 
-    def check_invariants(self) -> None:
+    def audit_invariants(self) -> None:
         """Raise :class:`InvariantError` on any inconsistency (every pool, rows and handles)."""
-        for rt in self.core.runtimes.values():
-            rt.check_invariants(self.core.rows.quarantined)
-        active = self.core.rows.active()
-        for kind, rt in self.core.runtimes.items():
-            if not np.array_equal(np.flatnonzero(rt.spaces.active[: self.core.max_concurrency]), active):
+        for rt in self._core.runtimes.values():
+            rt.audit_invariants(self._core.rows.quarantined)
+        active = self._core.rows.active()
+        for kind, rt in self._core.runtimes.items():
+            if not np.array_equal(np.flatnonzero(rt.spaces.active[: self._core.max_concurrency]), active):
                 raise InvariantError(f"pool {kind.value}: active rows disagree with leased rows")
-        self.core.rows.check_invariants(InvariantError)
-        quarantined = np.zeros_like(self.core.rows.quarantined)
-        for h in self.core.sequences():
-            rec = self.core.registry.get(h)
-            if self.core.rows.owner[rec.row] != h.id:
+        self._core.rows.audit_invariants(InvariantError)
+        quarantined = np.zeros_like(self._core.rows.quarantined)
+        for h in self._core.sequences():
+            rec = self._core.registry.get(h)
+            if self._core.rows.owner[rec.row] != h.id:
                 raise InvariantError(f"sequence {h.id} does not own its row")
             quarantined[rec.row] = rec.lost is not None
-        if not np.array_equal(quarantined, self.core.rows.quarantined):
+        if not np.array_equal(quarantined, self._core.rows.quarantined):
             raise InvariantError("quarantined rows disagree with the sequences a resync found lost")
-        if self.core.host is not None:
-            self.core.host.check_invariants()
+        if self._core.host is not None:
+            self._core.host.audit_invariants()
 
     def snapshot(self) -> dict:
         """A comparable deep copy of every piece of semantic state (for tests and debugging).
@@ -86,70 +85,70 @@ class InspectionVerbs:
         a store whose snapshot equals the one taken before it.  The Host transfer counters
         (:attr:`stats`) and the arena's handle bookkeeping are not part of it."""
         return {
-            "pools": {k.value: rt.snapshot() for k, rt in self.core.runtimes.items()},
-            "rows": self.core.rows.snapshot(),
-            "work_serial": self.core.work_serial,
-            "registry": self.core.registry.snapshot(),
-            "host": None if self.core.host is None else self.core.host.snapshot(),
+            "pools": {k.value: rt.snapshot() for k, rt in self._core.runtimes.items()},
+            "rows": self._core.rows.snapshot(),
+            "work_serial": self._core.work_serial,
+            "registry": self._core.registry.snapshot(),
+            "host": None if self._core.host is None else self._core.host.snapshot(),
         }
 
     def pool(self, pool="main"):
         """The :class:`DevicePagePool` of ``pool`` (a ``PoolKind`` or its name)."""
-        return self.core.runtime(pool).pool
+        return self._core.runtime(pool).pool
 
     def layout(self, pool="main"):
         """The :class:`PagedKVStorageLayout` of ``pool``."""
-        return self.core.runtime(pool).layout
+        return self._core.runtime(pool).layout
 
     def row(self, handle: SequenceHandle) -> int:
         """The execution row (block-table row in every pool) of an active sequence."""
-        return self.core.sequence_record(handle).row
+        return self._core.sequence_record(handle).row
 
     def bundle(self, handle: SequenceHandle) -> SequenceKVBundle:
         """The :class:`SequenceKVBundle` of an active sequence: its row and its address space in every pool."""
-        rec = self.core.sequence_record(handle)
+        rec = self._core.sequence_record(handle)
         spaces = {
-            k: KVAddressSpace(rt, rec.row, int(rt.spaces.generation[rec.row])) for k, rt in self.core.runtimes.items()
+            k: KVAddressSpace(rt, rec.row, int(rt.spaces.generation[rec.row])) for k, rt in self._core.runtimes.items()
         }
         return SequenceKVBundle(handle, rec.row, spaces)
 
     def address_space(self, handle, pool="main") -> KVAddressSpace:
         """The address space of a sequence or checkpoint in ``pool``."""
-        rec = self.core.registry.get(handle)
-        rt = self.core.runtime(pool)
+        rec = self._core.registry.get(handle)
+        rt = self._core.runtime(pool)
         slot = rec.slots[rt.kind]
         return KVAddressSpace(rt, slot, int(rt.spaces.generation[slot]))
 
     def checkpoint(self, handle: CheckpointHandle) -> CheckpointInfo:
         """What a retained checkpoint holds: :class:`CheckpointInfo` (frontiers, state image, reusability, placement)."""
-        rec = self.core.checkpoint_record(handle)
-        frontiers = {k: int(rt.spaces.committed[rec.slots[k]]) for k, rt in self.core.runtimes.items()}
+        rec = self._core.checkpoint_record(handle)
+        frontiers = {k: int(rt.spaces.committed[rec.slots[k]]) for k, rt in self._core.runtimes.items()}
         spaces = {
             k: KVAddressSpace(rt, rec.slots[k], int(rt.spaces.generation[rec.slots[k]]))
-            for k, rt in self.core.runtimes.items()
+            for k, rt in self._core.runtimes.items()
         }
-        placement, counts = self.core.placement(rec)
-        return CheckpointInfo(handle, frontiers, rec.state_image, self.core.reusable(rec), spaces, placement, counts)
+        placement, counts = self._core.placement(rec)
+        return CheckpointInfo(handle, frontiers, rec.state_image, self._core.reusable(rec), spaces, placement, counts)
 
     def lost(self) -> dict:
         """``{handle: {PoolKind: intact frontier}}`` of every sequence and checkpoint quarantined by a
         resync and not yet released or returned to service."""
         out = {}
-        for h in self.core.sequences() + self.core.checkpoints():
-            rec = self.core.registry.get(h)
+        for h in self._core.sequences() + self._core.checkpoints():
+            rec = self._core.registry.get(h)
             if rec.lost is not None:
                 out[h] = dict(rec.lost)
         return out
 
     def active_rows(self) -> np.ndarray:
         """Execution rows leased to active sequences, ascending (``int64 (n,)``)."""
-        return self.core.rows.active()
+        return self._core.rows.active()
 
     def describe(self) -> str:
         """One line: the plan's numbers, the pools' capacities, active sequences and checkpoints."""
-        pools = ", ".join(f"{k.value}:{rt.pool.capacity}" for k, rt in self.core.runtimes.items())
-        host = "" if self.core.host is None else f", host_arena={self.core.host.arena.capacity}"
+        pools = ", ".join(f"{k.value}:{rt.pool.capacity}" for k, rt in self._core.runtimes.items())
+        host = "" if self._core.host is None else f", host_arena={self._core.host.arena.capacity}"
         return (
-            f"KVStore(S={self.core.max_context}, C={self.core.max_concurrency}, L={self.core.logical_pages}, pools=[{pools}], "
-            f"active={int(self.core.rows.active().size)}, checkpoints={len(self.core.checkpoints())}{host})"
+            f"KVStore(S={self._core.max_context}, C={self._core.max_concurrency}, L={self._core.logical_pages}, pools=[{pools}], "
+            f"active={int(self._core.rows.active().size)}, checkpoints={len(self._core.checkpoints())}{host})"
         )

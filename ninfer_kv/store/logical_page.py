@@ -43,7 +43,7 @@ from .columns import Column, ColumnTable
 from .pool import DeviceKVPageLease
 
 
-__all__ = ["ReplicaRef", "HostReplica", "replica_valid", "LogicalPageTable", "LogicalKVPage"]
+__all__ = ["ReplicaRef", "HostReplica", "replica_valid", "LogicalPageTable", "GenerationCheckedView", "LogicalKVPage"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +67,6 @@ class HostReplica:
     page: int
     epoch: int
     coverage: int
-
-    @property
-    def ref(self) -> ReplicaRef:
-        return ReplicaRef(self.epoch, self.coverage)
 
 
 def replica_valid(page_epoch: int, replica: ReplicaRef, columns: int) -> bool:
@@ -339,10 +335,15 @@ class LogicalPageTable(ColumnTable):
         return out
 
 
-class LogicalKVPage:
-    """Read-only view of one logical page descriptor (checked against its generation on access)."""
+class GenerationCheckedView:
+    """Read-only view of one slot of a pool runtime's table, checked against the slot's generation
+    on every access (a :class:`~ninfer_kv.errors.StaleHandleError` once the slot was reclaimed).
+
+    Subclasses name the runtime's table (``_TABLE``) and what their ``repr`` shows (``_describe``).
+    """
 
     __slots__ = ("_rt", "slot", "generation")
+    _TABLE = ""  # the runtime attribute holding the table: "pages" or "spaces"
 
     def __init__(self, runtime, slot: int, generation: int):
         self._rt = runtime
@@ -350,17 +351,37 @@ class LogicalKVPage:
         self.generation = int(generation)
 
     def _s(self) -> int:
-        return self._rt.pages.check(self.slot, self.generation)
+        return getattr(self._rt, self._TABLE).check(self.slot, self.generation)
+
+    def _int(self, column: str) -> int:
+        """The viewed slot's entry of the table column ``column``, as an ``int``."""
+        return int(getattr(getattr(self._rt, self._TABLE), column)[self._s()])
 
     @property
     def pool(self):
-        """The :class:`~ninfer_kv.planning.PoolKind` of the page."""
+        """The :class:`~ninfer_kv.planning.PoolKind` of the viewed pool."""
         return self._rt.kind
+
+    def _describe(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        try:
+            return f"{type(self).__name__}({self._describe()})"
+        except StaleHandleError:
+            return f"{type(self).__name__}(slot={self.slot}, gen={self.generation}, stale)"
+
+
+class LogicalKVPage(GenerationCheckedView):
+    """Read-only view of one logical page descriptor (checked against its generation on access)."""
+
+    __slots__ = ()
+    _TABLE = "pages"
 
     @property
     def epoch(self) -> int:
         """The content epoch (advances when committed columns are withdrawn)."""
-        return int(self._rt.pages.epoch[self._s()])
+        return self._int("epoch")
 
     @property
     def committed_columns(self) -> int:
@@ -371,28 +392,28 @@ class LogicalKVPage:
     @property
     def protected_columns(self) -> int:
         """Columns surviving checkpoints need (never overwritten)."""
-        return int(self._rt.pages.protected[self._s()])
+        return self._int("protected")
 
     @property
     def references(self) -> int:
         """Address spaces (active or retained) that map this page."""
-        return int(self._rt.pages.refs[self._s()])
+        return self._int("refs")
 
     @property
     def active_references(self) -> int:
         """Active address spaces that map this page."""
-        return int(self._rt.pages.active_refs[self._s()])
+        return self._int("active_refs")
 
     @property
     def writer_row(self) -> int | None:
         """The execution row of the single writing address space, or ``None``."""
-        w = int(self._rt.pages.writer[self._s()])
+        w = self._int("writer")
         return None if w < 0 else w
 
     @property
     def pins(self) -> int:
         """Transaction pins: copies in flight that read or write the page."""
-        return int(self._rt.pages.pins[self._s()])
+        return self._int("pins")
 
     @property
     def device_lease(self) -> DeviceKVPageLease | None:
@@ -440,25 +461,13 @@ class LogicalKVPage:
         """The canonical content ``(epoch, committed columns)``."""
         return ReplicaRef(self.epoch, self.committed_columns)
 
-    def device_replica(self) -> ReplicaRef | None:
-        """The Device replica's ``(epoch, coverage)``: the page's device bytes are its canonical copy."""
-        return None if self.device_lease is None else self.canonical
-
-    def host_replica_ref(self) -> ReplicaRef | None:
-        """The Host replica's ``(epoch, coverage)`` as published (valid or not), or ``None``."""
-        r = self.host_replica
-        return None if r is None else r.ref
-
     def replica_valid(self, replica: ReplicaRef, columns: int) -> bool:
         """Whether ``replica`` is valid for the first ``columns`` columns of this page's content."""
         return replica_valid(self.epoch, replica, columns)
 
-    def __repr__(self) -> str:
-        try:
-            return (
-                f"LogicalKVPage(pool={self.pool.value}, slot={self.slot}, gen={self.generation}, "
-                f"epoch={self.epoch}, committed={self.committed_columns}, refs={self.references}, "
-                f"writer={self.writer_row}, device={self.device_lease}, placement={self.placement})"
-            )
-        except StaleHandleError:
-            return f"LogicalKVPage(slot={self.slot}, gen={self.generation}, stale)"
+    def _describe(self) -> str:
+        return (
+            f"pool={self.pool.value}, slot={self.slot}, gen={self.generation}, epoch={self.epoch}, "
+            f"committed={self.committed_columns}, refs={self.references}, writer={self.writer_row}, "
+            f"device={self.device_lease}, placement={self.placement}"
+        )

@@ -328,7 +328,7 @@ class DevicePagePool:
         self._reserved += ids.size
 
     # -- checks ---------------------------------------------------------------------------------------
-    def check_invariants(self) -> None:
+    def audit_invariants(self) -> None:
         """Raise :class:`InvariantError` unless the counts and the free set agree."""
         free_count = int(self._free.sum())
         if free_count != self._free_count:

@@ -197,7 +197,7 @@ class ExecutionRows:
     def snapshot(self) -> dict:
         return {"free_rows": list(self._free), "row_owner": self.owner.copy(), "quarantined": self.quarantined.copy()}
 
-    def check_invariants(self, errors) -> None:
+    def audit_invariants(self, errors) -> None:
         active = set(self.active().tolist())
         if sorted(self._free) != sorted(set(range(self.count)) - active):
             raise errors("free execution rows disagree with leased rows")

@@ -2,39 +2,52 @@
 
 One runtime bundles a :class:`DevicePagePool` (physical IDs, reservations, leases), a
 :class:`LogicalPageTable` (descriptors), an :class:`AddressSpaceTable` (memberships and
-frontiers), a :class:`BlockTableMatrix` (host mirror and pending updates) and the pool's pending
-:class:`~ninfer_kv.store.page_writes.PageWrites` (COW copies and Host restores for the next work).
-It holds no device array.  Its methods are the pool-level
-verbs the :class:`~ninfer_kv.store.KVStore` facade composes: vectorized mapping / commit / trim over
-execution rows, activation pieces that return exact undo actions, deactivation and release.
+frontiers), a :class:`BlockTableMatrix` (host mirror and pending updates), the pool's pending
+:class:`~ninfer_kv.store.page_writes.PageWrites` (COW copies and Host restores for the next work)
+and its :class:`FrontierHistory` (what each work dates).  It holds no device array.
+
+It is the one composer of those tables: no other object calls their transitions (enforced by
+``tests/store/test_table_ownership.py``).  Others read the tables directly (``rt.pages.refs``,
+``rt.spaces.pages_of(s)``, ``rt.pool.available``); every change goes through a method here that
+is a transition of the pool, not of one table: the verbs the :class:`~ninfer_kv.store.KVStore`
+facade composes (vectorized mapping / commit / trim over execution rows, activation pieces that
+return exact undo actions, deactivation and release, the repair work) and the steps of the Host
+tier's two state machines (offload: :meth:`PoolRuntime.begin_offload` ->
+:meth:`PoolRuntime.publish_offload` or :meth:`PoolRuntime.unpin`; restore:
+:meth:`PoolRuntime.begin_restore` -> :meth:`PoolRuntime.stage_host_restores` ->
+:meth:`PoolRuntime.publish_restore` or :meth:`PoolRuntime.cancel_restore`).
 
 Vectorized methods validate every input before they change anything.
 
-With a Host tier, ``host`` is the pool's :class:`~ninfer_kv.store.host_replicas.PoolHostReplicas`:
-a page of an inactive checkpoint may then have no Device replica (placement Host-only).  Pages
-referenced by an active address space always have one.  When a descriptor's last reference and pin
-go, its Device lease and its Host extent membership are both released before it is reclaimed.
+With a Host tier, ``host_replicas`` is the pool's
+:class:`~ninfer_kv.store.pool_host_replicas.PoolHostReplicas`: a page of an inactive checkpoint may
+then have no Device replica (placement Host-only).  Pages referenced by an active address space
+always have one.  When a descriptor's last reference and pin go, its Device lease and its Host
+extent membership are both released before it is reclaimed.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from ..geometry import PAGE_SIZE
-from ..planning import PoolKind, PoolPlan
+from ..planning import PoolPlan
+from ..kinds import PoolKind
 from .address_space import AddressSpaceTable
 from ..geometry import SENTINEL_PAGE
 from ..work import PendingWork, PoolWork
 from .block_tables import BlockTableMatrix
 from ..errors import EntitlementError, InvariantError, LifecycleError
+from ..host import HostExtent, HostKVArena
 from .frontier_history import DEFAULT_WINDOW, FrontierHistory
 from .logical_page import LogicalPageTable
 from .pool import DevicePagePool
+from .pool_host_replicas import PoolHostReplicas
 from .page_writes import PageWrites
 
-__all__ = ["PoolRuntime"]
+__all__ = ["PoolRuntime", "RestoreTargets"]
 
 _SHIFT = PAGE_SIZE.bit_length() - 1
 assert 1 << _SHIFT == PAGE_SIZE
@@ -42,10 +55,30 @@ assert 1 << _SHIFT == PAGE_SIZE
 Undo = Callable[[], None]
 
 
+def _runs(rows: np.ndarray, first: np.ndarray, counts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(owner rows, blocks)``: ``counts[i] >= 1`` consecutive blocks of ``rows[i]`` from block
+    ``first[i]``, ``k`` in all."""
+    if k == rows.size:
+        return rows, first
+    owner = np.repeat(rows, counts)
+    return owner, np.arange(k) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(first, counts)
+
+
+class RestoreTargets(NamedTuple):
+    """The Device pages a restore of Host-only pages writes (:meth:`PoolRuntime.begin_restore`):
+    leases ``(ids, generations)`` taken from the available pages (``row`` ``None``) or from
+    ``row``'s reservation, and ``mark``, the pending page writes before the copy."""
+
+    ids: np.ndarray
+    generations: np.ndarray
+    row: int | None
+    mark: tuple[int, int]
+
+
 class PoolRuntime:
     """The state of one pool of a :class:`KVStore`."""
 
-    def __init__(self, plan: PoolPlan, *, lead_tokens: int, history_window: int = DEFAULT_WINDOW):
+    def __init__(self, plan: PoolPlan, *, lead_tokens: int, history_window: int = DEFAULT_WINDOW) -> None:
         self.kind: PoolKind = plan.kind
         self.layout = plan.layout
         self.page_size = PAGE_SIZE
@@ -59,21 +92,16 @@ class PoolRuntime:
         self.table = BlockTableMatrix(self.rows, self.logical_pages)
         self.writes = PageWrites(plan.layout, plan.physical_pages)
         self.history = FrontierHistory(self.rows, history_window)
-        self.host = None  # PoolHostReplicas when the store has a Host tier
+        self.host_replicas: PoolHostReplicas | None = None  # with a Host tier (attach_host)
         self._fills = 0  # page writes recorded so far (their order, for a replay)
 
     # -- round work -------------------------------------------------------------------------------------
-    @property
-    def epoch(self) -> int:
-        """Works taken so far: the serial of the work that carries what is recorded now."""
-        return self.history.takes
-
     def take_work(self, writes: PageWrites | None = None) -> PoolWork:
         """This pool's part of the next round work: the dirty table entries and the pending page
         writes (or ``writes`` instead, leaving the pending ones for the next take, which their pages'
         fill records then name); dates the take."""
         if writes is not None:
-            self.pages.defer_fills(self.epoch)
+            self.pages.defer_fills(self.history.takes)
         copies, restores, payload = (self.writes if writes is None else writes).take()
         work = PoolWork(tables=self.table.take(), copies=copies, restores=restores, payload=payload,
                         pad_row=self.rows, pad_page=self.pool.capacity)
@@ -85,41 +113,94 @@ class PoolRuntime:
         copies, restores = self.writes.counts()
         return PendingWork(tables=self.table.pending, copies=copies, restores=restores)
 
-    def _next_fills(self, n: int) -> np.ndarray:
+    def _record_fills(self, slots: np.ndarray, src: np.ndarray, src_gen: np.ndarray, columns: np.ndarray) -> None:
+        """The Device pages of ``slots`` are filled by the next work, in the order recorded: copies of
+        ``columns`` columns from pages ``src`` (generations ``src_gen``), or Host restores (``src == -1``)."""
+        n = int(np.size(slots))
         seq = np.arange(self._fills, self._fills + n, dtype=np.int64)
         self._fills += n
-        return seq
+        self.pages.record_fill(slots, self.history.takes, seq, src, src_gen, columns)
 
     # -- transitions the Host tier composes (it changes pool and page state only through these) ---------
-    def pin(self, slots: np.ndarray) -> None:
-        """One transaction pin more on each page (a copy in flight reads or writes it)."""
+    def attach_host(self, arena: HostKVArena) -> PoolHostReplicas:
+        """Give this pool its Host replica table over ``arena`` (the store's Host tier does, once)."""
+        self.host_replicas = PoolHostReplicas(self.pages, self.layout, self.kind.value, arena)
+        return self.host_replicas
+
+    def host_replica_valid(self, slots: np.ndarray) -> np.ndarray:
+        """Per page: a Host replica valid for the page's committed columns."""
+        return self.pages.host_valid(slots, self.page_committed(slots))
+
+    def begin_offload(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The Device replicas of ``slots`` become the sources of an offload copy: each page gets a
+        transaction pin (nothing releases, trims or rewrites it until :meth:`publish_offload` or
+        :meth:`unpin`).  Returns their leases ``(ids, generations)``."""
+        pg = self.pages
+        leases = pg.device_page[slots].copy(), pg.device_gen[slots].copy()
+        pg.pin(slots)
+        return leases
+
+    def publish_offload(self, slots: np.ndarray, extent: HostExtent, epochs: np.ndarray,
+                        coverages: np.ndarray) -> None:
+        """Publish a verified offload (infallible): page ``i`` of ``extent`` becomes the Host replica
+        ``(epochs[i], coverages[i])`` of ``slots[i]``, replacing a stale one; the copy's pins go."""
+        pg = self.pages
+        stale = slots[pg.host_page[slots] >= 0]
+        if stale.size:
+            self.release_host_replicas(stale)
+        pg.publish_host_replicas(slots, extent, epochs, coverages)
+        self.host_replicas.hold(extent, slots.size)
+        self.unpin(slots)
+
+    def release_host_replicas(self, slots: np.ndarray) -> None:
+        """Drop the Host replicas of ``slots``; an extent whose last page goes is freed (infallible)."""
+        self.host_replicas.release(self.pages.clear_host_replicas(slots))
+
+    def begin_restore(self, slots: np.ndarray, row: int | None = None) -> RestoreTargets:
+        """Lease a Device page for each Host-only page of ``slots`` — from the available pages
+        (``row`` ``None``) or from ``row``'s reservation — and pin the pages for the copy; the
+        leases stay unpublished until :meth:`publish_restore` (or go back by :meth:`cancel_restore`)."""
+        mark = self.writes.mark()
+        if row is None:
+            ids, gens = self.pool.acquire(slots.size)
+        else:
+            ids, gens = self.pool.materialize(row, slots.size)
         self.pages.pin(slots)
+        return RestoreTargets(ids, gens, row, mark)
 
-    def acquire_pages(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Lease ``count`` available Device pages outside any reservation: ``(ids, generations)``."""
-        return self.pool.acquire(count)
+    def stage_host_restores(self, slots: np.ndarray, ids: np.ndarray, writes: PageWrites | None = None) -> None:
+        """Record the Host replicas of ``slots`` as whole-page writes onto Device pages ``ids``
+        (logical order) in the pending page writes (the next work), or in ``writes`` (a repair's)."""
+        into = self.writes if writes is None else writes
+        for dst, planes, index in self.host_replicas.restore_sources(slots, ids):
+            into.restore(dst, planes, index)
 
-    def undo_acquire_pages(self, ids: np.ndarray) -> None:
-        """Exact inverse of :meth:`acquire_pages`."""
-        self.pool.undo_acquire(ids)
+    def _return_leases(self, targets: RestoreTargets) -> None:
+        """Forget the page writes staged since ``targets`` began and give its leases back."""
+        self.writes.rollback(targets.mark)
+        if targets.row is None:
+            self.pool.undo_acquire(targets.ids)
+        else:
+            self.pool.undo_materialize(targets.row, targets.ids)
 
-    def materialize_pages(self, row: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Lease ``count`` Device pages from ``row``'s reservation: ``(ids, generations)``."""
-        return self.pool.materialize(row, count)
+    def cancel_restore(self, slots: np.ndarray, targets: RestoreTargets) -> None:
+        """Exact inverse of :meth:`begin_restore` and the staging after it (before publication)."""
+        self.unpin(slots)
+        self._return_leases(targets)
 
-    def undo_materialize_pages(self, row: int, ids: np.ndarray) -> None:
-        """Exact inverse of :meth:`materialize_pages`."""
-        self.pool.undo_materialize(row, ids)
+    def publish_restore(self, slots: np.ndarray, targets: RestoreTargets) -> None:
+        """The leases of ``targets`` become the Device replicas of ``slots``, filled from their Host
+        replicas by the next work (a fill record each); the copy's pins go."""
+        n = int(slots.size)
+        self.pages.set_device(slots, targets.ids, targets.generations)
+        self._record_fills(slots, np.full(n, -1), np.zeros(n, np.int64), np.full(n, PAGE_SIZE))
+        self.unpin(slots)
 
-    def publish_device_replicas(self, slots: np.ndarray, ids: np.ndarray, generations: np.ndarray) -> None:
-        """Leases ``(ids, generations)`` become the Device replicas of ``slots``, filled from their
-        Host replicas by the next work."""
-        self.pages.set_device(slots, ids, generations)
-        self.record_restores(slots)
-
-    def unpublish_device_replicas(self, slots: np.ndarray) -> None:
-        """Exact inverse of :meth:`publish_device_replicas` (the caller gives the leases back)."""
+    def undo_restore(self, slots: np.ndarray, targets: RestoreTargets) -> None:
+        """Exact inverse of a published restore (an activation's rollback): the pages are Host-only
+        again, the staged page writes forgotten, the leases back where they came from."""
         self.pages.clear_device(slots)
+        self._return_leases(targets)
 
     def drop_device_replicas(self, slots: np.ndarray) -> None:
         """Release the Device leases of ``slots`` (their Host replicas remain)."""
@@ -127,39 +208,15 @@ class PoolRuntime:
         self.pool.release(pg.device_page[slots], pg.device_gen[slots])
         pg.clear_device(slots)
 
-    def publish_host_replicas(self, slots: np.ndarray, extent, epochs: np.ndarray, coverages: np.ndarray) -> None:
-        """Page ``i`` of ``extent`` becomes the Host replica ``(epochs[i], coverages[i])`` of ``slots[i]``."""
-        self.pages.publish_host_replicas(slots, extent, epochs, coverages)
-
-    def clear_host_replicas(self, slots: np.ndarray) -> list:
-        """Drop the Host replicas of ``slots``; returns their former extents, in order."""
-        return self.pages.clear_host_replicas(slots)
-
-    def stage_host_restores(self, slots: np.ndarray, ids: np.ndarray) -> None:
-        """Record the Host replicas of ``slots`` as page writes onto Device pages ``ids`` (next work)."""
-        self.host.stage_restores(slots, ids, self.writes)
-
-    def mark_writes(self):
-        """A mark of the pending page writes, for :meth:`rollback_writes`."""
-        return self.writes.mark()
-
-    def rollback_writes(self, mark) -> None:
-        """Forget every page write recorded since ``mark``."""
-        self.writes.rollback(mark)
-
-    def quarantine_row(self, row: int) -> None:
-        """Row ``row``'s block-table entries become sentinels (a sequence a resync found lost)."""
-        self.table.clear_row(row)
-
-    def republish_tables(self) -> None:
-        """The next take republishes every block-table entry (a resync)."""
+    # -- repair work ------------------------------------------------------------------------------------
+    def take_repair_work(self, replays: PageWrites, quarantined: list[int]) -> PoolWork:
+        """This pool's part of a resync's repair work: rows ``quarantined`` (whose content is lost)
+        get sentinel block-table rows, every block-table entry is republished and ``replays`` are
+        the page writes (:meth:`take_work` with ``writes``)."""
+        for row in quarantined:
+            self.table.clear_row(row)
         self.table.mark_all()
-
-    def record_restores(self, slots: np.ndarray) -> None:
-        """Pages ``slots`` get their Device pages filled from their Host replicas by the next work."""
-        n = int(slots.size)
-        self.pages.record_fill(slots, self.epoch, self._next_fills(n), np.full(n, -1), np.zeros(n, np.int64),
-                               np.full(n, PAGE_SIZE))
+        return self.take_work(writes=replays)
 
     # -- derived page state -----------------------------------------------------------------------------
     def page_committed(self, slots: np.ndarray) -> np.ndarray:
@@ -215,11 +272,7 @@ class PoolRuntime:
         k = sum(counts.tolist()) if n <= 64 else int(counts.sum())  # small sets: Python is cheaper
         # reservation == entitlement - mapped pages for every active row, so it covers ``counts``
         ids, gens = self.pool.materialize_many(r, counts, checked=False, total=k)
-        if k == n:
-            owner, blocks = r, have
-        else:
-            owner = np.repeat(r, counts)
-            blocks = np.arange(k) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(have, counts)
+        owner, blocks = _runs(r, have, counts, k)
         slots = self.pages.create(ids, gens, owner, blocks)
         sp.append_blocks(r, owner, blocks, slots, need)
         self.table.write(owner, blocks, ids)
@@ -269,11 +322,7 @@ class PoolRuntime:
         kb = keep_blocks[over]
         counts = nb[over] - kb
         k = int(counts.sum())
-        if k == r.size:
-            owner, blocks = r, kb
-        else:
-            owner = np.repeat(r, counts)
-            blocks = np.arange(k) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(kb, counts)
+        owner, blocks = _runs(r, kb, counts, k)
         return r, kb, owner, blocks
 
     def check_trim(self, rows: np.ndarray, keep_tokens: np.ndarray, committed: np.ndarray | None = None) -> None:
@@ -364,16 +413,19 @@ class PoolRuntime:
         pg.clear_writer(dead)
         hosted = dead[pg.host_page[dead] >= 0]
         if hosted.size:
-            self.host.detach(hosted)
+            self.release_host_replicas(hosted)
         pg.reclaim(dead)
 
     # -- activation pieces (each returns its exact undo) ----------------------------------------------------
     def claim(self, row: int, bundle: int, ent_pages: int, target: int, growth: bool) -> Undo:
+        """Make the free row slot ``row`` live (empty membership) in bundle ``bundle``, with
+        ``ent_pages`` pages of entitlement towards ``target`` tokens."""
         sp = self.spaces
         sp.claim(row, bundle, ent_pages, target, growth)
         return lambda: sp.clear(row, bump=False)
 
     def reserve(self, row: int, count: int) -> Undo:
+        """``count`` more available Device pages reserved for ``row``."""
         self.pool.reserve(row, count)
         return lambda: self.pool.unreserve(row, count)
 
@@ -400,8 +452,7 @@ class PoolRuntime:
         slot = self.pages.create(ids, gens, row, block)
         mark = self.writes.mark()
         self.writes.copy(pg.device_page[src_page_slot], ids[0], columns)
-        pg.record_fill(slot, self.epoch, self._next_fills(1), np.array([src_page_slot]),
-                       pg.generation[[src_page_slot]], np.array([columns]))
+        self._record_fills(slot, np.array([src_page_slot]), pg.generation[[src_page_slot]], np.array([columns]))
         sp.push_tail(row, block, slot[0], block * PAGE_SIZE + columns)
 
         def undo():
@@ -413,6 +464,7 @@ class PoolRuntime:
         return undo
 
     def publish_row(self, row: int) -> Undo:
+        """Row ``row``'s block-table row mirrors its membership (published by the next take)."""
         saved = self.table.save_row(row)
         slots = self.spaces.pages_of(row)
         self.table.write_row(row, self.pages.device_page[slots].astype(np.int32))
@@ -435,7 +487,7 @@ class PoolRuntime:
         own = slots[protected_blocks:]
         hosted = own[pg.host_page[own] >= 0]
         if hosted.size:  # a writable page keeps no Host replica: its content is about to move on
-            self.host.detach(hosted)
+            self.release_host_replicas(hosted)
         pg.set_writer(own, row, np.arange(protected_blocks, slots.size))
         sp.activate(row, protected)
 
@@ -564,10 +616,10 @@ class PoolRuntime:
         wrote: dict[int, int] = {}  # Device page slot -> columns the repair work writes into it
         # Host replicas first: they depend on nothing on the device
         short = np.flatnonzero(on_device & ~pending & (ok < need))
-        if short.size and self.host is not None:
+        if short.size and self.host_replicas is not None:
             hosted = short[pg.host_valid(short, need[short])]
             if hosted.size:
-                self.host.stage_restores(hosted, pg.device_page[hosted], replays)
+                self.stage_host_restores(hosted, pg.device_page[hosted], replays)
                 ok[hosted] = need[hosted]
                 missed[hosted] = False
                 wrote.update(dict.fromkeys(hosted.tolist(), PAGE_SIZE))
@@ -581,8 +633,8 @@ class PoolRuntime:
                 same = bool(pg.live[src]) and pg.generation[src] == pg.fill_src_gen[d]
                 readable = same and pg.device_page[src] >= 0 and not pending[src]
                 held = min(columns, int(ok[src]), wrote.get(src, PAGE_SIZE)) if readable else 0
-                if same and held < columns and self.host is not None and pg.host_valid(np.array([src]), columns)[0]:
-                    self.host.stage_restores(np.array([src]), pg.device_page[[d]], replays)
+                if same and held < columns and self.host_replicas is not None and pg.host_valid(np.array([src]), columns)[0]:
+                    self.stage_host_restores(np.array([src]), pg.device_page[[d]], replays)
                     ok[d], wrote[d] = columns, PAGE_SIZE
                     continue
                 if readable:
@@ -621,14 +673,14 @@ class PoolRuntime:
         return min(columns, cols, int(ok[s]))
 
     # -- checks ---------------------------------------------------------------------------------------------------
-    def check_invariants(self, quarantined: np.ndarray | None = None) -> None:
+    def audit_invariants(self, quarantined: np.ndarray | None = None) -> None:
         """Raise :class:`InvariantError` on any inconsistency of this pool's state.
 
         ``quarantined``: active rows whose content a resync found lost; their block-table rows hold
         sentinels instead of their membership."""
         name = self.kind.value
         pool, pg, sp = self.pool, self.pages, self.spaces
-        pool.check_invariants()
+        pool.audit_invariants()
         live_sp = np.flatnonzero(sp.live)
         counts = np.zeros(pg.capacity, np.int64)
         active_counts = np.zeros(pg.capacity, np.int64)
@@ -689,7 +741,7 @@ class PoolRuntime:
         pool.check_leases(dev, pg.device_gen[on_device])
         host_only = np.flatnonzero(live & (pg.device_page < 0))
         if host_only.size:
-            if self.host is None:
+            if self.host_replicas is None:
                 raise InvariantError(f"pool {name}: live pages {host_only.tolist()} have no Device replica")
             if (pg.active_refs[host_only] != 0).any() or (pg.writer[host_only] >= 0).any():
                 raise InvariantError(f"pool {name}: a Host-only page is referenced by an active address space")
@@ -699,8 +751,8 @@ class PoolRuntime:
             raise InvariantError(f"pool {name}: a page with a writer has a Host replica")
         if (pg.host_page[~live] >= 0).any() or (pg.device_page[~live] >= 0).any():
             raise InvariantError(f"pool {name}: a free descriptor holds a replica")
-        if self.host is not None:
-            self.host.check_invariants()
+        if self.host_replicas is not None:
+            self.host_replicas.audit_invariants()
         shared = live & (pg.refs > 1)
         if (self.page_committed(np.flatnonzero(shared)) != PAGE_SIZE).any() or (pg.writer[shared] >= 0).any():
             raise InvariantError(f"pool {name}: a shared page is partial or has a writer")

@@ -25,11 +25,12 @@ own (identical) copy.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..planning import MeshKVPlan, PoolKind, PoolPlan
+from ..planning import MeshKVPlan, PoolPlan
+from ..kinds import PoolKind
 from .bundle import CheckpointHandle, SequenceHandle, next_store_serial
 from .entitlement import RoundGrant
 from ..errors import KVStoreError, LifecycleError, RowError, WorkOrderError
@@ -38,10 +39,7 @@ from ..work import OffloadPayload, ShardedRoundWork, stack_works
 from .rows import as_index, as_index_vector
 from .store import KVStore
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..device.state import KVDeviceState
-
-__all__ = ["ShardedKVStore", "ShardedRoundWork", "ShardedSequence", "ShardedCheckpoint", "CrossShardError"]
+__all__ = ["ShardedKVStore", "ShardedSequence", "ShardedCheckpoint", "CrossShardError"]
 
 
 class CrossShardError(KVStoreError, ValueError):
@@ -71,7 +69,7 @@ class ShardedKVStore:
     Args:
       plan: a :class:`MeshKVPlan` (``plan_kv_cache_mesh``).
       mesh: the :class:`~ninfer_kv.device.mesh.KVMesh` the state lives on (its spec must equal the plan's);
-        ``None`` for bookkeeping only (no :meth:`allocate_state`).
+        ``None`` for bookkeeping only (no :func:`~ninfer_kv.device.allocation.allocate_state`).
       host_bytes: capacity of a Host arena *per data shard* (``None``: no Host tier).
       entitlement, requires_state_image, fault_injector: as :class:`KVStore` (every shard).
     """
@@ -97,27 +95,30 @@ class ShardedKVStore:
         )
 
     # -- shards and rows -----------------------------------------------------------------------------
-    def _shard_index(self, shard) -> int:
+    def locate_shard(self, shard) -> int:
+        """``shard`` as an int after checking it names a data shard (``ValueError`` otherwise)."""
         if not isinstance(shard, (int, np.integer)) or isinstance(shard, bool) or not 0 <= shard < self.num_shards:
             raise ValueError(f"shard={shard!r} is invalid; it must be an integer in [0, {self.num_shards - 1}]")
         return int(shard)
 
     def store(self, shard: int) -> KVStore:
         """The :class:`KVStore` of data shard ``shard``."""
-        return self.shards[self._shard_index(shard)]
+        return self.shards[self.locate_shard(shard)]
 
     def shard_of(self, handle: "ShardedSequence | ShardedCheckpoint") -> int:
         """The data shard a sharded sequence or checkpoint lives on."""
-        return self._local(handle)[0]
+        return self.locate(handle)[0]
 
-    def _local(self, handle) -> tuple[int, Any]:
+    def locate(self, handle) -> tuple[int, Any]:
+        """``(data shard, the shard store's own handle)`` of a :class:`ShardedSequence` or
+        :class:`ShardedCheckpoint`."""
         if not isinstance(handle, (ShardedSequence, ShardedCheckpoint)):
             raise TypeError(f"expected a ShardedSequence or ShardedCheckpoint, got {type(handle).__name__}")
-        return self._shard_index(handle.shard), handle.handle
+        return self.locate_shard(handle.shard), handle.handle
 
     def row(self, handle: ShardedSequence) -> int:
         """The global row: ``shard * C_local + local row``."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         return d * self.rows_per_shard + self.shards[d].row(h)
 
     def split_rows(self, rows) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -158,10 +159,10 @@ class ShardedKVStore:
         """Activate a sequence on data shard ``shard`` (chosen by the caller), atomically over the
         shard's pools.  ``source`` must live on the same shard, else :class:`CrossShardError`;
         ``source_tokens`` continues a prefix of it, as in :meth:`KVStore.activate`."""
-        d = self._shard_index(shard)
+        d = self.locate_shard(shard)
         local = None
         if source is not None:
-            s, local = self._local(source)
+            s, local = self.locate(source)
             if not isinstance(source, ShardedCheckpoint):
                 raise TypeError(f"source must be a ShardedCheckpoint, got {type(source).__name__}")
             if s != d:
@@ -176,54 +177,37 @@ class ShardedKVStore:
     def finish(self, handle: ShardedSequence, *, retain: bool = False, state_image: Any = None,
                frontiers: Mapping | None = None) -> ShardedCheckpoint | None:
         """:meth:`KVStore.finish` on the sequence's shard; returns a :class:`ShardedCheckpoint` when retained."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         ck = self.shards[d].finish(h, retain=retain, state_image=state_image, frontiers=frontiers)
         return None if ck is None else ShardedCheckpoint(d, ck)
 
     def release_checkpoint(self, handle: ShardedCheckpoint) -> None:
         """:meth:`KVStore.release_checkpoint` on the checkpoint's shard."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         self.shards[d].release_checkpoint(h)
 
     def checkpoint(self, handle: ShardedCheckpoint):
         """:meth:`KVStore.checkpoint` of a sharded checkpoint (its shard's :class:`CheckpointInfo`)."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         return self.shards[d].checkpoint(h)
 
-    # -- per-handle verbs ------------------------------------------------------------------------------
-    def ensure_mapped_to_tokens(self, handle: ShardedSequence, tokens: int, *, pool="main") -> int:
-        """:meth:`KVStore.ensure_mapped_to_tokens` on the sequence's shard."""
-        d, h = self._local(handle)
-        return self.shards[d].ensure_mapped_to_tokens(h, tokens, pool=pool)
-
-    def commit(self, handle: ShardedSequence, frontier: int, *, pool="main") -> None:
-        """:meth:`KVStore.commit` on the sequence's shard."""
-        d, h = self._local(handle)
-        self.shards[d].commit(h, frontier, pool=pool)
-
-    def trim(self, handle: ShardedSequence, *, pool="main", provisional: int = 0) -> int:
-        """:meth:`KVStore.trim` on the sequence's shard."""
-        d, h = self._local(handle)
-        return self.shards[d].trim(h, pool=pool, provisional=provisional)
-
+    # -- row verbs: global rows, or one sharded sequence -------------------------------------------------
     def truncate(self, handle: ShardedSequence, frontier: int, *, pool="main", provisional: int = 0) -> None:
         """:meth:`KVStore.truncate` on the sequence's shard (also how a quarantined sequence returns)."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         self.shards[d].truncate(h, frontier, pool=pool, provisional=provisional)
 
-    def settle(self, handle: ShardedSequence, accepted_frontier: int, *, pool="main", provisional: int | None = None):
-        """:meth:`KVStore.settle` on the sequence's shard."""
-        d, h = self._local(handle)
-        return self.shards[d].settle(h, accepted_frontier, pool=pool, provisional=provisional)
-
-    # -- vectorized row verbs (global rows) --------------------------------------------------------------
     def _per_shard(self, verb: str, rows, *columns, pool=PoolKind.MAIN) -> int:
-        """Run a row verb per shard: every shard's part is checked first with the shard's public
-        ``check_<verb>`` (which raises exactly what the verb would, changing nothing), then applied,
-        so a refused call changes no shard and raises the error a single store raises."""
+        """Run a row verb per shard: a :class:`ShardedSequence` on its own shard; global rows split
+        by shard, every shard's part checked first with the shard's public ``check_<verb>`` (which
+        raises exactly what the verb would, changing nothing), then applied, so a refused call
+        changes no shard and raises the error a single store raises."""
+        if isinstance(rows, ShardedSequence):
+            d, h = self.locate(rows)
+            return getattr(self.shards[d], verb)(h, *columns, pool=pool)
         rows = as_index_vector("rows", rows)
         groups = self.split_rows(rows)
-        cols = [None if c is None else as_index_vector(verb.split("_")[0] + " values", c) for c in columns]
+        cols = [None if c is None else as_index_vector(verb + " values", c) for c in columns]
         for c in cols:
             if c is not None and c.shape != rows.shape:
                 raise ValueError(f"rows {rows.shape} and the values {c.shape} must be 1-D of one length")
@@ -236,23 +220,25 @@ class ShardedKVStore:
             total += int(got or 0)
         return total
 
-    def map_rows(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
-        """:meth:`KVStore.map_rows` over global rows (each shard maps its own rows); a bad target on
-        any shard refuses the whole call, no shard changed."""
-        return self._per_shard("map_rows", rows, targets, pool=pool)
+    def map(self, rows, targets, *, pool=PoolKind.MAIN) -> int:
+        """:meth:`KVStore.map` over global rows (each shard maps its own rows; a bad target on any
+        shard refuses the whole call, no shard changed) or of one :class:`ShardedSequence`."""
+        return self._per_shard("map", rows, targets, pool=pool)
 
-    def commit_rows(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
-        """:meth:`KVStore.commit_rows` over global rows; every shard's frontiers are checked first."""
-        self._per_shard("commit_rows", rows, frontiers, pool=pool)
+    def commit(self, rows, frontiers, *, pool=PoolKind.MAIN) -> None:
+        """:meth:`KVStore.commit` over global rows (every shard's frontiers checked first) or of one
+        :class:`ShardedSequence`."""
+        self._per_shard("commit", rows, frontiers, pool=pool)
 
-    def trim_rows(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
-        """:meth:`KVStore.trim_rows` over global rows; every shard's part is checked first (pinned
-        pages included), so a refused trim changes no shard."""
-        return self._per_shard("trim_rows", rows, keep_tokens, pool=pool)
+    def trim(self, rows, keep_tokens=None, *, pool=PoolKind.MAIN) -> int:
+        """:meth:`KVStore.trim` over global rows (every shard's part checked first, pinned pages
+        included, so a refused trim changes no shard) or of one :class:`ShardedSequence`."""
+        return self._per_shard("trim", rows, keep_tokens, pool=pool)
 
-    def settle_rows(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
-        """:meth:`KVStore.settle_rows` over global rows; every shard's part is checked first."""
-        return self._per_shard("settle_rows", rows, accepted, provisional, pool=pool)
+    def settle(self, rows, accepted, provisional=None, *, pool=PoolKind.MAIN) -> int:
+        """:meth:`KVStore.settle` over global rows (every shard's part checked first) or of one
+        :class:`ShardedSequence`."""
+        return self._per_shard("settle", rows, accepted, provisional, pool=pool)
 
     def round_boundary(self, rows=None, *, step_tokens: int = 1) -> RoundGrant:
         """:meth:`KVStore.round_boundary` per shard over global rows (default: every active row);
@@ -295,39 +281,12 @@ class ShardedKVStore:
         """The layout each **device** holds (``H_local`` heads): build views inside ``shard_map`` with it."""
         return self.plan.device.pools[PoolKind.parse(pool)].layout
 
-    def allocate_state(self, *, fill=None, memory_kind: str | None = None) -> "KVDeviceState":
-        """A fresh sharded :class:`KVDeviceState` on the mesh: every leaf a ``NamedSharding``
-        (planes ``P(None, data, model)`` / ``P(None, model, data)``, tables ``P(data)``, serial
-        replicated), each device allocating only its own block.  ``memory_kind="pinned_host"`` places
-        the same specs in pinned host memory (a Host-tier copy).  The program is the device layer's
-        (:func:`~ninfer_kv.device.sharded_store.allocate_sharded_state`)."""
-        from ..device.sharded_store import allocate_sharded_state
-
-        return allocate_sharded_state(self, fill=fill, memory_kind=memory_kind)
-
     def take_work(self) -> ShardedRoundWork:
         """Every shard's round work since the last take, stacked per shard (host arrays; apply with
         :func:`~ninfer_kv.device.sharded_ops.sharded_apply_work` after :meth:`ShardedRoundWork.device_put`)."""
         return stack_works([s.take_work() for s in self.shards])
 
-    def apply_work_alone(self, state: "KVDeviceState", work: ShardedRoundWork) -> "KVDeviceState":
-        """Apply a work outside any step: one jitted program over the mesh, the state donated
-        (:func:`~ninfer_kv.device.sharded_store.apply_sharded_work_alone`)."""
-        from ..device.sharded_store import apply_sharded_work_alone
-
-        return apply_sharded_work_alone(self, state, work)
-
-    def take_step_work(self, state: "KVDeviceState", shapes=None):
-        """The sharded :func:`~ninfer_kv.take_step_work`: ``(state, work)`` with ``work`` padded to
-        the step shape (global arrays on the mesh) for a step that applies works; a work that does
-        not fit is padded to the smallest alone shape holding it and applied alone first (jitted,
-        per shard), and the step gets the next, empty, take.  ``shapes`` as there (of one shard)
-        (:func:`~ninfer_kv.device.sharded_store.take_sharded_step_work`)."""
-        from ..device.sharded_store import take_sharded_step_work
-
-        return take_sharded_step_work(self, state, shapes)
-
-    def check_state(self, state: "KVDeviceState") -> None:
+    def require_synced(self, state) -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far (the
         message says what happened and how to repair it: :func:`~ninfer_kv.resync`)."""
         if not hasattr(state, "sync_status"):
@@ -364,43 +323,19 @@ class ShardedKVStore:
         return out
 
     # -- Host tier (one arena per data shard) ------------------------------------------------------------
-    def gather_offload(self, shard: int, plan, state) -> OffloadPayload:
-        """Shard ``shard``'s offload payload for ``plan`` (from that shard's :meth:`KVStore.plan_offload`):
-        every device gathers its own pages and heads inside ``shard_map``; the pages then move to
-        the host through the same specs in ``pinned_host`` memory on a GPU (directly on a CPU,
-        where pinned host memory is ordinary memory).  Needs the shard's devices addressable by
-        this process.  Returns the plan's :class:`OffloadPayload` (naming the plan and its pages).
-        The program is the device layer's (:func:`~ninfer_kv.device.sharded_store.gather_sharded_offload`)."""
-        from ..device.sharded_store import gather_sharded_offload
-
-        return gather_sharded_offload(self, self._shard_index(shard), plan, state)
-
-    def offload_checkpoint(self, handle: ShardedCheckpoint, state):
-        """Plan, gather (per device) and complete the Host offload of a checkpoint on its shard's
-        arena; rolled back fully on any failure.  Returns the shard's ``HostTransferReport``."""
-        d, h = self._local(handle)
-        store = self.shards[d]
-        plan = store.plan_offload(h)
-        try:
-            payload = self.gather_offload(d, plan, state)
-        except BaseException:
-            store.cancel_offload(plan)
-            raise
-        return store.complete_offload(plan, payload)
-
     def drop_device_replica(self, handle: ShardedCheckpoint) -> int:
         """:meth:`KVStore.drop_device_replica` on the checkpoint's shard."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         return self.shards[d].drop_device_replica(h)
 
     def restore_checkpoint(self, handle: ShardedCheckpoint, *, drop_host: bool = False):
         """Host -> Device on the checkpoint's own shard (the pages land with the next work)."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         return self.shards[d].restore_checkpoint(h, drop_host=drop_host)
 
     def release_host_replica(self, handle: ShardedCheckpoint) -> int:
         """:meth:`KVStore.release_host_replica` on the checkpoint's shard."""
-        d, h = self._local(handle)
+        d, h = self.locate(handle)
         return self.shards[d].release_host_replica(h)
 
     # -- inspection ----------------------------------------------------------------------------------
@@ -408,10 +343,10 @@ class ShardedKVStore:
         """The ``(D * C_local, L)`` host mirror (each shard's rows hold that shard's page IDs)."""
         return np.concatenate([s.host_block_table(pool) for s in self.shards])
 
-    def check_invariants(self) -> None:
+    def audit_invariants(self) -> None:
         """Every shard's invariants (pages, references, reservations, tables)."""
         for s in self.shards:
-            s.check_invariants()
+            s.audit_invariants()
 
     def occupancy(self, pool="main") -> list:
         """Every shard's :class:`PoolOccupancy` of ``pool``, in shard order."""

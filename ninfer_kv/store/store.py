@@ -9,31 +9,30 @@ store's round work inside its own jitted step.
 
 Life of a sequence::
 
-    state = store.allocate_state()                 # planes + block tables, caller-owned
+    state = allocate_state(store)                  # planes + block tables, caller-owned (ninfer_kv.device)
     h = store.activate(prompt_tokens, max_new_tokens, source=ckpt_or_None, release_source=False)
-    store.ensure_mapped_to_tokens(h, n)            # before a unit that writes up to n tokens
+    store.map(h, n)                                # before a unit that writes up to n tokens
     work = store.take_work()                       # table rows, COW copies, Host restores
     state, out = step(state, work, ...)            # the jitted step runs apply_work(state, work) first
-    store.commit(h, frontier)                      # only after the unit succeeded
+    store.commit(h, frontier)                      # only after the unit succeeded (or rows, frontiers)
     store.settle(h, accepted, provisional=...)     # speculative: commit accepted, trim rejected tails
     ckpt = store.finish(h, retain=True, state_image=token)   # or retain=False
     store.release_checkpoint(ckpt)
 
 The verb families live in their own modules: :mod:`.activation` (activate, finish, release),
-:mod:`.row_verbs` (map / commit / trim / settle, per handle and vectorized per row),
+:mod:`.row_verbs` (map / commit / trim / settle, by rows or by handle),
 :mod:`.host_verbs` (the Host tier) and :mod:`.inspection` (summaries, invariants, snapshots).
 
-The store is a facade composed over one explicit :class:`~ninfer_kv.store.core.StoreCore`: each
-verb family is its own object over that core, and every public verb below is delegated to exactly
-one family (:data:`VERBS` lists which).
+The store is composed over one explicit :class:`~ninfer_kv.store.core.StoreCore`: each verb family
+is its own class over that core (``ActivationVerbs``, ``RowVerbs``, ``HostVerbs``, ``WorkVerbs``,
+``InspectionVerbs``), and :class:`KVStore` is their union, so every verb is an ordinary method with
+its own signature and documentation.
 """
 
 from __future__ import annotations
 
-import functools
-
 from ..planning import KVPlan, KVPoolSetLayout
-from .activation import ACTIVATION_STAGES, ActivationVerbs
+from .activation import ActivationVerbs
 from .core import FaultInjector, StoreCore
 from .entitlement import EntitlementPolicy
 from .frontier_history import DEFAULT_WINDOW
@@ -42,77 +41,7 @@ from .inspection import InspectionVerbs
 from .row_verbs import RowVerbs
 from .work_verbs import WorkVerbs
 
-__all__ = ["KVStore", "ACTIVATION_STAGES", "FaultInjector", "VERBS"]
-
-VERBS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "_activation": (ActivationVerbs, ("activate", "finish", "release_checkpoint")),
-    "_row_verbs": (
-        RowVerbs,
-        (
-            "check_rows",
-            "check_map_rows",
-            "check_commit_rows",
-            "check_trim_rows",
-            "check_settle_rows",
-            "ensure_mapped_to_tokens",
-            "commit",
-            "trim",
-            "truncate",
-            "settle",
-            "map_rows",
-            "commit_rows",
-            "trim_rows",
-            "settle_rows",
-            "round_boundary",
-        ),
-    ),
-    "_host_verbs": (
-        HostVerbs,
-        (
-            "plan_offload",
-            "gather_offload",
-            "complete_offload",
-            "cancel_offload",
-            "offload_checkpoint",
-            "drop_device_replica",
-            "restore_checkpoint",
-            "release_host_replica",
-            "host_occupancy",
-            "host_counters",
-        ),
-    ),
-    "_work_verbs": (
-        WorkVerbs,
-        ("allocate_state", "take_work", "pending_work", "check_state", "sync_problem", "plan_resync"),
-    ),
-    "_inspection": (
-        InspectionVerbs,
-        (
-            "host_block_table",
-            "occupancy",
-            "memory_summary",
-            "check_invariants",
-            "snapshot",
-            "pool",
-            "layout",
-            "row",
-            "bundle",
-            "address_space",
-            "checkpoint",
-            "lost",
-            "active_rows",
-        ),
-    ),
-}
-"""Every public verb of :class:`KVStore`: ``{attribute: (family class, verb names)}``."""
-
-
-def _delegate(attribute: str, fn):
-    @functools.wraps(fn)
-    def verb(self, *args, **kwargs):
-        return fn(getattr(self, attribute), *args, **kwargs)
-
-    return verb
+__all__ = ["KVStore"]
 
 
 def _core_attribute(name: str, doc: str, settable: bool = False) -> property:
@@ -127,7 +56,7 @@ def _core_attribute(name: str, doc: str, settable: bool = False) -> property:
     return property(get, set_ if settable else None, doc=doc)
 
 
-class KVStore:
+class KVStore(ActivationVerbs, RowVerbs, HostVerbs, WorkVerbs, InspectionVerbs):
     """Host-side KV store over the pools of a plan.
 
     Args:
@@ -185,8 +114,6 @@ class KVStore:
             history_window=history_window,
             identity=identity,
         )
-        for attribute, (family, _) in VERBS.items():
-            setattr(self, attribute, family(core))
 
     @staticmethod
     def _make_arena(host_arena, host_bytes, device):
@@ -228,11 +155,6 @@ class KVStore:
         settable=True,
     )
 
-    @property
-    def host_arena(self):
-        """The :class:`~ninfer_kv.host.HostKVArena` of the Host tier, or ``None``."""
-        return None if self._core.host is None else self._core.host.arena
-
     def sequences(self) -> list:
         """Handles of every active sequence (quarantined ones included)."""
         return self._core.sequences()
@@ -249,10 +171,4 @@ class KVStore:
     _host = property(lambda self: self._core.host)
 
     def __repr__(self) -> str:
-        return self._inspection.describe()
-
-
-for _attribute, (_family, _names) in VERBS.items():
-    for _name in _names:
-        setattr(KVStore, _name, _delegate(_attribute, getattr(_family, _name)))
-del _attribute, _family, _names, _name
+        return self.describe()

@@ -15,6 +15,16 @@ from typing import Mapping
 __all__ = ["PoolOccupancy", "StoreMemorySummary", "HostTransferStats", "HostPoolOccupancy", "HostOccupancy"]
 
 
+
+def _read(part: str, name: str, doc: str) -> property:
+    """A read-only property returning ``self.<part>.<name>``, documented by ``doc``."""
+
+    def get(self):
+        return getattr(getattr(self, part), name)
+
+    get.__doc__ = doc
+    return property(get)
+
 @dataclasses.dataclass(frozen=True)
 class PoolOccupancy:
     """One pool at one instant.
@@ -60,17 +70,21 @@ class PoolOccupancy:
 
     @property
     def allocated_bytes(self) -> int:
+        """Bytes of the pool's allocated pages."""
         return self.allocated * self.page_bytes
 
     @property
     def reserved_bytes(self) -> int:
+        """Bytes of the pool's reserved (entitled, not yet allocated) pages."""
         return self.reserved * self.page_bytes
 
     @property
     def available_bytes(self) -> int:
+        """Bytes of the pool's pages neither allocated nor reserved."""
         return self.available * self.page_bytes
 
     def to_json(self) -> dict:
+        """This summary as plain JSON types (dicts, lists, numbers, strings)."""
         out = dataclasses.asdict(self)
         out.update(
             aliased_blocks=self.aliased_blocks,
@@ -102,6 +116,7 @@ class StoreMemorySummary:
         return sum(p.plane_bytes + p.table_bytes for p in self.pools.values())
 
     def to_json(self) -> dict:
+        """This summary as plain JSON types (dicts, lists, numbers, strings)."""
         return {
             "pools": {getattr(k, "value", k): p.to_json() for k, p in self.pools.items()},
             "active_sequences": self.active_sequences,
@@ -154,9 +169,11 @@ class HostTransferStats:
     released_host_pages: int = 0
 
     def copy(self) -> "HostTransferStats":
+        """An independent copy of the counters."""
         return dataclasses.replace(self)
 
     def to_json(self) -> dict:
+        """This summary as plain JSON types (dicts, lists, numbers, strings)."""
         return dict(vars(self))
 
 
@@ -184,6 +201,7 @@ class HostPoolOccupancy:
     used_bytes: int
 
     def to_json(self) -> dict:
+        """This summary as plain JSON types (dicts, lists, numbers, strings)."""
         return dataclasses.asdict(self)
 
 
@@ -192,29 +210,31 @@ class HostOccupancy:
     """The Host arena (byte-exact extent occupancy), per-pool Host pages and the transfer counters."""
 
     arena: object  # ninfer_kv.host.ExtentOccupancy
-    memory_kind: str
+    staging: str  # the arena's requested staging (ninfer_kv.host.arena.STAGING_MODES)
     pools: Mapping[str, HostPoolOccupancy]
     stats: HostTransferStats
 
-    capacity = property(lambda self: self.arena.capacity)
-    used_bytes = property(lambda self: self.arena.used_bytes, doc="packed bytes of live extents")
-    padding_bytes = property(lambda self: self.arena.padding_bytes)
-    free_bytes = property(lambda self: self.arena.free_bytes)
-    largest_free_extent = property(lambda self: self.arena.largest_free_extent)
-    extent_count = property(lambda self: self.arena.extent_count)
-    free_extent_count = property(lambda self: self.arena.free_extent_count)
-    fragmentation = property(lambda self: self.arena.fragmentation)
-    offloaded_pages = property(lambda self: self.stats.offloaded_pages)
-    restored_pages = property(lambda self: self.stats.restored_pages)
+    capacity = _read("arena", "capacity", "Bytes of the arena buffer.")
+    used_bytes = _read("arena", "used_bytes", "Packed bytes of live extents.")
+    padding_bytes = _read("arena", "padding_bytes", "Alignment padding of live extents, in bytes.")
+    free_bytes = _read("arena", "free_bytes", "Bytes not held by any extent.")
+    largest_free_extent = _read("arena", "largest_free_extent", "Bytes of the largest free range.")
+    extent_count = _read("arena", "extent_count", "Live extents.")
+    free_extent_count = _read("arena", "free_extent_count", "Free ranges.")
+    fragmentation = _read("arena", "fragmentation", "``1 - largest_free_extent / free_bytes`` (0 when nothing is free).")
+    offloaded_pages = _read("stats", "offloaded_pages", "Pages copied Device -> Host so far.")
+    restored_pages = _read("stats", "restored_pages", "Pages copied Host -> Device so far.")
 
     @property
     def host_pages(self) -> int:
+        """Host pages held over every pool."""
         return sum(p.host_pages for p in self.pools.values())
 
     def to_json(self) -> dict:
+        """This summary as plain JSON types (dicts, lists, numbers, strings)."""
         return {
             "arena": self.arena.to_json(),
-            "memory_kind": self.memory_kind,
+            "staging": self.staging,
             "pools": {getattr(k, "value", k): p.to_json() for k, p in self.pools.items()},
             "stats": self.stats.to_json(),
         }

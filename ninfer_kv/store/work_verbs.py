@@ -1,14 +1,13 @@
 """Round works and device states: the verbs that hand work to the device and check what it applied.
 
-``allocate_state`` (a fresh, or blank, :class:`~ninfer_kv.device.state.KVDeviceState`),
 ``take_work`` (every pool's part of the next :class:`~ninfer_kv.work.RoundWork`), ``pending_work``,
-``check_state`` / ``sync_problem`` and ``plan_resync`` (the host half of
-:func:`~ninfer_kv.resync`).  The device layer is reached only to build a state.
+``require_synced`` / ``sync_problem`` and ``plan_resync`` (the host half of
+:func:`~ninfer_kv.resync`).  A state is read only through its host-side record
+(``state.sync_status()``); the device layer (:mod:`ninfer_kv.device`) builds and changes states.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,9 +17,6 @@ from ..work import BLANK, PendingWork, RoundWork, SyncStatus
 from .core import StoreCore
 from .page_writes import PageWrites
 from .repair import ResyncReport, dated_epoch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..device.state import KVDeviceState
 
 __all__ = ["WorkVerbs"]
 
@@ -32,24 +28,7 @@ def _works(n: int) -> str:
 class WorkVerbs:
     """Round-work and device-state verbs of :class:`~ninfer_kv.store.KVStore`."""
 
-    def __init__(self, core: StoreCore):
-        self.core = core
-
-    def allocate_state(self, *, device=None, fill=None) -> "KVDeviceState":
-        """A fresh :class:`KVDeviceState` for this store: zero (or ``fill``) planes, sentinel
-        tables, serial 0.
-
-        After works were taken the fresh state holds none of their content: it is returned
-        *blank* (poisoned: every op over it is dropped) and :func:`~ninfer_kv.resync` brings it in
-        line — restoring what Host replicas hold (a Host-only checkpoint stays intact) and
-        quarantining what is gone.  That is the way back from a state lost to a failed donated
-        step."""
-        device = device if device is not None else self.core.device
-        from ..device.state import KVDeviceState  # the one place the store reaches the device layer
-
-        return KVDeviceState.zeros(
-            self.core.pool_plans, device=device, fill=fill, blank=self.core.work_serial > 0, owner=self.core.identity
-        )
+    _core: StoreCore
 
     def take_work(self) -> RoundWork:
         """Everything the device must do before the next unit reads, since the last take.
@@ -57,15 +36,15 @@ class WorkVerbs:
         Per pool: the block-table entries written since (``int32 (3, U)``), the partial-tail COW
         copies (``int32 (3, K)``) and the Host restores (``int32 (2, R)`` plus the payload), in
         bucketed shapes.  Apply it with :func:`~ninfer_kv.apply_work` (inside the caller's step, or
-        :func:`~ninfer_kv.apply_work_jit`) before the next unit; works apply in order, none skipped.
+        :func:`~ninfer_kv.device.work.apply_work_jit`) before the next unit; works apply in order, none skipped.
         """
-        pools = {kind: rt.take_work() for kind, rt in self.core.runtimes.items()}
+        pools = {kind: rt.take_work() for kind, rt in self._core.runtimes.items()}
         work = RoundWork(
-            serial=np.asarray(self.core.work_serial, np.int32),
+            serial=np.asarray(self._core.work_serial, np.int32),
             pools=pools,
-            store=np.asarray(self.core.identity, np.int32),
+            store=np.asarray(self._core.identity, np.int32),
         )
-        self.core.work_serial += 1
+        self._core.work_serial += 1
         return work
 
     def pending_work(self) -> dict[PoolKind, PendingWork]:
@@ -73,9 +52,9 @@ class WorkVerbs:
         copies, restores)`` — distinct block-table entries, COW copies and Host restores, the entries
         that carry work (``RoundWork.counts()`` gives the bucketed buffer sizes a take pads them to,
         ``PoolWork.used()`` the entries of a taken work that carry work)."""
-        return {k: rt.pending_work() for k, rt in self.core.runtimes.items()}
+        return {k: rt.pending_work() for k, rt in self._core.runtimes.items()}
 
-    def check_state(self, state: "KVDeviceState") -> None:
+    def require_synced(self, state) -> None:
         """Raise :class:`WorkOrderError` unless ``state`` applied exactly the works taken so far, in
         order (reads the state's serial: waits for the state).  The message says what happened and
         how to repair it (:func:`~ninfer_kv.resync`)."""
@@ -87,11 +66,11 @@ class WorkVerbs:
 
     def sync_problem(self, status: SyncStatus) -> str | None:
         """What is wrong with a state at ``status`` (``None``: it applied every work in order)."""
-        taken = self.core.work_serial
+        taken = self._core.work_serial
         fix = "; repair it with `state, report = ninfer_kv.resync(store, state)`"
-        if status.owner not in (0, self.core.identity):
+        if status.owner not in (0, self._core.identity):
             return (
-                f"the device state belongs to store {status.owner}, not to this store ({self.core.identity}): use the "
+                f"the device state belongs to store {status.owner}, not to this store ({self._core.identity}): use the "
                 f"state this store allocated"
             )
         if status.poisoned:
@@ -100,11 +79,11 @@ class WorkVerbs:
                     f"the device state is blank: it was allocated after {_works(taken)} were taken and holds "
                     f"none of their content" + fix
                 )
-            if status.offending_store not in (None, 0, self.core.identity):
+            if status.offending_store not in (None, 0, self._core.identity):
                 return (
                     f"the device state is poisoned: it applied {_works(status.applied)} in order, then was "
                     f"given work {status.offending} of store {status.offending_store}, another store (this one is "
-                    f"{self.core.identity}); since then every op over it is dropped" + fix
+                    f"{self._core.identity}); since then every op over it is dropped" + fix
                 )
             how = "skipped" if status.offending > status.applied else "repeated or reordered"
             return (
@@ -130,55 +109,52 @@ class WorkVerbs:
         Content no source can restore (neither the state, nor a Host replica, nor a replayed copy)
         is quarantined (see :mod:`~ninfer_kv.store.repair`).  Page writes pending before the repair
         ride the take after it.  Returns ``(None, report)`` when the state is already in line."""
-        taken = self.core.work_serial
+        taken = self._core.work_serial
         problem = self.sync_problem(status)
         if problem is None:
             return None, ResyncReport(applied=status.applied, serial=taken)
-        if status.owner not in (0, self.core.identity) or status.applied > taken:
+        if status.owner not in (0, self._core.identity) or status.applied > taken:
             raise WorkOrderError(
                 problem
-                if status.owner not in (0, self.core.identity)
+                if status.owner not in (0, self._core.identity)
                 else (
                     f"the device state applied {status.applied} round works but this store handed out only {taken}: it "
                     f"belongs to another store"
                 )
             )
         epoch, applied = dated_epoch(status), max(0, min(status.applied, taken))
-        cancelled = self.core.host.cancel_all() if self.core.host is not None else 0
-        replays = {kind: PageWrites(rt.layout, rt.pool.capacity) for kind, rt in self.core.runtimes.items()}
-        lost = {kind: rt.plan_resync(epoch, applied, replays[kind]) for kind, rt in self.core.runtimes.items()}
+        cancelled = self._core.host.offload.cancel_all() if self._core.host is not None else 0
+        replays = {kind: PageWrites(rt.layout, rt.pool.capacity) for kind, rt in self._core.runtimes.items()}
+        lost = {kind: rt.plan_resync(epoch, applied, replays[kind]) for kind, rt in self._core.runtimes.items()}
         lost_sequences, lost_checkpoints = {}, {}
+        quarantined: list[int] = []  # rows of sequences whose content is lost
         for kind_name, handles, found in (
-            ("sequence", self.core.sequences(), lost_sequences),
-            ("checkpoint", self.core.checkpoints(), lost_checkpoints),
+            ("sequence", self._core.sequences(), lost_sequences),
+            ("checkpoint", self._core.checkpoints(), lost_checkpoints),
         ):
             for h in handles:
-                rec = self.core.registry.get(h)
-                if not any(rec.slots[k] in lost[k] for k in self.core.runtimes) and rec.lost is None:
+                rec = self._core.registry.get(h)
+                if not any(rec.slots[k] in lost[k] for k in self._core.runtimes) and rec.lost is None:
                     continue
                 intact = {}
-                for k, rt in self.core.runtimes.items():
+                for k, rt in self._core.runtimes.items():
                     slot = rec.slots[k]
                     now = int(rt.spaces.committed[slot])
                     intact[k] = min(lost[k].get(slot, now), (rec.lost or {}).get(k, now))
                 rec.lost = intact
                 found[h] = dict(intact)
                 if kind_name == "sequence":
-                    self.core.rows.set_quarantined(rec.row, True)
-                    for rt in self.core.runtimes.values():
-                        rt.quarantine_row(rec.row)
+                    self._core.rows.set_quarantined(rec.row, True)
+                    quarantined.append(rec.row)
         replayed = {k: w.counts() for k, w in replays.items()}
-        pools = {}
-        for kind, rt in self.core.runtimes.items():
-            rt.republish_tables()
-            pools[kind] = rt.take_work(writes=replays[kind])
+        pools = {kind: rt.take_repair_work(replays[kind], quarantined) for kind, rt in self._core.runtimes.items()}
         work = RoundWork(
-            serial=np.asarray(taken, np.int32), pools=pools, store=np.asarray(self.core.identity, np.int32)
+            serial=np.asarray(taken, np.int32), pools=pools, store=np.asarray(self._core.identity, np.int32)
         )
-        self.core.work_serial += 1
+        self._core.work_serial += 1
         report = ResyncReport(
             applied=status.applied,
-            serial=self.core.work_serial,
+            serial=self._core.work_serial,
             lost_sequences=lost_sequences,
             lost_checkpoints=lost_checkpoints,
             replayed=replayed,

@@ -26,7 +26,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import PagedKVStorageLayout, PlaneOrder
+from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.profiles import KVProfile
 from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
 

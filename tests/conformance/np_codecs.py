@@ -21,10 +21,14 @@ numpy arrays with the plane dtypes of :class:`ninfer_kv.profiles.KVCodec`.
 
 from __future__ import annotations
 
+import dataclasses
+import types
+from typing import Callable, Mapping
+
 import ml_dtypes
 import numpy as np
 
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.profiles import KVCodec, KVProfile
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -73,63 +77,109 @@ def _divide_or_zero(x_groups: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.where(ok, y, F32(0))
 
 
+# -- the codecs, one encoder and one decoder each ----------------------------------------------------
+
+
+def _encode_bf16(x: np.ndarray) -> tuple[np.ndarray, None]:
+    code = x.astype(BF16).view(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), code).astype(np.uint16).view(BF16), None
+
+
+def _encode_int8_g64(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x = _flush(x)
+    g = _groups(x, 64)
+    s = _scale_bf16(np.max(np.abs(g), axis=-1), 127)
+    y = _divide_or_zero(g, s.astype(F32))
+    q = np.clip(np.rint(y), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), s
+
+
+def _encode_fp8_row(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x = _flush(x)
+    g = _groups(x, x.shape[-1])
+    s = _scale_bf16(np.max(np.abs(g), axis=-1), 448)
+    y = _divide_or_zero(g, s.astype(F32))
+    q = np.clip(y, F32(-448), F32(448)).astype(E4M3)
+    q = np.where(_usable(s.astype(F32)), q, np.zeros((), E4M3))
+    return q.reshape(x.shape), s
+
+
+def _encode_nvfp4_g16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x = _flush(x)
+    g = _groups(x, 16)
+    amax = np.max(np.abs(g), axis=-1)
+    with np.errstate(invalid="ignore"):
+        sb = np.minimum(_flush((amax / F32(6)).astype(F32)), F32(448)).astype(E4M3)
+    sb_bits = np.where(np.isnan(amax), np.uint8(0x7F), sb.view(np.uint8)).astype(np.uint8)
+    s = sb_bits.view(E4M3).astype(F32)
+    y = _divide_or_zero(g, s)
+    nib = np.clip(y, F32(-6), F32(6)).astype(E2M1).view(np.uint8) & 0xF
+    nib = np.where(_usable(s), nib, np.uint8(0)).reshape(x.shape).astype(np.uint8)
+    packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+    return packed, sb_bits
+
+
+def _decode_bf16(code: np.ndarray, scale) -> np.ndarray:
+    return code.astype(F32)
+
+
+def _decode_int8_g64(code: np.ndarray, scale) -> np.ndarray:
+    s = np.asarray(scale).astype(F32)
+    g = _groups(code.astype(F32), 64) * s[..., None]
+    return g.reshape(code.shape).astype(F32)
+
+
+def _decode_fp8_row(code: np.ndarray, scale) -> np.ndarray:
+    s = np.asarray(scale).astype(F32)
+    return (code.astype(F32) * s).astype(F32)
+
+
+def _decode_nvfp4_g16(code: np.ndarray, scale) -> np.ndarray:
+    packed = code.astype(np.uint8)
+    nib = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    nib[..., 0::2] = packed & 0xF
+    nib[..., 1::2] = packed >> 4
+    vals = nib.view(E2M1).astype(F32)
+    s = np.asarray(scale).astype(np.uint8).view(E4M3).astype(F32)
+    return (_groups(vals, 16) * s[..., None]).reshape(vals.shape).astype(F32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OracleCodec:
+    """The oracle of one codec: ``encode(x float32 (..., D)) -> (codes, scales or None)`` and
+    ``decode(codes, scales or None) -> float32 (..., D)``."""
+
+    encode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray | None]]
+    decode: Callable[[np.ndarray, np.ndarray | None], np.ndarray]
+
+
+ORACLE_CODECS: Mapping[str, OracleCodec] = types.MappingProxyType({
+    "bf16": OracleCodec(encode=_encode_bf16, decode=_decode_bf16),
+    "int8-g64": OracleCodec(encode=_encode_int8_g64, decode=_decode_int8_g64),
+    "fp8-e4m3fn-row": OracleCodec(encode=_encode_fp8_row, decode=_decode_fp8_row),
+    "nvfp4-g16": OracleCodec(encode=_encode_nvfp4_g16, decode=_decode_nvfp4_g16),
+})
+"""The oracle's codecs by name (the :class:`~ninfer_kv.profiles.KVCodec` values): one row per codec."""
+
+if list(ORACLE_CODECS) != [c.value for c in KVCodec]:  # checked at import: one row per codec, in KVCodec's order
+    raise RuntimeError(f"ORACLE_CODECS must have one row per KVCodec, in its order; rows {list(ORACLE_CODECS)}")
+
+
+def _oracle(codec: str) -> OracleCodec:
+    row = ORACLE_CODECS.get(codec)
+    if row is None:
+        raise ValueError(f"unknown codec {codec!r}")
+    return row
+
+
 def encode(codec: str, x) -> tuple[np.ndarray, np.ndarray | None]:
     """Quantize ``x (..., D)`` -> (codes, scales or None) with the plane dtypes of ``codec``."""
-    x = np.asarray(x).astype(F32)
-    d = x.shape[-1]
-    if codec == "bf16":
-        code = x.astype(BF16).view(np.uint16)
-        return np.where(np.isnan(x), np.uint16(0x7FC0), code).astype(np.uint16).view(BF16), None
-    x = _flush(x)
-    if codec == "int8-g64":
-        g = _groups(x, 64)
-        s = _scale_bf16(np.max(np.abs(g), axis=-1), 127)
-        y = _divide_or_zero(g, s.astype(F32))
-        q = np.clip(np.rint(y), -127, 127).astype(np.int8)
-        return q.reshape(x.shape), s
-    if codec == "fp8-e4m3fn-row":
-        g = _groups(x, d)
-        s = _scale_bf16(np.max(np.abs(g), axis=-1), 448)
-        y = _divide_or_zero(g, s.astype(F32))
-        q = np.clip(y, F32(-448), F32(448)).astype(E4M3)
-        q = np.where(_usable(s.astype(F32)), q, np.zeros((), E4M3))
-        return q.reshape(x.shape), s
-    if codec == "nvfp4-g16":
-        g = _groups(x, 16)
-        amax = np.max(np.abs(g), axis=-1)
-        with np.errstate(invalid="ignore"):
-            sb = np.minimum(_flush((amax / F32(6)).astype(F32)), F32(448)).astype(E4M3)
-        sb_bits = np.where(np.isnan(amax), np.uint8(0x7F), sb.view(np.uint8)).astype(np.uint8)
-        s = sb_bits.view(E4M3).astype(F32)
-        y = _divide_or_zero(g, s)
-        nib = np.clip(y, F32(-6), F32(6)).astype(E2M1).view(np.uint8) & 0xF
-        nib = np.where(_usable(s), nib, np.uint8(0)).reshape(x.shape).astype(np.uint8)
-        packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
-        return packed, sb_bits
-    raise ValueError(f"unknown codec {codec!r}")
+    return _oracle(codec).encode(np.asarray(x).astype(F32))
 
 
 def decode(codec: str, code, scale) -> np.ndarray:
     """Dequantize codes (+ scales) of ``codec`` to float32 ``(..., D)``."""
-    code = np.asarray(code)
-    if codec == "bf16":
-        return code.astype(F32)
-    if codec == "int8-g64":
-        s = np.asarray(scale).astype(F32)
-        g = _groups(code.astype(F32), 64) * s[..., None]
-        return g.reshape(code.shape).astype(F32)
-    if codec == "fp8-e4m3fn-row":
-        s = np.asarray(scale).astype(F32)
-        return (code.astype(F32) * s).astype(F32)
-    if codec == "nvfp4-g16":
-        packed = code.astype(np.uint8)
-        nib = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
-        nib[..., 0::2] = packed & 0xF
-        nib[..., 1::2] = packed >> 4
-        vals = nib.view(E2M1).astype(F32)
-        s = np.asarray(scale).astype(np.uint8).view(E4M3).astype(F32)
-        return (_groups(vals, 16) * s[..., None]).reshape(vals.shape).astype(F32)
-    raise ValueError(f"unknown codec {codec!r}")
+    return _oracle(codec).decode(np.asarray(code), scale)
 
 
 def encode_kv(profile, k, v) -> dict[str, np.ndarray]:

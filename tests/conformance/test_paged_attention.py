@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import PlaneOrder
+from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.views import PagedKVLayerView
 
 from . import backends, np_codecs, np_ops

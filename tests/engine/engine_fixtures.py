@@ -26,7 +26,7 @@ from hf_fixtures import FAMILY_CONFIGS, random_tensors, write_checkpoint  # noqa
 
 from ninfer_kv.engine import LLM, DecoderModel, EngineCore, RequestOutput  # noqa: E402
 from ninfer_kv.models.generate import PagedGenerator  # noqa: E402
-from ninfer_kv.planning import PoolKind  # noqa: E402
+from ninfer_kv.kinds import PoolKind  # noqa: E402
 
 VOCAB = 256
 MAX_MODEL_LEN = 256
@@ -123,7 +123,7 @@ def drain(engine: EngineCore, limit: int = 2000) -> dict[str, RequestOutput]:
 def check_engine(engine: EngineCore) -> None:
     """The store's invariants, leased rows of every running sequence, and the prefix indexes."""
     store = engine.store
-    store.check_invariants()
+    store.audit_invariants()
     active = set(int(r) for r in store.active_rows())
     rows = [s.row for s in engine.running]
     assert len(rows) == len(set(rows)), f"two running sequences share a row: {rows}"
@@ -152,7 +152,7 @@ def assert_store_empty(engine: EngineCore) -> None:
     """After every request finished and ``clear_cache()``: the store holds nothing."""
     assert not engine.has_unfinished() and not engine.running and not engine.jobs
     engine.clear_cache()
-    engine.store.check_invariants()
+    engine.store.audit_invariants()
     occ = engine.store.occupancy()
     assert (occ.allocated, occ.reserved, occ.active_spaces, occ.retained_checkpoints) == (0, 0, 0, 0), occ
     assert len(engine.cache) == 0 and len(engine.pending) == 0 and len(engine.waiting_index) == 0

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_kv.demo.run import MODELS, _params
+from ninfer_kv.demo.config import MODELS
+from ninfer_kv.demo.drafter import demo_params as _params
 from ninfer_kv.engine import DecoderModel, EngineCore, SamplingParams
 from ninfer_kv.models.decoder import ModelConfig
 from ninfer_kv.planning import ExplicitCapacity, SpeculativeConfig, plan_kv_cache

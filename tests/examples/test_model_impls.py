@@ -10,6 +10,7 @@ import pytest
 from model_harness import greedy_decode, make, prefill, random_tables
 from ninfer_kv.models.decoder import ModelConfig, dense_greedy_generate, init_params
 from ninfer_kv.ops import available_impls
+from ninfer_kv.views import allocate_planes
 
 TOL_KERNEL = 1e-3  # kernel implementations vs the dense float32 reference (observed ~3e-5 on CPU)
 
@@ -30,7 +31,7 @@ def test_paged_steps_on_kernel_impls_match_dense(impl, profile):
     rng = np.random.default_rng(7)
     prompt = rng.integers(0, cfg.vocab_size, (2, 150)).astype(np.int32)
     tables = random_tables(rng, 4, 4, 21)
-    planes = steps.config.main_layout.allocate(21)
+    planes = allocate_planes(steps.config.main_layout, 21)
     planes, first = prefill(steps, params, planes, tables, prompt, [3, 1])
     planes, toks, logits, _ = greedy_decode(steps, params, planes, tables, first.next_tokens, 150, [3, 1], 3)
     dense_tokens, dense_logits = dense_greedy_generate(params, cfg, prompt, 4, profile)
@@ -52,7 +53,7 @@ def test_ffi_decode_temp_memory_does_not_grow_with_context():
     temp = []
     for blocks in (4, 64):
         num_pages = 2 * blocks + 1
-        planes = steps.config.main_layout.allocate(num_pages)
+        planes = allocate_planes(steps.config.main_layout, num_pages)
         tables = np.zeros((2, blocks), np.int32)
         one = np.ones((2,), np.int32)
         compiled = steps.decode.lower(params, planes, tables, np.zeros((2, 1), np.int32), one, one, one).compile()

@@ -9,6 +9,7 @@ import pytest
 from model_harness import TOL_BF16, i32, make, prefill, random_tables
 from ninfer_kv.models.decoder import ModelConfig, dense_mtp_forward, init_params
 from ninfer_kv.models.decoder.dense import dense_forward
+from ninfer_kv.views import allocate_planes
 
 C, L = 2, 4
 NUM_MAIN_PAGES = C * L + 2
@@ -35,8 +36,8 @@ def test_mtp_extend_and_draft_match_dense(setup):
     rows = i32([1, 0])
     main_tables = random_tables(rng, C, L, NUM_MAIN_PAGES)
     mtp_tables = random_tables(rng, C, L, NUM_MTP_PAGES)
-    main = steps.config.main_layout.allocate(NUM_MAIN_PAGES)
-    mtp = steps.config.mtp_layout.allocate(NUM_MTP_PAGES, fill=float("nan"))
+    main = allocate_planes(steps.config.main_layout, NUM_MAIN_PAGES)
+    mtp = allocate_planes(steps.config.mtp_layout, NUM_MTP_PAGES, fill=float("nan"))
     assert steps.config.mtp_layout.num_layers == 1
 
     # Main prefill chunk by chunk; the MTP pool follows each chunk with (h_i, t_{i+1}) pairs.
@@ -92,7 +93,7 @@ def test_mtp_padding_rows_write_nothing(setup):
     cfg, params, steps = setup
     rng = np.random.default_rng(9)
     mtp_tables = random_tables(rng, C, L, NUM_MTP_PAGES)
-    mtp = steps.config.mtp_layout.allocate(NUM_MTP_PAGES, fill=float("nan"))
+    mtp = allocate_planes(steps.config.mtp_layout, NUM_MTP_PAGES, fill=float("nan"))
     before = {k: _bits(v) for k, v in mtp.items()}
     hidden = jnp.asarray(rng.standard_normal((2, 1, cfg.d_model)), jnp.float32)
     out = steps.mtp_draft(params, mtp, jnp.asarray(mtp_tables), hidden, i32([[3], [4]]), i32([0, 0]), i32([0, 0]), i32([0, 1]))

@@ -10,6 +10,7 @@ import pytest
 
 from model_harness import TOL_BF16, TOL_QUANT, copy_planes, greedy_decode, i32, make, prefill, random_tables
 from ninfer_kv.models.decoder import ModelConfig, dense_greedy_generate, dense_logits, init_params, pad_rows
+from ninfer_kv.views import allocate_planes
 
 C, L = 4, 4  # 4 execution rows, 256 tokens per row
 NUM_PAGES = C * L + 5
@@ -45,7 +46,7 @@ def test_chunked_prefill_and_decode_match_dense_greedy(profile, head_dim, tol):
     rows = [3, 1]
     num_new = 8
 
-    planes = steps.config.main_layout.allocate(NUM_PAGES)
+    planes = allocate_planes(steps.config.main_layout, NUM_PAGES)
     planes, first = prefill(steps, params, planes, tables, prompt, rows)
     planes, toks, logits, _ = greedy_decode(steps, params, planes, tables, first.next_tokens, 150, rows, num_new - 1)
     paged_tokens = np.concatenate([np.asarray(first.next_tokens)[:, None], toks], axis=1)
@@ -76,7 +77,7 @@ def test_verify_equals_k_plus_one_decode_steps(tiny, bf16_steps):
     prompt = rng.integers(0, cfg.vocab_size, (b, 70)).astype(np.int32)
     tables = random_tables(rng, C, L, NUM_PAGES)
     rows = [2, 0, 3, 1]
-    planes = steps.config.main_layout.allocate(NUM_PAGES)
+    planes = allocate_planes(steps.config.main_layout, NUM_PAGES)
     planes, first = prefill(steps, params, planes, tables, prompt, rows)
     t0 = np.asarray(first.next_tokens)
 
@@ -145,7 +146,7 @@ def test_steps_compile_once_per_bucket(tiny, bf16_steps):
         out = steps.verify(params, out.planes, tables(), ints(cfg.vocab_size, (bucket, 4)), ints(200, bucket), ints(5, bucket), rows)
         return out.planes
 
-    planes = layout.allocate(NUM_PAGES)
+    planes = allocate_planes(layout, NUM_PAGES)
     for bucket in (1, 2):
         planes = run(bucket, planes)  # compiles each step for this bucket unless already compiled
     before = steps.compiles()
@@ -175,7 +176,7 @@ def test_padding_rows_do_not_affect_real_rows(tiny, bf16_steps):
 
     def run(bucket, garbage: bool):
         """Prefill + 3 decode steps of one real row padded to ``bucket`` (poisoned NaN pool)."""
-        planes = layout.allocate(NUM_PAGES, fill=float("nan"))
+        planes = allocate_planes(layout, NUM_PAGES, fill=float("nan"))
         tok = np.zeros((1, 128), np.int32)
         tok[0, :70] = prompt[0]
         padded = pad_rows(tok, [0], [70], [live_row], bucket=bucket, scratch_row=live_row)
@@ -218,7 +219,7 @@ def test_steps_donate_planes_and_tables(tiny, bf16_steps):
     cfg, params = tiny
     steps = bf16_steps
     assert steps.decode.donate_argnums == (1, 2)
-    planes = steps.config.main_layout.allocate(NUM_PAGES)
+    planes = allocate_planes(steps.config.main_layout, NUM_PAGES)
     tables_np = random_tables(np.random.default_rng(0), C, L, NUM_PAGES)
     tables = jnp.asarray(tables_np)
     out = steps.decode(params, planes, tables, i32([[5]]), i32([0]), i32([1]), i32([0]))
@@ -226,13 +227,13 @@ def test_steps_donate_planes_and_tables(tiny, bf16_steps):
     assert all(p.is_deleted() for p in planes.values())
     assert tables.is_deleted()
     np.testing.assert_array_equal(np.asarray(out.block_tables), tables_np)
-    chex.assert_trees_all_equal_shapes_and_dtypes(out.planes, steps.config.main_layout.allocate(NUM_PAGES))
+    chex.assert_trees_all_equal_shapes_and_dtypes(out.planes, allocate_planes(steps.config.main_layout, NUM_PAGES))
 
 
 def test_step_argument_errors(tiny, bf16_steps):
     cfg, params = tiny
     steps = bf16_steps
-    planes = steps.config.main_layout.allocate(NUM_PAGES)
+    planes = allocate_planes(steps.config.main_layout, NUM_PAGES)
     tables = jnp.zeros((C, L), jnp.int32)
     with pytest.raises(ValueError, match="not a bucket"):
         steps.decode(params, planes, tables, i32(np.zeros((3, 1))), i32([0] * 3), i32([1] * 3), i32([0] * 3))

@@ -26,6 +26,7 @@ from ninfer_kv import ffi_ops  # noqa: E402
 from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.profiles import KVProfile  # noqa: E402
 from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.views import allocate_planes
 
 PROFILES = tuple(p.value for p in KVProfile)  # every profile of the spec table
 B, T, H, D, G = 2, 70, 2, 64, 4  # two pages per row; GQA 4
@@ -66,7 +67,7 @@ _attention = jax.jit(ffi_ops.paged_attention)
 
 
 def _append(lay, k, v) -> dict:
-    planes = lay.allocate(TABLE.max() + 1)
+    planes = allocate_planes(lay, TABLE.max() + 1)
     view = PagedKVBatchLayerView(planes, jnp.asarray(TABLE), 0, lay)
     return _append_call(view, TABLE_ROWS, POSITIONS, jnp.asarray(k), jnp.asarray(v), VALID).planes
 

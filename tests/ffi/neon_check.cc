@@ -34,6 +34,8 @@ using namespace ninfer_kv_ffi;
 
 namespace {
 
+// The codecs this check has scalar references for (QuantizeRef, QuantizeInputs, Tokens::Value,
+// RawTokens); the kernels themselves are reached through their codec table.
 constexpr Codec kCodecs[] = {Codec::kBF16, Codec::kInt8G64, Codec::kFp8Row, Codec::kNvfp4G16};
 
 int g_failures = 0;
@@ -71,15 +73,7 @@ void Report(const char* name, int before, long count) {
   std::printf("%s %s (%ld values)\n", g_failures == before ? "ok  " : "FAIL", name, count);
 }
 
-const char* CodecName(Codec c) {
-  switch (c) {
-    case Codec::kBF16: return "bf16";
-    case Codec::kInt8G64: return "int8_g64";
-    case Codec::kFp8Row: return "fp8_row";
-    case Codec::kNvfp4G16: return "nvfp4_g16";
-  }
-  return "?";
-}
+const char* CodecName(Codec c) { return InfoOf(c).name; }
 
 const char* SimdPath() {
 #if defined(__AVX512F__)
@@ -549,12 +543,7 @@ void CheckDecode(std::mt19937& rng) {
             }
           }
           if (d % kVL != 0) continue;  // the fused decoders serve head dims that are multiples of kVL
-          switch (c) {
-            case Codec::kBF16: CheckRowDecoder<Codec::kBF16>(t, &count); break;
-            case Codec::kInt8G64: CheckRowDecoder<Codec::kInt8G64>(t, &count); break;
-            case Codec::kFp8Row: CheckRowDecoder<Codec::kFp8Row>(t, &count); break;
-            case Codec::kNvfp4G16: CheckRowDecoder<Codec::kNvfp4G16>(t, &count); break;
-          }
+          VisitCodec(c, [&](auto codec) { CheckRowDecoder<decltype(codec)::value>(t, &count); });
         }
       }
     }

@@ -25,8 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import KVProfile, PagedKVStorageLayout, codecs, ffi_ops
+from ninfer_kv import codecs, ffi_ops
+from ninfer_kv.profiles import KVProfile
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.views import allocate_planes
 
 pytestmark = pytest.mark.skipif(not ffi_ops.is_available(), reason=f"FFI library unavailable: {ffi_ops.load_error()}")
 
@@ -56,7 +59,7 @@ def _cache(profile: str, k: np.ndarray, v: np.ndarray, rng):
     blocks = -(-s // P)
     lay = PagedKVStorageLayout(profile, 1, h, d, "page-major")
     tables = rng.permutation(b * blocks).reshape(b, blocks).astype(np.int32)
-    view = PagedKVBatchLayerView(lay.allocate(b * blocks), jnp.asarray(tables), 0, lay)
+    view = PagedKVBatchLayerView(allocate_planes(lay, b * blocks), jnp.asarray(tables), 0, lay)
     rows = jnp.arange(b, dtype=jnp.int32)
     view = _append(view, rows, jnp.zeros((b,), jnp.int32), jnp.asarray(k), jnp.asarray(v), jnp.full((b,), s, jnp.int32))
     kq, vq = _roundtrip(KVProfile(profile), jnp.asarray(k), jnp.asarray(v))

@@ -22,7 +22,7 @@ def test_library_is_built_and_loaded():
     assert ffi_ops.is_available(), ffi_ops.load_error()
     assert ffi_ops.load_error() is None
     path = Path(ffi_ops.library_path())
-    assert path.is_file() and path.name == ffi_ops.LIBRARY_NAME
+    assert path.is_file() and path.name == ffi_library.LIBRARY_NAME
     lib = ctypes.CDLL(str(path))
     assert lib.NinferKvFfiAbiVersion() == ffi_ops.ABI_VERSION
     assert lib.NinferKvFfiVectorWidth() in (8, 16)
@@ -31,7 +31,7 @@ def test_library_is_built_and_loaded():
 
 def test_missing_library_gives_rebuild_instructions(monkeypatch, tmp_path):
     lib = ffi_library.Library()
-    monkeypatch.setattr(ffi_library, "_candidates", lambda: [tmp_path / ffi_ops.LIBRARY_NAME])
+    monkeypatch.setattr(ffi_library, "_candidates", lambda: [tmp_path / ffi_library.LIBRARY_NAME])
     lib.load()
     assert lib.lib is None
     assert "pip install -e ." in lib.error and "pip install ." in lib.error
@@ -39,7 +39,7 @@ def test_missing_library_gives_rebuild_instructions(monkeypatch, tmp_path):
     monkeypatch.setattr(ffi_ops, "_LIBRARY", lib)
     assert not ffi_ops.is_available()
     assert ffi_ops.load_error() == lib.error
-    with pytest.raises(ffi_ops.FFIUnavailableError, match="pip install -e"):
+    with pytest.raises(ffi_library.FFIUnavailableError, match="pip install -e"):
         ffi_ops.paged_attention(jnp.zeros((1, 1, 1, 64)), None, None, None, None)
 
 
@@ -49,7 +49,7 @@ def test_a_library_that_is_not_ours_is_skipped(monkeypatch, tmp_path):
 
     if not getattr(_ctypes, "__file__", None):
         pytest.skip("_ctypes is built into this interpreter")
-    fake = tmp_path / ffi_ops.LIBRARY_NAME
+    fake = tmp_path / ffi_library.LIBRARY_NAME
     fake.symlink_to(_ctypes.__file__)
     lib = ffi_library.Library()
     monkeypatch.setattr(ffi_library, "_candidates", lambda: [fake])

@@ -15,6 +15,8 @@ import pytest
 
 from ninfer_kv import ffi_library, ffi_ops
 from ninfer_kv.ops import dispatch
+from ninfer_kv.ops import registry
+from ninfer_kv.views import allocate_planes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,17 +25,19 @@ _PROBE = textwrap.dedent(
     import json, warnings
     warnings.simplefilter("error")  # a fallback warning would be an error
     import jax.numpy as jnp, numpy as np
+    import ninfer_kv.ffi_library as lib
     import ninfer_kv.ffi_ops as f
     from ninfer_kv import PagedKVBatchLayerView, PagedKVStorageLayout, ops
+    from ninfer_kv.views import allocate_planes
 
     def attempt(fn):
         try:
             return {"ok": fn()}
         except Exception as e:  # what was raised, reported to the test
-            return {"error": type(e).__name__, "message": str(e), "ffi_error": isinstance(e, f.FFIUnavailableError)}
+            return {"error": type(e).__name__, "message": str(e), "ffi_error": isinstance(e, lib.FFIUnavailableError)}
 
     lay = PagedKVStorageLayout("bf16", 1, 1, 64)
-    view = PagedKVBatchLayerView(lay.allocate(2), jnp.zeros((1, 2), jnp.int32), 0, lay)
+    view = PagedKVBatchLayerView(allocate_planes(lay, 2), jnp.zeros((1, 2), jnp.int32), 0, lay)
     one = jnp.ones(1, jnp.int32)
     q = jnp.ones((1, 1, 2, 64), jnp.float32)
     print(json.dumps({
@@ -49,11 +53,11 @@ _PROBE = textwrap.dedent(
 
 
 def _probe(library: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != ffi_ops.LIBRARY_ENV}
+    env = {k: v for k, v in os.environ.items() if k != ffi_library.LIBRARY_ENV}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if library is not None:
-        env[ffi_ops.LIBRARY_ENV] = library
+        env[ffi_library.LIBRARY_ENV] = library
     proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -66,16 +70,16 @@ def _assert_refused(res: dict, path: str, why: str) -> None:
         got = res[what]
         assert got.get("error") == "FFILibraryPathError" and got["ffi_error"], (what, got)
         assert path in got["message"] and why in got["message"], (what, got)
-        assert f"unset {ffi_ops.LIBRARY_ENV}" in got["message"] and ffi_ops.LIBRARY_NAME in got["message"]
+        assert f"unset {ffi_library.LIBRARY_ENV}" in got["message"] and ffi_library.LIBRARY_NAME in got["message"]
 
 
 def test_missing_path_is_an_error_naming_it(tmp_path):
-    missing = str(tmp_path / "nowhere" / ffi_ops.LIBRARY_NAME)
+    missing = str(tmp_path / "nowhere" / ffi_library.LIBRARY_NAME)
     _assert_refused(_probe(missing), missing, "not found")
 
 
 def test_file_that_is_not_a_library_is_an_error_naming_it(tmp_path):
-    text = tmp_path / ffi_ops.LIBRARY_NAME
+    text = tmp_path / ffi_library.LIBRARY_NAME
     text.write_text("not a shared library\n")
     _assert_refused(_probe(str(text)), str(text), "not a loadable shared library")
 
@@ -90,7 +94,7 @@ def test_good_path_is_used():
 
 
 def _load_with(monkeypatch, value: str) -> ffi_library.Library:
-    monkeypatch.setenv(ffi_ops.LIBRARY_ENV, value)
+    monkeypatch.setenv(ffi_library.LIBRARY_ENV, value)
     lib = ffi_library.Library()
     lib.load()
     return lib
@@ -109,7 +113,7 @@ def test_every_reason_names_the_path(monkeypatch, tmp_path):
     lib = _load_with(monkeypatch, "missing.so")
     assert f"missing.so (resolved: {tmp_path / 'missing.so'}): not found" in lib.error
     # an empty variable is unset: the usual search runs
-    monkeypatch.setenv(ffi_ops.LIBRARY_ENV, "")
+    monkeypatch.setenv(ffi_library.LIBRARY_ENV, "")
     assert ffi_library._explicit_path() is None and len(ffi_library._candidates()) >= 1
 
 
@@ -117,16 +121,16 @@ def test_auto_raises_instead_of_falling_back(monkeypatch, tmp_path):
     """impl='auto' on a CPU surfaces the bad path (no ImplFallbackWarning, no reference)."""
     bad = _load_with(monkeypatch, str(tmp_path / "gone.so"))
     monkeypatch.setattr(ffi_ops, "_LIBRARY", bad)
-    with pytest.raises(ffi_ops.FFILibraryPathError, match="gone.so: not found"):
+    with pytest.raises(ffi_library.FFILibraryPathError, match="gone.so: not found"):
         ffi_ops.is_available()
     assert "gone.so" in ffi_ops.load_error()  # the diagnostic itself never raises
-    with dispatch.override_impls():  # fresh loads
+    with registry.override_impls():  # fresh loads
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            with pytest.raises(ffi_ops.FFILibraryPathError, match=f"unset {ffi_ops.LIBRARY_ENV}"):
-                dispatch.resolve_impl("auto", platform="cpu")
-            with pytest.raises(ffi_ops.FFILibraryPathError):
-                dispatch.resolve_impl("ffi")
-        assert dispatch.resolve_impl("reference").name == "reference"  # an explicit other impl still works
-    with pytest.raises(ffi_ops.FFILibraryPathError):
+            with pytest.raises(ffi_library.FFILibraryPathError, match=f"unset {ffi_library.LIBRARY_ENV}"):
+                registry.resolve_impl("auto", platform="cpu")
+            with pytest.raises(ffi_library.FFILibraryPathError):
+                registry.resolve_impl("ffi")
+        assert registry.resolve_impl("reference").name == "reference"  # an explicit other impl still works
+    with pytest.raises(ffi_library.FFILibraryPathError):
         ffi_ops.info()

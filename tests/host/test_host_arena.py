@@ -4,15 +4,15 @@ import jax
 import numpy as np
 import pytest
 
-from ninfer_kv import PagedKVStorageLayout
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.host import (
     ExtentAllocationError,
     HostKVArena,
     HostKVPageLayout,
     InvalidPlanError,
     StaleExtentError,
-    select_memory_kind,
 )
+from ninfer_kv.device.staging import select_memory_kind, staging_of, to_device
 from ninfer_kv.host.arena import HOST_BUFFER_ALIGNMENT
 
 
@@ -35,9 +35,9 @@ def test_memory_kind_on_this_platform():
     arena = HostKVArena(4096)
     if device.platform == "cpu":
         # JAX's CPU client lists pinned_host, but it is ordinary memory: the arena uses numpy directly
-        assert arena.memory_kind == "host"
+        assert staging_of(arena).memory_kind == "host"
     else:
-        assert arena.memory_kind == select_memory_kind(device)
+        assert staging_of(arena).memory_kind == select_memory_kind(device)
     assert select_memory_kind(device, "direct") == "host"
     with pytest.raises(ValueError, match="staging='fast'"):
         HostKVArena(4096, staging="fast")
@@ -57,7 +57,7 @@ def test_main_and_backend_extents_of_different_strides_share_the_arena():
     assert occ.used_bytes == 4 * main.stride + 5 * draft.stride  # exact packed bytes
     assert occ.used_bytes + occ.padding_bytes + occ.free_bytes == arena.capacity
     assert len({m.offset, d.offset, m2.offset}) == 3
-    arena.check_invariants()
+    arena.audit_invariants()
 
 
 def test_exhaustion_and_invalid_plan_leave_arena_unchanged():
@@ -87,7 +87,7 @@ def test_to_device_never_aliases_the_arena(committed):
     e = arena.allocate(8192, "main")
     arena.view(e)[:] = 3
     device = jax.devices()[0] if committed else None
-    block = arena.to_device(arena.view(e).reshape(2, 4096), device)
+    block = to_device(arena, arena.view(e).reshape(2, 4096), device)
     block.block_until_ready()
     arena.view(e)[:] = 200
     assert np.all(np.asarray(block) == 3)

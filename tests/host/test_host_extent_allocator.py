@@ -32,7 +32,7 @@ def test_accounting_is_byte_exact_and_padding_separate():
     assert occ.tags["main"].padding_bytes == 212 + 255
     assert occ.tags["mtp"].used_bytes == 256 and occ.tags["mtp"].padding_bytes == 0
     assert occ.to_json()["tags"]["mtp"]["extent_count"] == 1
-    alloc.check_invariants()
+    alloc.audit_invariants()
 
 
 def test_best_fit_picks_smallest_hole_and_free_coalesces():
@@ -52,7 +52,7 @@ def test_best_fit_picks_smallest_hole_and_free_coalesces():
     assert occ.fragmentation == pytest.approx(1 - 7 / 11)
     alloc.free(ext[4])
     assert alloc.free_extents() == [(0, 16 * A)]
-    alloc.check_invariants()
+    alloc.audit_invariants()
 
 
 def test_exhaustion_leaves_state_unchanged_and_names_sizes():
@@ -94,7 +94,7 @@ def test_stale_handles_are_rejected():
     with pytest.raises(TypeError, match="HostExtent"):
         alloc.free("extent")
     assert alloc.snapshot() != before  # `again` was allocated; nothing else changed
-    alloc.check_invariants()
+    alloc.audit_invariants()
 
 
 def test_argument_errors():
@@ -149,7 +149,7 @@ def test_release_earlier_in_recipe_makes_later_allocation_fit():
     (new,) = alloc.execute_plan(recipe)
     assert new.offset == A and new.nbytes == 3 * A
     assert not alloc.is_live(units[2])
-    alloc.check_invariants()
+    alloc.audit_invariants()
 
 
 def test_plan_errors_leave_state_unchanged():
@@ -219,7 +219,7 @@ def test_random_sequences_keep_invariants(ops):
             if len(recipe) == 2:
                 live.remove(recipe[0][1])
             live.extend(new)
-        alloc.check_invariants()  # no overlap, coverage, coalescing, accounting
+        alloc.audit_invariants()  # no overlap, coverage, coalescing, accounting
         # live extents never overlap
         spans = sorted((e.offset, e.end) for e in live)
         assert all(a_end <= b_off for (_, a_end), (b_off, _) in zip(spans, spans[1:]))

@@ -5,12 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import KVProfile, PagedKVStorageLayout, PlaneOrder
+from ninfer_kv.profiles import KVProfile
+from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.device import offload_pages, restore_pages
 from ninfer_kv.host import HostKVArena, HostKVPageLayout, StaleExtentError
 from ninfer_kv.device import host_transfer as transfer_mod
 from ninfer_kv.ops.reference import paged_append_reference, paged_attention_reference
 from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.views import allocate_planes
 
 N = 12
 PATHS = ["packed", "host"]
@@ -206,7 +209,7 @@ def test_attention_over_restored_pages_is_identical(order):
     layout = PagedKVStorageLayout("k8v4", 2, 2, 64, order=order)
     host = HostKVPageLayout(layout)
     n_tok, pages_src, pages_dst = 150, [5, 2, 9], [0, 7, 3]
-    planes = layout.allocate(N, fill=float("nan"))
+    planes = allocate_planes(layout, N, fill=float("nan"))
     tables = jnp.asarray([[5, 2, 9, 0]], jnp.int32)
     keys = jax.random.split(jax.random.key(42), 3)
     k = jax.random.normal(keys[0], (1, n_tok, 2, 64), jnp.float32)
@@ -225,7 +228,7 @@ def test_attention_over_restored_pages_is_identical(order):
     arena = HostKVArena(host.extent_bytes(3))
     extent = arena.allocate(host.extent_bytes(3), "main")
     offload_pages(planes, layout, pages_src, arena, extent)
-    fresh = layout.allocate(N, fill=float("nan"))
+    fresh = allocate_planes(layout, N, fill=float("nan"))
     restored, _ = restore_pages(fresh, layout, pages_dst, arena, extent)
     remapped = jnp.asarray([pages_dst + [0]], jnp.int32)
     for layer in range(2):

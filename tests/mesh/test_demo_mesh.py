@@ -56,11 +56,14 @@ _PLANES_SCRIPT = textwrap.dedent(
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from ninfer_kv.demo import DemoConfig, WorkloadSpec
-    from ninfer_kv.demo.run import validate, _params
+    from ninfer_kv.demo.drafter import demo_params as _params
+    from ninfer_kv.demo.run import validate
     from ninfer_kv.device.mesh import KVMesh
+    from ninfer_kv.device.rounds import take_step_work
     from ninfer_kv.engine import DecoderModel
     from ninfer_kv.engine.data_parallel import DataParallelEngine
-    from ninfer_kv.planning import ExplicitCapacity, PoolKind
+    from ninfer_kv.kinds import PoolKind
+    from ninfer_kv.planning import ExplicitCapacity
     from ninfer_kv.store.sharded import ShardedKVStore
 
     cfg = DemoConfig(workload=WorkloadSpec(requests=2), model="tiny", impl="ffi", max_context=256,
@@ -75,7 +78,7 @@ _PLANES_SCRIPT = textwrap.dedent(
     n_glob, h_glob = plane.shape[1], plane.shape[2]
     local = plane.addressable_shards[0].data.shape
     assert (local[1], local[2]) == (n_glob // 2, h_glob // 4), (plane.shape, local)
-    work = sharded.take_step_work(shared.state, (64, 0, 0))[1]
+    work = take_step_work(sharded, shared.state, (64, 0, 0))[1]
     b = 4
     i32 = jax.ShapeDtypeStruct((b,), np.int32)
     tok = jax.ShapeDtypeStruct((b, 1), np.int32)

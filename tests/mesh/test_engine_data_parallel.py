@@ -17,7 +17,8 @@ _SCRIPT = textwrap.dedent(
     import os
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     import numpy as np
-    from ninfer_kv.demo.run import MODELS, _params
+    from ninfer_kv.demo.config import MODELS
+    from ninfer_kv.demo.drafter import demo_params as _params
     from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.engine import DecoderModel, EngineCore, SamplingParams
     from ninfer_kv.engine.data_parallel import DataParallelEngine
@@ -68,7 +69,7 @@ _SCRIPT = textwrap.dedent(
     assert max(runner.lanes) > 2, runner.lanes  # a mesh step served both shards' rows
     engine.clear_cache()
     for core in engine.cores:
-        core.store.check_invariants()
+        core.store.audit_invariants()
         assert core.store.occupancy().allocated == 0
     print("data parallel ok", len(runner.lanes))
     """

@@ -2,9 +2,10 @@
 
 import pytest
 
+from ninfer_kv.device.memory import capacity_from_device
 from ninfer_kv.mesh_spec import MeshSpec
-from ninfer_kv.planning import (AutomaticCapacity, ExplicitCapacity, ModelKVConfig, PlanBoundError, PoolKind, plan_kv_cache,
-                                plan_kv_cache_mesh)
+from ninfer_kv.planning import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, PlanBoundError, plan_kv_cache, plan_kv_cache_mesh
+from ninfer_kv.kinds import PoolKind
 
 MODEL = ModelKVConfig(4, 8, 128, "k8v4")
 
@@ -75,7 +76,7 @@ class _FakeDevice:
 
 
 def test_from_device_takes_the_minimum_over_devices():
-    policy = AutomaticCapacity.from_device([_FakeDevice(5 << 30), _FakeDevice(3 << 30), _FakeDevice(4 << 30)])
+    policy = capacity_from_device([_FakeDevice(5 << 30), _FakeDevice(3 << 30), _FakeDevice(4 << 30)])
     assert policy.free_bytes == 3 << 30
 
 

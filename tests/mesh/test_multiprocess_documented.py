@@ -110,7 +110,7 @@ _NO_SHARDS = textwrap.dedent(
                               policy=ExplicitCapacity(kv_capacity=512))
     store = ShardedKVStore(plan, mesh)
     rows = store.batch_rows([[store.activate(70, 0, shard=0)], [store.activate(40, 0, shard=1)]], 1)
-    store.map_rows(rows, [70, 40])
+    store.map(rows, [70, 40])
     work = store.take_work()
     host = jax.tree.leaves(work)
     put = jax.tree.leaves(work.device_put(mesh))

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from ninfer_kv.errors import LifecycleError, RowError
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache_mesh
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache_mesh
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.store.sharded import CrossShardError, ShardedCheckpoint, ShardedKVStore, ShardedSequence
+from ninfer_kv.device import allocate_state
 
 PLAN = plan_kv_cache_mesh(ModelKVConfig(1, 4, 64, "bf16"), "data=4,model=2", max_context=256, max_concurrency=8,
                           policy=ExplicitCapacity(4 * 512))
@@ -26,7 +28,7 @@ def test_rows_and_page_ids_are_per_shard():
     assert (store.num_shards, store.rows_per_shard, store.max_concurrency) == (4, 2, 8)
     hs = [store.activate(70, 10, shard=d) for d in (3, 0, 3)]
     assert [store.row(h) for h in hs] == [6, 0, 7]
-    store.map_rows([store.row(h) for h in hs], [70, 70, 70])
+    store.map([store.row(h) for h in hs], [70, 70, 70])
     table = store.host_block_table()
     n_local = PLAN.shard.pools[PoolKind.MAIN].physical_pages
     assert table.shape == (8, PLAN.logical_pages)
@@ -37,7 +39,7 @@ def test_rows_and_page_ids_are_per_shard():
     work = store.take_work()
     assert work.pools[PoolKind.MAIN].tables.shape[0] == 4 and int(work.serial) == 0
     assert [int((w.pools[PoolKind.MAIN].tables[0] != 2).sum()) for w in map(work.shard, range(4))] == [4, 0, 0, 8]  # every entry of an activated row
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_bad_input_changes_nothing():
@@ -53,11 +55,11 @@ def test_bad_input_changes_nothing():
     with pytest.raises(TypeError):
         store.activate(70, 10, shard=2, source=h)
     with pytest.raises(RowError, match="row 8 is outside \\[0, 8\\)"):
-        store.map_rows([8], [10])
+        store.map([8], [10])
     with pytest.raises(ValueError):
-        store.map_rows([store.row(h), 0], [10, 10])  # row 0 (shard 0) is not active
+        store.map([store.row(h), 0], [10, 10])  # row 0 (shard 0) is not active
     with pytest.raises(ValueError, match="must be 1-D of one length"):
-        store.commit_rows([store.row(h)], [10, 10])
+        store.commit([store.row(h)], [10, 10])
     with pytest.raises(ValueError, match="more than batch_per_shard"):
         store.batch_rows([[], [h, h], [], []], 1)
     with pytest.raises(ValueError, match="listed under shard 0"):
@@ -66,7 +68,7 @@ def test_bad_input_changes_nothing():
         store.row("h")
     assert _same(store.snapshot(), before)
     with pytest.raises(LifecycleError, match="without a mesh"):
-        store.allocate_state()
+        allocate_state(store)
 
 
 def test_construction_errors():
@@ -83,8 +85,8 @@ def test_construction_errors():
 def test_forks_stay_in_their_shard():
     store = ShardedKVStore(PLAN)
     h = store.activate(100, 0, shard=2)
-    store.map_rows([store.row(h)], [100])
-    store.commit_rows([store.row(h)], [100])
+    store.map([store.row(h)], [100])
+    store.commit([store.row(h)], [100])
     ck = store.finish(h, retain=True)
     assert isinstance(ck, ShardedCheckpoint) and store.shard_of(ck) == 2
     fork = store.activate(100, 10, shard=store.shard_of(ck), source=ck)
@@ -94,5 +96,5 @@ def test_forks_stay_in_their_shard():
     assert all(store.store(d).sequences() == [] for d in (0, 1, 3))
     store.finish(fork)
     store.release_checkpoint(ck)
-    store.check_invariants()
+    store.audit_invariants()
     assert all(o.available == o.capacity for o in store.occupancy())

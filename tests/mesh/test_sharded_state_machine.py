@@ -83,9 +83,9 @@ class ShardedStoreMachine(RuleBasedStateMachine):
             return
         rows = np.array([self.store.row(h) for h in seqs])
         targets = np.array([self.frontier[h] + step for h in seqs])
-        if self._refused(lambda: self.store.map_rows(rows, targets), EntitlementError):
+        if self._refused(lambda: self.store.map(rows, targets), EntitlementError):
             return
-        self.store.commit_rows(rows, targets)
+        self.store.commit(rows, targets)
         for h, t in zip(seqs, targets):
             self.frontier[h] = int(t)
 
@@ -94,7 +94,7 @@ class ShardedStoreMachine(RuleBasedStateMachine):
         active = {self.store.row(h) for h in self.frontier}
         if row in active:
             return
-        assert self._refused(lambda: self.store.commit_rows([row], [1]), ValueError), f"row {row} was accepted"
+        assert self._refused(lambda: self.store.commit([row], [1]), ValueError), f"row {row} was accepted"
 
     @rule(target=checkpoints, h=consumes(sequences), retain=st.sampled_from([True, True, True, False]))
     def finish(self, h, retain):  # retained 3 times in 4
@@ -118,7 +118,7 @@ class ShardedStoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def shards_are_consistent(self):
-        self.store.check_invariants()
+        self.store.audit_invariants()
         for occ in self.store.occupancy():
             assert occ.allocated + occ.reserved + occ.available == occ.capacity
         per = self.store.rows_per_shard
@@ -130,7 +130,7 @@ class ShardedStoreMachine(RuleBasedStateMachine):
             self.store.finish(h)
         for ck in [k for k in self.home if k not in self.frontier]:
             self.store.release_checkpoint(ck)
-        self.store.check_invariants()
+        self.store.audit_invariants()
         for occ in self.store.occupancy():
             assert occ.available == occ.capacity and occ.logical_pages == 0, occ
 

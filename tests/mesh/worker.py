@@ -17,14 +17,20 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ninfer_kv import PagedKVBatchLayerView, PagedKVStorageLayout, ops  # noqa: E402
+from ninfer_kv import ops  # noqa: E402
+from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.device.mesh import KVMesh  # noqa: E402
 from ninfer_kv.device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention  # noqa: E402
 from ninfer_kv.errors import KVStoreError  # noqa: E402
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache_mesh  # noqa: E402
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache_mesh  # noqa: E402
+from ninfer_kv.kinds import PoolKind  # noqa: E402
 from ninfer_kv.profiles import KVProfile  # noqa: E402
-from ninfer_kv.store import KVDeviceState, KVStore, apply_work_jit  # noqa: E402
+from ninfer_kv.device import KVDeviceState, apply_work_jit  # noqa: E402
+from ninfer_kv.store import KVStore  # noqa: E402
 from ninfer_kv.store.sharded import CrossShardError, ShardedKVStore  # noqa: E402
+from ninfer_kv.device import allocate_state, offload_checkpoint, take_step_work
+from ninfer_kv.views import allocate_planes
 
 PROFILES = tuple(p.value for p in KVProfile)  # every profile of the spec table
 ORDERS = ("page-major", "head-major")
@@ -56,10 +62,10 @@ def _deep_equal(a, b) -> bool:
 
 
 def _global_state(kv_mesh, layout, n_pages: int, tables: np.ndarray):
-    planes = layout.allocate(n_pages, fill=float("nan"))
+    planes = allocate_planes(layout, n_pages, fill=float("nan"))
     kind = PoolKind.MAIN
     state = KVDeviceState(planes={kind: planes}, tables={kind: jnp.asarray(tables)}, serial=jnp.zeros((), jnp.int32),
-                          page_axes=((kind, layout.order.page_axis),))
+                          layouts=((kind, layout),))
     return jax.device_put(state, kv_mesh.state_shardings(state))
 
 
@@ -106,7 +112,7 @@ def ops_equal(spec: str, heads: int, impls: tuple[str, ...], profiles=PROFILES) 
                     return view.planes, ops.paged_attention(q, view, rows, pos, valid, impl=impl)
 
                 s_state, s_out = sharded(state, rows, pos, valid, q, k, v)
-                planes1 = lay_single.allocate(dd * n_local, fill=float("nan"))
+                planes1 = allocate_planes(lay_single, dd * n_local, fill=float("nan"))
                 rows1 = rows  # the same global rows index the single device's (D * C_local, L) table
                 p1, o1 = single(planes1, jnp.asarray(tables_single), rows1, pos, valid,
                                 q[:, :, :: 1], k, v)
@@ -134,7 +140,7 @@ def hlo_no_collectives() -> int:
         plan = plan_kv_cache_mesh(ModelKVConfig(2, 8, D_HEAD, "k8v4"), kv_mesh, max_context=128,
                                   max_concurrency=2 * kv_mesh.data, policy=ExplicitCapacity(256 * kv_mesh.data))
         store = ShardedKVStore(plan, kv_mesh)
-        state = store.allocate_state()
+        state = allocate_state(store)
         work = store.take_work().pad_to(4, 8, 1).device_put(kv_mesh)
         lay = store.layout()
         b = 2 * kv_mesh.data
@@ -177,7 +183,7 @@ def pallas_cuda_lowering() -> int:
     import functools
 
     import pallas_kernels as pk
-    from ninfer_kv.ops.dispatch import OpImpl, register_impl
+    from ninfer_kv.ops import OpImpl, register_impl
 
     triton = functools.partial  # the kernels with interpret=False: the Triton lowering, not the interpreter
     register_impl("pallas-triton", lambda: OpImpl(
@@ -191,7 +197,7 @@ def pallas_cuda_lowering() -> int:
         planes = {k: jax.ShapeDtypeStruct(s, lay_stored.plane_dtypes()[k]) for k, s in lay_stored.plane_shapes(8).items()}
         kind = PoolKind.MAIN
         state = KVDeviceState({kind: planes}, {kind: jax.ShapeDtypeStruct((4, 2), jnp.int32)},
-                              jax.ShapeDtypeStruct((), jnp.int32), ((kind, 1),))
+                              jax.ShapeDtypeStruct((), jnp.int32), ((kind, lay_stored),))
 
         def step(state, rows, pos, q, k):
             state = sharded_paged_append(kv_mesh, state, 0, lay_local, rows, pos, k, k, pos + 1, impl="pallas-triton")
@@ -221,9 +227,9 @@ def store_verbs() -> int:
         plan = plan_kv_cache_mesh(ModelKVConfig(1, 4, D_HEAD, "int8-g64"), kv_mesh, max_context=256,
                                   max_concurrency=2 * dd, policy=ExplicitCapacity(512 * dd))
         store = ShardedKVStore(plan, kv_mesh)
-        state = store.allocate_state(fill=float("nan"))
+        state = allocate_state(store, fill=float("nan"))
         twins = [KVStore(plan.shard) for _ in range(dd)]  # one device per shard, same calls
-        twin_states = [t.allocate_state(fill=float("nan")) for t in twins]
+        twin_states = [allocate_state(t, fill=float("nan")) for t in twins]
         seqs = []
         for d in range(dd):
             h = store.activate(100, 20, shard=d)
@@ -231,12 +237,12 @@ def store_verbs() -> int:
             twins[d].activate(100, 20)
         rows = np.array([store.row(h) for h in seqs], np.int64)
         assert sorted(set((rows // store.rows_per_shard).tolist())) == list(range(dd))
-        store.map_rows(rows, np.full(dd, 100))
-        store.commit_rows(rows, np.full(dd, 100))
+        store.map(rows, np.full(dd, 100))
+        store.commit(rows, np.full(dd, 100))
         for d in range(dd):
             r = np.array([twins[d].row(twins[d].sequences()[0])])
-            twins[d].map_rows(r, [100])
-            twins[d].commit_rows(r, [100])
+            twins[d].map(r, [100])
+            twins[d].commit(r, [100])
         ck = store.finish(seqs[0], retain=True)
         tck = twins[0].finish(twins[0].sequences()[0], retain=True)
         if dd > 1:
@@ -270,15 +276,15 @@ def store_verbs() -> int:
             assert _deep_equal(store.snapshot(), before), f"a failed activation at {stage} changed the store"
         fork = store.activate(100, 10, shard=0, source=ck)  # COW of the 36-token tail within shard 0
         twins[0].activate(100, 10, source=tck)
-        store.check_invariants()
-        state, work = store.take_step_work(state, (4, 0, 0))  # the fork's COW copy is applied alone first
+        store.audit_invariants()
+        state, work = take_step_work(store, state, (4, 0, 0))  # the fork's COW copy is applied alone first
         assert work.counts()[PoolKind.MAIN] == (4, 0, 0)
         for d in range(dd):  # every shard's page IDs are its own: 0 .. N_local - 1
             tab = store.host_block_table()[d * store.rows_per_shard:(d + 1) * store.rows_per_shard]
             used = tab[tab < plan.shard.pools[PoolKind.MAIN].physical_pages]
             assert used.size and used.max() < plan.shard.pools[PoolKind.MAIN].physical_pages
         state = jax.jit(lambda s, w: sharded_apply_work(kv_mesh, s, w))(state, work)
-        store.check_state(state)
+        store.require_synced(state)
         for d in range(dd):
             tw = twins[d].take_work()
             twin_states[d] = apply_work_jit(twin_states[d], tw)
@@ -293,13 +299,13 @@ def store_verbs() -> int:
         grows = np.array([store.row(h) for h in live])
         grant = store.round_boundary(grows, step_tokens=4)
         assert np.array_equal(grant.rows, grows) and not grant.length_limited.any()
-        store.map_rows(grows, np.full(len(live), 104))
-        store.settle_rows(grows, np.full(len(live), 101), np.full(len(live), 101))
-        store.check_invariants()
+        store.map(grows, np.full(len(live), 104))
+        store.settle(grows, np.full(len(live), 101), np.full(len(live), 101))
+        store.audit_invariants()
         if dd > 1:  # the last shard's part is refused: the whole call is, no shard changed
-            for verb, vals in (("map_rows", [110] * (len(live) - 1) + [10**6]),
-                               ("commit_rows", [101] * (len(live) - 1) + [10**6]),
-                               ("settle_rows", [101] * (len(live) - 1) + [50])):
+            for verb, vals in (("map", [110] * (len(live) - 1) + [10**6]),
+                               ("commit", [101] * (len(live) - 1) + [10**6]),
+                               ("settle", [101] * (len(live) - 1) + [50])):
                 before = store.snapshot()
                 try:
                     getattr(store, verb)(grows, np.array(vals))
@@ -309,17 +315,17 @@ def store_verbs() -> int:
                     raise AssertionError(f"{verb} accepted a bad value on the last shard")
                 assert _deep_equal(store.snapshot(), before), f"a refused {verb} changed a shard"
         try:
-            store.map_rows(np.array([grows[0], grows[0]]), [105, 105])  # a row twice: nothing changes anywhere
+            store.map(np.array([grows[0], grows[0]]), [105, 105])  # a row twice: nothing changes anywhere
         except ValueError:
             pass
         else:
             raise AssertionError("a duplicated row was accepted")
-        store.check_invariants()
+        store.audit_invariants()
         store.finish(fork)
         store.release_checkpoint(ck)
         for h in seqs[1:]:
             store.finish(h)
-        store.check_invariants()
+        store.audit_invariants()
         n += 1
     return n
 
@@ -333,47 +339,47 @@ def host_tier() -> int:
     plan = plan_kv_cache_mesh(ModelKVConfig(1, 4, D_HEAD, "k8v4"), kv_mesh, max_context=256, max_concurrency=4,
                               policy=ExplicitCapacity(1024))
     store = ShardedKVStore(plan, kv_mesh, host_bytes=1 << 20)
-    state = store.allocate_state(fill=float("nan"))
-    host_copy = ShardedKVStore(plan, kv_mesh).allocate_state(memory_kind="pinned_host")
+    state = allocate_state(store, fill=float("nan"))
+    host_copy = allocate_state(ShardedKVStore(plan, kv_mesh), memory_kind="pinned_host")
     for x, y in zip(jax.tree.leaves(host_copy), jax.tree.leaves(state)):
         assert x.sharding.memory_kind == "pinned_host" and x.sharding.spec == y.sharding.spec
     del host_copy
     lay = store.layout()
     h = store.activate(100, 0, shard=1)
     rows = store.batch_rows([[], [h]], 1)
-    store.map_rows(rows[1:], [100])
+    store.map(rows[1:], [100])
     rng = np.random.default_rng(3)
     k = rng.standard_normal((2, 100, 4, D_HEAD)).astype(np.float32)
     step = jax.jit(lambda s, w, r, kk: sharded_paged_append(
         kv_mesh, sharded_apply_work(kv_mesh, s, w), 0, lay, r, jnp.zeros(2, jnp.int32), kk, kk,
         jnp.where(r < store.max_concurrency, 100, 0).astype(jnp.int32), impl="ffi"))
     state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows, k)
-    store.commit_rows(rows[1:], [100])
+    store.commit(rows[1:], [100])
     old_ids = store.host_block_table()[rows[1], :2]
     n_loc = plan.shard.pools[PoolKind.MAIN].physical_pages
     before = {n: np.asarray(x)[:, n_loc + old_ids] for n, x in state.planes[PoolKind.MAIN].items()}
     ck = store.finish(h, retain=True)
-    report = store.offload_checkpoint(ck, state)
+    report = offload_checkpoint(store, ck, state)
     assert store.drop_device_replica(ck) == 2, report
     assert store.checkpoint(ck).placement == "host"
     # one compilation whatever the page IDs: a second sequence on the other shard, same shapes
     h_other = store.activate(100, 0, shard=0)
     rows0 = store.batch_rows([[h_other], []], 1)
-    store.map_rows(rows0[:1], [100])
+    store.map(rows0[:1], [100])
     state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows0, k)
-    store.commit_rows(rows0[:1], [100])
+    store.commit(rows0[:1], [100])
     assert step._cache_size() == 1, "the sharded step recompiled for other page IDs"
     store.finish(h_other)
     h2 = store.activate(100, 0, shard=1, source=ck, release_source=True)
     work = store.take_work()
     assert work.counts()[PoolKind.MAIN][2] >= 2  # the two pages come back as restores
     state = jax.jit(lambda s, w: sharded_apply_work(kv_mesh, s, w))(state, work.device_put(kv_mesh))
-    store.check_state(state)
+    store.require_synced(state)
     new_ids = store.host_block_table()[store.row(h2), :2]
     for n, x in state.planes[PoolKind.MAIN].items():
         _same(np.asarray(x)[:, n_loc + new_ids], before[n], f"restored plane {n}")
     store.finish(h2)
-    store.check_invariants()
+    store.audit_invariants()
     return 1
 
 
@@ -392,38 +398,40 @@ def resync_sharded() -> int:
     step's appends are dropped on every device), ``resync`` repairs it per shard and quarantines only
     the sequence that committed after the slip; a blank state allocated later is refused until
     resynced."""
-    from ninfer_kv import SENTINEL_PAGE, LostContentError, resync
-    from ninfer_kv.store import WorkOrderError
+    from ninfer_kv.geometry import SENTINEL_PAGE
+    from ninfer_kv.errors import LostContentError
+    from ninfer_kv.device import resync
+    from ninfer_kv.errors import WorkOrderError
 
     kv_mesh = KVMesh("data=2,model=4")
     plan = plan_kv_cache_mesh(ModelKVConfig(1, 4, D_HEAD, "bf16"), kv_mesh, max_context=256, max_concurrency=4,
                               policy=ExplicitCapacity(1024))
     store = ShardedKVStore(plan, kv_mesh)
-    state = store.allocate_state(fill=float("nan"))
+    state = allocate_state(store, fill=float("nan"))
     lay = store.layout()
     a, b = store.activate(64, 0, shard=0), store.activate(64, 64, shard=1)
     rows = store.batch_rows([[a], [b]], 1)
-    store.map_rows(rows, [64, 64])
+    store.map(rows, [64, 64])
     k = np.random.default_rng(5).standard_normal((2, 64, 4, D_HEAD)).astype(np.float32)
     step = jax.jit(lambda s, w, r, kk, pos, n: sharded_paged_append(
         kv_mesh, sharded_apply_work(kv_mesh, s, w), 0, lay, r, pos, kk, kk, n, impl="ffi"))
     state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows, k, jnp.zeros(2, jnp.int32),
                  jnp.full(2, 64, jnp.int32))
-    store.commit_rows(rows, [64, 64])
-    store.check_state(state)
+    store.commit(rows, [64, 64])
+    store.require_synced(state)
     good = {n: np.asarray(x).copy() for n, x in state.planes[PoolKind.MAIN].items()}
-    store.map_rows(rows[1:], [72])
+    store.map(rows[1:], [72])
     store.take_work()  # skipped
     state = step(state, store.take_work().pad_to(8).device_put(kv_mesh), rows, k, jnp.array([64, 64], jnp.int32),
                  jnp.array([0, 8], jnp.int32))
-    store.commit_rows(rows[1:], [72])  # the caller does not know its tokens were dropped
+    store.commit(rows[1:], [72])  # the caller does not know its tokens were dropped
     assert (np.asarray(state.tables[PoolKind.MAIN]) == SENTINEL_PAGE).all(), "a poisoned shard kept its tables"
     for n, x in state.planes[PoolKind.MAIN].items():
         _same(x, good[n], f"plane {n} after a poisoned step")
-    _refused(lambda: store.check_state(state), WorkOrderError, "skipped", "a poisoned sharded state passed check_state")
+    _refused(lambda: store.require_synced(state), WorkOrderError, "skipped", "a poisoned sharded state passed require_synced")
     state, report = resync(store, state)
-    store.check_state(state)
-    store.check_invariants()
+    store.require_synced(state)
+    store.audit_invariants()
     assert set(report.lost_sequences) == {b} and report.lost_sequences[b][PoolKind.MAIN] == 64, report
     assert set(store.lost()) == {b}
     table = np.asarray(state.tables[PoolKind.MAIN])
@@ -431,11 +439,11 @@ def resync_sharded() -> int:
     _refused(lambda: store.commit(b, 72), LostContentError, "quarantined", "a quarantined sequence accepted a commit")
     store.truncate(b, 64)
     assert store.lost() == {} and (store.host_block_table()[rows[1], :1] >= 0).all()
-    blank = store.allocate_state()
-    _refused(lambda: store.check_state(blank), WorkOrderError, "blank", "a blank sharded state passed check_state")
+    blank = allocate_state(store)
+    _refused(lambda: store.require_synced(blank), WorkOrderError, "blank", "a blank sharded state passed require_synced")
     store.finish(a)
     store.finish(b)
-    store.check_invariants()
+    store.audit_invariants()
     return 1
 
 

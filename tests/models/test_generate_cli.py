@@ -126,7 +126,8 @@ def test_demo_serves_a_checkpoint_and_stops_at_eos(tmp_path, capsys):
     free = json.loads(capsys.readouterr().out)
     assert free["dense_match"] and free["finish_reasons"] == {"length": 6} and free["prefix_hits"] >= 1
     # the most frequent generated token becomes the EOS: requests that produce it end there
-    from ninfer_kv.demo.run import DemoConfig, run_demo
+    from ninfer_kv.demo.config import DemoConfig
+    from ninfer_kv.demo.run import run_demo
     from ninfer_kv.demo.requests import WorkloadSpec
 
     config = DemoConfig(workload=WorkloadSpec(requests=6, max_new_tokens=12, system_prompts=1), model=str(ck),

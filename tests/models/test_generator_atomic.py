@@ -130,7 +130,7 @@ def test_add_refuses_bad_arguments_before_the_store(params, expected):
     gen.run()
     assert seq.generated == expected
     assert gen.generate([PROMPT], max_new_tokens=3)[0].generated == expected
-    gen.store.check_invariants()
+    gen.store.audit_invariants()
 
 
 def test_fork_sources_must_be_held_checkpoints_of_this_generator(held, expected):
@@ -182,7 +182,7 @@ def test_generate_is_all_or_nothing(params, expected):
     with pytest.raises(PoolCapacityError):
         gen.generate([PROMPT, PROMPT], max_new_tokens=3)
     assert _usage(gen) == usage and not gen.active
-    gen.store.check_invariants()
+    gen.store.audit_invariants()
     assert [s.generated for s in gen.generate([PROMPT], max_new_tokens=3)] == [expected]
 
 
@@ -192,7 +192,7 @@ def test_generate_undoes_its_adds_when_the_pages_run_out(params):
     with pytest.raises(PoolCapacityError):
         gen.generate([PROMPT, PROMPT], max_new_tokens=100)
     assert _usage(gen) == usage
-    gen.store.check_invariants()
+    gen.store.audit_invariants()
     assert gen.store.pool("main").allocated == 0
     seqs = gen.generate([PROMPT, [8, 9]], max_new_tokens=2)
     assert all(s.finish_reason == "length" and len(s.generated) == 2 for s in seqs)

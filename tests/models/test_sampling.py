@@ -18,6 +18,7 @@ from ninfer_kv.models.decoder.sampling import (
     sequence_key,
 )
 from ninfer_kv.models.generate import PagedGenerator
+from ninfer_kv.views import allocate_planes
 
 
 def test_filter_matches_the_reference():
@@ -128,7 +129,7 @@ def test_fixed_seed_same_tokens_across_forks(model, prompts):
     gen.run()
     assert cont.generated == whole[5:]
     gen.release(parent), gen.release(mid)
-    gen.store.check_invariants()
+    gen.store.audit_invariants()
     assert gen.store.pool("main").allocated == 0
 
 
@@ -148,7 +149,7 @@ def test_verify_samples_the_tokens_decode_would(model, prompts):
     plain = _gen(model).generate([prompts[0]], max_new_tokens=5, sampling=SAMPLED)[0].generated
     steps = make_steps(StepConfig(model=cfg, draft_window=3, batch_buckets=(1,)))
     layout = steps.config.main_layout
-    planes = layout.allocate(8)
+    planes = allocate_planes(layout, 8)
     tables = jnp.asarray(np.arange(8, dtype=np.int32).reshape(1, 8))
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     sp = sampling_rows([SAMPLED], 1)

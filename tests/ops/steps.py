@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv import PagedKVStorageLayout, ops
+from ninfer_kv import ops
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.views import PagedKVBatchLayerView
 
 

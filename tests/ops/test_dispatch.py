@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from ninfer_kv import ops
-from ninfer_kv.ops import dispatch, reference
-from ninfer_kv.ops.dispatch import ImplFallbackWarning, ImplUnavailableError, OpImpl, override_impls
+from ninfer_kv.ops import dispatch, reference, registry
+from ninfer_kv.ops import ImplFallbackWarning, ImplUnavailableError, OpImpl, override_impls
 
 from tests.conformance.cases import make_paged_case
 
@@ -35,25 +35,25 @@ def _small_case():
 
 def test_unknown_impl_lists_allowed_names():
     with pytest.raises(ValueError, match=r"impl='triton' is unknown; allowed: auto, reference, pallas, ffi"):
-        dispatch.resolve_impl("triton")
+        registry.resolve_impl("triton")
     case, q, rows, pos, lens = _small_case()
     with pytest.raises(ValueError, match="impl='cuda' is unknown"):
         ops.paged_attention(q, case.view(), rows, pos, lens, impl="cuda")
     with pytest.raises(TypeError, match="impl must be a string"):
-        dispatch.resolve_impl(None)
+        registry.resolve_impl(None)
 
 
 def test_auto_picks_per_platform():
     loaders = {"ffi": _renamed_reference("ffi"), "pallas": _renamed_reference("pallas")}
     with override_impls(loaders):
-        assert dispatch.resolve_impl("auto", platform="cpu").name == "ffi"
-        assert dispatch.resolve_impl("auto", platform="gpu").name == "pallas"
-        assert dispatch.resolve_impl("auto", platform="cuda").name == "pallas"
+        assert registry.resolve_impl("auto", platform="cpu").name == "ffi"
+        assert registry.resolve_impl("auto", platform="gpu").name == "pallas"
+        assert registry.resolve_impl("auto", platform="cuda").name == "pallas"
         with pytest.raises(ValueError, match="impl='auto' has no preference for platform 'tpu'"):
-            dispatch.resolve_impl("auto", platform="tpu")
+            registry.resolve_impl("auto", platform="tpu")
         # the default platform is the default backend's
         expected = "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "ffi"
-        assert dispatch.resolve_impl().name == expected
+        assert registry.resolve_impl().name == expected
 
 
 def test_fallback_warns_once_and_runs_the_reference():
@@ -65,25 +65,25 @@ def test_fallback_warns_once_and_runs_the_reference():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a second warning would raise
-            assert dispatch.resolve_impl("auto", platform="cpu").name == "reference"
+            assert registry.resolve_impl("auto", platform="cpu").name == "reference"
     # the override is scoped: the original loaders are back
-    assert dispatch.registered_impls() == ("reference", "pallas", "ffi")
+    assert registry.registered_impls() == ("reference", "pallas", "ffi")
 
 
 def test_explicit_unavailable_impl_is_a_clear_error():
     with override_impls({"ffi": _unavailable("the XLA FFI library did not load")}):
         with pytest.raises(ImplUnavailableError, match="did not load"):
-            dispatch.resolve_impl("ffi")
+            registry.resolve_impl("ffi")
     with override_impls({"pallas": _unavailable()}):
         with pytest.raises(ImplUnavailableError, match="no implementation could load"):
-            dispatch.resolve_impl("auto", platform="gpu")
+            registry.resolve_impl("auto", platform="gpu")
 
 
 def test_missing_ffi_module_error_says_how_to_rebuild():
-    if "ffi" in dispatch.available_impls():
+    if "ffi" in registry.available_impls():
         pytest.skip("the FFI library is built here")
     with pytest.raises(ImplUnavailableError, match=r"pip install -e \.|impl='reference'"):
-        dispatch.resolve_impl("ffi")
+        registry.resolve_impl("ffi")
 
 
 def test_registered_impl_is_called_through_the_ops():
@@ -97,20 +97,20 @@ def test_registered_impl_is_called_through_the_ops():
     loader = lambda: OpImpl("counting", base.paged_append, counting, base.cyclic_append, base.cyclic_attention)  # noqa: E731
     case, q, rows, pos, lens = _small_case()
     with override_impls({"counting": loader}, preference={"cpu": ("counting",), "gpu": ("counting",)}):
-        assert "counting" in dispatch.registered_impls()
+        assert "counting" in registry.registered_impls()
         jax.jit(lambda *a: ops.paged_attention(*a, impl="counting"))(q, case.view(), rows, pos, lens)
         jax.jit(lambda *a: ops.paged_attention(*a))(q, case.view(), rows, pos, lens)  # auto prefers it now
     assert calls == [5, 5]
-    assert "counting" not in dispatch.registered_impls()
+    assert "counting" not in registry.registered_impls()
 
 
 def test_register_impl_rejects_bad_names():
     with pytest.raises(ValueError, match="already registered"):
-        dispatch.register_impl("reference", _renamed_reference("reference"))
+        registry.register_impl("reference", _renamed_reference("reference"))
     with pytest.raises(ValueError, match="'auto'"):
-        dispatch.register_impl("auto", _renamed_reference("auto"))
+        registry.register_impl("auto", _renamed_reference("auto"))
     with pytest.raises(TypeError, match="must be callable"):
-        dispatch.register_impl("x", None)
+        registry.register_impl("x", None)
 
 
 def test_loader_missing_a_function_is_unavailable():
@@ -124,7 +124,7 @@ def test_loader_missing_a_function_is_unavailable():
 
 @pytest.mark.parametrize("impl", [pytest.param("pallas", marks=pytest.mark.slow), "ffi"])  # Pallas: tests/pallas
 def test_kernel_impl_matches_reference_when_available(impl):
-    if impl not in dispatch.available_impls():
+    if impl not in registry.available_impls():
         pytest.skip(f"implementation {impl!r} is not available here")
     case, q, rows, pos, lens = _small_case()
     want = jax.jit(lambda *a: ops.paged_attention(*a, impl="reference"))(q, case.view(), rows, pos, lens)
@@ -177,49 +177,49 @@ def _tiny_paged_attention(q, view, table_rows, positions, kv_lens, *, sm_scale=N
 def test_a_backend_for_one_op_is_selectable_and_listed():
     case, q, rows, pos, lens = _small_case()
     with override_impls():  # the registration below is scoped to the block
-        dispatch.register_op("paged_attention", "tiny", _tiny_paged_attention)
-        assert "tiny" in dispatch.registered_impls() and "tiny" in ops.registered_impls()
-        assert dispatch.registered_ops("tiny") == (("paged_attention", "tiny"),)
+        registry.register_op("paged_attention", "tiny", _tiny_paged_attention)
+        assert "tiny" in registry.registered_impls() and "tiny" in ops.registered_impls()
+        assert registry.registered_ops("tiny") == (("paged_attention", "tiny"),)
         assert ("paged_attention", "tiny") in ops.registered_ops()
-        assert "tiny" in dispatch.available_impls()
+        assert "tiny" in registry.available_impls()
         out = jax.jit(lambda *a: ops.paged_attention(*a, impl="tiny"))(q, case.view(), rows, pos, lens)
         np.testing.assert_array_equal(np.asarray(out), np.broadcast_to((np.asarray(pos) + 1)[:, None, None, None], q.shape))
         k = jnp.zeros((2, 1, 2, 64), jnp.float32)
         with pytest.raises(ImplUnavailableError, match="'tiny' has no paged_append .*provides paged_attention"):
             ops.paged_append(case.view(), rows, pos, k, k, jnp.zeros((2,), jnp.int32), impl="tiny")
         with pytest.raises(ValueError, match="paged_attention of implementation 'tiny' is already registered"):
-            dispatch.register_op("paged_attention", "tiny", _tiny_paged_attention)
-        dispatch.register_op("paged_attention", "tiny", _tiny_paged_attention, replace=True)
+            registry.register_op("paged_attention", "tiny", _tiny_paged_attention)
+        registry.register_op("paged_attention", "tiny", _tiny_paged_attention, replace=True)
         # auto takes only complete backends: "tiny" is skipped (with the fallback warning)
         with override_impls(preference={"cpu": ("tiny", "reference")}):
             with pytest.warns(ImplFallbackWarning, match="'tiny' does not provide paged_append, cyclic_append"):
-                assert dispatch.resolve_impl("auto", platform="cpu").name == "reference"
-    assert "tiny" not in dispatch.registered_impls()
+                assert registry.resolve_impl("auto", platform="cpu").name == "reference"
+    assert "tiny" not in registry.registered_impls()
     with pytest.raises(ValueError, match="impl='tiny' is unknown"):
-        dispatch.resolve_impl("tiny")
+        registry.resolve_impl("tiny")
 
 
 def test_register_backend_targets_load_lazily():
     with override_impls():
-        dispatch.register_backend(
+        registry.register_backend(
             "lazy",
             {"paged_attention": "ninfer_kv.ops.reference:paged_attention_reference",
              "paged_append": "ninfer_kv_no_such_module:paged_append"},
             hint="install ninfer_kv_no_such_module",
         )
-        assert dispatch.registered_ops("lazy") == (("paged_append", "lazy"), ("paged_attention", "lazy"))
+        assert registry.registered_ops("lazy") == (("paged_append", "lazy"), ("paged_attention", "lazy"))
         with pytest.raises(ImplUnavailableError, match=r"'lazy' is unavailable: cannot import ninfer_kv_no_such_module .*; "
                                                       r"install ninfer_kv_no_such_module"):
-            dispatch.resolve_impl("lazy")
-        assert "lazy" not in dispatch.available_impls()
-        dispatch.register_backend("checked", {"paged_attention": _tiny_paged_attention},
+            registry.resolve_impl("lazy")
+        assert "lazy" not in registry.available_impls()
+        registry.register_backend("checked", {"paged_attention": _tiny_paged_attention},
                                   check=lambda: "no such device here", hint="run it elsewhere")
         with pytest.raises(ImplUnavailableError, match="'checked' is unavailable: no such device here; run it elsewhere"):
-            dispatch.resolve_impl("checked")
-        dispatch.register_backend("checked", {"paged_attention": _tiny_paged_attention}, replace=True)
-        assert dispatch.resolve_impl("checked").paged_attention is _tiny_paged_attention
+            registry.resolve_impl("checked")
+        registry.register_backend("checked", {"paged_attention": _tiny_paged_attention}, replace=True)
+        assert registry.resolve_impl("checked").paged_attention is _tiny_paged_attention
         with pytest.raises(ValueError, match="unknown op 'paged_copy'"):
-            dispatch.register_backend("bad", {"paged_copy": _tiny_paged_attention})
+            registry.register_backend("bad", {"paged_copy": _tiny_paged_attention})
         with pytest.raises(ValueError, match="'module:attribute'"):
-            dispatch.register_op("paged_attention", "bad", "no_colon")
-    assert dispatch.registered_impls() == ("reference", "pallas", "ffi")
+            registry.register_op("paged_attention", "bad", "no_colon")
+    assert registry.registered_impls() == ("reference", "pallas", "ffi")

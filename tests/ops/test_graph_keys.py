@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import PagedKVStorageLayout
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.ops import dispatch
+from ninfer_kv.ops import registry
 
 from .steps import decode_step
+from ninfer_kv.views import allocate_planes
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -57,12 +59,12 @@ def _inputs(rng, batch):
 
 @pytest.mark.parametrize("impl", ["reference", "ffi", pytest.param("pallas", marks=pytest.mark.slow)])  # interpret mode is slow
 def test_step_compiles_once_across_page_ids_rows_positions_lengths_and_layers(impl):
-    if impl not in dispatch.available_impls():
+    if impl not in registry.available_impls():
         pytest.skip(f"implementation {impl!r} is not available here")
     layout = PagedKVStorageLayout("k8v4", num_layers=LAYERS, num_kv_heads=H, head_dim=D)
     step = decode_step(impl, layout)
     rng = np.random.default_rng(0)
-    planes = layout.allocate(N)
+    planes = allocate_planes(layout, N)
     planes, _ = step(planes, *_inputs(rng, batch=2))  # first call compiles
     batches = [_inputs(rng, batch=2) for _ in range(4)]  # built before counting
     with count_backend_compiles() as compiles:

@@ -9,8 +9,9 @@ and grows ~8x, which shows the measurement can fail.
 import jax
 import pytest
 
-from ninfer_kv import PagedKVStorageLayout
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.ops import dispatch
+from ninfer_kv.ops import registry
 
 from .steps import decode_step, step_arg_specs
 
@@ -36,8 +37,8 @@ def _temp_bytes(impl: str, layout: PagedKVStorageLayout, logical_pages: int) -> 
 @pytest.mark.parametrize("impl", ["auto", "ffi", "pallas", "reference"])
 def test_decode_step_temp_memory_does_not_grow_with_context(impl, profile, order):
     try:
-        resolved = dispatch.resolve_impl(impl).name
-    except dispatch.ImplUnavailableError as e:
+        resolved = registry.resolve_impl(impl).name
+    except registry.ImplUnavailableError as e:
         pytest.skip(str(e))
     if resolved == "pallas" and jax.default_backend() == "cpu":
         pytest.skip("Pallas runs in interpret mode on CPU, which materializes kernel operands; measure on a GPU")

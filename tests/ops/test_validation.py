@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import PagedKVStorageLayout, ops
+from ninfer_kv import ops
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.ops import validation
 from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
+from ninfer_kv.views import allocate_planes
 
 H, D, C, L, N, B, T = 2, 64, 3, 2, 6, 2, 3
 CAP = L * 64
@@ -20,7 +22,7 @@ def i32(*v):
 
 
 def _paged():
-    view = PagedKVBatchLayerView(LAYOUT.allocate(N), jnp.zeros((C, L), jnp.int32), 1, LAYOUT)
+    view = PagedKVBatchLayerView(allocate_planes(LAYOUT, N), jnp.zeros((C, L), jnp.int32), 1, LAYOUT)
     kv = jnp.zeros((B, T, H, D), jnp.float32)
     return dict(view=view, table_rows=i32(0, 2), positions=i32(0, 5), k=kv, v=kv, valid=i32(3, 1))
 

@@ -5,15 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import PagedKVStorageLayout
+from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
+from ninfer_kv.views import allocate_planes
 
 LAYOUT = PagedKVStorageLayout("int8-g64", num_layers=3, num_kv_heads=2, head_dim=64, order="head-major")
 N, C, L = 5, 3, 4
 
 
 def _batch_view(layer=1):
-    planes = LAYOUT.allocate(N)
+    planes = allocate_planes(LAYOUT, N)
     tables = jnp.arange(C * L, dtype=jnp.int32).reshape(C, L) % N
     return PagedKVBatchLayerView(planes, tables, layer, LAYOUT)
 
@@ -61,7 +62,7 @@ def test_jit_with_view_argument_does_not_retrace_on_data():
     assert len(traces) == 1
     # a different layout is a different graph key
     other = PagedKVStorageLayout("bf16", num_layers=3, num_kv_heads=2, head_dim=64, order="head-major")
-    total(PagedKVBatchLayerView(other.allocate(N), v.block_tables, 0, other))
+    total(PagedKVBatchLayerView(allocate_planes(other, N), v.block_tables, 0, other))
     assert len(traces) == 2
 
 
@@ -91,7 +92,7 @@ def test_single_view_as_batch():
 
 
 def test_paged_view_validation_errors():
-    planes = LAYOUT.allocate(N)
+    planes = allocate_planes(LAYOUT, N)
     tables = jnp.zeros((C, L), jnp.int32)
     with pytest.raises(ValueError, match=r"planes keyed \['k', 'k_scale', 'v'\]"):
         PagedKVBatchLayerView({k: v for k, v in planes.items() if k != "v_scale"}, tables, 0, LAYOUT)

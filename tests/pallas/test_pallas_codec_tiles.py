@@ -3,11 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv import codecs
-from pallas_kernels import codec_tiles as ct
+from ninfer_kv.profiles import KVCodec
+from pallas_kernels.common import codec_tiles as ct
+from pallas_kernels.triton.config import lanes
 
 _ROWS = 8
 
@@ -115,26 +118,82 @@ def test_nvfp4_dequantize_halves_matches_codecs():
 
 
 def test_columns_cover_every_lane_once():
-    from ninfer_kv.profiles import KVCodec
-
     for codec in KVCodec:
         for d in (64, 128, 256):
-            lanes = np.concatenate([np.asarray(c.index())[0] for c in ct.value_columns(codec, d)])
-            assert sorted(lanes.tolist()) == list(range(d)), (codec, d)
+            covered = np.concatenate([np.asarray(c.index())[0] for c in ct.codec_tile(codec).columns(lanes(d))])
+            assert sorted(covered.tolist()) == list(range(d)), (codec, d)
 
 
 def test_padded_columns_mask_the_padding():
-    from ninfer_kv.profiles import KVCodec
-
     for codec, d in ((KVCodec.BF16, 80), (KVCodec.FP8_E4M3FN_ROW, 8), (KVCodec.NVFP4_G16, 160), (KVCodec.INT8_G64, 192)):
-        lanes = []
-        for c in ct.value_columns(codec, d):
-            assert c.n >= 16 and c.n & (c.n - 1) == 0
+        covered = []
+        for c in ct.codec_tile(codec).columns(lanes(d)):
+            assert c.n >= 16 and c.n & (c.n - 1) == 0  # the Triton rule: powers of two, product operands >= 16
             mask = np.ones((1, c.n), bool) if c.mask() is None else np.asarray(c.mask())
             idx = np.asarray(c.index())
-            lanes += idx[mask].tolist()
+            covered += idx[mask].tolist()
             assert np.all(idx[~mask] >= d)  # padding names no real lane
-        assert sorted(lanes) == list(range(d)), (codec, d)
+        assert sorted(covered) == list(range(d)), (codec, d)
+
+
+_TILE_DEFAULTS = (KVCodec.NVFP4_G16,)  # padded tiles, two columns, div=8 scale lanes (the others: -m slow)
+
+
+def _lanes_of(cols) -> np.ndarray:
+    """The real lanes a ``Cols`` names, in tile order."""
+    return np.asarray(cols.index())[0][: cols.real]
+
+
+def _tile_of(plane: np.ndarray, where) -> jax.Array:
+    """What a kernel loads: the tile of ``plane (n, X)`` at ``where`` (a Cols: padding 0; an int: one lane)."""
+    plane = jnp.asarray(plane)
+    if isinstance(where, int):
+        return plane[:, where]
+    tile = plane[:, jnp.minimum(where.index()[0], plane.shape[1] - 1)]
+    return jnp.where(jnp.arange(where.n) < where.real, tile, jnp.zeros((), plane.dtype))
+
+
+@pytest.mark.parametrize("codec", [pytest.param(c, id=c.value, marks=() if c in _TILE_DEFAULTS else pytest.mark.slow)
+                                   for c in KVCodec])
+def test_each_tile_encodes_and_decodes_like_the_codecs(codec):
+    """Through the table, as a kernel calls it (Triton tile rule, padded head dim where the codec allows one):
+    ``encode`` returns the reference codes and scales at the lanes it names; ``decode_keys`` of
+    one-hot queries and ``decode_values`` of one-hot probabilities return the reference dequantization."""
+    d = 96 if codec in (KVCodec.BF16, KVCodec.FP8_E4M3FN_ROW) else 192 if codec is KVCodec.INT8_G64 else 80
+    x = np.random.RandomState(5).standard_normal((_ROWS, d)).astype(np.float32) * 3
+    tile, tl = ct.CODEC_TILES[codec], lanes(d)
+    cols = tile.columns(tl)
+    # Query i reads lane i (d one-hot query rows per column tile); probability row r takes key r.
+    onehot = [np.pad((np.arange(d)[:, None] == _lanes_of(c)[None, :]).astype(np.float32), ((0, 0), (0, c.n - c.real)))
+              for c in cols]
+    puts = []  # (plane, lanes) of each Put, recorded while tracing
+
+    @jax.jit
+    def run(x):
+        codes, scale = codecs.quantize(codec, x)
+        planes = {"k": codes, "v": codes, "k_scale": scale, "v_scale": scale}
+        encoded = tile.encode("k", lambda c: _tile_of(x, c).astype(jnp.float32), tl)
+        puts[:] = [(p.plane, p.where) for p in encoded]
+        load = lambda plane, where: _tile_of(planes[plane], where)  # noqa: E731
+        scores = tile.decode_keys([jnp.asarray(q) for q in onehot], load, tl, jnp.float32)
+        accs = [jnp.zeros((_ROWS, c.n), jnp.float32) for c in cols]
+        values = tile.decode_values(accs, jnp.eye(_ROWS, dtype=jnp.float32), load, tl, jnp.float32)
+        return planes, [p.value for p in encoded], scores, values, codecs.dequantize(codec, codes, scale)
+
+    planes, encoded, scores, values, want = jax.tree.map(np.asarray, run(x))
+    assert [plane for plane, _ in puts] == ["k"] + (["k_scale"] if planes["k_scale"] is not None else [])
+    for (plane, where), value in zip(puts, encoded):
+        ref = planes[plane].reshape(_ROWS, -1)
+        if isinstance(where, int):
+            _same(value, ref[:, where])
+        else:
+            assert _lanes_of(where).tolist() == list(range(ref.shape[1]))
+            _same(value[:, : where.real], ref)
+    np.testing.assert_array_equal(scores, want.T)
+    got = np.zeros((_ROWS, d), np.float32)
+    for acc, c in zip(values, cols):
+        got[:, _lanes_of(c)] = acc[:, : c.real]
+    np.testing.assert_array_equal(got, want)
 
 
 _NAN_BF16, _INF_BF16, _NAN_E4M3 = codecs.BF16_NAN_BITS, 0x7F80, codecs.E4M3FN_NAN_BITS

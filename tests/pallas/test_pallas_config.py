@@ -1,4 +1,4 @@
-"""Kernel configs, backend registry and static limits: clear errors, sensible resolution."""
+"""Kernel configs, Triton compiler knobs and static limits: clear errors, sensible resolution."""
 
 import dataclasses
 
@@ -6,6 +6,7 @@ import pytest
 
 import pallas_kernels as pk
 from ninfer_kv.profiles import KVProfile
+from pallas_kernels.triton.config import query_rows
 
 
 @pytest.mark.parametrize(
@@ -13,8 +14,8 @@ from ninfer_kv.profiles import KVProfile
     [
         (pk.PagedAppendConfig, "block_t", 3),
         (pk.PagedAppendConfig, "block_t", 0),
-        (pk.PagedAppendConfig, "num_warps", 6),
-        (pk.PagedAppendConfig, "num_stages", 0),
+        (pk.TritonConfig, "num_warps", 6),
+        (pk.TritonConfig, "num_stages", 0),
         (pk.PagedAttentionConfig, "block_k", 32),  # below one page
         (pk.PagedAttentionConfig, "block_k", 96),
         (pk.PagedAttentionConfig, "block_q", 5),
@@ -38,16 +39,17 @@ def test_configs_are_frozen_and_hashable():
 def test_resolve_decode_and_chunk():
     # Decode: one query token, GQA 4 padded to 16 rows; a small batch gets context splits.
     r = pk.PagedAttentionConfig().resolve(num_queries=1, group=4, head_dim=128, batch=2, kv_heads=2, max_keys=64 * 512)
-    assert (r.block_q, r.rows, r.num_warps) == (1, 16, 4)
+    assert (r.block_q, query_rows(r.block_q, 4), pk.TritonConfig().for_attention(128)) == (1, 16, pk.TritonConfig(4, 2))
     assert r.k_splits > 1
     # A big batch needs no split.
     r = pk.PagedAttentionConfig().resolve(num_queries=1, group=4, head_dim=256, batch=64, kv_heads=8, max_keys=64 * 128)
-    assert (r.k_splits, r.num_warps) == (1, 8)
+    assert (r.k_splits, pk.TritonConfig(num_stages=3).for_attention(256)) == (1, pk.TritonConfig(8, 3))
     # Chunk: 64 rows per program; explicit splits are capped by the number of key steps.
     r = pk.PagedAttentionConfig(k_splits=100).resolve(
         num_queries=128, group=4, head_dim=128, batch=1, kv_heads=1, max_keys=256
     )
-    assert (r.block_q, r.rows, r.k_splits) == (16, 64, 4)
+    assert (r.block_q, query_rows(r.block_q, 4), r.k_splits) == (16, 64, 4)
+    assert pk.TritonConfig(num_warps=2).for_append() == pk.TritonConfig(2, 1)
 
 
 def test_resolve_rejects_too_many_rows():
@@ -69,11 +71,23 @@ def test_every_codec_head_dim_is_accepted(profile, head_dim):
     pk.check_head_dim(KVProfile.parse(profile), head_dim)
 
 
-def test_unknown_backend_is_clear():
-    with pytest.raises(ValueError, match=r"no 'mosaic_gpu' implementation of paged_attention .*; available backends: trit"):
-        pk.kernel_backend("mosaic_gpu", "paged_attention")
-    with pytest.raises(ValueError, match="not a backend name"):
-        pk.kernel_backend("../triton")
+def test_another_backends_compiler_knobs_are_clear():
+    import jax.numpy as jnp
+
+    from tests.conformance.cases import make_paged_case
+
+    @dataclasses.dataclass(frozen=True)
+    class MosaicKnobs:
+        dimension_semantics: tuple = ()
+
+    case = make_paged_case("bf16", "page-major", kv_lens=[10], heads=1)
+    view, rows = case.view(), jnp.asarray(case.table_rows)
+    q = jnp.zeros((1, 1, 1, 64), jnp.float32)
+    i32 = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(TypeError, match=r"PagedAttentionConfig.compiler must be a TritonConfig or None .*MosaicKnobs"):
+        pk.paged_attention(q, view, rows, i32, i32, config=pk.PagedAttentionConfig(compiler=MosaicKnobs()))
+    with pytest.raises(TypeError, match=r"PagedAppendConfig.compiler must be a TritonConfig"):
+        pk.paged_append(view, rows, i32, q, q, i32, config=pk.PagedAppendConfig(compiler=MosaicKnobs()))
 
 
 def test_every_op_has_a_triton_implementation():
@@ -81,9 +95,6 @@ def test_every_op_has_a_triton_implementation():
 
     ops = {op for op, backend in registry.registered_ops() if backend == "pallas"}
     assert ops == {"paged_append", "paged_attention", "cyclic_append", "cyclic_attention"}
-    assert pk.kernel_backend("triton") is pk.TRITON and "triton" in pk.kernel_backend_names()
-    assert {pk.PagedAppendConfig().backend, pk.PagedAttentionConfig().backend, pk.CyclicAppendConfig().backend,
-            pk.CyclicAttentionConfig().backend} == {"triton"}
 
 
 def test_empty_batches_and_chunks_run_no_kernel():

@@ -10,6 +10,7 @@ gather, slice or staging copy of them outside it) and the append aliases them in
 
 import math
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -231,13 +232,12 @@ def test_large_planes_take_64_bit_offsets_in_append(monkeypatch):
 
 
 def test_the_check_sees_32_bit_offsets_without_the_wide_offset_rule(monkeypatch):
-    """Control: with JAX's own offset rule the same kernel addresses the key plane with i32 offsets."""
-    from jax._src.pallas.triton import lowering
+    """Control: with JAX's own offset rule (plain Triton compiler parameters) the key plane takes i32 offsets."""
+    from pallas_kernels.triton import addressing
+    from pallas_kernels.triton.backend import TritonBackend
 
-    from pallas_kernels import triton_addressing as addressing
-
-    addressing.install_wide_offsets()
-    monkeypatch.setattr(lowering, "_compute_offsets_from_indices", lowering._compute_offsets_from_indices.__wrapped__)
+    monkeypatch.setattr(addressing, "wide_offsets_supported", lambda: False)
+    monkeypatch.setattr(TritonBackend, "check_planes", lambda self, planes, interpret: None)  # let the plane through
     view = _paged_view("k8v4", "page-major", 128, **_BIG)
     attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, interpret=False)  # noqa: E731
     modules = _triton_modules(monkeypatch, attn, _tokens(1, 32), view, _I32, _I32, _I32)
@@ -246,12 +246,89 @@ def test_the_check_sees_32_bit_offsets_without_the_wide_offset_rule(monkeypatch)
 
 
 def test_without_a_known_offset_rule_large_one_byte_planes_are_refused(monkeypatch):
-    from pallas_kernels import triton_addressing as addressing
+    from pallas_kernels.triton import addressing
 
-    monkeypatch.setattr(addressing, "install_wide_offsets", lambda: False)
+    monkeypatch.setattr(addressing, "wide_offsets_supported", lambda: False)
     view = _paged_view("k8v4", "page-major", 128, **_BIG)
     attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, interpret=False)  # noqa: E731
     with pytest.raises(ValueError, match=r"plane 'k' of shape \(1, 40000, 8, 64, 128\) .* 2\*\*31 elements"):
         _lower(attn, _tokens(1, 32), view, _I32, _I32, _I32)
     small = _paged_view("k8v4", "page-major", 128)
     _lower(attn, _tokens(1, H * G), small, _I32, _I32, _I32)  # small planes still lower
+
+
+# -- the wide-offset rule is scoped to our kernels --------------------------------------------------
+
+_HUGE = jax.ShapeDtypeStruct((3 * 2**30,), jnp.int8)  # 3.2e9 one-byte elements, 3 GiB: JAX's rule gives i32
+
+
+def _foreign(params):
+    """Someone else's Pallas Triton kernel reading a huge one-byte operand (a fresh function: never cached)."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[pl.ds(0, 16)]
+
+    return lambda x: pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.int8), grid=(1,),
+                                    compiler_params=params)(x)
+
+
+def _foreign_params(wide=False):
+    from jax.experimental.pallas import triton as pl_triton
+
+    from pallas_kernels.triton.addressing import WideOffsetParams
+
+    return (WideOffsetParams if wide else pl_triton.CompilerParams)(num_warps=1, num_stages=1)
+
+
+def _foreign_kernel(monkeypatch, params) -> tuple[str, set[int]]:
+    """The Triton IR of the foreign kernel and the offset widths into its huge operand."""
+    [(jaxpr, text)] = _triton_modules(monkeypatch, _foreign(params), _HUGE)
+    return text, _offset_widths_by_operand(jaxpr, text)[0]
+
+
+def test_the_wide_offset_rule_leaves_other_kernels_alone(monkeypatch):
+    from jax._src.pallas.triton import lowering
+
+    original = lowering._compute_offsets_from_indices
+    before, widths = _foreign_kernel(monkeypatch, _foreign_params())
+    assert widths == {32}
+    # Our kernel, lowered in the same process, addresses its large plane with 64-bit offsets ...
+    view = _paged_view("k8v4", "page-major", 128, **_BIG)
+    attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, interpret=False)  # noqa: E731
+    assert _assert_wide_offsets(_triton_modules(monkeypatch, attn, _tokens(1, 32), view, _I32, _I32, _I32)) == 1
+    # ... and leaves nothing behind: the other kernel lowers to the same program as before.
+    after, _ = _foreign_kernel(monkeypatch, _foreign_params())
+    assert after == before
+    assert lowering._compute_offsets_from_indices is original
+    # Control: under our rule (our compiler parameters) the same kernel would take 64-bit offsets.
+    wide, widths = _foreign_kernel(monkeypatch, _foreign_params(wide=True))
+    assert widths == {64} and wide != before
+
+
+def test_a_kernel_lowered_by_another_thread_during_ours_keeps_jax_offsets(monkeypatch):
+    """While our kernel is being lowered (the wrapper installed), another thread lowers someone else's
+    kernel: it gets JAX's own offsets, ours the wide ones."""
+    from jax._src.pallas.triton import lowering, pallas_call_registration
+
+    from pallas_kernels.triton.addressing import WideOffsetParams
+
+    original, inner = lowering._compute_offsets_from_indices, pallas_call_registration.pallas_call_lowering
+    meanwhile = []
+
+    def ours_then_another(ctx, *in_nodes, **params):
+        if isinstance(params["compiler_params"], WideOffsetParams) and not meanwhile:
+            assert lowering._compute_offsets_from_indices is not original  # inside our rule: the wrapper is in
+            thread = threading.Thread(target=lambda: meanwhile.append(_lower(_foreign(_foreign_params()), _HUGE)))
+            thread.start()
+            thread.join()
+        return inner(ctx, *in_nodes, **params)
+
+    monkeypatch.setattr(pallas_call_registration, "pallas_call_lowering", ours_then_another)
+    view = _paged_view("k8v4", "page-major", 128, **_BIG)
+    attn = lambda q, v, r, p, n: pk.paged_attention(q, v, r, p, n, interpret=False)  # noqa: E731
+    (foreign_jaxpr, foreign_text), ours = _triton_modules(monkeypatch, attn, _tokens(1, 32), view, _I32, _I32, _I32)
+    assert meanwhile, "the other thread lowered nothing"
+    assert _offset_widths_by_operand(foreign_jaxpr, foreign_text)[0] == {32}
+    assert _assert_wide_offsets([ours]) == 1
+    assert lowering._compute_offsets_from_indices is original

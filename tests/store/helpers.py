@@ -11,9 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import PagedKVBatchLayerView, ops
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.store import KVDeviceState, KVStore, apply_work, apply_work_jit
+from ninfer_kv import ops
+from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.device import KVDeviceState, apply_work, apply_work_jit
+from ninfer_kv.store import KVStore
+from ninfer_kv.device import allocate_state
 
 P = 64
 
@@ -40,7 +44,7 @@ class Device:
 
     def __init__(self, store: KVStore):
         self.store = store
-        self.state: KVDeviceState = store.allocate_state()
+        self.state: KVDeviceState = allocate_state(store)
         self.works = 0
         pages = max(store.pool(k).capacity for k in store.pool_kinds)
         self.pad = (store.max_concurrency * store.logical_pages, pages, pages) if pages <= 64 else None

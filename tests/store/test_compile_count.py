@@ -7,15 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from ninfer_kv.store import (
-    HostCapacityError,
-    KVStore,
-    LifecycleError,
-    PoolCapacityError,
-    apply_work,
-)
+from ninfer_kv.store import KVStore
+from ninfer_kv.errors import HostCapacityError, LifecycleError, PoolCapacityError
+from ninfer_kv.device import apply_work
 
 from .helpers import tiny_plan
+from ninfer_kv.device import allocate_state, offload_checkpoint
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -46,7 +43,7 @@ def _churn(rounds: int, seed: int = 0):
         return state, state.tables["main"][rows].sum()
 
     shape = (64, 0, 0)
-    state = store.allocate_state()
+    state = allocate_state(store)
     sigs: set = set()  # signatures of the works applied alone
     counter = _Compiles()
     recompiled = [0]
@@ -85,7 +82,7 @@ def _churn(rounds: int, seed: int = 0):
                 if store.checkpoint(ck).placement == "device":
                     state = apply_alone(state, store.take_work())
                     try:
-                        store.offload_checkpoint(ck, state)
+                        offload_checkpoint(store, ck, state)
                         store.drop_device_replica(ck)
                         events["offloads"] += 1
                     except (HostCapacityError, LifecycleError):
@@ -95,13 +92,13 @@ def _churn(rounds: int, seed: int = 0):
                 c = np.array([store.bundle(h).main.committed_frontier for h in live])
                 ent = np.array([store.bundle(h).main.entitlement_tokens for h in live])
                 nxt = np.minimum(c + 1 + rng.integers(0, 3, size=c.size), ent)
-                store.map_rows(rows, nxt)
+                store.map(rows, nxt)
                 work = store.take_work()
                 if not work.fits(*shape):
                     state = apply_alone(state, work)
                     work = store.take_work()
                 state, _ = step(state, work.pad_to(*shape), np.pad(rows, (0, 4 - rows.size)).astype(np.int32))
-                store.settle_rows(rows, np.minimum(c + 1, nxt))
+                store.settle(rows, np.minimum(c + 1, nxt))
                 done = [h for h, s, e in zip(live, nxt, ent) if s >= e or rng.random() < 0.02]
                 for h in done:
                     live.remove(h)
@@ -115,8 +112,8 @@ def _churn(rounds: int, seed: int = 0):
         state = apply_alone(state, store.take_work())
     finally:
         jax.monitoring.unregister_event_duration_listener(counter)
-    store.check_invariants()
-    store.check_state(state)
+    store.audit_invariants()
+    store.require_synced(state)
     return apply._cache_size(), sigs, len(step_calls), recompiled[0], events
 
 

@@ -7,7 +7,7 @@ prefix, then the release)."""
 import numpy as np
 import pytest
 
-from ninfer_kv.planning import PoolKind
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.store import ACTIVATION_STAGES, KVStore
 from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
 
@@ -35,12 +35,12 @@ def _prepared(backend):
     store = KVStore(tiny_plan(backend, pages=12))
     h = store.activate(100, 20)
     for kind in store.pool_kinds:
-        store.ensure_mapped_to_tokens(h, 100, pool=kind)
+        store.map(h, 100, pool=kind)
         write_tokens(store, kind, store.row(h), 0, np.arange(1, 101, dtype=np.float32))
         store.commit(h, 100, pool=kind)
     ck = store.finish(h, retain=True)
     other = store.activate(30, 10)
-    store.ensure_mapped_to_tokens(other, 40)
+    store.map(other, 40)
     store.commit(other, 30)
     sync(store)
     return store, ck
@@ -81,13 +81,13 @@ def test_activation_rolls_back_at_every_stage(backend, scenario):
         assert (stage, pool) in store.fault_injector.seen
         store.fault_injector = None
         assert_same(before, store.snapshot(), f"after fault at {stage}/{pool}")
-        store.check_invariants()
+        store.audit_invariants()
     # the source checkpoint still holds its content, and the real activation now succeeds
     for kind in store.pool_kinds:
         space = store.address_space(ck, kind)
         assert space_content_ok(store, kind, space.physical_pages, list(range(1, 101)))
     h = store.activate(sc["prompt"], sc["budget"], source=source, source_tokens=cut, release_source=sc["release"])
-    store.check_invariants()
+    store.audit_invariants()
     for kind in store.pool_kinds:
         space = store.address_space(h, kind)
         expect = list(range(1, 101)) if source is not None else []

@@ -21,14 +21,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_kv import MeshSpec, plan_kv_cache_mesh
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind
-from ninfer_kv.store import ACTIVATION_STAGES, KVStore, LifecycleError, StaleHandleError
+from ninfer_kv.mesh_spec import MeshSpec
+from ninfer_kv.planning import plan_kv_cache_mesh
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.store import ACTIVATION_STAGES, KVStore
+from ninfer_kv.errors import LifecycleError, StaleHandleError
 from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
 from ninfer_kv.store.sharded import ShardedKVStore
 
 from .helpers import CONFIGS, P, assert_same, content_ok, page_bytes, planes_of, sync, tiny_plan, write_tokens
 from .test_resync_sources import Pair, _write
+from ninfer_kv.device import allocate_state, offload_checkpoint
 
 MAIN, MTP, DRAFT = PoolKind.MAIN, PoolKind.MTP, PoolKind.DRAFT_FULL
 FRONTIERS = {MAIN: 200, MTP: 199, DRAFT: 150}  # the checkpoint's committed frontier per pool
@@ -68,7 +72,7 @@ def checkpoint_store(backend: str, seed: int = 0, host: bool = False):
     for _ in range(4):
         f = store.activate(P, 0)
         for kind in kinds:
-            store.ensure_mapped_to_tokens(f, P, pool=kind)
+            store.map(f, P, pool=kind)
         fillers.append(f)
     w = store.activate(256, 0)
     for b in range(4):
@@ -76,7 +80,7 @@ def checkpoint_store(backend: str, seed: int = 0, host: bool = False):
             store.finish(fillers.pop(int(rng.integers(len(fillers)))))
         for kind in kinds:
             if b * P < FRONTIERS[kind]:
-                store.ensure_mapped_to_tokens(w, min((b + 1) * P, FRONTIERS[kind]), pool=kind)
+                store.map(w, min((b + 1) * P, FRONTIERS[kind]), pool=kind)
     for f in fillers:
         store.finish(f)
     content = {}
@@ -105,7 +109,7 @@ def test_fork_at_every_prefix_shares_full_pages_and_copies_the_tail(backend):
     for n in CUTS:
         allocated = {k: store.pool(k).allocated for k in kinds}
         h = store.activate(n + 3, 253 - n, source=ck, source_tokens=n)
-        store.check_invariants()
+        store.audit_invariants()
         for k in kinds:
             c = continued(k, n)
             full, partial = divmod(c, P)
@@ -124,17 +128,17 @@ def test_fork_at_every_prefix_shares_full_pages_and_copies_the_tail(backend):
         for k in kinds:
             c = continued(k, n)
             m = min(70, 256 - c)
-            store.ensure_mapped_to_tokens(h, c + m, pool=k)
+            store.map(h, c + m, pool=k)
             new = values(k, c, m, base=101)
             write_tokens(store, k, store.row(h), c, new)
             store.commit(h, c + m, pool=k)
             assert content_ok(store, k, h, content[k][:c] + new)
             assert content_ok(store, k, ck, content[k])
             assert _bytes(store, k, ck_phys[k]) == ck_bytes[k], (k, n)
-        store.check_invariants()
+        store.audit_invariants()
         store.finish(h)
     store.release_checkpoint(ck)
-    store.check_invariants()
+    store.audit_invariants()
     assert all(store.pool(k).allocated == 0 and store.pool(k).reserved == 0 for k in kinds)
 
 
@@ -157,7 +161,7 @@ def test_release_source_at_a_prefix_forks_then_releases(backend, n):
     h = store.activate(n, 0, source=ck, source_tokens=n, release_source=True)
     with pytest.raises(StaleHandleError):
         store.checkpoint(ck)
-    store.check_invariants()
+    store.audit_invariants()
     for k in kinds:
         c, whole = continued(k, n), FRONTIERS[k]
         space = store.address_space(h, k)
@@ -172,7 +176,7 @@ def test_release_source_at_a_prefix_forks_then_releases(backend, n):
         assert store.pool(k).allocated == space.num_blocks  # the pages beyond the prefix are released
         assert content_ok(store, k, h, content[k][:c])
     store.finish(h)
-    store.check_invariants()
+    store.audit_invariants()
     assert all(store.pool(k).allocated == 0 for k in kinds)
 
 
@@ -186,27 +190,27 @@ def test_release_source_waits_for_an_in_flight_copy():
         store.activate(100, 0, source=ck, source_tokens=100, release_source=True)
     assert_same(before, store.snapshot())
     h = store.activate(100, 0, source=ck, source_tokens=100)
-    store.check_invariants()
+    store.audit_invariants()
     store.cancel_offload(plan)
     h2 = store.activate(100, 0, source=ck, source_tokens=100, release_source=True)
     assert ck not in store.checkpoints()
     for x in (h, h2):
         assert all(content_ok(store, k, x, content[k][: continued(k, 100)]) for k in store.pool_kinds)
-    store.check_invariants()
+    store.audit_invariants()
 
 
 @pytest.mark.parametrize("backend", sorted(CONFIGS))
 def test_a_host_only_source_restores_only_the_pages_the_prefix_reads(backend):
     store, ck, content = checkpoint_store(backend, seed=4, host=True)
     kinds = store.pool_kinds
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     store.drop_device_replica(ck)
     assert all(store.pool(k).allocated == 0 for k in kinds)
     for n in (64, 100, F):  # each fork reads more of the checkpoint
         on_device = {k: [p.device_lease is not None for p in store.address_space(ck, k).pages()] for k in kinds}
         allocated = {k: store.pool(k).allocated for k in kinds}
         h = store.activate(n, 10, source=ck, source_tokens=n)
-        store.check_invariants()
+        store.audit_invariants()
         for k in kinds:
             c = continued(k, n)
             read = -(-c // P)
@@ -219,7 +223,7 @@ def test_a_host_only_source_restores_only_the_pages_the_prefix_reads(backend):
             assert content_ok(store, k, ck, content[k])  # Host-only pages read from the arena
         store.finish(h)
     store.release_checkpoint(ck)
-    store.check_invariants()
+    store.audit_invariants()
 
 
 @pytest.mark.parametrize("backend", ["ordinary", "mtp"])
@@ -244,7 +248,7 @@ def test_bad_source_tokens_change_nothing(backend):
         assert_same(before, store.snapshot(), f"after {kwargs}")
     h = store.activate(120, 10, source=ck, source_tokens=np.int64(120))  # any integer type
     assert store.address_space(h).committed_frontier == 120
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def _points(store, host: bool):
@@ -264,7 +268,7 @@ def _points(store, host: bool):
 def test_a_fault_at_any_stage_undoes_a_prefix_activation(backend):
     """A Host-only source, a prefix at a page boundary (kept) and one mid-page (released)."""
     store, ck, content = checkpoint_store(backend, seed=6, host=True)
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     store.drop_device_replica(ck)
     for n, release in ((128, False), (170, True)):  # each reads Host-only pages
         for stage, pool in _points(store, host=True):
@@ -282,9 +286,9 @@ def test_a_fault_at_any_stage_undoes_a_prefix_activation(backend):
             store.fault_injector = None
             assert (stage, pool) in seen
             assert_same(before, store.snapshot(), f"after a fault at {stage}/{pool}")
-        store.check_invariants()
+        store.audit_invariants()
         h = store.activate(n + 5, 20, source=ck, source_tokens=n, release_source=release)
-        store.check_invariants()
+        store.audit_invariants()
         for k in store.pool_kinds:
             assert content_ok(store, k, h, content[k][: continued(k, n)])
         assert (ck in store.checkpoints()) == (not release)
@@ -296,7 +300,7 @@ def test_sharded_store_forwards_source_tokens():
                               max_concurrency=4, policy=ExplicitCapacity(2 * 8 * P))
     store = ShardedKVStore(plan)
     h = store.activate(150, 0, shard=1)
-    store.ensure_mapped_to_tokens(h, 150)
+    store.map(h, 150)
     store.commit(h, 150)
     ck = store.finish(h, retain=True)
     before = store.snapshot()
@@ -305,7 +309,7 @@ def test_sharded_store_forwards_source_tokens():
     assert_same(before, store.snapshot())
     f = store.activate(100, 0, shard=1, source=ck, source_tokens=70, release_source=True)
     assert store.store(1).address_space(f.handle).committed_frontier == 70 and ck not in store.checkpoints()
-    store.check_invariants()
+    store.audit_invariants()
 
 
 # -- resync dates a prefix fork at its continuation ----------------------------------------------------------
@@ -337,7 +341,7 @@ class PrefixPair(Pair):
 
     def append(self, h, n: int) -> None:
         for kind in self.store.pool_kinds:
-            self.store.ensure_mapped_to_tokens(h, self.tokens[h][kind] + n, pool=kind)
+            self.store.map(h, self.tokens[h][kind] + n, pool=kind)
         self._appends.append((h, n))
 
     def step(self) -> None:
@@ -390,7 +394,7 @@ def test_resync_dates_a_prefix_fork_at_its_continuation(backend, n, kind, placem
     s.append(fork, 20)
     s.step()
     if kind == "blank":
-        s.dut = s.store.allocate_state(fill=float("nan"))
+        s.dut = allocate_state(s.store, fill=float("nan"))
     s.repair(monkeypatch)
     pools = s.store.pool_kinds
     gone = kind == "blank" and placement == "device"  # the checkpoint exists nowhere else

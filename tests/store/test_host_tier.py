@@ -15,18 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import KVProfile, ffi_library, ops
+from ninfer_kv import ffi_library, ops
+from ninfer_kv.profiles import KVProfile
 from ninfer_kv.host import block_copy
 from ninfer_kv.host import HostKVArena, InvalidPlanError, coalesce_runs, host_layout_of
-from ninfer_kv.planning import PoolKind
-from ninfer_kv.store import (
-    ACTIVATION_STAGES,
-    HostCapacityError,
-    KVStore,
-    LifecycleError,
-    PoolCapacityError,
-    StaleReplicaError,
-)
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.store import ACTIVATION_STAGES, KVStore
+from ninfer_kv.errors import HostCapacityError, LifecycleError, PoolCapacityError, StaleReplicaError
 from ninfer_kv.views import PagedKVBatchLayerView
 
 from .helpers import (
@@ -45,6 +40,7 @@ from .helpers import (
     tiny_plan,
     write_tokens,
 )
+from ninfer_kv.device import offload_checkpoint
 
 MAIN = PoolKind.MAIN
 MiB = 1 << 20
@@ -59,7 +55,7 @@ def _unchanged(store, fn, exc, match=None):
     with pytest.raises(exc, match=match) as info:
         fn()
     assert_same(before, store.snapshot())
-    store.check_invariants()
+    store.audit_invariants()
     return info.value
 
 
@@ -68,7 +64,7 @@ def _checkpoint(store, tokens, values=None, budget=0):
     values = np.arange(1, tokens + 1, dtype=np.float32) if values is None else values
     h = store.activate(tokens, budget)
     for kind in store.pool_kinds:
-        store.ensure_mapped_to_tokens(h, tokens, pool=kind)
+        store.map(h, tokens, pool=kind)
         write_tokens(store, kind, store.row(h), 0, values)
         store.commit(h, tokens, pool=kind)
     return store.finish(h, retain=True)
@@ -80,7 +76,7 @@ def _scattered_checkpoint(store, tokens):
     for kind in store.pool_kinds:
         for n in range(1, -(-tokens // P) + 1):
             for h in (a, b):
-                store.ensure_mapped_to_tokens(h, min(n * P, tokens), pool=kind)
+                store.map(h, min(n * P, tokens), pool=kind)
         store.commit(a, tokens, pool=kind)
     return store.finish(a, retain=True), b
 
@@ -141,7 +137,7 @@ def test_round_trip_through_store_is_byte_exact(profile, ids, host_copy):
         assert all(coalesce_runs(p)[0].size == p.size == 5 for p in phys.values())
     assert store.checkpoint(ck).placement == "device"
 
-    report = store.offload_checkpoint(ck, sync(store))
+    report = offload_checkpoint(store, ck, sync(store))
     assert report.pages == 10 and report.direction == "offload"
     for k in store.pool_kinds:
         r = report.pools[k.value]
@@ -160,12 +156,12 @@ def test_round_trip_through_store_is_byte_exact(profile, ids, host_copy):
     for k in store.pool_kinds:
         assert store.pool(k).allocated == allocated[k] - 5
         assert (store.address_space(ck, k).physical_pages == -1).all()
-    store.check_invariants()
+    store.audit_invariants()
 
     random_fill(store, seed=8)  # every Device byte changes: what comes back can only come from Host
     blocker = store.activate(64, 0)
     for k in store.pool_kinds:
-        store.ensure_mapped_to_tokens(blocker, 64, pool=k)  # restores land on other IDs than before
+        store.map(blocker, 64, pool=k)  # restores land on other IDs than before
     f = store.activate(tokens + 10, 20, source=ck)
     assert store.checkpoint(ck).placement == "both"
     assert store.stats.restored_pages == 10
@@ -181,7 +177,7 @@ def test_round_trip_through_store_is_byte_exact(profile, ids, host_copy):
         tail = logical_page_planes(store, k, fork.pages()[4])  # per plane (layers, H, P, X)
         for name, x in tail.items():
             assert x[:, :, :44].tobytes() == original_tail[k][name][:, :, :44].tobytes(), name
-    store.check_invariants()
+    store.audit_invariants()
 
 
 # -- attention equivalence -------------------------------------------------------------------------------------
@@ -230,7 +226,7 @@ def test_restored_checkpoint_attends_identically(backend):
     queries = {}
     for kind in store.pool_kinds:
         lay = store.layout(kind)
-        store.ensure_mapped_to_tokens(h, n, pool=kind)
+        store.map(h, n, pool=kind)
         shape = (1, n, lay.num_kv_heads, lay.head_dim)
         _append(store, kind, store.row(h), jax.random.normal(next(keys), shape), jax.random.normal(next(keys), shape))
         store.commit(h, n, pool=kind)
@@ -238,7 +234,7 @@ def test_restored_checkpoint_attends_identically(backend):
     before = {k: _attend(store, k, store.row(h), queries[k], n) for k in store.pool_kinds}
     ck = store.finish(h, retain=True)
 
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     store.drop_device_replica(ck)
     random_fill(store, seed=4)  # destroy every Device byte
     f = store.activate(n, 10, source=ck)  # restores Host-only pages in the restore_host stage
@@ -247,7 +243,7 @@ def test_restored_checkpoint_attends_identically(backend):
         for a, b in zip(before[kind], after):
             assert np.all(np.isfinite(a))
             np.testing.assert_array_equal(a, b)
-    store.check_invariants()
+    store.audit_invariants()
 
 
 # -- publication protocol ----------------------------------------------------------------------------------------
@@ -272,17 +268,17 @@ def test_stale_replica_is_never_published():
 
     store.fault_injector = bump
     with pytest.raises(StaleReplicaError, match="logical block 1 changed during the copy"):
-        store.offload_checkpoint(ck, sync(store))
+        offload_checkpoint(store, ck, sync(store))
     store.fault_injector = None
     rt.pages.epoch[slot] -= 1
     assert_same(before, store.snapshot())  # no replica published, pins released, extent freed
     assert store.host_arena.allocator.free_extents() == free_before  # the reserved extent was freed
     _arena_empty(store)
     assert store.checkpoint(ck).placement == "device"
-    store.check_invariants()
+    store.audit_invariants()
 
     # a replica that went stale after publication is never used: not a valid placement, no drop
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     first_extent = store.address_space(ck).pages()[0].host_extent
     rt.pages.epoch[slot] += 1
     info = store.checkpoint(ck)
@@ -290,13 +286,13 @@ def test_stale_replica_is_never_published():
     assert store.address_space(ck).pages()[1].placement == "device"
     _unchanged(store, lambda: store.drop_device_replica(ck), LifecycleError, r"logical blocks \[1\].*no valid Host")
     # offloading again copies exactly the stale page and replaces its replica
-    report = store.offload_checkpoint(ck, sync(store))
+    report = offload_checkpoint(store, ck, sync(store))
     assert report.pages == 1
     pages = store.address_space(ck).pages()
     assert pages[1].host_extent != first_extent and pages[0].host_extent == first_extent
     assert pages[1].host_replica.epoch == pages[1].epoch
     assert store.host_occupancy().extent_count == 2 and store.checkpoint(ck).placement == "both"
-    store.check_invariants()
+    store.audit_invariants()
     store.drop_device_replica(ck)
     random_fill(store, seed=5)
     f = store.activate(210, 10, source=ck)  # restores from two extents (three stretches)
@@ -318,7 +314,7 @@ def test_stale_replica_is_never_published():
     store.fault_injector = None
     rt.pages.epoch[slot] -= 1
     assert_same(before, store.snapshot())
-    store.check_invariants()
+    store.audit_invariants()
     assert store.checkpoint(ck).placement == "host"
 
 
@@ -339,15 +335,15 @@ def test_pinned_pages_cannot_be_released_mid_copy():
             assert all(p.pins == 1 for p in store.address_space(ck).pages())
             attempt("release_checkpoint", lambda: store.release_checkpoint(ck))
             attempt("drop_device_replica", lambda: store.drop_device_replica(ck))
-            attempt("offload_checkpoint", lambda: store.offload_checkpoint(ck, device(store).state))
+            attempt("offload_checkpoint", lambda: offload_checkpoint(store, ck, device(store).state))
             attempt("move", lambda: store.activate(150, 10, source=ck, release_source=True))
 
     store.fault_injector = during_offload
-    report = store.offload_checkpoint(ck, sync(store))
+    report = offload_checkpoint(store, ck, sync(store))
     assert refused == ["release_checkpoint", "drop_device_replica", "offload_checkpoint", "move"]
     assert report.pages == 6 and store.checkpoint(ck).placement == "both"
     assert all(p.pins == 0 for k in store.pool_kinds for p in store.address_space(ck, k).pages())
-    store.check_invariants()
+    store.audit_invariants()
 
     store.drop_device_replica(ck)
     refused.clear()
@@ -365,7 +361,7 @@ def test_pinned_pages_cannot_be_released_mid_copy():
     sync(store)
     for kind in store.pool_kinds:
         assert content_ok(store, kind, f, list(range(1, 151)))
-    store.check_invariants()
+    store.audit_invariants()
 
 
 # -- capacity --------------------------------------------------------------------------------------------------
@@ -374,9 +370,9 @@ def test_pinned_pages_cannot_be_released_mid_copy():
 def test_arena_exhaustion_changes_nothing():
     stride = KVStore(tiny_plan(), host_bytes=MiB).layout().page_bytes
     store = _ordinary(host_bytes=4 * stride)
-    store.offload_checkpoint(_checkpoint(store, 100), sync(store))  # 2 of 4 pages used
+    offload_checkpoint(store, _checkpoint(store, 100), sync(store))  # 2 of 4 pages used
     ck = _checkpoint(store, 150)  # 3 pages
-    err = _unchanged(store, lambda: store.offload_checkpoint(ck, device(store).state), HostCapacityError, "not enough free bytes")
+    err = _unchanged(store, lambda: offload_checkpoint(store, ck, device(store).state), HostCapacityError, "not enough free bytes")
     assert isinstance(err, PoolCapacityError) and "nothing was changed" in str(err)
     assert err.__cause__.requested_bytes == 3 * stride
     assert store.checkpoint(ck).placement == "device"
@@ -387,7 +383,7 @@ def test_invalid_multi_pool_plan_changes_nothing():
     main_bytes = 2 * probe.layout(MAIN).page_bytes
     store = KVStore(tiny_plan("dflash"), host_bytes=main_bytes)  # Main's extent fits, Draft Full's not
     ck = _checkpoint(store, 100)
-    err = _unchanged(store, lambda: store.offload_checkpoint(ck, device(store).state), HostCapacityError, "draft_full: 2 pages")
+    err = _unchanged(store, lambda: offload_checkpoint(store, ck, device(store).state), HostCapacityError, "draft_full: 2 pages")
     assert isinstance(err.__cause__, InvalidPlanError) and err.__cause__.step == 1
     _arena_empty(store)
 
@@ -397,19 +393,19 @@ def test_fragmented_arena_refuses_with_clear_error():
     store = _ordinary(pages=16, host_bytes=3 * 2 * stride)  # exactly three 2-page extents
     cks = [_checkpoint(store, 100) for _ in range(3)]
     for ck in cks:
-        store.offload_checkpoint(ck, sync(store))
+        offload_checkpoint(store, ck, sync(store))
     store.release_checkpoint(cks[0])
     store.release_checkpoint(cks[2])
     occ = store.host_occupancy()
     assert occ.free_bytes == 4 * stride and occ.largest_free_extent == 2 * stride
     big = _checkpoint(store, 150)  # 3 pages: fewer bytes than are free, but no hole holds them
-    _unchanged(store, lambda: store.offload_checkpoint(big, device(store).state), HostCapacityError, "fragmentation")
+    _unchanged(store, lambda: offload_checkpoint(store, big, device(store).state), HostCapacityError, "fragmentation")
 
 
 def test_restore_needs_available_device_pages():
     store = _ordinary(pages=9)
     ck = _checkpoint(store, 150)
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     store.drop_device_replica(ck)
     hog = store.activate(256, 0)  # reserves 4 of the 9 pages; 5 left
     hog2 = store.activate(130, 0)  # 3 more: 2 left, the checkpoint needs 3
@@ -419,7 +415,7 @@ def test_restore_needs_available_device_pages():
     report = store.restore_checkpoint(ck)
     assert report.pages == 3 and store.checkpoint(ck).placement == "both"
     store.finish(hog)
-    store.check_invariants()
+    store.audit_invariants()
 
 
 # -- activation rollback around restore_host -----------------------------------------------------------------------
@@ -438,10 +434,10 @@ class FaultAt:
 def _host_only_store(backend):
     store = KVStore(tiny_plan(backend, pages=12), host_bytes=MiB)
     ck = _checkpoint(store, 100, budget=20)
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     store.drop_device_replica(ck)
     other = store.activate(30, 10)
-    store.ensure_mapped_to_tokens(other, 40)
+    store.map(other, 40)
     store.commit(other, 30)
     sync(store)
     return store, ck
@@ -474,7 +470,7 @@ def test_activation_restore_rolls_back_at_every_stage(backend, scenario):
         assert (stage, pool) in store.fault_injector.seen
         store.fault_injector = None
         assert_same(before, store.snapshot(), f"after fault at {stage}/{pool}")  # arena and replicas too
-        store.check_invariants()
+        store.audit_invariants()
         assert store.checkpoint(ck).placement == "host"
         assert store.stats.restored_pages == restored_before
     for kind in store.pool_kinds:
@@ -486,7 +482,7 @@ def test_activation_restore_rolls_back_at_every_stage(backend, scenario):
     store.fault_injector = None
     sub = ("restore_host", "restore_copy", "restore_verify")
     assert [x for x in seen if x[0] in sub] == [(s, k) for k in store.pool_kinds for s in sub]
-    store.check_invariants()
+    store.audit_invariants()
     sync(store)
     for kind in store.pool_kinds:
         assert content_ok(store, kind, h, list(range(1, 101)))
@@ -505,9 +501,9 @@ def test_drop_rules_and_extent_lifetime():
     store = _ordinary(pages=16)
     a = _checkpoint(store, 200)  # 3 full pages + 8-column tail
     f = store.activate(200, 30, source=a)  # Fork: shares the 3 full pages
-    store.offload_checkpoint(a, sync(store))
+    offload_checkpoint(store, a, sync(store))
     _unchanged(store, lambda: store.drop_device_replica(a), LifecycleError, r"blocks \[0, 1, 2\].*active address space")
-    store.ensure_mapped_to_tokens(f, 230)
+    store.map(f, 230)
     write_tokens(store, MAIN, store.row(f), 200, np.arange(201, 231, dtype=np.float32))
     store.commit(f, 230)
     b = store.finish(f, retain=True)  # shares pages 0..2 with a, holds its own tail
@@ -517,7 +513,7 @@ def test_drop_rules_and_extent_lifetime():
     info = store.checkpoint(b)
     assert info.placement == "device" and info.page_placement == {"device": 1, "host": 3, "both": 0}
     _unchanged(store, lambda: store.drop_device_replica(b), LifecycleError, r"blocks \[3\].*no valid Host replica")
-    assert store.offload_checkpoint(b, device(store).state).pages == 1  # only the page without a Host replica
+    assert offload_checkpoint(store, b, device(store).state).pages == 1  # only the page without a Host replica
     assert store.checkpoint(b).placement == "host"
     assert store.host_occupancy().extent_count == 2
 
@@ -526,27 +522,27 @@ def test_drop_rules_and_extent_lifetime():
     assert content_ok(store, MAIN, g, list(range(1, 231)))
     assert store.checkpoint(a).page_placement == {"device": 0, "host": 1, "both": 3}
     store.finish(g)
-    store.check_invariants()
+    store.audit_invariants()
 
     store.release_checkpoint(a)  # a's extent still holds b's three shared pages
     occ = store.host_occupancy()
     assert occ.extent_count == 2 and occ.pools["main"].host_pages == 4 and occ.pools["main"].extent_pages == 5
-    store.check_invariants()
+    store.audit_invariants()
     store.release_checkpoint(b)  # last references: both extents freed
     _arena_empty(store)
     assert store.pool().allocated == 0
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_release_host_replica_and_restore_drop_host():
     store = _ordinary()
     ck = _checkpoint(store, 150)
     assert store.release_host_replica(ck) == 0
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     assert store.release_host_replica(ck) == 3
     assert store.checkpoint(ck).placement == "device"
     _arena_empty(store)
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     store.drop_device_replica(ck)
     _unchanged(store, lambda: store.release_host_replica(ck), LifecycleError, "only copy")
     report = store.restore_checkpoint(ck, drop_host=True)
@@ -557,27 +553,27 @@ def test_release_host_replica_and_restore_drop_host():
     sync(store)
     assert content_ok(store, MAIN, ck, list(range(1, 151)))
     assert store.stats.restored_pages == 3 and store.stats.released_host_pages == 6
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_move_from_both_drops_host_replicas_of_writable_pages():
     store = _ordinary()
     ck = _checkpoint(store, 100)
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     h = store.activate(100, 20, source=ck, release_source=True)  # Move: pages become writable
     assert all(p.host_replica is None and p.writer_row == store.row(h) for p in store.bundle(h).main.pages())
     _arena_empty(store)
-    store.ensure_mapped_to_tokens(h, 110)
+    store.map(h, 110)
     write_tokens(store, MAIN, store.row(h), 100, np.full(10, 7.0))
     store.commit(h, 110)
     store.truncate(h, 90)
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_summaries_and_counters():
     store = _ordinary(backend="mtp")
     ck = _checkpoint(store, 100)
-    store.offload_checkpoint(ck, sync(store))
+    offload_checkpoint(store, ck, sync(store))
     store.drop_device_replica(ck)
     summary = store.memory_summary()
     assert summary.offloaded_pages == 4 and summary.restored_pages == 0

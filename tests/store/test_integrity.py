@@ -3,8 +3,8 @@
 * an offload payload names its plan (token, store, pages, state serial): a payload of another plan
   is refused with nothing published and the plan still in flight;
 * works and states carry their store's identity: another store's work poisons a state, and
-  ``check_state`` says which store a state belongs to;
-* ``check_invariants`` holds with offload plans in flight;
+  ``require_synced`` says which store a state belongs to;
+* ``audit_invariants`` holds with offload plans in flight;
 * one rule for bad targets in every row and handle verb, and the same exception for the same mistake
   on ``KVStore`` and ``ShardedKVStore``;
 * ``snapshot()`` describes state, not counters: equal after every rolled-back Host transfer;
@@ -20,27 +20,20 @@ import jax
 import numpy as np
 import pytest
 
-from ninfer_kv import MeshSpec, plan_kv_cache_mesh
+from ninfer_kv.mesh_spec import MeshSpec
+from ninfer_kv.planning import plan_kv_cache_mesh
+from ninfer_kv.device import rounds as device_rounds
 from ninfer_kv.device import work as device_work
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, PoolKind, plan_kv_cache
-from ninfer_kv.store import (
-    OFFLOAD_STAGES,
-    RESTORE_STAGES,
-    KVDeviceState,
-    KVStore,
-    PayloadError,
-    RowError,
-    StaleHandleError,
-    TargetError,
-    WorkOrderError,
-    apply_work_jit,
-    gather_pages,
-    step_work_shapes,
-    take_step_work,
-)
+from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.store import OFFLOAD_STAGES, RESTORE_STAGES, KVStore
+from ninfer_kv.errors import PayloadError, RowError, StaleHandleError, TargetError, WorkOrderError
+from ninfer_kv.step_shapes import step_work_shapes
+from ninfer_kv.device import KVDeviceState, apply_work_jit, gather_pages, take_step_work
 from ninfer_kv.store.sharded import ShardedKVStore
 
 from .helpers import P, assert_same, sync, tiny_plan, write_tokens
+from ninfer_kv.device import allocate_state, gather_offload, offload_checkpoint
 
 MAIN = PoolKind.MAIN
 
@@ -51,7 +44,7 @@ def _store(host_bytes=1 << 20, **kw) -> KVStore:
 
 def _checkpoint(store, tokens, first=1.0):
     h = store.activate(tokens, 0)
-    store.ensure_mapped_to_tokens(h, tokens)
+    store.map(h, tokens)
     write_tokens(store, MAIN, store.row(h), 0, np.arange(first, first + tokens, dtype=np.float32))
     store.commit(h, tokens)
     return store.finish(h, retain=True)
@@ -65,8 +58,8 @@ def test_a_payload_of_another_plan_is_refused_and_nothing_is_published():
     a, b = _checkpoint(store, 100), _checkpoint(store, 70, first=300.0)
     state = sync(store)
     plan_a, plan_b = store.plan_offload(a), store.plan_offload(b)
-    store.check_invariants()  # two plans in flight: their extents and pins are accounted for
-    payload_a = store.gather_offload(plan_a, state)
+    store.audit_invariants()  # two plans in flight: their extents and pins are accounted for
+    payload_a = gather_offload(store, plan_a, state)
     before = store.snapshot()
     with pytest.raises(
         PayloadError,
@@ -76,7 +69,7 @@ def test_a_payload_of_another_plan_is_refused_and_nothing_is_published():
     assert_same(before, store.snapshot())
     assert plan_b.status == "planned" and store.checkpoint(b).placement == "device"
     # same plan, other pages (a payload edited by hand): refused too
-    forged = dataclasses.replace(store.gather_offload(plan_b, state), pages=payload_a.pages)
+    forged = dataclasses.replace(gather_offload(store, plan_b, state), pages=payload_a.pages)
     with pytest.raises(PayloadError, match="holds pages"):
         store.complete_offload(plan_b, forged)
     # a bare gather carries no identity: refused with the way to make a payload
@@ -87,7 +80,7 @@ def test_a_payload_of_another_plan_is_refused_and_nothing_is_published():
     store.complete_offload(plan_b, jax.jit(gather_pages)(state, plan_b.request))
     store.complete_offload(plan_a, payload_a)
     assert store.checkpoint(a).placement == store.checkpoint(b).placement == "both"
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_a_plan_or_payload_of_another_store_is_refused():
@@ -98,7 +91,7 @@ def test_a_plan_or_payload_of_another_store_is_refused():
     with pytest.raises(StaleHandleError, match=f"belongs to store {two.identity}"):
         one.cancel_offload(plan2)
     with pytest.raises(PayloadError, match=f"of store {two.identity}"):
-        one.complete_offload(plan1, two.gather_offload(plan2, sync(two)))
+        one.complete_offload(plan1, gather_offload(two, plan2, sync(two)))
     with pytest.raises(TypeError, match="expected an OffloadPlan"):
         one.cancel_offload("plan")
     one.cancel_offload(plan1)
@@ -114,18 +107,18 @@ def test_invariants_hold_with_a_plan_in_flight():
         host_bytes=1 << 20,
     )
     h = store.activate(100, 0)
-    store.ensure_mapped_to_tokens(h, 100)
+    store.map(h, 100)
     store.commit(h, 100)
     ck = store.finish(h, retain=True)
     plan = store.plan_offload(ck)
-    store.check_invariants()
+    store.audit_invariants()
     assert store.host_occupancy().arena.extent_count == 1
     store.cancel_offload(plan)
-    store.check_invariants()
+    store.audit_invariants()
     # a pin no plan accounts for is caught
     store._rt[MAIN].pages.pins[store.address_space(ck).page_slots[0]] += 1
     with pytest.raises(AssertionError, match="offload plans in flight account for 0"):
-        store.check_invariants()
+        store.audit_invariants()
 
 
 # -- store identity of works and states ---------------------------------------------------------------------
@@ -133,21 +126,21 @@ def test_invariants_hold_with_a_plan_in_flight():
 
 def test_another_stores_work_poisons_the_state_and_check_state_names_the_store():
     a, b = _store(), _store()
-    state_a = a.allocate_state()
+    state_a = allocate_state(a)
     ha, hb = a.activate(10, 10), b.activate(10, 10)
-    a.ensure_mapped_to_tokens(ha, 10)
-    b.ensure_mapped_to_tokens(hb, 10)
+    a.map(ha, 10)
+    b.map(hb, 10)
     work_b = b.take_work()  # serial 0, like a's first work
     assert int(work_b.serial) == 0 and int(work_b.store) == b.identity
     state_a = apply_work_jit(state_a, work_b)
     status = state_a.sync_status()
     assert status.poisoned and status.offending_store == b.identity and status.owner == a.identity
     with pytest.raises(WorkOrderError, match=f"given work 0 of store {b.identity}, another store"):
-        a.check_state(state_a)
+        a.require_synced(state_a)
     # a state is checked against the store that allocated it
-    state_b = apply_work_jit(b.allocate_state(), b.take_work())
+    state_b = apply_work_jit(allocate_state(b), b.take_work())
     with pytest.raises(WorkOrderError, match=f"belongs to store {b.identity}, not to this store \\({a.identity}\\)"):
-        a.check_state(state_b)
+        a.require_synced(state_b)
     # a state built without a store binds to the store of its first work
     free = apply_work_jit(KVDeviceState.zeros(a.pool_plans), a.take_work())
     assert free.sync_status().owner == a.identity and not free.sync_status().poisoned
@@ -169,23 +162,23 @@ def _one_sequence_stores():
     sharded = ShardedKVStore(plan)
     out = []
     for store, h in ((single, single.activate(100, 20)), (sharded, sharded.activate(100, 20, shard=0))):
-        store.ensure_mapped_to_tokens(h, 100)
+        store.map(h, 100)
         store.commit(h, 50)
         out.append((store, h))
     return out
 
 
 VERBS = {
-    "map_rows": lambda s, h, r, v: s.map_rows([r], [v]),
-    "commit_rows": lambda s, h, r, v: s.commit_rows([r], [v]),
-    "trim_rows": lambda s, h, r, v: s.trim_rows([r], [v]),
-    "settle_rows": lambda s, h, r, v: s.settle_rows([r], [v]),
-    "settle_rows_provisional": lambda s, h, r, v: s.settle_rows([r], [60], [v]),
-    "ensure_mapped_to_tokens": lambda s, h, r, v: s.ensure_mapped_to_tokens(h, v),
-    "commit": lambda s, h, r, v: s.commit(h, v),
-    "trim": lambda s, h, r, v: s.trim(h, provisional=v),
+    "map": lambda s, h, r, v: s.map([r], [v]),
+    "commit": lambda s, h, r, v: s.commit([r], [v]),
+    "trim": lambda s, h, r, v: s.trim([r], [v]),
+    "settle": lambda s, h, r, v: s.settle([r], [v]),
+    "settle_provisional": lambda s, h, r, v: s.settle([r], [60], [v]),
+    "map_handle": lambda s, h, r, v: s.map(h, v),
+    "commit_handle": lambda s, h, r, v: s.commit(h, v),
+    "trim_handle": lambda s, h, r, v: s.trim(h, keep_tokens=v),
     "truncate": lambda s, h, r, v: s.truncate(h, v),
-    "settle": lambda s, h, r, v: s.settle(h, v),
+    "settle_handle": lambda s, h, r, v: s.settle(h, v),
 }
 
 
@@ -206,9 +199,9 @@ def test_bad_targets_are_one_error_naming_row_and_value_on_both_stores(verb, val
 def test_non_integer_rows_are_a_type_error_on_both_stores(rows):
     for store, _ in _one_sequence_stores():
         for call in (
-            lambda: store.map_rows(rows, [60]),
-            lambda: store.commit_rows(rows, [60]),
-            lambda: store.trim_rows(rows),
+            lambda: store.map(rows, [60]),
+            lambda: store.commit(rows, [60]),
+            lambda: store.trim(rows),
             lambda: store.round_boundary(rows),
         ):
             with pytest.raises(TypeError):
@@ -218,15 +211,15 @@ def test_non_integer_rows_are_a_type_error_on_both_stores(rows):
 def test_out_of_range_and_non_integer_targets_on_both_stores():
     for store, h in _one_sequence_stores():
         with pytest.raises(RowError, match="row -1"):
-            store.map_rows([-1], [60])
+            store.map([-1], [60])
         with pytest.raises(RowError, match="row 99"):
-            store.commit_rows([99], [60])
+            store.commit([99], [60])
         with pytest.raises(TypeError):
-            store.map_rows([store.row(h)], [60.5])
+            store.map([store.row(h)], [60.5])
         with pytest.raises(TypeError):
             store.commit(h, 60.0)
         with pytest.raises(ValueError, match="one length"):
-            store.commit_rows([store.row(h)], [60, 61])
+            store.commit([store.row(h)], [60, 61])
 
 
 # -- snapshots describe state ---------------------------------------------------------------------------------
@@ -242,18 +235,18 @@ def test_a_rolled_back_host_transfer_leaves_an_equal_snapshot(stage):
     ck = _checkpoint(store, 150)
     state = sync(store)
     if stage.startswith("restore"):
-        store.offload_checkpoint(ck, state)
+        offload_checkpoint(store, ck, state)
         store.drop_device_replica(ck)
     store.fault_injector = lambda s, pool: (_ for _ in ()).throw(Fault(s)) if s == stage else None
     before = store.snapshot()
     with pytest.raises(Fault):
         if stage.startswith("offload"):
-            store.offload_checkpoint(ck, state)
+            offload_checkpoint(store, ck, state)
         else:
             store.restore_checkpoint(ck)
     assert_same(before, store.snapshot())
     store.fault_injector = None
-    store.check_invariants()
+    store.audit_invariants()
 
 
 # -- pending work -----------------------------------------------------------------------------------------
@@ -262,7 +255,7 @@ def test_a_rolled_back_host_transfer_leaves_an_equal_snapshot(stage):
 def test_pending_work_counts_what_the_next_work_holds():
     store = KVStore(tiny_plan(pages=12))
     h = store.activate(100, 0)
-    store.ensure_mapped_to_tokens(h, 100)
+    store.map(h, 100)
     store.commit(h, 100)
     ck = store.finish(h, retain=True)  # its row's 4 entries written twice (map, then clear)
     assert store.pending_work()[MAIN] == (4, 0, 0)
@@ -290,8 +283,8 @@ def test_take_step_work_compiles_a_bounded_number_of_programs(monkeypatch):
         applied.add(tuple(sorted(work.counts().values())))
         return real(state, work)
 
-    monkeypatch.setattr(device_work, "apply_work_jit", recording)  # the name take_step_work calls
-    state = store.allocate_state()
+    monkeypatch.setattr(device_rounds, "apply_work_jit", recording)  # the name take_step_work calls
+    state = allocate_state(store)
     rng = np.random.default_rng(0)
     ckpts = []
     for n in (10, 70, 150):

@@ -4,8 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.device.page_copy import compiled_variants, copy_page_columns
+from ninfer_kv.ops.page_copy import compiled_variants, copy_page_columns
 from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.views import allocate_planes
 
 
 def _random_planes(layout, n, seed=0):
@@ -49,7 +50,7 @@ def test_copies_columns_of_every_plane_and_layer(profile, order, dim):
 
 def test_validation_errors():
     layout = PagedKVStorageLayout("bf16", num_layers=1, num_kv_heads=1, head_dim=8)
-    planes = layout.allocate(4)
+    planes = allocate_planes(layout, 4)
     z = np.zeros(2, np.int32)
     with pytest.raises(ValueError, match="columns must lie"):
         copy_page_columns(planes, z, z + 1, np.array([65, 0], np.int32), layout=layout)
@@ -68,7 +69,7 @@ def test_validation_errors():
 
 def test_compiles_once_per_padded_length():
     layout = PagedKVStorageLayout("bf16", num_layers=1, num_kv_heads=1, head_dim=8)
-    planes = layout.allocate(6)
+    planes = allocate_planes(layout, 6)
     warm = np.zeros(8, np.int32)
     warm[0] = 5
     planes = copy_page_columns(planes, np.zeros(8, np.int32), np.ones(8, np.int32), warm, layout=layout)

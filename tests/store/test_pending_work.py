@@ -15,23 +15,16 @@ import jax
 import numpy as np
 import pytest
 
-from ninfer_kv import (
-    DonatedStateError,
-    EntitlementError,
-    KVDeviceState,
-    PagedKVBatchLayerView,
-    PendingWorkError,
-    WorkOrderError,
-    apply_work,
-    apply_work_jit,
-    ops,
-    take_step_work,
-)
+from ninfer_kv import ops
+from ninfer_kv.errors import DonatedStateError, EntitlementError, PendingWorkError, WorkOrderError
+from ninfer_kv.device import KVDeviceState, apply_work, apply_work_jit, take_step_work
+from ninfer_kv.views import PagedKVBatchLayerView
 from ninfer_kv.device import work as device_work
-from ninfer_kv.planning import PoolKind
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.store import KVStore
 
 from .helpers import assert_same, model_step, tiny_plan
+from ninfer_kv.device import allocate_state
 
 MAIN = PoolKind.MAIN
 T = 8
@@ -39,7 +32,7 @@ T = 8
 
 def _store():
     store = KVStore(tiny_plan(head_dim=16, pages=8, max_concurrency=2, layers=1))
-    return store, store.allocate_state()
+    return store, allocate_state(store)
 
 
 def _forgetful_step(layout):
@@ -62,7 +55,7 @@ def _args(store, h, n=T):
 def test_a_step_that_forgets_apply_work_fails_when_traced_and_changes_nothing():
     store, state = _store()
     h = store.activate(T, 4)
-    store.map_rows(np.array([store.row(h)]), np.array([T]))
+    store.map(np.array([store.row(h)]), np.array([T]))
     state, work = take_step_work(store, state)
     assert state.work_pending
     serial = store.work_serial
@@ -73,11 +66,11 @@ def test_a_step_that_forgets_apply_work_fails_when_traced_and_changes_nothing():
     assert store.work_serial == serial
     state = apply_work_jit(state, work)
     assert not state.work_pending
-    store.check_state(state)
+    store.require_synced(state)
     # the same step with apply_work runs, and its commit is accepted
     state = model_step(store.layout(MAIN))(*take_step_work(store, state), *_args(store, h))
-    store.commit_rows(np.array([store.row(h)]), np.array([T]))
-    store.check_state(state)
+    store.commit(np.array([store.row(h)]), np.array([T]))
+    store.require_synced(state)
 
 
 @pytest.mark.parametrize("field", ["planes", "tables"])
@@ -99,7 +92,7 @@ def test_a_marked_state_refuses_its_planes_and_tables_on_the_host_too(field):
 def test_a_second_take_over_a_marked_state_is_refused_before_taking():
     store, state = _store()
     h = store.activate(T, 4)
-    store.map_rows(np.array([store.row(h)]), np.array([T]))
+    store.map(np.array([store.row(h)]), np.array([T]))
     marked, work = take_step_work(store, state)
     serial = store.work_serial
     with pytest.raises(PendingWorkError, match="never applied"):
@@ -117,7 +110,7 @@ def test_a_second_take_over_a_marked_state_is_refused_before_taking():
 def test_take_step_work_refuses_a_donated_or_deleted_state_before_taking():
     store, state = _store()
     h = store.activate(T, 4)
-    store.map_rows(np.array([store.row(h)]), np.array([T]))
+    store.map(np.array([store.row(h)]), np.array([T]))
     state, work = take_step_work(store, state)
     step = model_step(store.layout(MAIN))
     donated = state
@@ -143,7 +136,7 @@ def test_a_step_without_map_rows_cannot_commit():
     state = model_step(store.layout(MAIN))(*take_step_work(store, state), *_args(store, h))
     before = store.snapshot()
     with pytest.raises(EntitlementError, match="exceeds its mapped extent 0 tokens; map first"):
-        store.commit_rows(row, np.array([T]))
+        store.commit(row, np.array([T]))
     assert_same(before, store.snapshot())
     assert store.address_space(h).committed_frontier == 0
 

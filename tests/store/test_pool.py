@@ -5,12 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv.store import DevicePagePool, PoolCapacityError, StaleHandleError
+from ninfer_kv.store import DevicePagePool
+from ninfer_kv.errors import PoolCapacityError, StaleHandleError
 
 
 def _identity(pool):
     assert pool.allocated + pool.reserved + pool.available == pool.capacity
-    pool.check_invariants()
+    pool.audit_invariants()
 
 
 def test_reserve_materialize_dematerialize_release():

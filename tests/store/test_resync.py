@@ -19,18 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import (
-    SENTINEL_PAGE,
-    LostContentError,
-    RowError,
-    WorkOrderError,
-    apply_work_jit,
-    resync,
-)
-from ninfer_kv.planning import PoolKind
+from ninfer_kv.geometry import SENTINEL_PAGE
+from ninfer_kv.errors import LostContentError, RowError, WorkOrderError
+from ninfer_kv.device import apply_work_jit, resync
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.store import CheckpointHandle, KVStore, SequenceHandle
 
 from .helpers import content_ok, model_step, tiny_plan
+from ninfer_kv.device import allocate_state, offload_checkpoint
 
 MAIN = PoolKind.MAIN
 T = 128
@@ -50,7 +46,7 @@ class Serving:
         self.store = KVStore(
             tiny_plan(head_dim=D, pages=12, max_concurrency=3, layers=1, max_context=256), host_bytes=1 << 20
         )
-        self.state = self.store.allocate_state(fill=float("nan"))
+        self.state = allocate_state(self.store, fill=float("nan"))
         self.slip, self.at = slip, at
         self.model: dict = {}  # handle -> committed token values
         self.base: dict = {}
@@ -93,7 +89,7 @@ class Serving:
         k = np.zeros((C, T, 1, D), np.float32)
         for i, (h, n) in enumerate(appends.items()):
             start = len(self.model[h])
-            store.ensure_mapped_to_tokens(h, start + n)
+            store.map(h, start + n)
             rows[i], positions[i], valid[i] = store.row(h), start, n
             k[i, :n] = np.asarray(_values(self.base[h], start, n))[:, None, None]
         work = self.take()
@@ -121,7 +117,7 @@ class Serving:
     def offload_and_drop(self, ck) -> None:
         """Offload ``ck`` and drop its Device pages; a poisoned state refuses (nothing changes)."""
         try:
-            self.store.offload_checkpoint(ck, self.state)
+            offload_checkpoint(self.store, ck, self.state)
         except WorkOrderError:
             return
         self.store.drop_device_replica(ck)
@@ -169,10 +165,10 @@ def history(s: Serving) -> dict:
 def repair_and_check(s: Serving):
     store = s.store
     with pytest.raises(WorkOrderError, match="resync"):
-        store.check_state(s.state)
+        store.require_synced(s.state)
     s.state, report = resync(store, s.state)
-    store.check_state(s.state)
-    store.check_invariants()
+    store.require_synced(s.state)
+    store.audit_invariants()
     lost = {**report.lost_sequences, **report.lost_checkpoints}
     assert lost == store.lost()
     s.check_content(lost)
@@ -187,7 +183,7 @@ def continue_serving(s: Serving, lost: dict) -> None:
             with pytest.raises(LostContentError, match="quarantined"):
                 store.commit(h, len(s.model[h]))
             with pytest.raises(LostContentError):
-                store.map_rows([store.row(h)], [len(s.model[h]) + 1])
+                store.map([store.row(h)], [len(s.model[h]) + 1])
             with pytest.raises(LostContentError):
                 store.finish(h, retain=True)
             assert (store.host_block_table()[store.row(h)] == SENTINEL_PAGE).all()
@@ -206,12 +202,12 @@ def continue_serving(s: Serving, lost: dict) -> None:
         s.at = -1
         s.run_round({h: 3 for h in live})
         s.state = apply_work_jit(s.state, store.take_work())
-        store.check_state(s.state)
+        store.require_synced(s.state)
         s.check_content({})
     for h in list(s.model):
         s.finish(h, retain=False) if isinstance(h, SequenceHandle) else s.release(h)
     s.state = apply_work_jit(s.state, store.take_work())
-    store.check_invariants()
+    store.audit_invariants()
     for kind in store.pool_kinds:
         assert store.pool(kind).allocated == 0 and store.pool(kind).reserved == 0
     assert store.host_occupancy().arena.extent_count == 0
@@ -253,13 +249,13 @@ def test_resync_of_a_lagging_state():
     s = Serving()
     history(s)
     f = s.activate(10, 10, base=200)
-    s.store.ensure_mapped_to_tokens(f, 10)
+    s.store.map(f, 10)
     s.store.take_work()  # taken, never applied: the state lags one work behind
     with pytest.raises(WorkOrderError, match="were never applied"):
-        s.store.check_state(s.state)
+        s.store.require_synced(s.state)
     s.state, report = resync(s.store, s.state)
     assert report.clean  # the missed work only mapped a page: nothing is lost
-    s.store.check_state(s.state)
+    s.store.require_synced(s.state)
     s.check_content({})
     continue_serving(s, {})
 
@@ -270,8 +266,8 @@ def test_a_blank_state_recovers_what_host_replicas_hold():
     s = Serving()
     names = history(s)
     s.state = apply_work_jit(s.state, s.store.take_work())
-    s.store.check_state(s.state)
-    s.state = s.store.allocate_state(fill=float("nan"))
+    s.store.require_synced(s.state)
+    s.state = allocate_state(s.store, fill=float("nan"))
     report, lost = repair_and_check(s)
     assert names["ck_d"] not in lost and report.replayed[MAIN][1] >= 2  # restored from the arena
     assert names["e"] in lost and names["ck_b"] in lost
@@ -294,9 +290,9 @@ def test_a_quarantined_row_is_refused_by_row_verbs_with_a_clear_error():
     e = names["e"]
     row = s.store.row(e)
     for verb in (
-        lambda: s.store.commit_rows([row], [0]),
-        lambda: s.store.trim_rows([row]),
-        lambda: s.store.settle_rows([row], [len(s.model[e])]),
+        lambda: s.store.commit([row], [0]),
+        lambda: s.store.trim([row]),
+        lambda: s.store.settle([row], [len(s.model[e])]),
     ):
         with pytest.raises(LostContentError, match=f"row {row} holds a sequence whose content a resync found lost"):
             verb()

@@ -25,10 +25,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_kv import SENTINEL_PAGE, apply_work_jit, resync
+from ninfer_kv.geometry import SENTINEL_PAGE
+from ninfer_kv.device import apply_work_jit, resync
 from ninfer_kv.store import KVStore, SequenceHandle
 
 from .helpers import P, WRITE_PAD, _write_cells, content_ok, read_cells, tiny_plan
+from ninfer_kv.device import allocate_state, offload_checkpoint
 
 NAN = float("nan")
 
@@ -41,8 +43,8 @@ class Pair:
             tiny_plan(backend, layers=1, head_dim=8, pages=20, max_concurrency=6, max_context=256), host_bytes=1 << 20
         )
         self.kind = kind
-        self.ref = self.store.allocate_state()
-        self.dut = self.store.allocate_state(fill=NAN)
+        self.ref = allocate_state(self.store)
+        self.dut = allocate_state(self.store, fill=NAN)
         self.follow = True  # the state under test applies the works taken
         self.tokens: dict = {}  # handle -> committed tokens (every pool)
         self.base: dict = {}
@@ -74,7 +76,7 @@ class Pair:
         """The next :meth:`step` appends ``n`` tokens to ``h`` in every pool."""
         store, start = self.store, self.tokens[h]
         for kind in store.pool_kinds:
-            store.ensure_mapped_to_tokens(h, start + n, pool=kind)
+            store.map(h, start + n, pool=kind)
         self._appends.append((h, start, n))
 
     def step(self) -> None:
@@ -100,7 +102,7 @@ class Pair:
 
     def place(self, ck, placement: str) -> None:
         if placement != "device":
-            self.store.offload_checkpoint(ck, self.ref)
+            offload_checkpoint(self.store, ck, self.ref)
         if placement == "host":
             self.store.drop_device_replica(ck)
 
@@ -118,9 +120,9 @@ class Pair:
         self.dut, self.report = resync(store, self.dut)
         monkeypatch.undo()
         self.ref = apply_work_jit(self.ref, captured[0])
-        store.check_state(self.dut)
-        store.check_state(self.ref)
-        store.check_invariants()
+        store.require_synced(self.dut)
+        store.require_synced(self.ref)
+        store.audit_invariants()
         self.follow = True
 
     # -- checks ---------------------------------------------------------------------------------------
@@ -197,7 +199,7 @@ def history(s: Pair, placement: str) -> dict:
     fork = s.activate(100, 10, base=0, source=ck_base)  # restores (Host-only base) and copies its 36-column tail
     s.take(dut=s.kind == "poisoned")  # work 2: out of order for the poisoned state
     if s.kind == "blank":
-        s.dut = s.store.allocate_state(fill=NAN)
+        s.dut = allocate_state(s.store, fill=NAN)
     return {"live": live, "ck_old": ck_old, "ck_new": ck_new, "ck_base": ck_base, "fork": fork}
 
 
@@ -228,7 +230,7 @@ def test_resync_loses_only_what_no_source_holds(backend, kind, placement, monkey
     if placement == "host":
         assert len(forks) == 3
     s.take()
-    s.store.check_state(s.dut)
+    s.store.require_synced(s.dut)
     s.check_content()
 
 
@@ -284,7 +286,7 @@ def test_pending_copies_are_rated_by_what_they_read(kind, placement, monkeypatch
     ck2 = s.finish(f1)
     f2 = s.activate(40, 10, source=ck2, base=0)
     if kind == "blank":
-        s.dut = s.store.allocate_state(fill=NAN)
+        s.dut = allocate_state(s.store, fill=NAN)
     s.repair(monkeypatch)
     gone = kind == "blank" and placement == "device"  # ck1's page exists nowhere else
     assert s.lost() == ({h: dict.fromkeys(s.store.pool_kinds, 0) for h in (ck1, ck2, f2)} if gone else {})

@@ -9,19 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import KVDeviceState, apply_work, apply_work_jit, gather_pages
-from ninfer_kv.planning import PoolKind
-from ninfer_kv.store import (
-    POISONED,
-    KVStore,
-    LifecycleError,
-    StaleReplicaError,
-    WorkOrderError,
-    take_step_work,
-)
+from ninfer_kv.device import KVDeviceState, apply_work, apply_work_jit, gather_pages
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.store import KVStore
+from ninfer_kv.work import POISONED
+from ninfer_kv.errors import LifecycleError, StaleReplicaError, WorkOrderError
+from ninfer_kv.device import take_step_work
 from ninfer_kv.store.page_writes import PageWrites
 
 from .helpers import P, assert_same, content_ok, device, random_fill, sync, tiny_plan, write_tokens
+from ninfer_kv.device import allocate_state, offload_checkpoint
 
 MAIN = PoolKind.MAIN
 
@@ -52,29 +49,29 @@ def _held_arrays(obj, seen=None) -> list:
 
 def test_store_holds_no_device_array_and_has_no_planes():
     store = KVStore(tiny_plan("mtp", pages=12), host_bytes=1 << 16)
-    state = store.allocate_state()
+    state = allocate_state(store)
     assert not hasattr(store, "planes") and not hasattr(store, "set_planes") and not hasattr(store, "publish")
     h = store.activate(100, 20)
-    store.ensure_mapped_to_tokens(h, 100)
+    store.map(h, 100)
     store.commit(h, 100)
     ck = store.finish(h, retain=True)
     store.activate(110, 5, source=ck)
     state = apply_work_jit(state, store.take_work())
-    store.offload_checkpoint(ck, state)
+    offload_checkpoint(store, ck, state)
     assert _held_arrays(store) == []
     assert isinstance(state, KVDeviceState) and set(state.planes) == set(state.tables) == set(store.pool_kinds)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     assert all(isinstance(x, jax.Array) for x in leaves)
-    assert jax.tree_util.tree_unflatten(treedef, leaves).page_axes == state.page_axes
-    blank = store.allocate_state()  # after takes: holds none of their content, so it starts poisoned
+    assert jax.tree_util.tree_unflatten(treedef, leaves).layouts == state.layouts
+    blank = allocate_state(store)  # after takes: holds none of their content, so it starts poisoned
     with pytest.raises(WorkOrderError, match="blank: it was allocated after 1 round work were taken"):
-        store.check_state(blank)
+        store.require_synced(blank)
 
 
 def test_work_applies_table_rows_and_cow_in_one_pure_call():
     store = KVStore(tiny_plan(pages=12))
     h = store.activate(100, 20)
-    store.ensure_mapped_to_tokens(h, 100)
+    store.map(h, 100)
     write_tokens(store, MAIN, store.row(h), 0, np.arange(1, 101))  # through helpers' own state
     store.commit(h, 100)
     ck = store.finish(h, retain=True)
@@ -92,38 +89,38 @@ def test_work_applies_table_rows_and_cow_in_one_pure_call():
     phys = store.address_space(f).physical_pages
     assert np.array_equal(np.asarray(jitted.tables[MAIN])[store.row(f), : phys.size], phys)
     assert content_ok(store, MAIN, f, list(range(1, 101)))
-    store.check_state(jitted)
+    store.require_synced(jitted)
 
 
 def test_skipped_and_repeated_works_are_detected():
     store = KVStore(tiny_plan(pages=12))
-    state = store.allocate_state()
+    state = allocate_state(store)
     h = store.activate(10, 100)
-    store.ensure_mapped_to_tokens(h, 10)
+    store.map(h, 10)
     w0 = store.take_work()
     state = apply_work_jit(state, w0)
-    store.check_state(state)
-    store.ensure_mapped_to_tokens(h, 70)
+    store.require_synced(state)
+    store.map(h, 70)
     w1 = store.take_work()
     w2 = store.take_work()
     skipped = apply_work_jit(state, w2)  # w1 skipped
     assert skipped.host_serial() == POISONED
     with pytest.raises(WorkOrderError, match="poisoned"):
-        store.check_state(skipped)
+        store.require_synced(skipped)
     # poisoned stays poisoned even when the next work lines up
     assert apply_work_jit(skipped, store.take_work()).host_serial() == POISONED
     # a state that has not applied the latest works is behind
     state2 = KVDeviceState.zeros(store.pool_plans)
     state2 = apply_work_jit(state2, w0)
     with pytest.raises(WorkOrderError, match="applied 1 round work; the store handed out 4"):
-        store.check_state(state2)
+        store.require_synced(state2)
     repeated = apply_work_jit(apply_work_jit(state2, w1), w1)
     assert repeated.host_serial() == POISONED
 
 
 def test_step_work_has_one_shape_and_oversized_work_is_applied_first():
     store = KVStore(tiny_plan(pages=12, max_concurrency=3))
-    state = store.allocate_state()
+    state = allocate_state(store)
     shape = (16, 0, 0)
     calls = []
 
@@ -133,7 +130,7 @@ def test_step_work_has_one_shape_and_oversized_work_is_applied_first():
         return apply_work(state, work)
 
     h = store.activate(200, 0)
-    store.ensure_mapped_to_tokens(h, 200)
+    store.map(h, 200)
     store.commit(h, 200)
     ck = store.finish(h, retain=True)
     for _ in range(3):
@@ -142,7 +139,7 @@ def test_step_work_has_one_shape_and_oversized_work_is_applied_first():
         assert work.counts() == {MAIN: shape}
         state = step(state, work)
         store.finish(f)
-    store.check_state(state)
+    store.require_synced(state)
     assert len(calls) == 1
 
 
@@ -205,7 +202,7 @@ def test_offload_plan_gather_complete_and_cancel():
     store = KVStore(tiny_plan(pages=12), host_bytes=1 << 16)
     random_fill(store, seed=2)
     h = store.activate(150, 0)
-    store.ensure_mapped_to_tokens(h, 150)
+    store.map(h, 150)
     write_tokens(store, MAIN, store.row(h), 0, np.arange(1, 151))
     store.commit(h, 150)
     ck = store.finish(h, retain=True)
@@ -239,13 +236,13 @@ def test_offload_plan_gather_complete_and_cancel():
     assert store.pending_work()[MAIN][1:] == (0, 4)  # 3 restored pages + the 22-column tail copied from one
     sync(store)
     assert content_ok(store, MAIN, f, list(range(1, 151)))
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_complete_offload_verifies_epoch():
     store = KVStore(tiny_plan(pages=12), host_bytes=1 << 16)
     h = store.activate(100, 0)
-    store.ensure_mapped_to_tokens(h, 100)
+    store.map(h, 100)
     store.commit(h, 100)
     ck = store.finish(h, retain=True)
     state = sync(store)
@@ -258,14 +255,14 @@ def test_complete_offload_verifies_epoch():
         store.complete_offload(plan, payload)
     store._rt[MAIN].pages.epoch[slot] -= 1
     assert_same(before, store.snapshot())
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_work_pytree_structure_is_fixed_per_store():
     store = KVStore(tiny_plan("mtp", pages=12))
     a = store.take_work()
     h = store.activate(100, 0)
-    store.ensure_mapped_to_tokens(h, 100)
+    store.map(h, 100)
     b = store.take_work()
     cap = store.max_concurrency * store.logical_pages
     assert jax.tree_util.tree_structure(a.pad_to(cap)) == jax.tree_util.tree_structure(b.pad_to(cap))

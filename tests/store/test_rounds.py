@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from ninfer_kv.planning import PoolKind
-from ninfer_kv.store import EntitlementPolicy, KVStore, TargetError
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.store import EntitlementPolicy, KVStore
+from ninfer_kv.errors import TargetError
 
 from .helpers import P, tables_of, tiny_plan
 
@@ -16,16 +17,16 @@ def test_ensure_mapped_is_a_lower_bound():
     h = store.activate(100, 100)
     space = store.bundle(h).main
     assert space.entitlement_pages == 4 and space.reserved_pages == 4 and space.num_blocks == 0
-    assert store.ensure_mapped_to_tokens(h, 130) == 3
+    assert store.map(h, 130) == 3
     assert (space.num_blocks, space.reserved_pages, space.committed_frontier) == (3, 1, 0)
     # covered already (even a smaller request): no-op, never trims, never moves anything
-    assert store.ensure_mapped_to_tokens(h, 10) == 0
-    assert store.ensure_mapped_to_tokens(h, 192) == 0
+    assert store.map(h, 10) == 0
+    assert store.map(h, 192) == 0
     assert (space.num_blocks, space.entitlement_pages) == (3, 4)
     with pytest.raises(TargetError, match="= 257 for row 0 is out of range"):
-        store.ensure_mapped_to_tokens(h, 257)  # beyond L * P = 256
+        store.map(h, 257)  # beyond L * P = 256
     # the entitlement is whole pages: 256 > 200 tokens is still inside it
-    assert store.ensure_mapped_to_tokens(h, 256) == 1
+    assert store.map(h, 256) == 1
     pool = store.pool()
     assert (pool.allocated, pool.reserved, pool.available) == (4, 0, 8)
 
@@ -33,11 +34,11 @@ def test_ensure_mapped_is_a_lower_bound():
 def test_trim_returns_leases_to_the_active_reservation():
     store = KVStore(tiny_plan(pages=12))
     h = store.activate(64, 190)
-    store.ensure_mapped_to_tokens(h, 250)
+    store.map(h, 250)
     store.commit(h, 70)
     pool = store.pool()
     available = pool.available
-    assert store.trim(h, provisional=100) == 2  # keep ceil(max(70, 100) / 64) = 2 pages
+    assert store.trim(h, keep_tokens=100) == 2  # keep ceil(max(70, 100) / 64) = 2 pages
     assert store.bundle(h).main.num_blocks == 2
     assert pool.available == available and pool.reservation(store.row(h)) == 2
     # a unit that wrote but did not commit leaves the old frontier
@@ -54,37 +55,37 @@ def test_mtp_leads_and_settles_independently():
     b = store.bundle(h)
     assert b.main.entitlement_pages == 2 and b.backend.entitlement_pages == 3
     row = np.array([store.row(h)])
-    store.map_rows(row, [61], pool=MAIN)
-    store.map_rows(row, [63], pool=MTP)  # the draft window leads Main
-    store.commit_rows(row, [61], pool=MAIN)
-    store.commit_rows(row, [60], pool=MTP)
+    store.map(row, [61], pool=MAIN)
+    store.map(row, [63], pool=MTP)  # the draft window leads Main
+    store.commit(row, [61], pool=MAIN)
+    store.commit(row, [60], pool=MTP)
     # speculative verify across a page boundary, then settle each pool on its accepted frontier
-    store.map_rows(row, [66], pool=MAIN)
-    store.map_rows(row, [68], pool=MTP)
+    store.map(row, [66], pool=MAIN)
+    store.map(row, [68], pool=MTP)
     assert (b.main.num_blocks, b.backend.num_blocks) == (2, 2)
-    store.settle_rows(row, [63], pool=MAIN)  # rejected tail pages trimmed
-    store.settle_rows(row, [62], [66], pool=MTP)  # keeps the next round's provisional window
+    store.settle(row, [63], pool=MAIN)  # rejected tail pages trimmed
+    store.settle(row, [62], [66], pool=MTP)  # keeps the next round's provisional window
     assert (b.main.committed_frontier, b.main.num_blocks) == (63, 1)
     assert (b.backend.committed_frontier, b.backend.num_blocks) == (62, 2)
     ck = store.finish(h, retain=True)  # provisional lead is never checkpoint coverage
     info = store.checkpoint(ck)
     assert info.frontiers == {MAIN: 63, MTP: 62}
     assert info.spaces[MTP].num_blocks == 1
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_draft_full_lags_main():
     store = KVStore(tiny_plan("dflash", pages=12))
     assert store.layout(DRAFT).order.value == "head-major"
     h = store.activate(100, 50)
-    store.ensure_mapped_to_tokens(h, 130)
+    store.map(h, 130)
     store.commit(h, 130)
-    store.ensure_mapped_to_tokens(h, 120, pool=DRAFT)
+    store.map(h, 120, pool=DRAFT)
     store.commit(h, 120, pool=DRAFT)
     b = store.bundle(h)
     assert (b.main.num_blocks, b.backend.num_blocks) == (3, 2)
     assert store.pool(MAIN).allocated == 3 and store.pool(DRAFT).allocated == 2
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_vectorized_decode_round_matches_per_lane_calls():
@@ -92,12 +93,12 @@ def test_vectorized_decode_round_matches_per_lane_calls():
     hs = [store.activate(p, 200) for p in (10, 63, 64, 127)]
     rows = np.array([store.row(h) for h in hs])
     c = np.array([10, 63, 64, 127])
-    store.map_rows(rows, c)
-    store.commit_rows(rows, c)
+    store.map(rows, c)
+    store.commit(rows, c)
     tables = tables_of(store)
     for _ in range(70):
-        store.map_rows(rows, c + 1)
-        store.commit_rows(rows, c + 1)
+        store.map(rows, c + 1)
+        store.commit(rows, c + 1)
         c = c + 1
         tables = tables_of(store)
     t = np.asarray(tables[MAIN])
@@ -105,7 +106,7 @@ def test_vectorized_decode_round_matches_per_lane_calls():
         space = store.bundle(h).main
         assert space.committed_frontier == ci and space.num_blocks == -(-ci // P)
         assert np.array_equal(t[store.row(h), : space.num_blocks], space.physical_pages)
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_lease_growth_and_bounded_completion():
@@ -118,8 +119,8 @@ def test_lease_growth_and_bounded_completion():
     row_a, row_b = store.row(a), store.row(b)
     rows = np.array([row_a, row_b])
     c = np.array([64, 64])
-    store.map_rows(rows, c)
-    store.commit_rows(rows, c)
+    store.map(rows, c)
+    store.commit(rows, c)
     limited_at = None
     for step in range(1000):
         grant = store.round_boundary(rows)
@@ -127,8 +128,8 @@ def test_lease_growth_and_bounded_completion():
             limited_at = (step, grant)
             break
         assert (grant.covered_tokens >= c + 1).all()
-        store.map_rows(rows, c + 1)
-        store.commit_rows(rows, c + 1)
+        store.map(rows, c + 1)
+        store.commit(rows, c + 1)
         c = c + 1
     assert limited_at is not None
     step, grant = limited_at
@@ -139,7 +140,7 @@ def test_lease_growth_and_bounded_completion():
     for r in lim:
         i = int(np.flatnonzero(rows == r)[0])
         assert grant.covered_tokens[i] == c[i]  # bounded completion at the covered frontier
-    store.check_invariants()
+    store.audit_invariants()
     total = sum(store.bundle(h).main.entitlement_pages for h in (a, b))
     assert total == 16
     store.finish(a)
@@ -159,7 +160,7 @@ def test_full_entitlement_never_grows():
 def test_memory_summary_bills_shared_pages_once():
     store = KVStore(tiny_plan(max_context=1024, max_concurrency=3, pages=40))
     h = store.activate(300, 0)
-    store.ensure_mapped_to_tokens(h, 300)
+    store.map(h, 300)
     store.commit(h, 300)
     ck = store.finish(h, retain=True)
     f1 = store.activate(300, 10, source=ck)
@@ -180,11 +181,12 @@ def test_memory_summary_bills_shared_pages_once():
 
 
 def test_truncate_advances_the_content_epoch_and_invalidates_replicas():
-    from ninfer_kv.store import ReplicaRef, StaleHandleError
+    from ninfer_kv.store.logical_page import ReplicaRef
+    from ninfer_kv.errors import StaleHandleError
 
     store = KVStore(tiny_plan(pages=12))
     h = store.activate(100, 50)
-    store.ensure_mapped_to_tokens(h, 130)
+    store.map(h, 130)
     store.commit(h, 100)
     space = store.bundle(h).main
     tail, beyond = space.pages()[1], space.pages()[2]

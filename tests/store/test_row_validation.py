@@ -4,8 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.planning import PoolKind
-from ninfer_kv.store import KVStore, RowError
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.store import KVStore
+from ninfer_kv.errors import RowError
 
 from .helpers import assert_same, tiny_plan
 
@@ -16,10 +17,10 @@ MAIN, MTP = PoolKind.MAIN, PoolKind.MTP
 def store():
     s = KVStore(tiny_plan("mtp", pages=12, max_concurrency=3))
     a = s.activate(100, 50)
-    s.ensure_mapped_to_tokens(a, 100)
+    s.map(a, 100)
     s.commit(a, 100)
     h = s.activate(70, 10)
-    s.ensure_mapped_to_tokens(h, 70)
+    s.map(h, 70)
     s.commit(h, 70)
     s.finish(h, retain=True)  # a checkpoint: its inactive slot index is >= C
     return s
@@ -31,14 +32,14 @@ def _unchanged(store, fn, match):
         fn()
     assert isinstance(info.value, ValueError)
     assert_same(before, store.snapshot())
-    store.check_invariants()
+    store.audit_invariants()
 
 
 VERBS = {
-    "map_rows": lambda s, rows, pool: s.map_rows(rows, [1] * len(rows), pool=pool),
-    "commit_rows": lambda s, rows, pool: s.commit_rows(rows, [200] * len(rows), pool=pool),
-    "trim_rows": lambda s, rows, pool: s.trim_rows(rows, pool=pool),
-    "settle_rows": lambda s, rows, pool: s.settle_rows(rows, [200] * len(rows), pool=pool),
+    "map": lambda s, rows, pool: s.map(rows, [1] * len(rows), pool=pool),
+    "commit": lambda s, rows, pool: s.commit(rows, [200] * len(rows), pool=pool),
+    "trim": lambda s, rows, pool: s.trim(rows, pool=pool),
+    "settle": lambda s, rows, pool: s.settle(rows, [200] * len(rows), pool=pool),
     "round_boundary": lambda s, rows, pool: s.round_boundary(rows),
 }
 
@@ -60,8 +61,8 @@ def test_rows_must_be_leased_to_an_active_sequence(store, verb, pool):
 def test_checkpoint_frontier_is_not_reachable_through_row_verbs(store):
     ck = store.checkpoints()[0]
     frontier = store.checkpoint(ck).frontiers[MAIN]
-    _unchanged(store, lambda: store.commit_rows(np.array([store.max_concurrency]), [frontier + 1]), "outside")
-    _unchanged(store, lambda: store.trim_rows([2]), "not leased")
+    _unchanged(store, lambda: store.commit(np.array([store.max_concurrency]), [frontier + 1]), "outside")
+    _unchanged(store, lambda: store.trim([2]), "not leased")
     assert store.checkpoint(ck).frontiers[MAIN] == frontier
 
 
@@ -71,9 +72,9 @@ def test_checkpoint_frontier_is_not_reachable_through_row_verbs(store):
     ids=["int64", "uint8", "int32", "list", "tuple", "jax"],
 )
 def test_any_integer_array_like(store, rows):
-    store.map_rows(rows, jnp.array([120]))
-    store.commit_rows(rows, [110])
-    assert store.settle_rows(rows, np.array([110], np.uint16)) == 0
+    store.map(rows, jnp.array([120]))
+    store.commit(rows, [110])
+    assert store.settle(rows, np.array([110], np.uint16)) == 0
     assert store.address_space(store.sequences()[0]).committed_frontier == 110
     grant = store.round_boundary(rows)
     assert grant.rows.tolist() == [0]
@@ -82,17 +83,17 @@ def test_any_integer_array_like(store, rows):
 def test_bad_index_vectors(store):
     before = store.snapshot()
     with pytest.raises(ValueError, match="overflows int64"):
-        store.commit_rows([0], [2**70])
+        store.commit([0], [2**70])
     with pytest.raises(ValueError, match="overflows int64"):
-        store.commit_rows([0], np.array([2**63], np.uint64))
+        store.commit([0], np.array([2**63], np.uint64))
     with pytest.raises(TypeError, match="integer"):
-        store.map_rows([0.0], [10])
+        store.map([0.0], [10])
     with pytest.raises(TypeError, match="integer"):
-        store.map_rows([0], [True])
+        store.map([0], [True])
     with pytest.raises(ValueError, match="1-D"):
-        store.map_rows([[0]], [[10]])
+        store.map([[0]], [[10]])
     with pytest.raises(ValueError, match="one length"):
-        store.map_rows([0], [10, 20])
+        store.map([0], [10, 20])
     assert_same(before, store.snapshot())
 
 
@@ -105,4 +106,4 @@ def test_handle_verbs_share_the_row_validation(store):
             store.commit(h, 100)
     finally:
         store._rows.lease(row, h.id)
-    store.check_invariants()
+    store.audit_invariants()

@@ -14,19 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import (
-    SENTINEL_PAGE,
-    DonatedStateError,
-    PagedKVBatchLayerView,
-    WorkOrderError,
-    apply_work,
-    apply_work_jit,
-    ops,
-)
-from ninfer_kv.planning import PoolKind
+from ninfer_kv import ops
+from ninfer_kv.geometry import SENTINEL_PAGE
+from ninfer_kv.errors import DonatedStateError, WorkOrderError
+from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.device import apply_work, apply_work_jit
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.store import KVStore
 
 from .helpers import model_step, tiny_plan
+from ninfer_kv.device import allocate_state
 
 MAIN = PoolKind.MAIN
 T = 8
@@ -37,10 +34,10 @@ def _setup(profile: str = "bf16"):
     """A store with sequence A (70 tokens written and committed, then finished and retained) and an
     active sequence B, its state having applied every work; the planes outside A's pages hold NaN."""
     store = KVStore(tiny_plan(profile=profile, head_dim=16, pages=8, max_concurrency=3, layers=1))
-    state = store.allocate_state(fill=float("nan"))
+    state = allocate_state(store, fill=float("nan"))
     layout = store.layout(MAIN)
     a = store.activate(70, 10)
-    store.ensure_mapped_to_tokens(a, 70)
+    store.map(a, 70)
     state = apply_work_jit(state, store.take_work())
     k = jnp.asarray(np.random.default_rng(0).standard_normal((1, 70, 1, 16)), jnp.float32)
     view = PagedKVBatchLayerView(state.planes[MAIN], state.tables[MAIN], 0, layout)
@@ -50,9 +47,9 @@ def _setup(profile: str = "bf16"):
     row_a = store.row(a)
     ck = store.finish(a, retain=True)
     b = store.activate(10, 40)
-    store.ensure_mapped_to_tokens(b, 10)
+    store.map(b, 10)
     state = apply_work_jit(state, store.take_work())
-    store.check_state(state)
+    store.require_synced(state)
     return store, state, ck, b, row_a
 
 
@@ -62,7 +59,7 @@ def _planes_bytes(state) -> dict:
 
 def _slip(store, state, kind: str):
     """Give ``state`` works out of order (``kind``); returns the state and the works it missed."""
-    store.ensure_mapped_to_tokens(store.sequences()[-1], 50)  # a work that maps pages
+    store.map(store.sequences()[-1], 50)  # a work that maps pages
     w1 = store.take_work()
     w2 = store.take_work()
     if kind == "skip":
@@ -102,7 +99,7 @@ def test_a_slip_touches_no_page(impl, kind):
     assert not np.asarray(out).any()  # no key is visible through sentinel tables
     assert (np.asarray(state.tables[MAIN]) == SENTINEL_PAGE).all()
     with pytest.raises(WorkOrderError, match="poisoned"):
-        store.check_state(state)
+        store.require_synced(state)
     # it stays poisoned: the next work in line changes nothing either
     state, out = _run_step(store, state, impl, store.take_work(), rows, [10, 0], [T, T])
     assert all(np.array_equal(before[n], x) for n, x in _planes_bytes(state).items())
@@ -114,14 +111,14 @@ def test_a_forgotten_work_drops_the_new_rows_tokens(impl):
     """The original slip: a work mapping B's first page is never applied and the next step runs over
     the stale tables, where B's entries are sentinels (they used to be page 0, A's page)."""
     store = KVStore(tiny_plan(head_dim=16, pages=8, max_concurrency=3, layers=1))
-    state = store.allocate_state(fill=float("nan"))
+    state = allocate_state(store, fill=float("nan"))
     a = store.activate(64, 0)
-    store.ensure_mapped_to_tokens(a, 64)
+    store.map(a, 64)
     state = apply_work_jit(state, store.take_work())
     assert store.address_space(a).physical_pages.tolist() == [0]
     before = _planes_bytes(state)
     b = store.activate(4, 4)
-    store.ensure_mapped_to_tokens(b, 4)
+    store.map(b, 4)
     store.take_work()  # forgotten
     table = np.asarray(state.tables[MAIN])
     assert (table[store.row(b)] == SENTINEL_PAGE).all()
@@ -141,10 +138,10 @@ def test_a_forgotten_work_drops_the_new_rows_tokens(impl):
 
 def test_finished_rows_and_trimmed_blocks_hold_the_sentinel():
     store = KVStore(tiny_plan(head_dim=16, pages=8, max_concurrency=3, layers=1))
-    state = store.allocate_state()
+    state = allocate_state(store)
     assert (np.asarray(state.tables[MAIN]) == SENTINEL_PAGE).all()
     h = store.activate(130, 0)
-    store.ensure_mapped_to_tokens(h, 130)
+    store.map(h, 130)
     row = store.row(h)
     store.commit(h, 65)
     store.trim(h)  # keeps 2 pages, the third block is unmapped again
@@ -159,13 +156,13 @@ def test_finished_rows_and_trimmed_blocks_hold_the_sentinel():
 
 def test_a_donated_state_names_the_fix():
     store = KVStore(tiny_plan(pages=8))
-    state = store.allocate_state()
+    state = allocate_state(store)
     step = jax.jit(lambda s, w: apply_work(s, w), donate_argnums=0)
     new = step(state, store.take_work())
     for use in (
         lambda: step(state, store.take_work()),  # the caller's own jitted step
         lambda: apply_work_jit(state, store.take_work()),
-        lambda: store.check_state(state),
+        lambda: store.require_synced(state),
         lambda: state.table("main"),
         lambda: jax.tree.leaves(state),
     ):

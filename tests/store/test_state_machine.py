@@ -31,26 +31,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ninfer_kv.planning import PoolKind
-from ninfer_kv.store import apply_work_jit, gather_pages, resync
+from ninfer_kv.kinds import PoolKind
+from ninfer_kv.device import apply_work_jit, gather_pages, resync
 from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
-from ninfer_kv.store import (
-    SENTINEL_PAGE,
-    EntitlementError,
-    EntitlementPolicy,
-    HostCapacityError,
-    KVStore,
-    LifecycleError,
-    LostContentError,
-    PayloadError,
-    TargetError,
-    PoolCapacityError,
-    RowError,
-    StaleHandleError,
-)
+from ninfer_kv.store import EntitlementPolicy, KVStore
+from ninfer_kv.geometry import SENTINEL_PAGE
+from ninfer_kv.errors import EntitlementError, HostCapacityError, LifecycleError, LostContentError, PayloadError, TargetError, PoolCapacityError, RowError, StaleHandleError
 
 from .helpers import (P, assert_same, content_ok, device, page_bytes, planes_of, space_content_ok, sync, tiny_plan,
                       write_positions, write_tokens)
+from ninfer_kv.device import allocate_state, gather_offload, offload_checkpoint
 
 MAIN = PoolKind.MAIN
 
@@ -197,7 +187,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Offload + drop when the checkpoint has no Host-only page yet (best effort)."""
         if not self.store.checkpoint(ck).page_placement["host"]:
             try:
-                self.store.offload_checkpoint(ck, sync(self.store))
+                offload_checkpoint(self.store, ck, sync(self.store))
                 self.store.drop_device_replica(ck)
             except (HostCapacityError, LifecycleError):
                 pass
@@ -258,10 +248,10 @@ class StoreMachine(RuleBasedStateMachine):
             reach = c + n + self._lead(kind)
             if reach > space.entitlement_tokens:
                 error = TargetError if reach > self.L * P else EntitlementError
-                self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, reach, pool=kind), error)
+                self._unchanged(lambda: self.store.map(h, reach, pool=kind), error)
                 continue
             blocks_before = space.num_blocks
-            self.store.ensure_mapped_to_tokens(h, reach, pool=kind)
+            self.store.map(h, reach, pool=kind)
             assert space.num_blocks == max(blocks_before, -(-reach // P))
             vals = self._values(reach - c)
             write_tokens(self.store, kind, row, c, vals)
@@ -281,7 +271,7 @@ class StoreMachine(RuleBasedStateMachine):
             space = self.store.address_space(h, kind)
             c = space.committed_frontier
             reach = min(c + n, space.entitlement_tokens)
-            self.store.ensure_mapped_to_tokens(h, reach, pool=kind)
+            self.store.map(h, reach, pool=kind)
             write_tokens(self.store, kind, row, c, [255.0] * (reach - c))
             self.store.trim(h, pool=kind)
 
@@ -291,13 +281,13 @@ class StoreMachine(RuleBasedStateMachine):
         h = self._pick_seq(data)
         space = self.store.address_space(h, MAIN)
         if n > self.L * P:
-            self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, n), TargetError)
+            self._unchanged(lambda: self.store.map(h, n), TargetError)
             return
         if n > space.entitlement_tokens:
-            self._unchanged(lambda: self.store.ensure_mapped_to_tokens(h, n), EntitlementError)
+            self._unchanged(lambda: self.store.map(h, n), EntitlementError)
             return
         blocks, committed, ent = space.num_blocks, space.committed_frontier, space.entitlement_pages
-        self.store.ensure_mapped_to_tokens(h, n)
+        self.store.map(h, n)
         assert space.num_blocks == max(blocks, -(-n // P))
         assert space.committed_frontier == committed and space.entitlement_pages == ent
 
@@ -325,10 +315,10 @@ class StoreMachine(RuleBasedStateMachine):
             return
         rows = np.array([self.store.row(h) for h in hs])
         c = np.array([self.store.address_space(h, MAIN).committed_frontier for h in hs])
-        self.store.map_rows(rows, c + 1)
+        self.store.map(rows, c + 1)
         vals = self._values(len(hs))
         write_positions(self.store, MAIN, rows, c, vals)  # one batched write through the device table
-        self.store.commit_rows(rows, c + 1)
+        self.store.commit(rows, c + 1)
         for h, v in zip(hs, vals):
             self.live_seqs[h].content[MAIN].append(v)
 
@@ -356,10 +346,10 @@ class StoreMachine(RuleBasedStateMachine):
         pool = data.draw(st.sampled_from(self.kinds))
         ones = np.ones(rows.size, np.int64)
         fn = {
-            "map": lambda: store.map_rows(rows, ones, pool=pool),
-            "commit": lambda: store.commit_rows(rows, ones * 10**6, pool=pool),
-            "trim": lambda: store.trim_rows(rows, pool=pool),
-            "settle": lambda: store.settle_rows(rows, ones * 10**6, pool=pool),
+            "map": lambda: store.map(rows, ones, pool=pool),
+            "commit": lambda: store.commit(rows, ones * 10**6, pool=pool),
+            "trim": lambda: store.trim(rows, pool=pool),
+            "settle": lambda: store.settle(rows, ones * 10**6, pool=pool),
             "boundary": lambda: store.round_boundary(rows),
         }[verb]
         self._unchanged(fn, RowError)
@@ -415,11 +405,11 @@ class StoreMachine(RuleBasedStateMachine):
         ck = self._pick_ckpt_with_pages(data, "device")
         state = sync(self.store)
         if self._pinned(ck) and not all(p.placement in ("both", "host") for p in self._ck_pages(ck)):
-            self._unchanged(lambda: self.store.offload_checkpoint(ck, state), LifecycleError)
+            self._unchanged(lambda: offload_checkpoint(self.store, ck, state), LifecycleError)
             return
         before = self.store.snapshot()
         try:
-            report = self.store.offload_checkpoint(ck, state)
+            report = offload_checkpoint(self.store, ck, state)
         except HostCapacityError:
             assert_same(before, self.store.snapshot())
             return
@@ -493,7 +483,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert_same(before, self.store.snapshot())
             return
         self.in_flight[plan] = ck
-        self.store.check_invariants()
+        self.store.audit_invariants()
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), wrong=st.booleans())
@@ -506,13 +496,13 @@ class StoreMachine(RuleBasedStateMachine):
         others = [p for p in plans if p is not plan and p.pages]
         if wrong and others:
             other = data.draw(st.sampled_from(others))
-            self._unchanged(lambda: self.store.complete_offload(plan, self.store.gather_offload(other, state)),
+            self._unchanged(lambda: self.store.complete_offload(plan, gather_offload(self.store, other, state)),
                             PayloadError)
             self._unchanged(lambda: self.store.complete_offload(plan, gather_pages(state, plan.pages)), TypeError)
             assert plan.status == "planned"
             return
         ck = self.in_flight.pop(plan)
-        self.store.complete_offload(plan, self.store.gather_offload(plan, state))
+        self.store.complete_offload(plan, gather_offload(self.store, plan, state))
         if ck in self.live_ckpts:
             assert all(p.placement in ("both", "host") for p in self._ck_pages(ck))
 
@@ -525,8 +515,8 @@ class StoreMachine(RuleBasedStateMachine):
         self._unchanged(lambda: self.store.cancel_offload(plan), LifecycleError)
 
     @precondition(lambda self: self.live_seqs)
-    @rule(data=st.data(), verb=st.sampled_from(["map_rows", "commit_rows", "trim_rows", "settle_rows", "ensure",
-                                                "commit", "trim", "truncate", "settle"]),
+    @rule(data=st.data(), verb=st.sampled_from(["map", "commit", "trim", "settle", "map_handle",
+                                                "commit_handle", "trim_handle", "truncate", "settle_handle"]),
           value=st.sampled_from(["negative", "beyond"]))
     def bad_targets_rejected(self, data, verb, value):
         """One rule for targets in every row and handle verb: negative or beyond ``L * P`` is a
@@ -537,15 +527,15 @@ class StoreMachine(RuleBasedStateMachine):
         bad = -data.draw(st.integers(1, 64)) if value == "negative" else self.L * P + data.draw(st.integers(1, 64))
         pool = data.draw(st.sampled_from(self.kinds))
         fn = {
-            "map_rows": lambda: store.map_rows([row], [bad], pool=pool),
-            "commit_rows": lambda: store.commit_rows([row], [bad], pool=pool),
-            "trim_rows": lambda: store.trim_rows([row], [bad], pool=pool),
-            "settle_rows": lambda: store.settle_rows([row], [bad], pool=pool),
-            "ensure": lambda: store.ensure_mapped_to_tokens(h, bad, pool=pool),
-            "commit": lambda: store.commit(h, bad, pool=pool),
-            "trim": lambda: store.trim(h, pool=pool, provisional=bad),
+            "map": lambda: store.map([row], [bad], pool=pool),
+            "commit": lambda: store.commit([row], [bad], pool=pool),
+            "trim": lambda: store.trim([row], [bad], pool=pool),
+            "settle": lambda: store.settle([row], [bad], pool=pool),
+            "map_handle": lambda: store.map(h, bad, pool=pool),
+            "commit_handle": lambda: store.commit(h, bad, pool=pool),
+            "trim_handle": lambda: store.trim(h, bad, pool=pool),
             "truncate": lambda: store.truncate(h, bad, pool=pool),
-            "settle": lambda: store.settle(h, bad, pool=pool),
+            "settle_handle": lambda: store.settle(h, bad, pool=pool),
         }[verb]
         before = store.snapshot()
         with pytest.raises(TargetError, match=f"= {bad} for row {row} is out of range"):
@@ -576,7 +566,7 @@ class StoreMachine(RuleBasedStateMachine):
         if synced:
             dev.sync()
         if slip == "blank":
-            dev.state = store.allocate_state(fill=float("nan"))
+            dev.state = allocate_state(store, fill=float("nan"))
         else:
             w1, w2 = (w.pad_to(*dev.pad) if dev.pad else w for w in (store.take_work(), store.take_work()))
             order = {"skip": [w2], "repeat": [w1, w1], "reorder": [w2, w1], "lag": []}[slip]
@@ -588,7 +578,7 @@ class StoreMachine(RuleBasedStateMachine):
                 c = store.address_space(h).committed_frontier
                 if c + n + self._lead(MAIN) > store.address_space(h).entitlement_tokens:
                     continue
-                store.ensure_mapped_to_tokens(h, c + n)
+                store.map(h, c + n)
                 vals = self._values(n)
                 write_tokens(store, MAIN, store.row(h), c, vals)
                 store.commit(h, c + n)
@@ -597,8 +587,8 @@ class StoreMachine(RuleBasedStateMachine):
         dev.works = store.work_serial
         assert all(plan.status == "cancelled" for plan in self.in_flight)  # a resync cancels them all
         self.in_flight.clear()
-        store.check_state(dev.state)
-        store.check_invariants()
+        store.require_synced(dev.state)
+        store.audit_invariants()
         assert dict(store.lost()) == {**report.lost_sequences, **report.lost_checkpoints}
         planes = {k: {n_: np.asarray(v) for n_, v in dev.state.pool_planes(k).items()} for k in self.kinds}
         for h, intact in report.lost_sequences.items():
@@ -607,7 +597,7 @@ class StoreMachine(RuleBasedStateMachine):
             for k in self.kinds:
                 assert content_ok(store, k, h, content[k][: intact[k]], planes[k])
             with pytest.raises(LostContentError):
-                store.ensure_mapped_to_tokens(h, 1)
+                store.map(h, 1)
             if all(intact[k] >= store.address_space(h, k).protected_frontier for k in self.kinds):
                 for k in self.kinds:
                     store.truncate(h, intact[k], pool=k)
@@ -632,9 +622,9 @@ class StoreMachine(RuleBasedStateMachine):
     def consistent(self):
         self.steps += 1
         store = self.store
-        store.check_invariants()
+        store.audit_invariants()
         state = sync(store)
-        store.check_state(state)  # every work applied once, in order
+        store.require_synced(state)  # every work applied once, in order
         tables = {k: np.asarray(t) for k, t in state.tables.items()}
         active_rows = sorted(store.row(h) for h in self.live_seqs)
         assert active_rows == sorted(store.active_rows().tolist())
@@ -694,7 +684,7 @@ class StoreMachine(RuleBasedStateMachine):
             store.finish(h)
         for ck in list(self.live_ckpts):
             store.release_checkpoint(ck)
-        store.check_invariants()
+        store.audit_invariants()
         for kind in self.kinds:
             occ = store.occupancy(kind)
             assert occ.allocated == 0 and occ.reserved == 0 and occ.available == occ.capacity

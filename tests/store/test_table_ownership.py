@@ -10,7 +10,9 @@ the name) and follows local aliases (``pg = rt.pages``).  For every table it the
 * a call of one of the table's transitions (every public method that is not a query) outside the
   table's module and its composer: ``PoolRuntime`` (``runtime.py``) for the pool-level tables, the
   store's core and verb families for the execution rows.  The Host tier, for one, changes pool and
-  page state only through ``PoolRuntime``'s named transitions.
+  page state only through ``PoolRuntime``'s named transitions (its offload and restore state
+  machines, ``host_offload.py`` and ``host_restore.py``, included); a pool's Host replica table
+  (``PoolHostReplicas``: extent memberships, the arena bookkeeping) is composed by the runtime too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 
 import ninfer_kv
+from ninfer_kv.host import HostKVArena
 from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.store.address_space import AddressSpaceTable
 from ninfer_kv.store.block_tables import BlockTableMatrix
@@ -30,6 +33,7 @@ from ninfer_kv.store.frontier_history import FrontierHistory
 from ninfer_kv.store.logical_page import LogicalPageTable
 from ninfer_kv.store.page_writes import PageWrites
 from ninfer_kv.store.pool import DevicePagePool
+from ninfer_kv.store.pool_host_replicas import PoolHostReplicas
 from ninfer_kv.store.rows import ExecutionRows
 
 PACKAGE = pathlib.Path(ninfer_kv.__file__).parent
@@ -64,7 +68,7 @@ TABLES = {
             "is_free",
             "lease",
             "snapshot",
-            "check_invariants",
+            "audit_invariants",
             "check_leases",
         },
     ),
@@ -81,11 +85,18 @@ TABLES = {
         _RUNTIME,
         {"intact_row", "intact_checkpoint", "snapshot"},
     ),
+    "PoolHostReplicas": (
+        PoolHostReplicas(LogicalPageTable(4, pool="scan"), PagedKVStorageLayout("bf16", 1, 1, 16), "scan",
+                         HostKVArena(4096, prefault=False)),
+        "pool_host_replicas.py",
+        _RUNTIME,
+        {"restore_sources", "occupancy", "audit_invariants", "snapshot"},
+    ),
     "ExecutionRows": (
         ExecutionRows(2),
         "rows.py",
         _STORE,
-        {"active", "check", "check_one", "check_invariants", "free", "snapshot"},
+        {"active", "check", "check_one", "audit_invariants", "free", "snapshot"},
     ),
 }
 CLASSES = {
@@ -95,6 +106,7 @@ CLASSES = {
     "BlockTableMatrix": BlockTableMatrix,
     "PageWrites": PageWrites,
     "FrontierHistory": FrontierHistory,
+    "PoolHostReplicas": PoolHostReplicas,
     "ExecutionRows": ExecutionRows,
 }
 
@@ -220,8 +232,9 @@ def violations(source: str, module: str) -> list[tuple[int, str]]:
 
 
 def test_every_table_is_found_by_type():
-    assert {"pages", "spaces", "pool", "table", "writes", "history", "rows"} <= set(ATTRS)
+    assert {"pages", "spaces", "pool", "table", "writes", "history", "host_replicas", "rows"} <= set(ATTRS)
     assert ATTRS["pages"] == "LogicalPageTable" and ATTRS["rows"] == "ExecutionRows"
+    assert ATTRS["host_replicas"] == "PoolHostReplicas" and TRANSITIONS["PoolHostReplicas"] == {"hold", "release"}
     assert {"refs", "active_refs", "writer", "device_page", "pins", "host_page", "host_extent"} <= FIELDS[
         "LogicalPageTable"
     ]
@@ -258,10 +271,13 @@ def test_no_module_changes_another_modules_table():
         "def f(rt):\n    anything = rt.pages\n    anything.writer[0] = 1",  # by type, whatever the alias
         "job.rt.pool.acquire(3)",  # a transition of a pool-level table outside its composer
         "def f(rt):\n    p = rt.pages\n    p.pin(slots)",
+        "job.rt.host_replicas.release(extents)",  # the extent bookkeeping is the runtime's to change
+        "rt.host_replicas.users[extent] = 0",
     ],
 )
-def test_scan_detects_foreign_changes(code):
-    assert violations(code, "host_replicas.py")
+@pytest.mark.parametrize("module", ["host_replicas.py", "host_offload.py", "host_restore.py"])
+def test_scan_detects_foreign_changes(code, module):
+    assert violations(code, module)
 
 
 def test_scan_allows_reads_queries_owners_and_composers():
@@ -270,6 +286,8 @@ def test_scan_allows_reads_queries_owners_and_composers():
         "host_replicas.py",
     )
     assert not violations("rt.pool.acquire(3)\nrt.pages.pin(slots)", "runtime.py")
+    assert not violations("self.host_replicas.hold(extent, 3)", "runtime.py")
+    assert not violations("x = rt.host_replicas.restore_sources(s, ids)", "host_restore.py")
     assert not violations("self.refs[slots] += 1", "runtime.py")
     assert not violations("pg = rt.pages\npg.refs[slots] += 1", "logical_page.py")
     assert not violations("rt.spaces.committed[rows] = f", "address_space.py")

@@ -45,8 +45,7 @@ def _random_state(rng, serial: int, owner: int) -> KVDeviceState:
             raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
             planes[kind][name] = jnp.asarray(raw.view(dt).reshape(shape))  # random bytes, NaN patterns included
         tables[kind] = jnp.asarray(rng.integers(-1, PAGES[kind], (C, L)).astype(np.int32))
-    axes = tuple((kind, lay.order.page_axis) for kind, lay in POOLS.items())
-    return KVDeviceState(planes, tables, page_axes=axes, sync=jnp.asarray(sync_record(serial, (-1, -1, -1), owner)))
+    return KVDeviceState(planes, tables, layouts=tuple(POOLS.items()), sync=jnp.asarray(sync_record(serial, (-1, -1, -1), owner)))
 
 
 def _random_pool_work(rng, kind: PoolKind) -> PoolWork:

@@ -3,7 +3,7 @@ private tail page holding 40 committed columns, verified on device bytes in ever
 
 import numpy as np
 
-from ninfer_kv.planning import PoolKind
+from ninfer_kv.kinds import PoolKind
 from ninfer_kv.store import KVStore
 
 from .helpers import P, page_bytes, planes_of, random_fill, tiny_plan, write_tokens
@@ -20,7 +20,7 @@ def _store():
 
 def _checkpoint_at(store, frontier):
     h = store.activate(frontier, 0)
-    store.ensure_mapped_to_tokens(h, frontier)
+    store.map(h, frontier)
     store.commit(h, frontier)
     return store.finish(h, retain=True)
 
@@ -65,7 +65,7 @@ def test_fork_at_1000_shares_15_pages_and_copies_a_40_column_tail():
             assert page_bytes(after, axis, p) == page_bytes(before, axis, p), f"page {p} changed"
 
     # appending continues in the private tail: no new page until column 64
-    assert store.ensure_mapped_to_tokens(h, 1024) == 0
+    assert store.map(h, 1024) == 0
     write_tokens(store, MAIN, store.row(h), 1000, np.full(24, 3.0))
     store.commit(h, 1024)
     after_append = _np(store)
@@ -74,10 +74,10 @@ def test_fork_at_1000_shares_15_pages_and_copies_a_40_column_tail():
     tail_now = np.take(after_append["k"], tail_id, axis=axis)
     assert tail_now[:, :, :40].tobytes() == np.take(before["k"], int(src_pages[15]), axis=axis)[:, :, :40].tobytes()
     assert np.all(tail_now[:, :, 40:64].astype(np.float32) == 3.0)
-    assert store.ensure_mapped_to_tokens(h, 1025) == 1
+    assert store.map(h, 1025) == 1
     assert store.checkpoint(ck).frontiers[MAIN] == 1000
     assert [p.references for p in store.address_space(ck).pages()] == [2] * 15 + [1]
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_move_continues_in_place_without_copy():
@@ -97,7 +97,7 @@ def test_move_continues_in_place_without_copy():
     write_tokens(store, MAIN, store.row(h), 1000, np.full(10, 3.0))
     store.commit(h, 1010)
     assert space.pages()[15].committed_columns == 50
-    store.check_invariants()
+    store.audit_invariants()
 
 
 def test_aligned_fork_has_no_tail_copy():
@@ -110,6 +110,6 @@ def test_aligned_fork_has_no_tail_copy():
     after = _np(store)
     for name in before:
         assert after[name].tobytes() == before[name].tobytes()
-    assert store.ensure_mapped_to_tokens(h, 961) == 1
+    assert store.map(h, 961) == 1
     assert space.pages()[15].references == 1
-    store.check_invariants()
+    store.audit_invariants()

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ...integers import check_int
+from ...step_shapes import ladder_rungs
 from .config import DEFAULT_BATCH_BUCKETS
 
 __all__ = ["bucket_for", "bucket_ladder", "PaddedRows", "pad_rows", "prompt_chunks"]
@@ -31,21 +33,14 @@ __all__ = ["bucket_for", "bucket_ladder", "PaddedRows", "pad_rows", "prompt_chun
 
 def bucket_ladder(largest: int, factor: int = 2) -> tuple[int, ...]:
     """Batch buckets ``1, factor, factor**2, ...`` below ``largest``, then ``largest`` itself."""
-    if not isinstance(largest, (int, np.integer)) or isinstance(largest, bool) or largest < 1:
-        raise ValueError(f"largest={largest!r} is invalid; it must be an integer >= 1")
-    if not isinstance(factor, (int, np.integer)) or factor < 2:
-        raise ValueError(f"factor={factor!r} is invalid; it must be an integer >= 2")
-    out, b = [], 1
-    while b < largest:
-        out.append(b)
-        b *= int(factor)
-    return tuple(out + [int(largest)])
+    largest = check_int("largest", largest, 1)
+    factor = check_int("factor", factor, 2)
+    return tuple(ladder_rungs(1, factor, largest))
 
 
 def bucket_for(batch: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> int:
     """The smallest bucket ``>= batch``; a clear error when ``batch`` exceeds the largest bucket."""
-    if not isinstance(batch, (int, np.integer)) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f"batch={batch!r} is invalid; it must be an integer >= 1")
+    check_int("batch", batch, 1)
     for b in buckets:
         if b >= batch:
             return int(b)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_kv.geometry import PAGE_SIZE
+from ninfer_kv.integers import check_int
 from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.planning import ModelKVConfig
 from ninfer_kv.profiles import KVProfile
@@ -34,12 +35,6 @@ PREFILL_CHUNK = 128
 """Tokens per chunked-prefill call (two pages of 64)."""
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _int_at_least(name: str, value, minimum: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
-    return int(value)
 
 
 def _positive_float(name: str, value) -> float:
@@ -93,7 +88,7 @@ class RopeScaling:
             if self.original_max_position_embeddings is None:
                 raise ValueError(f"rope scaling {self.kind!r} needs original_max_position_embeddings (an integer >= 1)")
             object.__setattr__(self, "original_max_position_embeddings",
-                               _int_at_least("original_max_position_embeddings", self.original_max_position_embeddings, 1))
+                               check_int("original_max_position_embeddings", self.original_max_position_embeddings, 1))
         for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
             object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
@@ -180,7 +175,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
-            _int_at_least(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA)"
@@ -261,10 +256,10 @@ class StepConfig:
         self.profile.check_head_dim(self.model.head_dim)
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(IMPLS)}")
-        chunk = _int_at_least("prefill_chunk", self.prefill_chunk, PAGE_SIZE)
+        chunk = check_int("prefill_chunk", self.prefill_chunk, PAGE_SIZE)
         if chunk % PAGE_SIZE:
             raise ValueError(f"prefill_chunk={chunk} must be a multiple of the page size {PAGE_SIZE}")
-        _int_at_least("draft_window", self.draft_window, 1)
+        check_int("draft_window", self.draft_window, 1)
         buckets = tuple(self.batch_buckets)
         if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
             raise ValueError(f"batch_buckets={self.batch_buckets!r} must be a non-empty tuple of integers >= 1")

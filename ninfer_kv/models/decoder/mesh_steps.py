@@ -1,6 +1,6 @@
 """Jitted state steps of the example decoder over a KV cache sharded on a ``data x model`` mesh.
 
-The steps take a sharded :class:`~ninfer_kv.KVDeviceState` (``ShardedKVStore.allocate_state``)
+The steps take a sharded :class:`~ninfer_kv.KVDeviceState` (``allocate_state(sharded_store)``)
 and a :class:`~ninfer_kv.store.sharded.ShardedRoundWork` padded to one shape
 (``ShardedKVStore.take_step_work``)::
 
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from ...device.mesh import KVMesh
 from ...device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention
-from ...planning import PoolKind
-from ...store import KVDeviceState
+from ...kinds import PoolKind
+from ...device.state import KVDeviceState
 from .config import StepConfig
 from .model import decoder_layer, embed_tokens, logits_from_hidden
 from .layers import token_positions
@@ -108,13 +108,13 @@ class MeshSteps:
         def checked(name, t):
             check = _token_check(cfg, name, t)
 
-            def check_state(params, state, work, *args):
+            def check_arguments(params, state, work, *args):
                 if not isinstance(state, KVDeviceState):
                     raise TypeError(f"{name}: state must be a KVDeviceState, got {type(state).__name__}")
                 shaped = state.replace(work_pending=False)  # shapes and dtypes: the same before and after the work
                 check(params, shaped.pool_planes(MAIN), shaped.table(MAIN), *args)
 
-            return check_state
+            return check_arguments
 
         self._state_steps = {
             "prefill": CountedStep("prefill_state", prefill, checked("prefill", cfg.prefill_chunk),

@@ -68,8 +68,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
-from ...planning import PoolKind
-from ...store import KVDeviceState, apply_work
+from ...kinds import PoolKind
+from ...device.state import KVDeviceState
+from ...device.work import apply_work
 from .config import StepConfig
 from .model import forward_paged, logits_from_hidden
 from .mtp import mtp_draft_paged, mtp_forward_paged
@@ -499,13 +500,13 @@ def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable) -> Cou
         state = state.replace(planes={**state.planes, pool: out.planes})
         return state, out._replace(planes=None, block_tables=None)
 
-    def check_state(params, state, work, *args):
+    def check_arguments(params, state, work, *args):
         if not isinstance(state, KVDeviceState):
             raise TypeError(f"{name}: state must be a KVDeviceState, got {type(state).__name__}")
         shaped = state.replace(work_pending=False)  # shapes and dtypes: the same before and after the work
         check(params, shaped.pool_planes(pool), shaped.table(pool), *args)
 
-    return CountedStep(f"{name}_state", body, check_state, donate_argnums=STATE_DONATED_ARGNUMS)
+    return CountedStep(f"{name}_state", body, check_arguments, donate_argnums=STATE_DONATED_ARGNUMS)
 
 
 def make_steps(step_config: StepConfig) -> ModelSteps:

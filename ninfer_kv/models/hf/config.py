@@ -50,6 +50,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from ...integers import check_int
 from ...planning.bounds import MAX_CONTEXT as _MAX_CONTEXT
 from ...planning.bounds import MAX_LAYERS as _MAX_LAYERS
 from ..decoder.config import ModelConfig, RopeScaling
@@ -173,10 +174,9 @@ def _is_number(v: Any) -> bool:
 
 
 def _check_int(key: str, v: Any, minimum: int, maximum: int) -> int:
-    """``v`` if it is an integer in ``[minimum, maximum]``, else a :class:`CheckpointError` naming ``key``."""
-    if not _is_int(v) or not minimum <= v <= maximum:
-        raise _invalid(key, v, f"an integer in [{minimum}, {maximum}]")
-    return v
+    """``v`` as an ``int`` if it is an integer in ``[minimum, maximum]``, else a :class:`CheckpointError`
+    naming ``key`` (:func:`~ninfer_kv.integers.check_int`)."""
+    return check_int(key, v, minimum, maximum, error=_invalid)
 
 
 def _int(cfg: Mapping, key: str, default: Any = ..., minimum: int = 1, maximum: int = 2**31 - 1) -> int:

@@ -39,7 +39,6 @@ __all__ = [
     "blended_pages",
     "write_pages",
     "write_pages_donated",
-    "word_dtype",
 ]
 
 

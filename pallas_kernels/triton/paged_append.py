@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.views import PagedKVBatchLayerView
 
-from .append_core import append_call, run_append
-from .backend import KernelBackend
-from .config import PagedAppendConfig
+from ..common.config import PagedAppendConfig
+from .append import append_call, run_append
+from .backend import TritonBackend
 
 __all__ = ["paged_append"]
 
@@ -48,7 +48,7 @@ def paged_append(
       view: the pool's batch view (stacked planes, block tables ``int32 (C, L)``, layer).
       table_rows, positions, valid: int32 ``(B,)``.
       k, v: ``(B, T, H, D)`` float32 or bfloat16.
-      config: block sizes (default :class:`PagedAppendConfig`).
+      config: block sizes and Triton knobs (default :class:`PagedAppendConfig`).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     Returns: the view with the updated planes (the same buffers when the caller donated them).
     """
@@ -56,7 +56,7 @@ def paged_append(
                       valid, config=config, interpret=interpret)
 
 
-def _paged_append_planes(backend: KernelBackend, view, table_rows, positions, k, v, valid, *, config,
+def _paged_append_planes(backend: TritonBackend, view, table_rows, positions, k, v, valid, *, config, compiler,
                          interpret) -> dict:
     lay = view.layout
     order = lay.order
@@ -97,7 +97,7 @@ def _paged_append_planes(backend: KernelBackend, view, table_rows, positions, k,
 
     return append_call(
         backend, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions, valid=valid,
-        tables=(view.block_tables,), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
+        tables=(view.block_tables,), k=k, v=v, cfg=config.for_tokens(t_len), compiler=compiler, interpret=interpret,
         name=f"paged_append_{lay.profile.value}_{order.value}_d{lay.head_dim}", make_address=make_address,
         row_limit=view.block_tables.shape[0],
     )

@@ -17,7 +17,7 @@ Out-of-range inputs under ``jit`` (SEMANTICS of :mod:`ninfer_kv.ops`): a ``table
 invisible (its keys are masked like keys past ``kv_len``, and page 0 is addressed instead);
 ``kv_lens`` is clipped to ``[0, L * 64]``; a query at a negative position sees no key.
 
-See :mod:`pallas_kernels.attention_core` for the per-program arithmetic.
+See :mod:`pallas_kernels.triton.attention` for the per-program arithmetic.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from ninfer_kv.geometry import PlaneOrder
 from ninfer_kv.views import PagedKVBatchLayerView
 
-from .attention_core import AttentionSpec, attention_call, compute_dtype_for, masked_tile_load, run_attention
-from .backend import KernelBackend
-from .config import PagedAttentionConfig
+from ..common.config import PagedAttentionConfig
+from ..common.softmax import compute_dtype_for
+from .attention import AttentionSpec, attention_call, masked_tile_load, run_attention
+from .backend import TritonBackend
 
 __all__ = ["paged_attention"]
 
@@ -53,7 +54,7 @@ def paged_attention(
       view: the pool's batch view.
       table_rows, positions, kv_lens: int32 ``(B,)``.
       sm_scale: score scale (default ``1 / sqrt(D)``).
-      config: block sizes (default :class:`PagedAttentionConfig`, resolved from the shapes).
+      config: block sizes and Triton knobs (default :class:`PagedAttentionConfig`, resolved from the shapes).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
     return run_attention(
@@ -62,8 +63,8 @@ def paged_attention(
     )
 
 
-def _paged_attention_kernel(backend: KernelBackend, q, view, table_rows, positions, kv_lens, *, sm_scale, cfg,
-                            interpret):
+def _paged_attention_kernel(backend: TritonBackend, q, view, table_rows, positions, kv_lens, *, sm_scale, cfg,
+                            compiler, interpret):
     lay = view.layout
     order, page = lay.order, lay.page_size
     shift = page.bit_length() - 1
@@ -72,7 +73,7 @@ def _paged_attention_kernel(backend: KernelBackend, q, view, table_rows, positio
         return jnp.zeros(q.shape, q.dtype)
     spec = AttentionSpec(
         profile=lay.profile, head_dim=d, num_queries=t_len, group=hq_len // lay.num_kv_heads, cfg=cfg,
-        sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype),
+        compiler=compiler, sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype),
     )
     bk = cfg.block_k
 

@@ -1,4 +1,4 @@
-"""The quantize-and-store body shared by the paged and the cyclic append kernels.
+"""The quantize-and-store body shared by the paged and the cyclic append kernels (Triton).
 
 One program quantizes ``block_t`` consecutive tokens of one (row, KV head) and writes their codes
 and scales into the output planes.  Where a token goes is decided by an *addresser*
@@ -10,13 +10,14 @@ and scales into the output planes.  Where a token goes is decided by an *address
 
 Tokens with ``write`` false are never stored (masked stores).  Their addresses name a safe page on
 a GPU and an out-of-range one in the interpreter, whose scatter then drops them instead of racing
-with a written token.  Quantization repeats the float32 arithmetic of
-:mod:`ninfer_kv.codecs` on whole tiles (see :mod:`pallas_kernels.codec_tiles`).
+with a written token.  Quantization is the codec's tile object
+(:data:`pallas_kernels.common.codec_tiles.CODEC_TILES`): it names the input lanes it needs and
+returns what to store where; this body only loads and stores.
 
-:func:`run_append` is the public-op body (config check, head-dim limit, kernel backend) and
+:func:`run_append` is the public-op body (config check, head-dim limit, plane check) and
 :func:`append_call` builds and runs the kernel around an addresser factory; both are shared too.
-Memory access, program ids and the ``pallas_call`` go through the kernel backend object
-(:mod:`pallas_kernels.backend`).
+Memory access, program ids and the ``pallas_call`` go through the backend object
+(:mod:`pallas_kernels.triton.backend`).
 """
 
 from __future__ import annotations
@@ -26,18 +27,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.profiles import KVCodec, KVProfile
+from ninfer_kv.profiles import KVProfile
 
-from .backend import KernelBackend, kernel_backend, resolve_interpret
-from .codec_tiles import (
-    Cols,
-    and_masks,
-    quantize_bf16_tile,
-    quantize_fp8_row_tile,
-    quantize_int8_tile,
-    quantize_nvfp4_tile,
-)
-from .limits import check_head_dim
+from ..common.codec_tiles import codec_tile
+from ..common.config import op_config, resolve_interpret
+from ..common.limits import check_head_dim
+from ..common.tiles import Cols, and_masks
+from .backend import TRITON, TritonBackend
+from .config import lanes, triton_config
 
 __all__ = ["quantize_and_store", "storage_planes", "logical_planes", "run_append", "append_call"]
 
@@ -76,7 +73,7 @@ def quantize_and_store(
     head_dim: int,
     num_tokens: int,
     block_t: int,
-    backend: KernelBackend,
+    backend: TritonBackend,
     *,
     b,
     h,
@@ -93,7 +90,7 @@ def quantize_and_store(
       head_dim: D (static).
       num_tokens: T of the ``(B, T, H, D)`` inputs (static).
       block_t: tokens per program (static power of two).
-      backend: the kernel backend (memory access).
+      backend: the backend object (memory access).
       b, h, t0: row, KV head and first token of this program (traced int32 scalars).
       k_ref, v_ref: the ``(B, T, H, D)`` inputs.
       out_refs: output plane refs keyed by plane name (in the planes' dtypes or, see
@@ -106,61 +103,42 @@ def quantize_and_store(
     write = write & (t < num_tokens)
     t_safe = jnp.where(write, t, 0)
     write2 = write[:, None]
+    tile_lanes = lanes(head_dim)
 
-    def load(x_ref, cols: Cols) -> jax.Array:
-        mask = and_masks(write2, cols.mask())
-        tile = backend.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=mask, other=0)
-        return tile.astype(jnp.float32)
-
-    def store_tile(name: str, value: jax.Array, cols: Cols) -> None:
+    def store(name: str, value: jax.Array, where: Cols | int) -> None:
         ref = out_refs[name]
         value = _as_stored(value, plane_dtypes[name], ref.dtype)
-        backend.store(ref.at[index(cols.index())], value, mask=and_masks(write2, cols.mask()))
+        if isinstance(where, int):  # one lane per token
+            backend.store(ref.at[index(jnp.int32(where))], value, mask=write)
+        else:
+            backend.store(ref.at[index(where.index())], value, mask=and_masks(write2, where.mask()))
 
-    def store_lane(name: str, value: jax.Array, lane: int) -> None:
-        ref = out_refs[name]
-        backend.store(ref.at[index(jnp.int32(lane))], _as_stored(value, plane_dtypes[name], ref.dtype), mask=write)
-
-    d = head_dim
     for tensor, x_ref in (("k", k_ref), ("v", v_ref)):
-        codec = profile.codec(tensor)
-        all_lanes = Cols.padded(0, 1, d)
-        if codec is KVCodec.BF16:
-            store_tile(tensor, quantize_bf16_tile(load(x_ref, all_lanes)), all_lanes)
-        elif codec is KVCodec.FP8_E4M3FN_ROW:
-            codes, scale = quantize_fp8_row_tile(load(x_ref, all_lanes))
-            store_tile(tensor, codes, all_lanes)
-            store_lane(f"{tensor}_scale", scale, 0)
-        elif codec is KVCodec.INT8_G64:
-            codes, scales = quantize_int8_tile(load(x_ref, all_lanes), d)
-            store_tile(tensor, codes, all_lanes)
-            store_tile(f"{tensor}_scale", scales, Cols.padded(0, 1, d // 64))
-        elif codec is KVCodec.NVFP4_G16:
-            even, odd = Cols.padded(0, 2, d // 2), Cols.padded(1, 2, d // 2)
-            packed, scales = quantize_nvfp4_tile(load(x_ref, even), load(x_ref, odd), d)
-            store_tile(tensor, packed, Cols.padded(0, 1, d // 2))
-            store_tile(f"{tensor}_scale", scales, Cols.padded(0, 1, d // 16))
-        else:  # pragma: no cover - KVCodec is closed
-            raise ValueError(f"unsupported codec {codec}")
+
+        def load(cols: Cols, x_ref=x_ref) -> jax.Array:
+            mask = and_masks(write2, cols.mask())
+            tile = backend.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=mask, other=0)
+            return tile.astype(jnp.float32)
+
+        for put in codec_tile(profile.codec(tensor)).encode(tensor, load, tile_lanes):
+            store(*put)
 
 
 def run_append(op: str, config_type: type, kernel: Callable, view, rows, positions, k, v, valid, *, config,
                interpret):
-    """Body of a public append op: default/check ``config``, check the head dim, run.
+    """Body of a public append op: default/check ``config``, check the head dim and the planes, run.
 
-    ``config`` must be ``None`` (a default ``config_type()``) or a ``config_type``;
-    ``kernel(backend, view, rows, positions, k, v, valid, config=, interpret=)`` returns the new
-    planes on the kernel backend ``config.backend`` names and the result is
-    ``view.replace(planes=...)``.
+    ``config`` must be ``None`` (a default ``config_type()``) or a ``config_type`` (its
+    ``compiler`` a :class:`~pallas_kernels.triton.config.TritonConfig` or ``None``);
+    ``kernel(backend, view, rows, positions, k, v, valid, config=, compiler=, interpret=)`` returns
+    the new planes and the result is ``view.replace(planes=...)``.
     """
-    config = config_type() if config is None else config
-    if not isinstance(config, config_type):
-        raise TypeError(f"config must be a {config_type.__name__}, got {type(config).__name__}")
+    config = op_config(config, config_type)
+    compiler = triton_config(config).for_append()
     check_head_dim(view.layout.profile, view.layout.head_dim)
     interpret = resolve_interpret(interpret)
-    backend = kernel_backend(config.backend, op)
-    backend.check_planes(view.planes, interpret=interpret)
-    planes = kernel(backend, view, rows, positions, k, v, valid, config=config, interpret=interpret)
+    TRITON.check_planes(view.planes, interpret=interpret)
+    planes = kernel(TRITON, view, rows, positions, k, v, valid, config=config, compiler=compiler, interpret=interpret)
     return view.replace(planes=planes)
 
 
@@ -168,7 +146,7 @@ AddresserFactory = Callable[..., Addresser]
 
 
 def append_call(
-    backend: KernelBackend,
+    backend: TritonBackend,
     *,
     view,
     names: list,
@@ -179,6 +157,7 @@ def append_call(
     k,
     v,
     cfg,
+    compiler,
     interpret: bool,
     name: str,
     make_address: AddresserFactory,
@@ -223,8 +202,7 @@ def append_call(
         kernel,
         grid=(bsz, -(-t_len // cfg.block_t), h_len),
         out_shape=[jax.ShapeDtypeStruct(p.shape, p.dtype) for p in planes],
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        compiler=compiler,
         interpret=interpret,
         name=name,
         input_output_aliases={n_in + i: i for i in range(len(planes))},
@@ -240,4 +218,3 @@ def append_call(
         *planes,
     )
     return dict(zip(names, logical_planes(out, dtypes)))
-

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 
 from ninfer_kv.views import CyclicKVCacheLayerView
 
-from .append_core import append_call, run_append
-from .attention_core import AttentionSpec, attention_call, compute_dtype_for, masked_tile_load, run_attention
-from .backend import KernelBackend
-from .config import CyclicAppendConfig, CyclicAttentionConfig
+from ..common.config import CyclicAppendConfig, CyclicAttentionConfig
+from ..common.softmax import compute_dtype_for
+from .append import append_call, run_append
+from .attention import AttentionSpec, attention_call, masked_tile_load, run_attention
+from .backend import TritonBackend
 
 __all__ = ["cyclic_append", "cyclic_attention"]
 
@@ -48,7 +49,7 @@ def cyclic_append(
       view: the cyclic view (stacked planes, layer).
       rows, positions, valid: int32 ``(B,)``.
       k, v: ``(B, T, H, D)`` float32 or bfloat16.
-      config: block sizes (default :class:`CyclicAppendConfig`).
+      config: block sizes and Triton knobs (default :class:`CyclicAppendConfig`).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
     return run_append("cyclic_append", CyclicAppendConfig, _cyclic_append_planes, view, rows, positions, k, v, valid,
@@ -73,7 +74,7 @@ def cyclic_attention(
       view: the cyclic view.
       rows, positions, kv_lens: int32 ``(B,)``.
       sm_scale: score scale (default ``1 / sqrt(D)``).
-      config: block sizes (default :class:`CyclicAttentionConfig`).
+      config: block sizes and Triton knobs (default :class:`CyclicAttentionConfig`).
       interpret: run the Pallas interpreter; ``None``: iff the default backend is the CPU.
     """
     lay = view.layout
@@ -83,7 +84,8 @@ def cyclic_attention(
     )
 
 
-def _cyclic_append_planes(backend: KernelBackend, view, rows, positions, k, v, valid, *, config, interpret) -> dict:
+def _cyclic_append_planes(backend: TritonBackend, view, rows, positions, k, v, valid, *, config, compiler,
+                          interpret) -> dict:
     lay = view.layout
     slots, n_rows = lay.slots, lay.rows
     bsz, t_len = k.shape[:2]
@@ -110,12 +112,13 @@ def _cyclic_append_planes(backend: KernelBackend, view, rows, positions, k, v, v
 
     return append_call(
         backend, view=view, names=[p.name for p in lay.planes], rows=rows, positions=positions, valid=valid,
-        tables=(), k=k, v=v, cfg=config.for_tokens(t_len), interpret=interpret,
+        tables=(), k=k, v=v, cfg=config.for_tokens(t_len), compiler=compiler, interpret=interpret,
         name=f"cyclic_append_{lay.profile.value}_d{lay.head_dim}", make_address=make_address, row_limit=n_rows,
     )
 
 
-def _cyclic_attention_kernel(backend: KernelBackend, q, view, rows, positions, kv_lens, *, sm_scale, cfg, interpret):
+def _cyclic_attention_kernel(backend: TritonBackend, q, view, rows, positions, kv_lens, *, sm_scale, cfg, compiler,
+                             interpret):
     lay = view.layout
     bsz, t_len, hq_len, d = q.shape
     if bsz == 0 or t_len == 0:
@@ -123,7 +126,7 @@ def _cyclic_attention_kernel(backend: KernelBackend, q, view, rows, positions, k
     slots, window = lay.slots, lay.window
     spec = AttentionSpec(
         profile=lay.profile, head_dim=d, num_queries=t_len, group=hq_len // lay.num_kv_heads, cfg=cfg,
-        sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype), window=window,
+        compiler=compiler, sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype), window=window,
     )
 
     def make_key_source(layer, ring, h, plane_refs):
