@@ -129,7 +129,7 @@ def run_soak(
     """Run ``sequences`` sequences; returns counters. Raises on any failed check."""
     rng = np.random.default_rng(seed)
     model = ModelKVConfig(num_layers=2, num_kv_heads=1, head_dim=8)
-    spec = SpeculativeConfig(backend="mtp", draft_window=4, mtp_layers=1)
+    spec = SpeculativeConfig(method="mtp", draft_window=4, mtp_layers=1)
     plan = plan_kv_cache(
         model, max_context=max_context, max_concurrency=concurrency, policy=ExplicitCapacity(pages * P), speculative=spec
     )

@@ -13,18 +13,18 @@ docs/LAYOUT.md, "Codec rules") are:
 * A zero scale stores codes 0.  Dequantize: ``x' = float(code) * s``.
 
 Odd values have one answer on every path (reference, FFI, Pallas interpret, GPU), decided by bit
-tests and selects rather than by how a backend's float unit treats them:
+tests and selects rather than by how a platform's float unit treats them:
 
 * **Subnormals are flushed in the quantizers' arithmetic**: in INT8-G64, FP8-row and NVFP4-G16 a
   float32 input element (after the bf16 -> float32 widening) whose exponent field is zero reads as
   zero of the same sign, and a scale quotient (``amax / 127``, ``amax / 448``, ``amax / 6``) that
-  is subnormal becomes +0.  This is what XLA's CPU backend does implicitly (FTZ + DAZ); doing it
+  is subnormal becomes +0.  This is what XLA's CPU compiler does implicitly (FTZ + DAZ); doing it
   explicitly makes a GPU (which keeps subnormals) produce the same bits.  e4m3fn and e2m1
   subnormal *codes* are regular values of those formats and are unaffected.  The BF16 codec does
   no arithmetic: its rounding works on the bit pattern, so a subnormal input gives the correctly
   rounded (possibly subnormal) bf16 code on every path.
 * **NaN propagates through amax** explicitly (a per-group NaN test, never ``reduce_max``'s NaN
-  behaviour, which XLA's CPU backend does not guarantee): the group's bf16 scale is the canonical
+  behaviour, which XLA's CPU compiler does not guarantee): the group's bf16 scale is the canonical
   quiet NaN ``0x7FC0``, the NVFP4 scale byte is ``0x7F``.
 * **A scale that is zero or not finite stores codes 0** (int8 0, e4m3fn 0x00, e2m1 nibble 0), so
   no float -> int conversion of a NaN or an infinity is ever executed; an infinite amax gives the
@@ -151,7 +151,7 @@ def scale_usable(s: jax.Array) -> jax.Array:
 def bf16_code(x: jax.Array) -> jax.Array:
     """BF16 codes: ``bf16(x)``, round to nearest even on the float32 bit pattern; NaN -> 0x7FC0.
 
-    Integer arithmetic only, so the result never depends on how a backend converts (a hardware
+    Integer arithmetic only, so the result never depends on how a platform converts (a hardware
     bf16 conversion may flush subnormals); subnormal inputs round like any other value.
     """
     b = _bits32(jnp.asarray(x).astype(_F32))

@@ -456,7 +456,7 @@ def write_pages(sync, stamp, planes: Mapping[str, jax.Array], copies, restores, 
     destination outside the pool write nothing.  ``planes`` are the results' buffers (donate
     them); ``page_axis`` 1 (page-major) or 2 (head-major).  The semantics of
     :func:`ninfer_kv.ops.page_copy.write_pages`, without its whole-plane copies on XLA's CPU
-    backend.
+    compiler.
     """
     _require()
     names = list(planes)

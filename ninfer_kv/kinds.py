@@ -1,7 +1,7 @@
-"""Shared vocabulary of pools and speculative backends (a leaf: imports nothing of the package).
+"""Shared vocabulary of pools and speculative methods (a leaf: imports nothing of the package).
 
 :class:`PoolKind` names the growing pools (Main, MTP, Draft Full) every layer keys its state by;
-:class:`SpeculativeBackend` names the mutually exclusive speculative backends that decide which
+:class:`SpeculativeMethod` names the mutually exclusive speculative methods that decide which
 pools exist.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["PoolKind", "SpeculativeBackend"]
+__all__ = ["PoolKind", "SpeculativeMethod"]
 
 
-class SpeculativeBackend(enum.Enum):
-    """Speculative backends; mutually exclusive within one engine.
+class SpeculativeMethod(enum.Enum):
+    """Speculative decoding methods; mutually exclusive within one engine.
 
     ``OFF``: Main pool only.  ``MTP``: a multi-token-prediction head with its own MTP pool.
     ``DFLASH`` / ``DFLASH2``: a draft model whose full-attention layers get a Draft Full pool
@@ -26,19 +26,19 @@ class SpeculativeBackend(enum.Enum):
     DFLASH2 = "dflash2"
 
     @classmethod
-    def parse(cls, name: "str | SpeculativeBackend") -> "SpeculativeBackend":
+    def parse(cls, name: "str | SpeculativeMethod") -> "SpeculativeMethod":
         """Resolve ``"off"``, ``"mtp"``, ``"dflash"`` or ``"dflash2"`` (case and spaces ignored) or a member.
 
         Raises:
           ValueError: any other value, naming it and the allowed names.
         """
-        if isinstance(name, SpeculativeBackend):
+        if isinstance(name, SpeculativeMethod):
             return name
         if isinstance(name, str):
             for member in cls:
                 if name.strip().lower() == member.value:
                     return member
-        raise ValueError(f"unknown speculative backend {name!r}; allowed: off, mtp, dflash, dflash2")
+        raise ValueError(f"unknown speculative method {name!r}; allowed: off, mtp, dflash, dflash2")
 
 
 class PoolKind(str, enum.Enum):

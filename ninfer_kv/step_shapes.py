@@ -12,7 +12,7 @@ work's buffers ``(table updates, copies, restores)``.  A serving loop therefore 
 
 So the loop compiles at most ``1 + len(alone)`` work-applying programs (:attr:`StepWorkShapes.programs`),
 whatever the rounds do.  The trade-off is padding against compiles: each buffer entry costs work
-(a scatter's cost grows with its buffer on a CPU, and on XLA's CPU backend page writes inside a
+(a scatter's cost grows with its buffer on a CPU, and on XLA's CPU compiler page writes inside a
 step copy the float planes they write), so the step shape holds what a decode round needs (table
 entries for the lanes crossing a page boundary) and, by default, no copies or restores; the alone
 ladder grows by ``factor`` (8) per rung, so a padded alone work is at most 8 times its natural

@@ -21,7 +21,7 @@ from ninfer_kv.profiles import PROFILE_ALIASES, KVProfile
 
 REALISTIC = (
     "plan --layers 16 --kv-heads 2 --head-dim 256 --profile k8v4 --max-context 32768 "
-    "--max-concurrency 64 --free-bytes 40GiB --backend mtp --draft-window 4"
+    "--max-concurrency 64 --free-bytes 40GiB --speculative mtp --draft-window 4"
 ).split()
 SMALL = "plan --layers 2 --kv-heads 2 --head-dim 64 --profile bf16 --max-context 1000 --max-concurrency 8".split()
 
@@ -123,7 +123,7 @@ def test_plan_table_realistic(capsys):
 def test_plan_json_matches_library(capsys):
     from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
 
-    argv = SMALL + ["--kv-capacity", "3000", "--fixed-bytes", "1MiB", "--backend", "dflash", "--draft-full-layers", "1",
+    argv = SMALL + ["--kv-capacity", "3000", "--fixed-bytes", "1MiB", "--speculative", "dflash", "--draft-full-layers", "1",
                     "--draft-kv-heads", "1", "--draft-head-dim", "96"]
     js = run_json(capsys, argv)
     plan = plan_kv_cache(
@@ -150,17 +150,17 @@ def test_plan_automatic_with_headroom(capsys):
 
 @pytest.mark.parametrize("backend", ["dflash", "dflash2"])
 def test_plan_dflash_pools(capsys, backend):
-    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend])
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--speculative", backend])
     assert set(js["pools"]) == {"main"}
-    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend, "--draft-full-layers", "2"])
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--speculative", backend, "--draft-full-layers", "2"])
     assert set(js["pools"]) == {"main", "draft_full"}
     assert js["pools"]["draft_full"]["profile"] == "bf16"
-    code, out, _ = run(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend, "--draft-full-layers", "2"])
+    code, out, _ = run(capsys, SMALL + ["--kv-capacity", "1000", "--speculative", backend, "--draft-full-layers", "2"])
     assert code == 0 and "draft_full" in out and "head-major" in out
 
 
 def test_plan_mtp_layers(capsys):
-    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-window", "130", "--mtp-layers", "3"])
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--speculative", "mtp", "--draft-window", "130", "--mtp-layers", "3"])
     assert js["pools"]["mtp"]["layers"] == 3
     assert js["pools"]["mtp"]["physical_pages"] == js["main_pages"] + 3 * 8
 
@@ -188,7 +188,7 @@ def test_plan_mtp_layers(capsys):
         (SMALL + ["--kv-capacity", "9000"], ["--kv-capacity 9000", "[1000, 8192]"]),
         (SMALL + ["--free-bytes", "1000"], ["--free-bytes 1000", "too small", "B_min", "--headroom-bytes (the default; not on"]),
         (SMALL + ["--free-bytes", "1MiB", "--headroom-bytes", "1GiB"], ["--free-bytes 1048576", "1073741824"]),
-        (SMALL + ["--free-bytes", "1GiB", "--backend", "eagle"], ["'eagle'", "off, mtp, dflash, dflash2"]),
+        (SMALL + ["--free-bytes", "1GiB", "--speculative", "eagle"], ["'eagle'", "off, mtp, dflash, dflash2"]),
         (SMALL + ["--free-bytes", "40 parsecs"], ["--free-bytes", "'40 parsecs'", "GiB"]),
         (SMALL + ["--free-bytes", "0.5"], ["'0.5'", "whole number"]),
         (SMALL + ["--free-bytes=-1GiB"], ["'-1GiB'"]),
@@ -199,9 +199,9 @@ def test_plan_mtp_layers(capsys):
         (SMALL + ["--kv-capacity", "1000", "--free-bytes", "1GiB"], ["not allowed"]),
         (SMALL + ["--kv-capacity", "1000", "--headroom-bytes", "1"], ["--headroom-bytes", "--free-bytes"]),
         (SMALL + ["--kv-capacity", "1000", "--draft-window", "4"], ["--draft-window", "mtp"]),
-        (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-full-layers", "1"], ["--draft-full-layers", "dflash"]),
-        (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-window", "0"], ["--draft-window", "0", ">= 1"]),
-        (SMALL + ["--kv-capacity", "1000", "--backend", "mtp", "--draft-window", "100000"],
+        (SMALL + ["--kv-capacity", "1000", "--speculative", "mtp", "--draft-full-layers", "1"], ["--draft-full-layers", "dflash"]),
+        (SMALL + ["--kv-capacity", "1000", "--speculative", "mtp", "--draft-window", "0"], ["--draft-window", "0", ">= 1"]),
+        (SMALL + ["--kv-capacity", "1000", "--speculative", "mtp", "--draft-window", "100000"],
          ["--draft-window 100000", "[1, 1000]", "--max-context 1000"]),
         (SMALL + ["--kv-capacity", "1000", "--max-concurrency", "many"], ["'many'", "integer >= 1"]),
         (SMALL + ["--kv-capacity", "1000", "--max-concurrency", str(2**31)], ["--max-concurrency 2147483648", "int32"]),
@@ -252,11 +252,11 @@ def test_kv_cache_dtype_is_an_alias_of_profile(capsys):
 
 @pytest.mark.parametrize("backend", ["dflash", "dflash2"])
 def test_dflash_without_draft_layers_says_it_plans_none(capsys, backend):
-    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend])
+    js = run_json(capsys, SMALL + ["--kv-capacity", "1000", "--speculative", backend])
     assert set(js["pools"]) == {"main"} and "plans no Draft Full pool" in js["notes"][0]
-    code, out, err = run(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend])
+    code, out, err = run(capsys, SMALL + ["--kv-capacity", "1000", "--speculative", backend])
     assert code == 0 and err == "" and "no Draft Full pool planned" in out and "--draft-full-layers N" in out
-    assert run_json(capsys, SMALL + ["--kv-capacity", "1000", "--backend", backend, "--draft-full-layers", "1"])["notes"] == []
+    assert run_json(capsys, SMALL + ["--kv-capacity", "1000", "--speculative", backend, "--draft-full-layers", "1"])["notes"] == []
 
 
 def test_an_unexpected_failure_is_one_line_without_traceback(capsys, monkeypatch):
@@ -442,7 +442,7 @@ def test_fuzz_plan_numeric_flags(data, backend):
         values[flag] = data.draw(_BYTE_TEXTS if flag in _PLAN_BYTE_FLAGS else _NUMBERS, label=flag)
     if "--kv-capacity" not in values and "--free-bytes" not in values:
         values["--free-bytes"] = "1GiB"
-    argv = ["plan", "--profile", "bf16", "--backend", backend, "--json"]
+    argv = ["plan", "--profile", "bf16", "--speculative", backend, "--json"]
     for flag, value in values.items():
         argv.append(f"{flag}={value}")
     _check_outcome(argv, *_main_captured(argv))

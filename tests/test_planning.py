@@ -222,12 +222,12 @@ def test_off_backend_has_main_only():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(backend="eagle"), "unknown speculative backend 'eagle'"),
-        (dict(backend="mtp", draft_window=0), "draft_window=0"),
-        (dict(backend="mtp", mtp_layers=0), "mtp_layers=0"),
-        (dict(backend="dflash", draft_full_layers=-1), "draft_full_layers=-1"),
-        (dict(backend="dflash", draft_kv_heads=0), "draft_kv_heads=0"),
-        (dict(backend="dflash", draft_head_dim=0), "draft_head_dim=0"),
+        (dict(method="eagle"), "unknown speculative method 'eagle'"),
+        (dict(method="mtp", draft_window=0), "draft_window=0"),
+        (dict(method="mtp", mtp_layers=0), "mtp_layers=0"),
+        (dict(method="dflash", draft_full_layers=-1), "draft_full_layers=-1"),
+        (dict(method="dflash", draft_kv_heads=0), "draft_kv_heads=0"),
+        (dict(method="dflash", draft_head_dim=0), "draft_head_dim=0"),
     ],
 )
 def test_bad_speculative_config(kwargs, match):

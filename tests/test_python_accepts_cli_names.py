@@ -251,7 +251,7 @@ def test_bound_errors_print_byte_counts_humanized():
 
 def test_cli_plan_tables_print_byte_counts_with_the_humanizer():
     argv = ("plan --layers 16 --kv-heads 2 --head-dim 256 --kv-cache-dtype k8v4 --max-context 32768 "
-            "--max-concurrency 64 --free-bytes 40GiB --backend mtp --draft-window 4").split()
+            "--max-concurrency 64 --free-bytes 40GiB --speculative mtp --draft-window 4").split()
     code, out, err = _cli(argv)
     assert code == 0 and err == ""
     plan = plan_kv_cache(ModelKVConfig(16, 2, 256, "k8v4"), max_context=32768, max_concurrency=64,

@@ -101,5 +101,5 @@ def test_pool_rows_give_layouts_page_counts_and_leads(backend):
         assert pool.layout.order is row.order
         assert pool.physical_pages == plan.m + 4 * row.lead_pages(spec)
         assert store._rt[kind].lead_tokens == row.lead_tokens(spec)
-    if backend is not None and backend.backend.value == "mtp":
+    if backend is not None and backend.method.value == "mtp":
         assert POOL_SPECS[PoolKind.MTP].lead_pages(spec) == int(np.ceil(69 / 64))

@@ -4,7 +4,7 @@ Usage::
 
     ninfer-kv layout --profile k8v4 --head-dim 256 [--layers 16 --kv-heads 2 [--order page-major] [--pages 8]] [--json]
     ninfer-kv plan --layers 16 --kv-heads 2 --head-dim 256 --profile k8v4 \\
-        --max-context 32768 --max-concurrency 64 --free-bytes 40GiB --backend mtp --draft-window 4 [--json]
+        --max-context 32768 --max-concurrency 64 --free-bytes 40GiB --speculative mtp --draft-window 4 [--json]
     ninfer-kv generate --model DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S]
 
 Output contract:
@@ -70,7 +70,7 @@ from .app import EXIT_INTERNAL, EXIT_USAGE  # noqa: F401
 from .flags import PARAMETER_FLAGS  # noqa: F401
 from .parser import PROG, UsageError  # noqa: F401
 from .types import (  # noqa: F401
-    BACKEND,
+    SPECULATIVE,
     BYTES,
     KV_CACHE_DTYPES,
     NON_NEGATIVE_INT,

@@ -229,7 +229,7 @@ def _memory_bytes() -> tuple[int, str] | None:
     device = jax.devices()[0]
     try:
         stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - a backend without memory statistics
+    except Exception:  # noqa: BLE001 - a platform without memory statistics
         stats = {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]), f"the {device.platform} device holds"

@@ -4,7 +4,7 @@ The model is given by its numbers (``--layers``, ``--kv-heads``, ``--head-dim``)
 Hugging Face checkpoint directory (``--model DIR``: its ``config.json`` only, no weights; the layers,
 KV heads and head dim come from there and ``--max-context`` defaults to its
 ``max_position_embeddings``).  The capacity policy is explicit (``--kv-capacity``) or automatic
-(``--free-bytes``, ``--headroom-bytes``); ``--backend`` adds the MTP or Draft Full pool, and
+(``--free-bytes``, ``--headroom-bytes``); ``--speculative`` adds the MTP or Draft Full pool, and
 ``--mesh data=D,model=T`` plans per device over a mesh.  ``--max-model-len`` and ``--max-num-seqs``
 are aliases of ``--max-context`` and ``--max-concurrency`` (vLLM's names).
 """
@@ -21,13 +21,13 @@ from .parser import PROG, UsageError
 from .registry import CommandOutput, register_subcommand
 from .tables import kv_lines, render_table
 from .tables import thousands as _n
-from .types import BACKEND, BYTES, MESH, NON_NEGATIVE_INT, POSITIVE_INT, add_profile
+from .types import SPECULATIVE, BYTES, MESH, NON_NEGATIVE_INT, POSITIVE_INT, add_profile
 
 __all__ = ["configure", "run"]
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    """Declare the ``plan`` arguments: model, engine, capacity policy, speculative backend and mesh."""
+    """Declare the ``plan`` arguments: model, engine, capacity policy, speculative method and mesh."""
     model = p.add_argument_group("model (--model DIR, or --layers, --kv-heads and --head-dim)")
     model.add_argument(
         "--model", metavar="DIR",
@@ -55,8 +55,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     cap.add_argument(
         "--fixed-bytes", type=BYTES, default=0, metavar="X", help="fixed device bytes inside B(M) (default 0)"
     )
-    spec = p.add_argument_group("speculative backend")
-    spec.add_argument("--backend", type=BACKEND, default="off", help="off (default), mtp, dflash, dflash2")
+    spec = p.add_argument_group("speculative method")
+    spec.add_argument("--speculative", type=SPECULATIVE, default="off", help="off (default), mtp, dflash, dflash2")
     spec.add_argument("--draft-window", type=POSITIVE_INT, metavar="K", help="MTP draft window K (default 1)")
     spec.add_argument("--mtp-layers", type=POSITIVE_INT, metavar="N", help="MTP layers (default 1)")
     spec.add_argument(
@@ -84,22 +84,22 @@ def _flag(attr: str) -> str:
 
 
 def _speculative_from_args(args: argparse.Namespace):
-    from ..kinds import SpeculativeBackend
+    from ..kinds import SpeculativeMethod
     from ..planning import SpeculativeConfig
 
-    backend = args.backend
+    method = args.speculative
     allowed = {
-        SpeculativeBackend.OFF: (),
-        SpeculativeBackend.MTP: _MTP_FLAGS,
-        SpeculativeBackend.DFLASH: _DFLASH_FLAGS,
-        SpeculativeBackend.DFLASH2: _DFLASH_FLAGS,
-    }[backend]
+        SpeculativeMethod.OFF: (),
+        SpeculativeMethod.MTP: _MTP_FLAGS,
+        SpeculativeMethod.DFLASH: _DFLASH_FLAGS,
+        SpeculativeMethod.DFLASH2: _DFLASH_FLAGS,
+    }[method]
     for attr in _MTP_FLAGS + _DFLASH_FLAGS:
         if getattr(args, attr) is not None and attr not in allowed:
-            owner = "--backend mtp" if attr in _MTP_FLAGS else "--backend dflash or dflash2"
-            raise ValueError(f"{_flag(attr)} applies only to {owner}; got --backend {backend.value}")
+            owner = "--speculative mtp" if attr in _MTP_FLAGS else "--speculative dflash or dflash2"
+            raise ValueError(f"{_flag(attr)} applies only to {owner}; got --speculative {method.value}")
     return SpeculativeConfig(
-        backend=backend,
+        method=method,
         draft_window=args.draft_window if args.draft_window is not None else 1,
         mtp_layers=args.mtp_layers if args.mtp_layers is not None else 1,
         draft_full_layers=args.draft_full_layers or 0,
@@ -109,9 +109,9 @@ def _speculative_from_args(args: argparse.Namespace):
 
 
 def _dflash_note(speculative) -> str | None:
-    if speculative.backend.value in ("dflash", "dflash2") and not speculative.has_draft_full:
+    if speculative.method.value in ("dflash", "dflash2") and not speculative.has_draft_full:
         return (
-            f"--backend {speculative.backend.value} without --draft-full-layers plans no Draft Full pool "
+            f"--speculative {speculative.method.value} without --draft-full-layers plans no Draft Full pool "
             "(the draft model then keeps no paged KV here); pass --draft-full-layers N to plan one"
         )
     return None
@@ -280,7 +280,7 @@ def _run(args: argparse.Namespace, checkpoint: _Checkpoint | None) -> CommandOut
     )
     data = plan.to_json()
     data["policy"] = policy_json
-    if speculative.backend.value == "mtp":
+    if speculative.method.value == "mtp":
         data["draft_window"] = speculative.draft_window
     note = _dflash_note(speculative)
     data["notes"] = [note] if note else []
@@ -333,17 +333,17 @@ def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
     from ..kinds import PoolKind
 
     b = plan.builder
-    backend = speculative.backend.value
-    if backend == "mtp":
+    method = speculative.method.value
+    if method == "mtp":
         lead = b.physical_pages(PoolKind.MTP, plan.m) - plan.m
-        backend += (
+        method += (
             f" (draft window K = {speculative.draft_window}, {speculative.mtp_layers} MTP layer(s); "
             f"MTP pages = M + C*ceil((K-1)/P) = M + {_n(lead)})"
         )
     elif speculative.has_draft_full:
-        backend += f" ({speculative.draft_full_layers} draft full-attention layer(s))"
-    elif backend in ("dflash", "dflash2"):
-        backend += " (no draft full-attention layers: no Draft Full pool planned)"
+        method += f" ({speculative.draft_full_layers} draft full-attention layer(s))"
+    elif method in ("dflash", "dflash2"):
+        method += " (no draft full-attention layers: no Draft Full pool planned)"
     where = "M_min" if plan.m == b.m_min else ("M_max" if plan.m == b.m_max else "between M_min and M_max")
     lines = ["KV plan"]
     lines += kv_lines(
@@ -352,7 +352,7 @@ def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
             ("page size P", f"{P} tokens"),
             ("max context S", f"{_n(b.max_context)} tokens (L = ceil(S/P) = {_n(b.logical_pages)} logical pages)"),
             ("max concurrency C", _n(b.max_concurrency)),
-            ("backend", backend),
+            ("speculative", method),
             ("Main range", f"M_min = max(L, C) = {_n(b.m_min)}  ..  M_max = C*L = {_n(b.m_max)} page groups"),
             ("Main pages M", f"{_n(plan.m)} ({where})"),
             (

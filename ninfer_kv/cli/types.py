@@ -26,7 +26,7 @@ __all__ = [
     "BYTES",
     "PROFILE",
     "ORDER",
-    "BACKEND",
+    "SPECULATIVE",
     "MESH",
     "add_profile",
 ]
@@ -85,10 +85,10 @@ def _order(text: str):
     return PlaneOrder.parse(text)
 
 
-def _backend(text: str):
-    from ..kinds import SpeculativeBackend
+def _speculative(text: str):
+    from ..kinds import SpeculativeMethod
 
-    return SpeculativeBackend.parse(text)
+    return SpeculativeMethod.parse(text)
 
 
 def _mesh(text: str):
@@ -102,7 +102,7 @@ NON_NEGATIVE_INT = _int_at_least(0)
 BYTES = arg_type("bytes", parse_bytes)
 PROFILE = arg_type("profile", KVProfile.parse)
 ORDER = arg_type("order", _order)
-BACKEND = arg_type("backend", _backend)
+SPECULATIVE = arg_type("speculative method", _speculative)
 MESH = arg_type("mesh", _mesh)
 
 

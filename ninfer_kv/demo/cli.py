@@ -3,7 +3,7 @@
 Examples::
 
     ninfer-kv demo                                  # 32 requests, small model, BF16, memory pressure
-    ninfer-kv demo --backend mtp --draft-window 3   # MTP speculative decoding
+    ninfer-kv demo --speculative mtp --draft-window 3   # MTP speculative decoding
     ninfer-kv demo --profile k8v4 --kv-lease-growth --json
     ninfer-kv demo --mesh data=2,model=4 --impl ffi --json   # 8 devices (forced host devices on a CPU)
 
@@ -23,7 +23,7 @@ from ..profiles import KVProfile
 
 __all__ = ["configure", "run"]
 
-_BACKENDS = ("off", "mtp")
+_SPECULATIVE = ("off", "mtp")
 _MODELS = ("tiny", "small")
 _IMPLS = ("auto", "pallas", "ffi", "reference")
 
@@ -77,11 +77,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                        help="serve over a D x T device mesh: each request on a data shard (chosen by the scheduler), "
                             "the KV heads split over the model axis, planes never gathered; on a CPU D*T host devices "
                             "are forced before JAX starts; --max-concurrency and --kv-capacity are totals over the "
-                            "data shards, --host-bytes per data shard; --backend off only (default: one device)")
+                            "data shards, --host-bytes per data shard; --speculative off only (default: one device)")
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--backend", type=_choice("backend", _BACKENDS), default="off", help="off (default) or mtp")
+    spec.add_argument("--speculative", type=_choice("speculative", _SPECULATIVE), default="off", help="off (default) or mtp")
     spec.add_argument("--draft-window", type=POSITIVE_INT, metavar="K",
-                      help=f"MTP draft window K (default {DEFAULT_DRAFT_WINDOW}; --backend mtp only)")
+                      help=f"MTP draft window K (default {DEFAULT_DRAFT_WINDOW}; --speculative mtp only)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-context", type=bounded_int(1, 1 << 16), default=DEFAULT_MAX_CONTEXT, metavar="S",
                      help=f"per-sequence ceiling S (default {DEFAULT_MAX_CONTEXT})")
@@ -134,7 +134,7 @@ _FORCE_DEVICES = "--xla_force_host_platform_device_count"
 
 
 def ensure_devices(count: int) -> None:
-    """Make ``count`` devices available for a mesh: before JAX's backends start, force ``count``
+    """Make ``count`` devices available for a mesh: before JAX's platforms start, force ``count``
     host devices (``XLA_FLAGS``; no effect on a GPU); afterwards, ``ValueError`` unless the
     process already has ``count`` devices."""
     started = False
@@ -179,7 +179,7 @@ def default_kv_capacity(config) -> int:
     rows = config.max_concurrency // shards
     try:
         kv = ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile)
-        builder = KVPoolSetLayout(kv, config.max_context, rows, config.speculative, config.fixed_bytes)
+        builder = KVPoolSetLayout(kv, config.max_context, rows, config.speculative_config, config.fixed_bytes)
     except ValueError:
         return DEFAULT_KV_CAPACITY
     pages = min(max(DEFAULT_PAGES_PER_ROW * rows, builder.m_min), builder.max_m())
@@ -193,8 +193,8 @@ def config_from_args(args: argparse.Namespace):
     from .config import DemoConfig
     from .requests import WorkloadSpec
 
-    if args.draft_window is not None and args.backend != "mtp":
-        raise ValueError(f"--draft-window applies only to --backend mtp; got --backend {args.backend}")
+    if args.draft_window is not None and args.speculative != "mtp":
+        raise ValueError(f"--draft-window applies only to --speculative mtp; got --speculative {args.speculative}")
     if args.kv_lease_window is not None and not args.kv_lease_growth:
         raise ValueError("--kv-lease-window applies only with --kv-lease-growth")
     if args.free_bytes is not None:
@@ -220,7 +220,7 @@ def config_from_args(args: argparse.Namespace):
         workload=workload,
         model=args.model,
         profile=args.profile,
-        backend=args.backend,
+        speculative=args.speculative,
         draft_window=args.draft_window if args.draft_window is not None else DEFAULT_DRAFT_WINDOW,
         impl=args.impl,
         kv_lease_growth=args.kv_lease_growth,

@@ -1,4 +1,4 @@
-"""The configuration of one serving demo: :class:`DemoConfig`, the demo model sizes and backends."""
+"""The configuration of one serving demo: :class:`DemoConfig`, the demo model sizes and speculative methods."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .checkpoint_cache import checkpoint_config
 from .mesh import check_mesh
 from .requests import WorkloadSpec
 
-__all__ = ["DemoConfig", "MODELS", "BACKENDS", "DEFAULT_KV_CAPACITY", "DEFAULT_HOST_BYTES"]
+__all__ = ["DemoConfig", "MODELS", "SPECULATIVE_METHODS", "DEFAULT_KV_CAPACITY", "DEFAULT_HOST_BYTES"]
 
 MODELS = {
     "tiny": dict(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=256),
@@ -24,7 +24,7 @@ MODELS = {
 Hugging Face checkpoint directory (:mod:`ninfer_kv.models.hf`), served in float32 so the dense check's
 tolerances apply, stopping at its EOS ids."""
 
-BACKENDS = ("off", "mtp")
+SPECULATIVE_METHODS = ("off", "mtp")
 
 DEFAULT_KV_CAPACITY = 24 * 64
 DEFAULT_HOST_BYTES = 16 * 2**20
@@ -35,10 +35,10 @@ class DemoConfig:
 
     Attributes:
       workload: the requests to serve.
-      model: a key of :data:`MODELS`, or a Hugging Face checkpoint directory (``backend="off"``).
+      model: a key of :data:`MODELS`, or a Hugging Face checkpoint directory (``speculative="off"``).
       profile: the KV profile of the Main (and MTP) pool.
-      backend: ``"off"`` or ``"mtp"`` (speculative decoding with the model's MTP head).
-      draft_window: MTP draft window K (``backend="mtp"`` only).
+      speculative: ``"off"`` or ``"mtp"`` (speculative decoding with the model's MTP head).
+      draft_window: MTP draft window K (``speculative="mtp"`` only).
       impl: op implementation (``auto``: Pallas on GPU, FFI on CPU).
       kv_lease_growth: lease a bounded window instead of the whole output budget.
       lease_window_tokens: the growth window (with ``kv_lease_growth``).
@@ -58,7 +58,7 @@ class DemoConfig:
     workload: WorkloadSpec = WorkloadSpec()
     model: str = "small"
     profile: KVProfile = KVProfile.BF16
-    backend: str = "off"
+    speculative: str = "off"
     draft_window: int = 3
     impl: str = "auto"
     kv_lease_growth: bool = False
@@ -78,12 +78,12 @@ class DemoConfig:
         if self.model not in MODELS and not os.path.isdir(self.model):
             raise ValueError(f"model={self.model!r} is neither a demo model ({', '.join(MODELS)}) nor a checkpoint "
                              f"directory")
-        if self.checkpoint is not None and self.backend != "off":
-            raise ValueError(f"backend={self.backend!r} needs the demo model's MTP head; a checkpoint directory "
-                             f"({self.model}) is served with backend 'off'")
+        if self.checkpoint is not None and self.speculative != "off":
+            raise ValueError(f"speculative={self.speculative!r} needs the demo model's MTP head; a checkpoint directory "
+                             f"({self.model}) is served with speculative 'off'")
         object.__setattr__(self, "profile", KVProfile.parse(self.profile))
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not supported by the demo; allowed: {', '.join(BACKENDS)}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative={self.speculative!r} is not supported by the demo; allowed: {', '.join(SPECULATIVE_METHODS)}")
         check_int("draft_window", self.draft_window, 1)
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(IMPLS)}")
@@ -95,7 +95,7 @@ class DemoConfig:
         self.model_config.kv_config(self.profile)  # head dim vs profile: a clear ValueError early
         if self.mesh is not None:
             object.__setattr__(self, "mesh", check_mesh(self.mesh, model_name=self.model, model=self.model_config,
-                                                        backend=self.backend, max_concurrency=self.max_concurrency))
+                                                        speculative=self.speculative, max_concurrency=self.max_concurrency))
 
     @property
     def checkpoint(self) -> str | None:
@@ -107,7 +107,7 @@ class DemoConfig:
         """The model served (a demo size, or the checkpoint's configuration in float32)."""
         if self.checkpoint is not None:
             return checkpoint_config(self.checkpoint, self.max_context)[0]
-        return ModelConfig(**MODELS[self.model], mtp=self.backend == "mtp")
+        return ModelConfig(**MODELS[self.model], mtp=self.speculative == "mtp")
 
     @property
     def stop_tokens(self) -> tuple[int, ...]:
@@ -116,8 +116,9 @@ class DemoConfig:
 
     @property
     def lease_cushion_tokens(self) -> int:
-        return self.draft_window + 1 if self.backend == "mtp" else 1
+        return self.draft_window + 1 if self.speculative == "mtp" else 1
 
     @property
-    def speculative(self) -> SpeculativeConfig | None:
-        return SpeculativeConfig("mtp", draft_window=self.draft_window) if self.backend == "mtp" else None
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The plan's :class:`SpeculativeConfig` (``None`` without speculative decoding)."""
+        return SpeculativeConfig("mtp", draft_window=self.draft_window) if self.speculative == "mtp" else None

@@ -1,6 +1,6 @@
 """The demo over a ``data x model`` device mesh: which configurations a mesh can serve.
 
-A mesh serves the main model only (``backend="off"``), through
+A mesh serves the main model only (``speculative="off"``), through
 :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine` (:mod:`.serve`): the requests are split
 over the data shards, so ``max_concurrency`` must split over them, and the model axis splits the
 query heads and the KV heads (or replicates the KV heads when it is a multiple of their count).
@@ -18,12 +18,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["check_mesh"]
 
 
-def check_mesh(mesh, *, model_name: str, model: ModelConfig, backend: str, max_concurrency: int) -> MeshSpec:
+def check_mesh(mesh, *, model_name: str, model: ModelConfig, speculative: str, max_concurrency: int) -> MeshSpec:
     """``mesh`` parsed (:meth:`MeshSpec.parse`); ``ValueError`` unless the demo can serve ``model``
-    (named ``model_name``) with ``backend`` and ``max_concurrency`` lanes in total over it."""
+    (named ``model_name``) with ``speculative`` and ``max_concurrency`` lanes in total over it."""
     mesh = MeshSpec.parse(mesh)
-    if backend != "off":
-        raise ValueError(f"backend={backend!r} runs on one device only; with mesh={mesh} the backend must be 'off'")
+    if speculative != "off":
+        raise ValueError(f"speculative={speculative!r} runs on one device only; with mesh={mesh} it must be 'off'")
     mesh.local_concurrency(max_concurrency)
     h, t = model.num_kv_heads, mesh.model
     if h % t and t % h:

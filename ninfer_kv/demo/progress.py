@@ -1,7 +1,7 @@
 """The demo's progress bar on stderr (tqdm), showing when XLA is compiling a step function.
 
 While a bar is open it listens to JAX's compile events (``jax.monitoring``): when a step function
-has been lowered and its backend compile starts, the bar says ``compiling <function>``; when the
+has been lowered and its XLA compile starts, the bar says ``compiling <function>``; when the
 compile ends, it goes back to ``serving`` and adds the compile time to its ``compile`` total.
 :class:`CompileClock` sums the same compile events over the whole process, for the summary's
 ``compile_seconds``.
@@ -18,13 +18,13 @@ from tqdm import tqdm
 __all__ = ["DemoProgress", "make_progress", "CompileClock", "LOWERED_EVENT", "COMPILED_EVENT"]
 
 LOWERED_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-"""Recorded when a function has been lowered to MLIR, just before its backend compile."""
+"""Recorded when a function has been lowered to MLIR, just before its XLA compile."""
 COMPILED_EVENT = "/jax/core/compile/backend_compile_duration"
 """Recorded when XLA has finished compiling a function."""
 
 
 class CompileClock:
-    """Seconds of XLA backend compilation, summed from ``jax.monitoring`` events (process-wide)."""
+    """Seconds of XLA compilation, summed from ``jax.monitoring`` events (process-wide)."""
 
     seconds = 0.0
     _registered = False

@@ -45,11 +45,11 @@ def validate(config: DemoConfig):
     requests = make_workload(config.workload, model.vocab_size)
     if config.stop_tokens:
         requests = [dataclasses.replace(r, stop_tokens=config.stop_tokens) for r in requests]
-    lead = config.draft_window - 1 if config.backend == "mtp" else 0
+    lead = config.draft_window - 1 if config.speculative == "mtp" else 0
     check_workload_fits(requests, config.max_context, ceil_div(config.max_context, PAGE_SIZE), lead)
     kv = ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile)
     common = dict(max_context=config.max_context, max_concurrency=config.max_concurrency, policy=config.capacity,
-                  speculative=config.speculative, fixed_bytes=config.fixed_bytes)
+                  speculative=config.speculative_config, fixed_bytes=config.fixed_bytes)
     plan = plan_kv_cache(kv, **common) if config.mesh is None else plan_kv_cache_mesh(kv, config.mesh, **common)
     _resolved_impl(config.impl)
     return plan, requests

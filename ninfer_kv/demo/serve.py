@@ -1,7 +1,7 @@
 """Serve a demo workload through the public engine (:mod:`ninfer_kv.engine`).
 
 One device: an :class:`~ninfer_kv.engine.EngineCore` over a :class:`~ninfer_kv.store.KVStore` (the
-MTP pool too with ``--backend mtp``: the engine decodes in speculative rounds).  A mesh: a
+MTP pool too with ``--speculative mtp``: the engine decodes in speculative rounds).  A mesh: a
 :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine` over a
 :class:`~ninfer_kv.store.sharded.ShardedKVStore`.  Every request is submitted at once, greedy, with
 its log-probabilities when the dense check will read them; the engine queues, admits by
@@ -90,7 +90,7 @@ def _engine(config, plan, params):
     if config.mesh is None:
         store = KVStore(plan, entitlement=_policy(config), host_bytes=host)
         model = DecoderModel(params, config.model_config, impl=config.impl,
-                             draft_window=config.draft_window if config.backend == "mtp" else 0)
+                             draft_window=config.draft_window if config.speculative == "mtp" else 0)
         engine = EngineCore(model, store, eos_token_ids=config.stop_tokens, seed=config.seed)
         return engine, [store], [engine], engine.runner
     from ..engine.data_parallel import DataParallelEngine

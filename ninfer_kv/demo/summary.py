@@ -18,14 +18,14 @@ JSON keys (every key is present; ``null`` where it does not apply):
   ``leaked_host_extents`` (0);
 * scheduling: ``finish_reasons``, ``bounded_completions``, ``lease_pages_granted``,
   ``kv_lease_growth``, ``peak_active``, ``admission_waits``;
-* compilation: ``compiles`` (per step function: backend compilations during this run),
+* compilation: ``compiles`` (per step function: XLA compilations during this run),
   ``buckets`` (per step function: the batch buckets it ran in), ``units`` (calls per step);
-* ``mtp`` (backend mtp: ``draft_window``, ``head_calibration_agreement``, ``rounds``,
+* ``mtp`` (speculative mtp: ``draft_window``, ``head_calibration_agreement``, ``rounds``,
   ``drafts_verified``, ``drafts_accepted``, ``acceptance_rate``, ``tokens_per_round``);
 * ``tokens_digest``: sha256 hex of every request's generated tokens in request order (the UTF-8
   bytes of the compact JSON ``[[request id, [token, ...]], ...]``): equal for equal outputs, so a
   mesh run and a one-device run with the same ``--seed`` can be compared;
-* setup: ``profile``, ``impl`` (resolved), ``backend``, ``device``, ``mesh`` (``{"data": D, "model": T}``
+* setup: ``profile``, ``impl`` (resolved), ``speculative``, ``device``, ``mesh`` (``{"data": D, "model": T}``
   with ``--mesh``, else ``null``), ``model``, ``plan`` (the ``ninfer-kv plan`` JSON of the store's
   plan; with a mesh the mesh plan, its ``per_device`` part one device's), ``seed``, ``workload_seed``.
   With a mesh the counters and ``pool_pages`` are summed over the data shards.
@@ -62,7 +62,7 @@ class DemoResult:
         lines = [
             f"ninfer-kv demo: {d['requests']} requests on model {d['model']['name']} "
             f"({d['model']['layers']} layers, {d['model']['kv_heads']} KV heads x {d['model']['head_dim']}), "
-            f"KV cache format {d['profile']}, speculative decoding {d['backend']}, kernels {d['impl']} on {d['device']}",
+            f"KV cache format {d['profile']}, speculative decoding {d['speculative']}, kernels {d['impl']} on {d['device']}",
             "",
         ]
         dense = d["dense"]
@@ -187,7 +187,7 @@ def demo_result(config, plan, served, *, generated: int, serve_seconds: float, c
         "mtp": None,
         "profile": config.profile.value,
         "impl": impl,
-        "backend": config.backend,
+        "speculative": config.speculative,
         "kv_lease_growth": config.kv_lease_growth,
         "device": device,
         "mesh": None if config.mesh is None else {"data": config.mesh.data, "model": config.mesh.model},
@@ -205,7 +205,7 @@ def demo_result(config, plan, served, *, generated: int, serve_seconds: float, c
         "seed": config.seed,
         "workload_seed": config.workload.seed,
     }
-    if config.backend == "mtp":
+    if config.speculative == "mtp":
         data["mtp"] = {
             "draft_window": config.draft_window,
             "head_calibration_agreement": calibration,

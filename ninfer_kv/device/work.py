@@ -70,7 +70,7 @@ def _poisoned_unless(ok: jax.Array, table: jax.Array) -> jax.Array:
     """``table`` when ``ok``, else every entry the sentinel page.
 
     A loop that runs once when the work is out of order and not at all otherwise: a loop's carry
-    stays in the donated table's buffer, where a ``cond`` makes XLA's CPU backend copy the table
+    stays in the donated table's buffer, where a ``cond`` makes XLA's CPU compiler copy the table
     into the conditional's result (about a third of a decode step at C = 256, L = 512) and a
     select reads and writes the whole table every step.
     """
@@ -177,7 +177,7 @@ _in_order_jit = jax.jit(_in_order)
 def apply_work_jit(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     """:func:`apply_work` run alone, the state donated (when no step applies this work).
 
-    One jitted program; except on the CPU backend without the FFI library, with page writes into
+    One jitted program; except on a CPU without the FFI library, with page writes into
     float planes, where XLA does not keep a scatter in place (the whole plane would be copied):
     there the page writes run as in-place per-page programs
     (:func:`~ninfer_kv.ops.page_copy.write_pages_donated`, which write nothing when the work is out of

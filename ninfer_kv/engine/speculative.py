@@ -14,7 +14,7 @@ committed frontier; the pairs in ``[mtp_frontier, frontier)`` whose next token i
 * a retained sequence keeps its hidden states with its prefix-cache entry, so a request that forks
   it at any token ``m`` has ``h_{q} .. h_{m-1}`` for the pairs from the MTP frontier ``q`` the store
   continues at (``min(m - 1, the checkpoint's MTP frontier)``).  Host memory: ``4 * d_model`` bytes
-  per cached token, with this backend only.
+  per cached token, with this method only.
 
 Verification accepts a draft iff it equals the token the request's sampling chooses at that
 position (greedy, or the sampled token with the request's key), so every request produces exactly

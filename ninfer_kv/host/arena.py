@@ -3,7 +3,7 @@
 Storage.  A JAX array is immutable, so the arena's canonical storage is a numpy ``uint8`` buffer
 of the fixed capacity, aligned to a 4096-byte host page and touched once at startup (``prefault``)
 so that neither page faults nor a late out-of-memory can happen inside a transfer.  Device -> Host
-copies land in it and Host -> Device copies read from it.  Main and backend pools share the
+copies land in it and Host -> Device copies read from it.  Main and speculative pools share the
 buffer; each extent carries the tag of its pool and is sized by that pool's
 :class:`~ninfer_kv.host.host_layout.HostKVPageLayout`, so extents of different strides sit side by
 side.  Extents are managed by :class:`~ninfer_kv.host.extent_allocator.ExtentAllocator` (best fit

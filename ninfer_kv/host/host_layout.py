@@ -16,7 +16,7 @@ transposed to ``(H, P, X)`` per layer on the way).  The full page is always copi
 columns beyond a partial tail's committed frontier: the payload of a page is the whole page.
 
 ``stride`` (bytes of one Host page) is derived from the segments and must equal
-``PagedKVStorageLayout.page_bytes``, the inventory's PageBytes; a Main extent and a backend extent
+``PagedKVStorageLayout.page_bytes``, the inventory's PageBytes; a Main extent and a speculative pool's extent
 with different strides live side by side in one :class:`~ninfer_kv.host.arena.HostKVArena`.
 """
 

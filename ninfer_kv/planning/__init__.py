@@ -29,7 +29,7 @@ line, :mod:`ninfer_kv.units`); the exact ``int`` is what gets stored.  A wrong t
 :class:`~ninfer_kv.units.ByteSizeTypeError` (a ``TypeError``, also a ``ValueError``).  Errors print
 byte counts exactly with the binary-unit form beside them (``34,361,835,520 B (32.00 GiB)``).
 
-Modules: :mod:`.config` (what a deployment states: model, backend, capacity policy),
+Modules: :mod:`.config` (what a deployment states: model, speculative method, capacity policy),
 :mod:`.bounds` (the limits and :class:`PlanBoundError`), :mod:`.pool_set` (the pool-set builder and
 the capacity curve), :mod:`.plan` (:func:`plan_kv_cache`), :mod:`.mesh_plan` (planning over a
 device mesh).  All of it is arithmetic: reading free device memory lives in

@@ -1,10 +1,10 @@
-"""What a deployment states: the model's KV geometry, the speculative backend and the capacity policy."""
+"""What a deployment states: the model's KV geometry, the speculative method and the capacity policy."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..kinds import PoolKind, SpeculativeBackend
+from ..kinds import PoolKind, SpeculativeMethod
 from ..profiles import KVProfile
 from ..units import ByteSize
 from .pool_specs import enabled_pools
@@ -14,10 +14,10 @@ __all__ = ["SpeculativeConfig", "ModelKVConfig", "ExplicitCapacity", "AutomaticC
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """The selected speculative backend and the KV geometry it implies.
+    """The selected speculative method and the KV geometry it implies.
 
     Attributes:
-      backend: a :class:`SpeculativeBackend` (off, MTP, DFlash or DFlash2; a name such as
+      method: a :class:`SpeculativeMethod` (off, MTP, DFlash or DFlash2; a name such as
         ``"mtp"`` is parsed).  Default off.
       draft_window: MTP draft window K in tokens (>= 1, default 1; at most ``max_context`` when
         planned); the MTP pool may lead Main by up to K - 1 tokens, which costs
@@ -30,10 +30,10 @@ class SpeculativeConfig:
       PlanBoundError: a count that is not an integer or is outside its range: ``draft_window`` in
         ``[1, MAX_CONTEXT]``, ``mtp_layers`` in ``[1, MAX_LAYERS]``, ``draft_full_layers`` in
         ``[0, MAX_LAYERS]``, ``draft_kv_heads`` and ``draft_head_dim`` in ``[1, 65536]``.
-      ValueError: an unknown backend name.
+      ValueError: an unknown method name.
     """
 
-    backend: SpeculativeBackend = SpeculativeBackend.OFF
+    method: SpeculativeMethod = SpeculativeMethod.OFF
     draft_window: int = 1
     mtp_layers: int = 1
     draft_full_layers: int = 0
@@ -41,7 +41,7 @@ class SpeculativeConfig:
     draft_head_dim: int | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "backend", SpeculativeBackend.parse(self.backend))
+        object.__setattr__(self, "method", SpeculativeMethod.parse(self.method))
         _int_at_least("draft_window", self.draft_window, 1, MAX_CONTEXT, "positions are int32")
         _int_at_least("mtp_layers", self.mtp_layers, 1, MAX_LAYERS)
         _int_at_least("draft_full_layers", self.draft_full_layers, 0, MAX_LAYERS)
@@ -52,11 +52,11 @@ class SpeculativeConfig:
 
     @property
     def has_draft_full(self) -> bool:
-        """Whether the plan gets a Draft Full pool: backend DFlash or DFlash2 and ``draft_full_layers > 0``."""
-        return self.backend in (SpeculativeBackend.DFLASH, SpeculativeBackend.DFLASH2) and self.draft_full_layers > 0
+        """Whether the plan gets a Draft Full pool: method DFlash or DFlash2 and ``draft_full_layers > 0``."""
+        return self.method in (SpeculativeMethod.DFLASH, SpeculativeMethod.DFLASH2) and self.draft_full_layers > 0
 
     def pool_kinds(self) -> tuple[PoolKind, ...]:
-        """The pools this backend needs: ``(MAIN,)``, ``(MAIN, MTP)`` or ``(MAIN, DRAFT_FULL)``
+        """The pools this method needs: ``(MAIN,)``, ``(MAIN, MTP)`` or ``(MAIN, DRAFT_FULL)``
         (the ``enabled`` rules of :data:`~ninfer_kv.planning.pool_specs.POOL_SPECS`)."""
         return enabled_pools(self)
 

@@ -1,4 +1,4 @@
-""":func:`plan_kv_cache`: a resolved :class:`KVPlan` from the model, the backend, the per-sequence
+""":func:`plan_kv_cache`: a resolved :class:`KVPlan` from the model, the speculative method, the per-sequence
 ceiling, the concurrency and a capacity policy."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class KVPlan:
             "page_size": PAGE_SIZE,
             "max_context": b.max_context,
             "max_concurrency": b.max_concurrency,
-            "backend": b.speculative.backend.value,
+            "speculative": b.speculative.method.value,
             "logical_pages": b.logical_pages,
             "m_min": b.m_min,
             "m_max": b.m_max,
@@ -90,14 +90,14 @@ def plan_kv_cache(
     speculative: SpeculativeConfig | None = None,
     fixed_bytes: ByteSize = 0,
 ) -> KVPlan:
-    """Resolve ``policy`` to a :class:`KVPlan` for ``model`` under (S, C) and the backend.
+    """Resolve ``policy`` to a :class:`KVPlan` for ``model`` under (S, C) and the speculative method.
 
     Args:
       model: the :class:`ModelKVConfig`.
       max_context: per-sequence ceiling ``S`` in tokens.
       max_concurrency: execution rows ``C`` (sequences resident at once).
       policy: :class:`ExplicitCapacity` (tokens) or :class:`AutomaticCapacity` (free bytes).
-      speculative: the :class:`SpeculativeConfig` (default: backend off, Main pool only).
+      speculative: the :class:`SpeculativeConfig` (default: method off, Main pool only).
       fixed_bytes: bytes added to every ``B(M)`` (an integer, whole float or byte-size string).
 
     Planning allocates nothing (:func:`~ninfer_kv.device.allocation.allocate_pools` does).

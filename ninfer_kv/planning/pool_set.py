@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from ..geometry import PAGE_SIZE, ceil_div
-from ..kinds import PoolKind, SpeculativeBackend
+from ..kinds import PoolKind, SpeculativeMethod
 from ..layout import PagedKVStorageLayout
 from ..units import INT64_MAX, ByteSize, describe_bytes, format_bytes
 from .bounds import (
@@ -104,7 +104,7 @@ class SequenceCapacityCurve:
 
 
 class KVPoolSetLayout:
-    """The production layout builder for a model, a speculative backend and (S, C).
+    """The production layout builder for a model, a speculative method and (S, C).
 
     It is the single source of every pool's layout and page count as a function of ``M``; the
     capacity curve is computed from it and verified against it, and the device layer's ``allocate_pools`` builds the real
@@ -115,7 +115,7 @@ class KVPoolSetLayout:
       max_context: per-sequence ceiling ``S`` in tokens, in ``[1, MAX_CONTEXT]``.
       max_concurrency: execution rows ``C``, at least 1 and small enough that every pool's page
         IDs at ``M_min`` fit int32.
-      speculative: the :class:`SpeculativeConfig` (default: backend off).
+      speculative: the :class:`SpeculativeConfig` (default: method off).
       fixed_bytes: bytes added to every ``B(M)`` (an integer, whole float or byte-size string).
 
     Attributes:
@@ -124,7 +124,7 @@ class KVPoolSetLayout:
       page_size: 64.
       logical_pages: ``L = ceil(S / 64)``.
       m_min, m_max: ``max(L, C)`` and ``C * L``.
-      layouts: ``{PoolKind: PagedKVStorageLayout}`` of every pool the backend needs.
+      layouts: ``{PoolKind: PagedKVStorageLayout}`` of every pool the speculative method needs.
 
     Raises:
       PlanBoundError: a value outside its bounds (also an MTP ``draft_window > max_context``).
@@ -146,7 +146,7 @@ class KVPoolSetLayout:
         self.speculative = speculative or SpeculativeConfig()
         spec = self.speculative
         logical = ceil_div(self.max_context, PAGE_SIZE)
-        if spec.backend is SpeculativeBackend.MTP and spec.draft_window > self.max_context:
+        if spec.method is SpeculativeMethod.MTP and spec.draft_window > self.max_context:
             raise PlanBoundError(
                 "draft_window",
                 spec.draft_window,

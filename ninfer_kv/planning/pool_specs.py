@@ -3,8 +3,8 @@
 Each :class:`PoolSpec` states, for one :class:`~ninfer_kv.kinds.PoolKind`, everything that differs
 between pools:
 
-* ``enabled(spec)`` — whether the speculative config needs it (MTP: backend MTP; Draft Full:
-  backend DFlash or DFlash2 with full-attention draft layers);
+* ``enabled(spec)`` — whether the speculative config needs it (MTP: method MTP; Draft Full:
+  method DFlash or DFlash2 with full-attention draft layers);
 * ``layout(model, spec)`` — its plane layout (profile, layers, KV heads, head dim, plane order);
 * ``lead_tokens(spec)`` — how many tokens its mapped extent may lead Main's (MTP: the draft window
   minus one), from which its page formula follows: ``N = M + C * ceil(lead / P)``.
@@ -18,7 +18,7 @@ import dataclasses
 from typing import Callable
 
 from ..geometry import PAGE_SIZE, PlaneOrder, ceil_div
-from ..kinds import PoolKind, SpeculativeBackend
+from ..kinds import PoolKind, SpeculativeMethod
 from ..layout import PagedKVStorageLayout
 from ..profiles import KVProfile
 
@@ -46,11 +46,11 @@ class PoolSpec:
 
 
 def _is_mtp(spec) -> bool:
-    return spec.backend is SpeculativeBackend.MTP
+    return spec.method is SpeculativeMethod.MTP
 
 
 def _has_draft_full(spec) -> bool:
-    return spec.backend in (SpeculativeBackend.DFLASH, SpeculativeBackend.DFLASH2) and spec.draft_full_layers > 0
+    return spec.method in (SpeculativeMethod.DFLASH, SpeculativeMethod.DFLASH2) and spec.draft_full_layers > 0
 
 
 POOL_SPECS: dict[PoolKind, PoolSpec] = {

@@ -6,7 +6,7 @@ every time an id is freed, so a handle used after its sequence finished (a doubl
 its checkpoint was released is detected as stale instead of silently naming a newer object.
 
 ``SequenceKVBundle`` is what one active sequence holds: the Main Text address space plus the
-selected backend's address space (MTP or Draft Full) when that pool is enabled, all on one execution
+selected speculative method's address space (MTP or Draft Full) when that pool is enabled, all on one execution
 row.
 """
 
@@ -49,7 +49,7 @@ class CheckpointHandle:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceKVBundle:
-    """The address spaces of one active sequence: Main plus the selected backend, on one row."""
+    """The address spaces of one active sequence: Main plus the speculative pool's, on one row."""
 
     handle: SequenceHandle
     row: int
@@ -61,8 +61,8 @@ class SequenceKVBundle:
         return self.spaces[PoolKind.MAIN]
 
     @property
-    def backend(self) -> KVAddressSpace | None:
-        """The backend address space (MTP or Draft Full), or ``None`` without a speculative pool."""
+    def speculative(self) -> KVAddressSpace | None:
+        """The speculative pool's address space (MTP or Draft Full), or ``None`` without a speculative pool."""
         for kind, space in self.spaces.items():
             if kind is not PoolKind.MAIN:
                 return space

@@ -54,4 +54,4 @@ def engine_steps(config: DemoConfig):
 
     return shared_steps(StepConfig(model=config.model_config, profile=config.profile, impl=config.impl,
                                    batch_buckets=bucket_ladder(config.max_concurrency, 2),
-                                   draft_window=config.draft_window if config.backend == "mtp" else 1))
+                                   draft_window=config.draft_window if config.speculative == "mtp" else 1))

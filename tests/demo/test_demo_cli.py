@@ -23,11 +23,11 @@ def test_demo_is_registered():
     [
         (["--requests", "0"], "--requests"),
         (["--requests", "many"], "--requests"),
-        (["--backend", "dflash"], "backend 'dflash' is not supported"),
+        (["--speculative", "dflash"], "speculative 'dflash' is not supported"),
         (["--profile", "fp16"], "fp16"),
         (["--impl", "cuda"], "impl 'cuda'"),
         (["--model", "huge"], "model 'huge'"),
-        (["--draft-window", "2"], "--draft-window applies only to --backend mtp"),
+        (["--draft-window", "2"], "--draft-window applies only to --speculative mtp"),
         (["--kv-lease-window", "8"], "--kv-lease-window applies only with --kv-lease-growth"),
         (["--headroom-bytes", "1MiB"], "--headroom-bytes applies only"),
         (["--kv-capacity", "100"], "--kv-capacity 100"),
@@ -40,7 +40,7 @@ def test_demo_is_registered():
         (["--mesh", "rows=2"], "write it as data=D,model=T"),
         (["--mesh", "data=3"], "does not split over the data axis of size 3"),
         (["--mesh", "model=3"], "2 KV heads; they do not fit the model axis of size 3"),
-        (["--mesh", "data=2", "--backend", "mtp"], "runs on one device only"),
+        (["--mesh", "data=2", "--speculative", "mtp"], "runs on one device only"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv, needle, capsys):

@@ -35,7 +35,7 @@ def _allowed(config) -> tuple[int, int, int, int]:
     """``(lo, hi, M_min, M_max)`` of --kv-capacity for ``config`` per the planning code (totals over
     the data shards with a mesh)."""
     d = config.mesh.data if config.mesh is not None else 1
-    b = KVPoolSetLayout(_kv(config), config.max_context, config.max_concurrency // d, config.speculative)
+    b = KVPoolSetLayout(_kv(config), config.max_context, config.max_concurrency // d, config.speculative_config)
     lo = max(config.max_context, (b.m_min - 1) * d * PAGE_SIZE + 1)
     return lo, b.max_m() * d * PAGE_SIZE, b.m_min, b.max_m()
 
@@ -55,7 +55,7 @@ def _allowed(config) -> tuple[int, int, int, int]:
         ["--max-context", "65536", "--max-concurrency", "1"],
         ["--max-context", "64", "--max-concurrency", "1"],
         ["--max-context", "4096", "--max-concurrency", "200"],
-        ["--backend", "mtp", "--max-concurrency", "1"],
+        ["--speculative", "mtp", "--max-concurrency", "1"],
         ["--model", "tiny", "--profile", "k8v4", "--max-concurrency", "1"],
         ["--mesh", "data=2,model=1", "--max-concurrency", "2"],
         ["--mesh", "data=2,model=2", "--max-concurrency", "64", "--max-context", "128"],
@@ -70,7 +70,7 @@ def test_default_capacity_is_in_the_plans_range(argv):
     assert lo <= k <= hi, (k, lo, hi)
     # the planning code accepts it, at the page count the default promises
     common = dict(max_context=config.max_context, max_concurrency=config.max_concurrency, policy=config.capacity,
-                  speculative=config.speculative)
+                  speculative=config.speculative_config)
     if config.mesh is None:
         pages, d = plan_kv_cache(_kv(config), **common).m, 1
     else:

@@ -76,7 +76,7 @@ def test_k8v4_completes_and_matches_its_codec():
 
 
 def test_mtp_accepts_and_rejects_drafts_and_matches_dense():
-    result = run(backend="mtp", draft_window=3)
+    result = run(speculative="mtp", draft_window=3)
     d = _common_checks(result)
     m = d["mtp"]
     assert 0 < m["drafts_accepted"] < m["drafts_verified"]  # both settlement paths ran
@@ -167,8 +167,8 @@ def test_tokens_digest_is_sha256_of_the_tokens_in_request_order(bf16_run):
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="backend"):
-        DemoConfig(backend="dflash")
+    with pytest.raises(ValueError, match="speculative"):
+        DemoConfig(speculative="dflash")
     with pytest.raises(ValueError, match="model"):
         DemoConfig(model="huge")
     with pytest.raises(ValueError, match="impl"):
@@ -176,7 +176,7 @@ def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="host_bytes"):
         DemoConfig(host_bytes=-1)
     with pytest.raises(ValueError, match="runs on one device only"):
-        DemoConfig(backend="mtp", mesh="data=2")
+        DemoConfig(speculative="mtp", mesh="data=2")
     with pytest.raises(ValueError, match="max_concurrency=8 does not split"):
         DemoConfig(mesh="data=3")
     with pytest.raises(ValueError, match="2 KV heads; they do not fit the model axis of size 3"):

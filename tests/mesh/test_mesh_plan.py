@@ -104,7 +104,7 @@ def test_backend_pools_split_like_main():
     from ninfer_kv.planning import SpeculativeConfig
     from ninfer_kv.store.sharded import ShardedKVStore
 
-    spec = SpeculativeConfig(backend="dflash", draft_full_layers=2, draft_kv_heads=2)
+    spec = SpeculativeConfig(method="dflash", draft_full_layers=2, draft_kv_heads=2)
     plan = plan_kv_cache_mesh(MODEL, "data=2,model=4", max_context=1024, max_concurrency=8,
                               policy=ExplicitCapacity(8192), speculative=spec)
     draft = plan.device.pools[PoolKind.DRAFT_FULL].layout
@@ -114,8 +114,8 @@ def test_backend_pools_split_like_main():
     assert pools[PoolKind.DRAFT_FULL].physical_pages == 2 * plan.m_local
     assert pools[PoolKind.MAIN].table_shape == (8, plan.logical_pages)
     mtp = plan_kv_cache_mesh(MODEL, "data=2,model=4", max_context=1024, max_concurrency=8,
-                             policy=ExplicitCapacity(8192), speculative=SpeculativeConfig(backend="mtp", draft_window=4))
+                             policy=ExplicitCapacity(8192), speculative=SpeculativeConfig(method="mtp", draft_window=4))
     assert mtp.device.pools[PoolKind.MTP].physical_pages == mtp.m_local + 4  # C_local * ceil((K-1)/P)
     with pytest.raises(ValueError, match="draft_kv_heads=3"):
         plan_kv_cache_mesh(MODEL, "data=2,model=4", max_context=1024, max_concurrency=8, policy=ExplicitCapacity(8192),
-                           speculative=SpeculativeConfig(backend="dflash", draft_full_layers=1, draft_kv_heads=3))
+                           speculative=SpeculativeConfig(method="dflash", draft_full_layers=1, draft_kv_heads=3))

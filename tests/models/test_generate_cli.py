@@ -140,7 +140,7 @@ def test_demo_serves_a_checkpoint_and_stops_at_eos(tmp_path, capsys):
     stopped = json.loads(capsys.readouterr().out)
     assert stopped["finish_reasons"].get("stop", 0) >= 1 and stopped["dense_match"]
     assert stopped["generated_tokens"] < free["generated_tokens"]
-    assert main(["demo", "--model", str(ck), "--backend", "mtp", "--no-progress"]) == 2
+    assert main(["demo", "--model", str(ck), "--speculative", "mtp", "--no-progress"]) == 2
     assert "checkpoint directory" in capsys.readouterr().err
 
 

@@ -23,8 +23,8 @@ P = 64
 
 CONFIGS = {
     "ordinary": None,
-    "mtp": SpeculativeConfig(backend="mtp", draft_window=3, mtp_layers=1),
-    "dflash": SpeculativeConfig(backend="dflash", draft_full_layers=1, draft_kv_heads=1, draft_head_dim=8),
+    "mtp": SpeculativeConfig(method="mtp", draft_window=3, mtp_layers=1),
+    "dflash": SpeculativeConfig(method="dflash", draft_full_layers=1, draft_kv_heads=1, draft_head_dim=8),
 }
 
 

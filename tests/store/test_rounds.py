@@ -53,7 +53,7 @@ def test_mtp_leads_and_settles_independently():
     assert store.pool(MTP).capacity == 12 + 3 * 1
     h = store.activate(60, 68)  # Main: 128 tokens -> 2 pages; MTP: 128 + (3 - 1) -> 3 pages
     b = store.bundle(h)
-    assert b.main.entitlement_pages == 2 and b.backend.entitlement_pages == 3
+    assert b.main.entitlement_pages == 2 and b.speculative.entitlement_pages == 3
     row = np.array([store.row(h)])
     store.map(row, [61], pool=MAIN)
     store.map(row, [63], pool=MTP)  # the draft window leads Main
@@ -62,11 +62,11 @@ def test_mtp_leads_and_settles_independently():
     # speculative verify across a page boundary, then settle each pool on its accepted frontier
     store.map(row, [66], pool=MAIN)
     store.map(row, [68], pool=MTP)
-    assert (b.main.num_blocks, b.backend.num_blocks) == (2, 2)
+    assert (b.main.num_blocks, b.speculative.num_blocks) == (2, 2)
     store.settle(row, [63], pool=MAIN)  # rejected tail pages trimmed
     store.settle(row, [62], [66], pool=MTP)  # keeps the next round's provisional window
     assert (b.main.committed_frontier, b.main.num_blocks) == (63, 1)
-    assert (b.backend.committed_frontier, b.backend.num_blocks) == (62, 2)
+    assert (b.speculative.committed_frontier, b.speculative.num_blocks) == (62, 2)
     ck = store.finish(h, retain=True)  # provisional lead is never checkpoint coverage
     info = store.checkpoint(ck)
     assert info.frontiers == {MAIN: 63, MTP: 62}
@@ -83,7 +83,7 @@ def test_draft_full_lags_main():
     store.map(h, 120, pool=DRAFT)
     store.commit(h, 120, pool=DRAFT)
     b = store.bundle(h)
-    assert (b.main.num_blocks, b.backend.num_blocks) == (3, 2)
+    assert (b.main.num_blocks, b.speculative.num_blocks) == (3, 2)
     assert store.pool(MAIN).allocated == 3 and store.pool(DRAFT).allocated == 2
     store.audit_invariants()
 

@@ -131,7 +131,7 @@ def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w.T`` for ``w (out, in)``, accumulated and returned in float32.
 
     Two spellings of the same product, chosen by the (static) number of rows of ``x``, because
-    XLA's CPU backend lowers them to different kernels: a matmul with the transposed weight takes
+    XLA's CPU compiler lowers them to different kernels: a matmul with the transposed weight takes
     its fast matrix-vector kernel for one row (a decode step at batch 1) and is best again from a
     few hundred rows, while between those a ``dot_general`` contracting ``w``'s second axis is 3 to
     8 times faster (bf16, 1024 x 3072 and 1024 x 19K weights measured on a 2-core Xeon).  On

@@ -48,8 +48,8 @@ valid token (index ``max(valid - 1, 0)``).  Verify: row ``b`` feeds ``tokens[b] 
 among ``i < valid[b]``; the bonus token is ``target_tokens[b, num_accepted[b]]``.
 
 Compile counter: every step counts (a) *traces* — a Python side effect in the traced function,
-recorded per input signature, and (b) *compiles* — XLA backend compilations of this very function,
-observed through ``jax.monitoring``'s backend-compile event filtered by the step's unique function
+recorded per input signature, and (b) *compiles* — XLA compilations of this very function,
+observed through ``jax.monitoring``'s compile event filtered by the step's unique function
 name.  ``compiles`` is what a recompilation check should assert; ``traces`` cross-checks it (a
 trace without a compile or a compile without a trace both indicate a bug).
 """
@@ -144,7 +144,7 @@ class MTPDraftOutput(NamedTuple):
 
 
 class CompileCounter:
-    """Thread-safe counts of traces and backend compiles of one jitted function.
+    """Thread-safe counts of traces and XLA compiles of one jitted function.
 
     ``traces_by_signature`` / ``compiles_by_signature`` key each count by the abstract signature
     of the trace that preceded it (shapes and dtypes of the array arguments, params excluded).
@@ -185,7 +185,7 @@ class CompileCounter:
 
 
 class _CompileEvents:
-    """One process-wide ``jax.monitoring`` listener routing backend-compile events to counters."""
+    """One process-wide ``jax.monitoring`` listener routing compile events to counters."""
 
     _lock = threading.Lock()
     _counters: "weakref.WeakValueDictionary[str, CompileCounter]" = weakref.WeakValueDictionary()
@@ -261,7 +261,7 @@ class CountedStep:
 
     @property
     def compiles(self) -> int:
-        """XLA backend compilations of this step so far."""
+        """XLA compilations of this step so far."""
         return self.counter.compiles
 
     @property
