@@ -12,7 +12,7 @@ Steps, side by side in one process:
    checkpoint (its last token left out), transformers keeps its ``DynamicCache``;
 4. for each batch size B: B sequences continue the prompt, each generating ``--new-tokens`` greedy
    tokens.  Paged: B forks of the checkpoint (shared full pages, one COW tail page each), decoded in
-   batches through the store (map_rows -> take_step_work -> one dispatch -> commit_rows per round, host
+   batches through the store (map -> take_step_work -> one dispatch -> commit per round, host
    bookkeeping included).  transformers: ``model.generate`` on the B-row prompt with the prefilled
    cache repeated B times (its default ``DynamicCache``).  Both first process the prompt's last token,
    then decode; a warm-up run of each (compiles, allocator) is not timed; the timed runs alternate and

@@ -2,7 +2,7 @@
 step that applies the round work inside it versus a separate table publication.
 
 Decode rounds over C = 256 lanes (P = 64, mixed context lengths, so ~1/64 of the lanes cross a page
-boundary per round): the median host time of ``map_rows`` + ``commit_rows`` (the bookkeeping of one
+boundary per round): the median host time of ``map`` + ``commit`` (the bookkeeping of one
 round) and of ``take_step_work`` (the round work: table entries in a fixed-shape buffer; of it, the
 slip checks it adds: the state live, no work pending, and the work-pending mark set), each as a
 ratio to the dispatch time of a trivial jitted function measured in the same rounds (each round
@@ -282,7 +282,7 @@ def main(argv=None) -> None:
     rows = [
         ("trivial jitted dispatch (in the decode loop)", d),
         ("trivial jitted dispatch (back-to-back)", back_to_back),
-        ("decode round bookkeeping (map_rows+commit_rows)", r["book_us"]),
+        ("decode round bookkeeping (map+commit)", r["book_us"]),
         ("  p90", r["book_p90_us"]),
         ("decode round take_step_work (host)", r["take_us"]),
         ("  of which the slip checks and the pending mark", r["checks_us"]),

@@ -21,8 +21,8 @@ Each :meth:`EngineCore.step` is one round:
 5. **finish**: ended sequences are released, or retained and indexed in the prefix cache; ended
    prefix jobs are retained and indexed (their waiting requests are admitted next round).
 
-Every unit follows the store's protocol: ``map_rows`` -> ``take_step_work`` -> one step (the work
-applied inside it) -> ``commit_rows``.  An exception inside a step fails only the requests of that
+Every unit follows the store's protocol: ``map`` -> ``take_step_work`` -> one step (the work
+applied inside it) -> ``commit``.  An exception inside a step fails only the requests of that
 step: their sequences are finished, the device state is repaired with :func:`~ninfer_kv.resync`
 (a fresh blank state when the failed step consumed it) and the engine keeps serving.
 """

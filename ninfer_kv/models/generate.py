@@ -3,8 +3,8 @@
 :class:`PagedGenerator` owns a :class:`~ninfer_kv.store.KVStore` (Main pool only), the caller-side
 :class:`~ninfer_kv.KVDeviceState` and the decoder's jitted state steps.  Each :meth:`~PagedGenerator.step`
 is one round: every sequence still in its prompt gets one prefill chunk (batched), every other one
-decodes one token (batched), following the store's protocol (``map_rows`` -> ``take_step_work`` ->
-one dispatch -> ``commit_rows``).  A sequence ends at one of its stop tokens (finish reason
+decodes one token (batched), following the store's protocol (``map`` -> ``take_step_work`` ->
+one dispatch -> ``commit``).  A sequence ends at one of its stop tokens (finish reason
 ``"stop"``), when its output budget is spent or when it reaches the context (``"length"``); it is then
 released, or retained as a checkpoint another sequence can fork (``add(..., source=checkpoint)``).
 

@@ -1,7 +1,7 @@
 """Execution rows: the row leases of a store and the one validation every row verb goes through.
 
 An execution row ``r in [0, C)`` is the block-table row leased to one active sequence (the same row
-in every pool).  Row verbs (``map_rows``, ``commit_rows``, ``trim_rows``, ``settle_rows``,
+in every pool).  Row verbs (``map``, ``commit``, ``trim``, ``settle``,
 ``round_boundary``) and the handle verbs (which resolve a handle to its row) accept only leased
 rows; an idle row, an index outside ``[0, C)``, a negative index or a row named twice in one call
 is a :class:`RowError` (a ``ValueError``) naming the row, raised before anything changes.  A row
