@@ -36,6 +36,12 @@ when its budget is spent, so one slow section cannot starve the next.  Sections,
 Attention outputs are compared with ``max |out - ref| / (1 + |ref|) <= 2e-2`` (bfloat16 products
 and outputs).  The exit status is 1 when any check failed.
 
+``--predicted PATH`` reads the JSON of ``bench/deviceless_gpu.py --json PATH`` (registers per thread,
+spill bytes and shared memory per kernel, compiled for sm_90a on a CPU machine) and prints, first,
+the predictions for the kernels this run times, then a ``predicted`` column (regs / spill stores +
+loads / smem bytes) next to each default-config decode timing and each append timing, so the first
+GPU run sets prediction beside reality.
+
 ``--cpu-smoke`` runs every section with tiny shapes in Pallas interpret mode on the CPU (codes
 must then be bit-identical; numbers are meaningless).
 
@@ -44,12 +50,14 @@ Usage::
     PYTHONPATH=. python bench/gpu_check.py                      # CUDA device
     PYTHONPATH=. python bench/gpu_check.py --cpu-smoke          # CPU rehearsal of every section
     PYTHONPATH=. python bench/gpu_check.py --sections decode peer --budget decode=60
+    PYTHONPATH=. python bench/gpu_check.py --predicted predicted.json   # with bench/deviceless_gpu.py's figures
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -464,12 +472,72 @@ def _check_rows(table, rows, bsz, n_pages, elements_per_page):
     return sorted({0, bsz - 1, best})
 
 
+# -- predictions of bench/deviceless_gpu.py ---------------------------------------------------------
+
+
+def load_predicted(path: str) -> dict:
+    """``{(kind, profile, order, head_dim): kernel record}`` from ``bench/deviceless_gpu.py --json``."""
+    with open(path) as f:
+        data = json.load(f)
+    out = {(k["kind"], k["profile"], k["order"], int(k["head_dim"])): k for k in data["kernels"]}
+    out["_meta"] = {key: data.get(key) for key in ("arch", "jax", "triton", "ptxas", "summary")}
+    return out
+
+
+def predicted_cell(state: dict, kind: str, profile: str, order: str, head_dim: int) -> str:
+    """``regs / spill bytes / smem bytes`` predicted for one kernel (``-`` when not in the JSON)."""
+    k = state.get("predicted", {}).get((kind, profile, order, head_dim))
+    if k is None:
+        return "-"
+    if k.get("error"):
+        return "compile error"
+    return f"{k['regs']} / {k['spill_stores'] + k['spill_loads']} / {k['smem']}"
+
+
+def _pred_col(state: dict, kind: str, profile: str, order: str, head_dim: int) -> str:
+    """A trailing ``predicted`` table cell, or nothing without ``--predicted``."""
+    return f" {predicted_cell(state, kind, profile, order, head_dim)} |" if "predicted" in state else ""
+
+
+def _pred_head(state: dict) -> tuple[str, str]:
+    return (" predicted regs / spill B / smem B |", "---|") if "predicted" in state else ("", "")
+
+
+def log_predictions(shapes: "Shapes", state: dict) -> None:
+    """The deviceless predictions for the kernels this run times (default configs)."""
+    meta = state["predicted"]["_meta"]
+    log(f"Compiled for {meta['arch']} without a GPU by bench/deviceless_gpu.py (jax {meta['jax']}, triton "
+        f"{meta['triton']}, ptxas {meta['ptxas']}); XLA compiles the same Triton IR with its own Triton here, "
+        "so expect small differences.")
+    log("")
+    log("| kernel | profile | order | D | warps | stages | regs | spill bytes (st/ld) | smem bytes |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    d = shapes.head_dim
+    wanted = [("decode", p, o) for p, o in shapes.decode_cases]
+    wanted += [("append-decode" if t == 1 else "append-chunk", p, o)
+               for _, t in shapes.append_shapes for p, o, _ in shapes.append_cases]
+    for kind, profile, order in dict.fromkeys(wanted):
+        k = state["predicted"].get((kind, profile, order, d))
+        if k is None:
+            log(f"| {kind} | {profile} | {order} | {d} | not in the JSON |  |  |  |  |")
+        elif k.get("error"):
+            log(f"| {kind} | {profile} | {order} | {d} | {k['error'][:120].replace('|', '/')} |  |  |  |  |")
+        else:
+            log(f"| {kind} | {profile} | {order} | {d} | {k['num_warps']} | {k['num_stages']} | {k['regs']} | "
+                f"{k['spill_stores']}/{k['spill_loads']} | {k['smem']} |")
+    s = meta.get("summary") or {}
+    if s:
+        log("")
+        log(f"All {s.get('kernels')} kernels compiled: max {s.get('max_regs')} registers/thread, "
+            f"{len(s.get('spilling', []))} spilling, max smem {s.get('max_smem')} B.")
+
+
 def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
     bsz, h, hq, d = shapes.batch, shapes.kv_heads, shapes.q_heads, shapes.head_dim
     log(f"B={bsz}, H={h}, Hq={hq}, D={d}, one query per row, {shapes.iters} back-to-back calls per timing.")
     log("")
-    log(_BW_HEADER)
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    log(_BW_HEADER + _pred_head(state)[0])
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|" + _pred_head(state)[1])
     rs = np.random.RandomState(0)
     for ctx in shapes.contexts:
         for profile, order in shapes.decode_cases:
@@ -499,7 +567,9 @@ def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                     warps = ((cfg and cfg.compiler) or pk.TritonConfig()).for_attention(d).num_warps
                     desc = f"{label} (q{r.block_q} k{r.block_k} s{r.k_splits} w{warps})"
                     log(f"| ours | {profile} | {order} | {ctx} | {desc} | {_bw_cols(nbytes, seconds, state)} | "
-                        f"{err:.1e} | {'PASS' if ok else 'FAIL'} |")
+                        f"{err:.1e} | {'PASS' if ok else 'FAIL'} |"
+                        + (_pred_col(state, "decode", profile, order, d) if label == "default" else
+                           (" (other config) |" if "predicted" in state else "")))
                     state.setdefault("ours", {})[(profile, order, ctx, label)] = seconds
                 if profile == "bf16" and order == "head-major":
                     state.setdefault("peer_inputs", {})[ctx] = (view, table, rows, q, pos, lens)
@@ -704,8 +774,8 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
         "physical order.")
     log("")
     log("| profile | order | B x T | K/V dtype | time per call (us) | tokens/s | bytes written (GB/s) | "
-        "written tokens | donation kept buffers | result |")
-    log("|---|---|---|---|---|---|---|---|---|---|")
+        "written tokens | donation kept buffers | result |" + _pred_head(state)[0])
+    log("|---|---|---|---|---|---|---|---|---|---|" + _pred_head(state)[1])
     rs = np.random.RandomState(1)
     fn = jax.jit(pk.paged_append, donate_argnums=(0,))
     for bsz, t in shapes.append_shapes:
@@ -741,7 +811,8 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                 tokens = bsz * t
                 written = tokens * h * KVProfile.parse(profile).token_head_bytes(d)
                 log(f"| {profile} | {order} | {bsz} x {t} | {dt} | {seconds * 1e6:.1f} | {tokens / seconds:.3g} | "
-                    f"{written / seconds / 1e9:.2f} | {desc} | {kept} | {'PASS' if ok else 'FAIL'} |")
+                    f"{written / seconds / 1e9:.2f} | {desc} | {kept} | {'PASS' if ok else 'FAIL'} |"
+                    + _pred_col(state, "append-decode" if t == 1 else "append-chunk", profile, order, d))
                 del view, before, base
             except Exception as exc:
                 checks.failures += 1
@@ -777,6 +848,7 @@ def main(argv=None) -> int:
     parser.add_argument("--orders", nargs="+", default=ORDERS, choices=ORDERS, help="for `correctness`")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--budget", nargs="*", metavar="SECTION=SECONDS", help="per-section time budgets")
+    parser.add_argument("--predicted", metavar="PATH", help="bench/deviceless_gpu.py --json output to print beside")
     args = parser.parse_args(argv)
     budget = _parse_budgets(args.budget, args.cpu_smoke)
     shapes = SMOKE if args.cpu_smoke else Shapes()
@@ -793,6 +865,12 @@ def main(argv=None) -> int:
         log("(no CPU backend in JAX_PLATFORMS: append reference bits come from the default device)")
     checks = Checks()
     state: dict = {"copy_bw": float("nan"), "read_bw": float("nan")}
+    if args.predicted:
+        state["predicted"] = load_predicted(args.predicted)
+        log("")
+        log("## Predicted by the deviceless compile (sm_90a, no GPU)")
+        log("")
+        log_predictions(shapes, state)
     order = [s for s in SECTIONS if s in args.sections]
     if "setup" not in order and ("decode" in order or "peer" in order):
         order.insert(0, "setup")  # the bandwidth baselines are the denominators

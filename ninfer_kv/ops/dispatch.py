@@ -12,11 +12,13 @@ Built-in names:
   interpret mode on a CPU backend).
 * ``"ffi"`` — :mod:`ninfer_kv.ffi_ops` (C++ XLA FFI CPU kernels); available when its native library
   loaded (:func:`ninfer_kv.ffi_ops.unavailable_reason`).
+* ``"pallas_tpu"`` — :mod:`pallas_kernels.mosaic_tpu` (Pallas kernels on Mosaic TPU: the two paged
+  ops; TPU interpret mode on a CPU).
 
 ``impl="auto"`` walks the preference list of the default backend's platform
 (:data:`AUTO_PREFERENCE`): Pallas on GPU; FFI on CPU, falling back to the reference with a
 :class:`ImplFallbackWarning` (issued once per platform and implementation) when the FFI library is
-missing.  A later backend (e.g. Pallas on Mosaic GPU) is its files plus one
+missing; on TPU the Mosaic paged ops, with the cyclic ops from the reference (one warning).  A later backend (e.g. Pallas on Mosaic GPU) is its files plus one
 :func:`register_backend` call (and an entry in the preference list to make ``auto`` pick it).
 
 :func:`override_impls` swaps loaders and preferences inside a ``with`` block (tests, experiments);
@@ -48,4 +50,12 @@ register_backend(
     {op: f"ninfer_kv.ffi_ops:{op}" for op in OP_NAMES},
     check="ninfer_kv.ffi_ops:unavailable_reason",
     hint=REBUILD_HINT,
+)
+register_backend(
+    "pallas_tpu",
+    {
+        "paged_append": "pallas_kernels.mosaic_tpu.paged_append:paged_append",
+        "paged_attention": "pallas_kernels.mosaic_tpu.paged_attention:paged_attention",
+    },
+    hint="install the package with its pallas_kernels directory and a JAX with Pallas TPU support",
 )

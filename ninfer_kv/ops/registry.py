@@ -18,8 +18,9 @@ Registering (the built-in backends are registered by :mod:`ninfer_kv.ops.dispatc
 Loading a backend (:func:`load_impl`, once per process) runs its check, imports its targets and
 returns an :class:`OpImpl`; a backend that cannot load raises :class:`ImplUnavailableError` saying
 why and how to fix it.  ``impl="auto"`` (:func:`resolve_impl`) walks the preference list of the
-default backend's platform (:data:`AUTO_PREFERENCE`) and takes the first backend that loads and
-provides every op, warning once (:class:`ImplFallbackWarning`) when it had to skip one.
+default backend's platform (:data:`AUTO_PREFERENCE`) and takes the first backend that loads, the
+ops it lacks from the next ones that provide them, warning once (:class:`ImplFallbackWarning`)
+when it had to skip or complete one.
 
 :func:`override_impls` swaps backends and preferences inside a ``with`` block (tests,
 experiments); it also scopes the loaded backends and the warn-once memory to the block.
@@ -111,6 +112,7 @@ Check = Union[Callable[[], "str | None"], str]
 AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {
     "gpu": ("pallas",),
     "cpu": ("ffi", "reference"),
+    "tpu": ("pallas_tpu", "reference"),
 }
 """Per-platform order that ``impl="auto"`` tries; the first one that loads wins."""
 
@@ -357,8 +359,9 @@ def current_platform() -> str:
 def resolve_impl(impl: str = AUTO, *, platform: str | None = None) -> OpImpl:
     """The implementation ``impl`` names; ``"auto"`` picks per platform (default backend if None).
 
-    ``"auto"`` takes the first backend of the platform's preference list that loads and provides
-    all four ops.
+    ``"auto"`` takes the first backend of the platform's preference list that loads; ops it does not
+    provide come from the next backends of the list that do (the result is named after all of them,
+    e.g. ``"pallas_tpu+reference"``), with one :class:`ImplFallbackWarning` per platform.
 
     Raises:
       ValueError: unknown ``impl`` or a platform with no ``auto`` preference.
@@ -376,22 +379,37 @@ def resolve_impl(impl: str = AUTO, *, platform: str | None = None) -> OpImpl:
             f"impl='auto' has no preference for platform {plat!r}; known platforms: "
             f"{', '.join(sorted(_registry.preference))}. Pass impl= explicitly"
         )
-    failures = []
+    failures: list[tuple[str, str]] = []
+    chosen, need, filled = None, (), {}
     for name in candidates:
         try:
-            chosen = load_impl(name)
+            impl = load_impl(name)
         except ImplUnavailableError as e:
             failures.append((name, str(e)))
             continue
-        missing = _missing_ops(chosen)
-        if missing:
-            failures.append((name, f"implementation {name!r} does not provide {', '.join(missing)}"))
-            continue
-        if failures:
-            _warn_fallback(plat, chosen.name, failures)
-        return chosen
-    detail = "; ".join(msg for _, msg in failures)
-    raise ImplUnavailableError(f"impl='auto' on platform {plat!r}: no implementation could load ({detail})")
+        missing = _missing_ops(impl)
+        if chosen is None:
+            if len(missing) == len(OP_NAMES):
+                failures.append((name, f"implementation {name!r} provides no op"))
+                continue
+            chosen, need = impl, missing
+            if missing:
+                failures.append((name, f"implementation {name!r} does not provide {', '.join(missing)}"))
+        else:  # a later candidate completes the ops the chosen one lacks
+            for op in need:
+                if op not in filled and op not in missing:
+                    filled[op] = (name, getattr(impl, op))
+        if chosen is not None and all(op in filled for op in need):
+            break
+    if chosen is None or not all(op in filled for op in need):
+        detail = "; ".join(msg for _, msg in failures)
+        raise ImplUnavailableError(f"impl='auto' on platform {plat!r}: no implementation could load ({detail})")
+    if filled:
+        donors = "+".join(dict.fromkeys(n for n, _ in filled.values()))
+        chosen = dataclasses.replace(chosen, name=f"{chosen.name}+{donors}", **{op: fn for op, (_, fn) in filled.items()})
+    if failures:
+        _warn_fallback(plat, chosen.name, failures)
+    return chosen
 
 
 def _warn_fallback(platform: str, chosen: str, failures: list[tuple[str, str]]) -> None:

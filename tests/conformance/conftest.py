@@ -1,8 +1,32 @@
-"""The ``backend`` fixture: every registered backend, skipped with its reason where it cannot load."""
+"""The ``backend`` fixture: every registered backend, skipped with its reason where it cannot load.
+
+Backends run in an interpreter on the CPU (``"pallas_tpu"``: TPU interpret mode, which simulates
+every DMA and semaphore) take the default run's small cases listed in :data:`INTERPRETED_DEFAULT`
+only; their other cases carry the ``slow`` marker (``-m slow`` runs them).
+"""
 
 import pytest
 
 from .backends import BACKENDS, require
+
+INTERPRETED_DEFAULT = {
+    "pallas_tpu": {
+        "test_attention_matches_the_oracle[pallas_tpu-k8v4]",
+        "test_paged_attention_masks_what_the_rules_mask",
+        "test_paged_append_drops_what_the_rules_drop",
+    },
+}
+"""Per interpreted backend: the tests that run for it by default (a test id may name one parametrization)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the interpreted backends' cases outside :data:`INTERPRETED_DEFAULT` ``slow`` (before ``-m`` deselects)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        keep = INTERPRETED_DEFAULT.get(params.get("backend"))
+        if keep is not None and item.originalname not in keep and item.name not in keep:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

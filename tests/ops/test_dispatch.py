@@ -49,8 +49,8 @@ def test_auto_picks_per_platform():
         assert registry.resolve_impl("auto", platform="cpu").name == "ffi"
         assert registry.resolve_impl("auto", platform="gpu").name == "pallas"
         assert registry.resolve_impl("auto", platform="cuda").name == "pallas"
-        with pytest.raises(ValueError, match="impl='auto' has no preference for platform 'tpu'"):
-            registry.resolve_impl("auto", platform="tpu")
+        with pytest.raises(ValueError, match="impl='auto' has no preference for platform 'rocm-x'"):
+            registry.resolve_impl("auto", platform="rocm-x")
         # the default platform is the default backend's
         expected = "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "ffi"
         assert registry.resolve_impl().name == expected
@@ -67,7 +67,7 @@ def test_fallback_warns_once_and_runs_the_reference():
             warnings.simplefilter("error")  # a second warning would raise
             assert registry.resolve_impl("auto", platform="cpu").name == "reference"
     # the override is scoped: the original loaders are back
-    assert registry.registered_impls() == ("reference", "pallas", "ffi")
+    assert registry.registered_impls() == ("reference", "pallas", "ffi", "pallas_tpu")
 
 
 def test_explicit_unavailable_impl_is_a_clear_error():
@@ -158,8 +158,8 @@ def test_the_registry_imports_no_backend():
         "import sys\n"
         "import ninfer_kv.ops.registry as registry\n"
         "from ninfer_kv import ops\n"
-        "assert ops.registered_impls() == ('reference', 'pallas', 'ffi'), ops.registered_impls()\n"
-        "assert len(ops.registered_ops()) == 12\n"
+        "assert ops.registered_impls() == ('reference', 'pallas', 'ffi', 'pallas_tpu'), ops.registered_impls()\n"
+        "assert len(ops.registered_ops()) == 14\n"  # four ops of three backends, two of pallas_tpu
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'pallas_kernels' or m == 'ninfer_kv.ffi_ops')\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
@@ -190,10 +190,12 @@ def test_a_backend_for_one_op_is_selectable_and_listed():
         with pytest.raises(ValueError, match="paged_attention of implementation 'tiny' is already registered"):
             registry.register_op("paged_attention", "tiny", _tiny_paged_attention)
         registry.register_op("paged_attention", "tiny", _tiny_paged_attention, replace=True)
-        # auto takes only complete backends: "tiny" is skipped (with the fallback warning)
+        # auto takes "tiny"'s op and the ops it lacks from the next backend (with the fallback warning)
         with override_impls(preference={"cpu": ("tiny", "reference")}):
             with pytest.warns(ImplFallbackWarning, match="'tiny' does not provide paged_append, cyclic_append"):
-                assert registry.resolve_impl("auto", platform="cpu").name == "reference"
+                chosen = registry.resolve_impl("auto", platform="cpu")
+            assert chosen.name == "tiny+reference" and chosen.paged_attention is _tiny_paged_attention
+            assert chosen.paged_append is registry.load_impl("reference").paged_append
     assert "tiny" not in registry.registered_impls()
     with pytest.raises(ValueError, match="impl='tiny' is unknown"):
         registry.resolve_impl("tiny")
@@ -222,4 +224,14 @@ def test_register_backend_targets_load_lazily():
             registry.register_backend("bad", {"paged_copy": _tiny_paged_attention})
         with pytest.raises(ValueError, match="'module:attribute'"):
             registry.register_op("paged_attention", "bad", "no_colon")
-    assert registry.registered_impls() == ("reference", "pallas", "ffi")
+    assert registry.registered_impls() == ("reference", "pallas", "ffi", "pallas_tpu")
+
+
+def test_auto_on_a_tpu_takes_the_mosaic_kernels_and_the_reference_cyclic_ops():
+    with override_impls():
+        with pytest.warns(ImplFallbackWarning, match="'pallas_tpu' does not provide cyclic_append, cyclic_attention"):
+            chosen = registry.resolve_impl("auto", platform="tpu")
+        tpu = registry.load_impl("pallas_tpu")
+        assert chosen.name == "pallas_tpu+reference"
+        assert chosen.paged_append is tpu.paged_append and chosen.paged_attention is tpu.paged_attention
+        assert chosen.cyclic_append is registry.load_impl("reference").cyclic_append

@@ -1,0 +1,248 @@
+"""Paged attention on Mosaic TPU: pages DMA'd from HBM into double-buffered VMEM, online softmax.
+
+Grid ``(B, H, ceil(T / block_q))`` (``parallel, parallel, arbitrary``): one program per (batch
+row, KV head, query tile).  Its ``block_q * G`` query rows (``G = Hq / H``; row ``r`` is token
+``qt * block_q + r // G``, query head ``h * G + r % G``) come as one ``(block_q * G, D)`` block of
+the queries rearranged to ``(B, H, Tp * G, D)``, so every page is read once per KV head and
+reused by the whole GQA group.  Scalar-prefetch operands (SMEM): ``layer (1,)``, ``table_rows``,
+``positions``, ``kv_lens`` (``(B,)``) and the block tables flattened to ``(C * L,)``.
+
+Keys are visited a page (64 keys) at a time, only the pages below ``min(kv_len, last query
+position + 1)``.  Each plane has a VMEM scratch ``(2, 64, X)`` and two DMA semaphores: before the
+loop the program starts the DMA of page 0 into slot 0; step ``i`` starts page ``i + 1`` into slot
+``(i + 1) % 2``, waits for page ``i`` and computes on it while the next one is in flight.  A table
+entry outside ``[0, N)`` (the sentinel included) or a row outside ``[0, C)`` fetches page 0 instead
+and masks its keys, as the reference does; masked keys are zeroed in the loads (codes and scales)
+before they meet a product, so NaN poison in unused pages or columns never reaches the output.
+Scores and value products are the TPU decoders of :mod:`pallas_kernels.mosaic_tpu.tpu_tiles`
+(8-bit float planes are DMA'd as raw bytes and decoded with int32 arithmetic, every tile is widened
+to int32 / float32 right after its load, per-key scales become score rows through an exact one-hot
+product); the online softmax keeps ``m`` and ``l`` as ``(rows, 1)`` columns and builds every mask
+from 2-D iotas (Mosaic cannot reshape 1-D bool vectors).  NVFP4 keys take the queries with their
+lanes permuted to ``[even | odd]`` and NVFP4 values write ``[even | odd]`` output lanes; the wrapper
+permutes both, so nothing is loaded strided.  bfloat16 queries give bfloat16 products, float32
+queries full-precision float32 products, accumulation is float32.
+
+TPU layouts: every VMEM buffer's last two dims are a whole (tokens, lanes) extent: ``(64, X)``
+pages (64 is a multiple of the 8 / 16 / 32 sublanes of 32- / 16- / 8-bit tiles) and ``(block_q *
+G, D)`` query and output blocks (``block_q * G`` is a multiple of 8 or the whole padded extent).
+The small scale planes (``X`` = 1, ``D / 64`` or ``D / 16`` lanes) are DMA'd as their own
+``(64, X)`` tiles next to the codes; VMEM pads their lanes to 128, which costs VMEM but no extra
+HBM traffic.  ``block_k`` and ``k_splits`` of the config are not used: a step is one page, and the
+grid's parallel (row, head) axes are what a TPU's cores share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ninfer_kv.geometry import PlaneOrder
+from ninfer_kv.profiles import KVCodec, KVProfile
+from ninfer_kv.views import PagedKVBatchLayerView
+
+from ..common.config import PagedAttentionConfig
+from ..common.softmax import M_INIT, compute_dtype_for
+from ..common.tiles import F32
+from .backend import page_tile, prepare
+from .tpu_tiles import decode_keys, decode_values, permutes_lanes, widen
+
+__all__ = ["paged_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    profile: KVProfile
+    order: PlaneOrder
+    names: tuple
+    head_dim: int
+    num_queries: int
+    group: int
+    block_q: int
+    sm_scale: float
+    rows_limit: int
+    n_blocks: int
+    n_pages: int
+    page: int
+
+
+def paged_attention(
+    q: jax.Array,
+    view: PagedKVBatchLayerView,
+    table_rows: jax.Array,
+    positions: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    config: PagedAttentionConfig | None = None,
+    interpret=None,
+) -> jax.Array:
+    """Attention of ``q (B, T, Hq, D)`` over the pages of each row (see the module docstring).
+
+    Args:
+      q: queries, float32 or bfloat16.
+      view: the pool's batch view.
+      table_rows, positions, kv_lens: int32 ``(B,)``.
+      sm_scale: score scale (default ``1 / sqrt(D)``).
+      config: a :class:`PagedAttentionConfig` (``block_q`` used; its ``compiler`` a
+        :class:`~pallas_kernels.mosaic_tpu.backend.MosaicConfig` or ``None``).
+      interpret: ``None``: TPU interpret mode unless the default backend is a TPU; ``True``,
+        ``False`` or a ``pltpu.InterpretParams``.
+    Returns: ``(B, T, Hq, D)`` in ``q.dtype``.
+    """
+    config, compiler, interpret = prepare(config, PagedAttentionConfig, view, interpret)
+    lay = view.layout
+    bsz, t_len, hq_len, d = q.shape
+    h_len = lay.num_kv_heads
+    if bsz == 0 or t_len == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    group = hq_len // h_len
+    c_len, l_len = view.block_tables.shape
+    block_q = config.resolve(num_queries=t_len, group=group, head_dim=d, batch=bsz, kv_heads=h_len,
+                             max_keys=l_len * lay.page_size).block_q
+    block_q = max(block_q, -(-8 // group))  # query rows of a block: a multiple of 8 (or the whole extent)
+    n_qt = -(-t_len // block_q)
+    if n_qt == 1:
+        block_q = t_len
+    t_pad = n_qt * block_q
+    spec = _Spec(lay.profile, lay.order, tuple(lay.plane_names), d, t_len, group, block_q,
+                 float(1.0 / d**0.5 if sm_scale is None else sm_scale), c_len, l_len, view.num_pages, lay.page_size)
+    k_perm, v_perm = permutes_lanes(lay.profile.k_codec), permutes_lanes(lay.profile.v_codec)
+    if k_perm:  # queries' lanes as [even | odd] for the NVFP4 key products
+        q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
+    qr = jnp.transpose(q.reshape(bsz, t_len, h_len, group, d), (0, 2, 1, 3, 4))
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, t_pad - t_len), (0, 0), (0, 0))).reshape(bsz, h_len, t_pad * group, d)
+    planes = [_as_storage(view.planes[n]) for n in spec.names]
+    q_spec = pl.BlockSpec((None, None, block_q * group, d), lambda b, h, qt, *_: (b, h, qt, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(bsz, h_len, n_qt),
+        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(planes),
+        out_specs=q_spec,
+        scratch_shapes=[pltpu.VMEM((2, spec.page, p.shape[-1]), p.dtype) for p in planes]
+        + [pltpu.SemaphoreType.DMA((2, len(planes)))],
+    )
+    out = pl.pallas_call(
+        functools.partial(_kernel, spec=spec),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
+        compiler_params=compiler.params(("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name=f"mosaic_paged_attention_{lay.profile.value}_{lay.order.value}_d{d}",
+    )(
+        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
+        jnp.asarray(table_rows, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.reshape(view.block_tables.astype(jnp.int32), (-1,)),
+        qr,
+        *planes,
+    )
+    out = jnp.transpose(out.reshape(bsz, h_len, t_pad, group, d)[:, :, :t_len], (0, 2, 1, 3, 4))
+    out = out.reshape(bsz, t_len, hq_len, d)
+    if v_perm:  # output lanes came as [even | odd]
+        out = jnp.stack([out[..., :d // 2], out[..., d // 2:]], axis=-1).reshape(out.shape)
+    return out
+
+
+def _as_storage(x: jax.Array) -> jax.Array:
+    """8-bit float planes as their raw bits (uint8): the kernel decodes them with integer arithmetic."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return x
+
+
+def _q_columns(codec: KVCodec, d: int) -> list:
+    """The query lanes ``(start, n)`` of each key product of ``codec`` (NVFP4: of the permuted lanes)."""
+    if codec is KVCodec.INT8_G64:
+        return [(64 * g, 64) for g in range(d // 64)]
+    if codec is KVCodec.NVFP4_G16:
+        return [(0, d // 2), (d // 2, d // 2)]
+    return [(0, d)]
+
+
+def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, spec: _Spec):
+    n = len(spec.names)
+    plane_refs, bufs, sems = refs[:n], refs[n + 1:2 * n + 1], refs[2 * n + 1]
+    o_ref = refs[n]
+    b, h, qt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g_size, bq, page = spec.group, spec.block_q, spec.page
+    rows = bq * g_size
+    k_codec, v_codec = spec.profile.k_codec, spec.profile.v_codec
+    cdt = compute_dtype_for(q_ref.dtype)
+
+    row = rows_ref[b]
+    row_ok = (row >= 0) & (row < spec.rows_limit)
+    row = jnp.where(row_ok, row, 0)
+    layer, pos = layer_ref[0], pos_ref[b]
+    kv_len = jnp.clip(kvlen_ref[b], 0, spec.n_blocks * page)
+    t_last = jnp.minimum(spec.num_queries, (qt + 1) * bq) - 1
+    hi = jnp.where(row_ok, jnp.minimum(kv_len, pos + t_last + 1), 0)
+    n_steps = jnp.where(hi > 0, jax.lax.div(hi + (page - 1), jnp.int32(page)), 0)
+
+    def fetch(i, slot):
+        """The DMAs of logical page ``i`` of the row into ``slot``, and whether it is a real mapping."""
+        entry = table_ref[row * spec.n_blocks + i]
+        mapped = (entry >= 0) & (entry < spec.n_pages)
+        pg = jnp.where(mapped, entry, 0)
+        return mapped, [pltpu.make_async_copy(page_tile(p, spec.order, layer, pg, h), buf.at[slot], sems.at[slot, c])
+                        for c, (p, buf) in enumerate(zip(plane_refs, bufs))]
+
+    @pl.when(n_steps > 0)
+    def _():
+        for c in fetch(0, 0)[1]:
+            c.start()
+
+    # Query rows as a (rows, 1) column: row r is token qt * bq + r // G.
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    tq = qt * bq + jax.lax.div(r, jnp.int32(g_size))
+    qpos = jnp.where(tq < spec.num_queries, pos + tq, -1)
+    d = spec.head_dim
+    qs = [q_ref[:, start:start + width].astype(cdt) for start, width in _q_columns(k_codec, d)]
+    out_cols = _q_columns(v_codec, d)
+    sm_scale = F32(spec.sm_scale)
+    names = spec.names
+
+    def body(i, carry):
+        m, l, *accs = carry
+        slot = jax.lax.rem(i, 2)
+
+        @pl.when(i + 1 < n_steps)
+        def _():
+            for c in fetch(i + 1, 1 - slot)[1]:
+                c.start()
+
+        mapped, copies = fetch(i, slot)
+        for c in copies:
+            c.wait()
+        key_col = i * page + jax.lax.broadcasted_iota(jnp.int32, (page, 1), 0)
+        ok_col = mapped & (key_col < kv_len)
+        key_row = i * page + jax.lax.broadcasted_iota(jnp.int32, (rows, page), 1)
+        visible = mapped & (key_row < kv_len) & (key_row <= qpos)
+
+        def load(plane):
+            if plane not in names:
+                return None
+            tile = widen(bufs[names.index(plane)][slot])
+            return jnp.where(ok_col, tile, jnp.zeros((), tile.dtype))
+
+        s = decode_keys(k_codec, qs, load("k"), load("k_scale"), cdt) * sm_scale
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new)
+        l_new = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+        accs = [a * alpha for a in accs]
+        return (m_new, l_new, *decode_values(v_codec, accs, p, load("v"), load("v_scale"), cdt))
+
+    init = (jnp.full((rows, 1), M_INIT, F32), jnp.zeros((rows, 1), F32),
+            *[jnp.zeros((rows, width), F32) for _, width in out_cols])
+    m, l, *accs = jax.lax.fori_loop(0, n_steps, body, init)
+    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    for acc, (start, width) in zip(accs, out_cols):
+        o_ref[:, start:start + width] = (acc * inv).astype(o_ref.dtype)

@@ -1,0 +1,224 @@
+"""TPU-friendly decoders of the codecs for the Mosaic attention kernel.
+
+Mosaic lowers 2-D vectors of 32-bit elements best: no 1-D <-> 2-D reshapes, no arithmetic on 8-bit
+vectors, no strided loads of packed data.  So the decoders here widen every loaded plane to int32 or
+float32 right after the load, decode 8-bit float codes from their bits with integer arithmetic,
+and turn a per-key scale column ``(keys, 1)`` into a row ``(1, keys)`` with an exact one-hot
+``A @ B.T`` product (one nonzero term per output), the form the score products already have.
+
+NVFP4 keys are multiplied with the even and the odd query lanes separately; the kernel receives the
+queries with their lanes permuted to ``[even | odd]`` and writes the NVFP4 value accumulators to
+``[even | odd]`` output lanes (the wrapper undoes the permutation), so no strided access is needed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_kv.profiles import KVCodec
+
+from ..common.tiles import F32, dot
+
+__all__ = ["e4m3_bits_to_f32", "e2m1_to_f32", "column_to_row", "decode_keys", "decode_values", "permutes_lanes", "widen"]
+
+I32 = jnp.int32
+
+
+def _i32(x: jax.Array) -> jax.Array:
+    """An integer tile widened to int32 (unsigned 8-bit bits stay 0..255)."""
+    if x.dtype == jnp.uint8:
+        return x.astype(jnp.int32) & 0xFF
+    return x.astype(jnp.int32)
+
+
+def e4m3_bits_to_f32(bits: jax.Array) -> jax.Array:
+    """e4m3fn bits (int32 0..255) -> float32, exactly (NaN for 0x7F / 0xFF)."""
+    sign = jax.lax.shift_left(bits & 0x80, I32(24))
+    e = jax.lax.shift_right_logical(bits, I32(3)) & 0xF
+    m = bits & 7
+    normal = jax.lax.bitcast_convert_type(
+        sign | jax.lax.shift_left(e + 120, I32(23)) | jax.lax.shift_left(m, I32(20)), F32)
+    sub_mag = m.astype(F32) * F32(2.0**-9)
+    sub = jnp.where(sign != 0, -sub_mag, sub_mag)
+    val = jnp.where(e == 0, sub, normal)
+    return jnp.where((bits & 0x7F) == 0x7F, F32(jnp.nan), val)
+
+
+def e2m1_to_f32(code: jax.Array) -> jax.Array:
+    """4-bit e2m1 codes (int32, low nibble) -> float32."""
+    e = jax.lax.shift_right_logical(code, I32(1)) & 3
+    mant = (code & 1).astype(F32)
+    pow2 = jnp.where(e == 3, F32(4.0), jnp.where(e == 2, F32(2.0), F32(1.0)))
+    mag = jnp.where(e == 0, 0.5 * mant, (1.0 + 0.5 * mant) * pow2)
+    return jnp.where((code & 8) != 0, -mag, mag)
+
+
+def column_to_row(col: jax.Array) -> jax.Array:
+    """float32 ``(keys, 1)`` -> ``(1, keys)`` by a one-hot NT product (exact: one nonzero term)."""
+    keys = col.shape[0]
+    wide = jnp.broadcast_to(col, (keys, 128))
+    onehot = (jax.lax.broadcasted_iota(I32, (8, 128), 1) == 0).astype(F32)
+    return dot(onehot, wide, transpose_b=True)[0:1, :]
+
+
+def _scale_row(tile: jax.Array, lane: int) -> jax.Array:
+    """Lane ``lane`` of a widened ``(keys, X)`` scale tile as a ``(1, keys)`` row."""
+    return column_to_row(tile[:, lane:lane + 1])
+
+
+def permutes_lanes(codec: KVCodec) -> bool:
+    """Whether the codec's products use ``[even | odd]`` lanes (queries for K, outputs for V)."""
+    return codec is KVCodec.NVFP4_G16
+
+
+def _nvfp4_halves(codes: jax.Array, scales: jax.Array):
+    """Packed bytes ``(keys, D/2)`` int32 and scale bits ``(keys, D/16)`` int32 -> (even, odd) float32."""
+    half = codes.shape[1]
+    sc = e4m3_bits_to_f32(scales)
+    gid = jax.lax.div(jax.lax.broadcasted_iota(I32, (1, half), 1), I32(8))
+    s = jnp.zeros(codes.shape, F32)
+    for g in range(scales.shape[1]):
+        s = jnp.where(gid == g, sc[:, g:g + 1], s)
+    lo = e2m1_to_f32(codes & 0xF) * s
+    hi = e2m1_to_f32(jax.lax.shift_right_logical(codes, I32(4)) & 0xF) * s
+    return lo, hi
+
+
+def widen(tile: jax.Array) -> jax.Array:
+    """A loaded plane tile widened: floats (bf16) to float32, integers and raw bits to int32."""
+    if jnp.issubdtype(tile.dtype, jnp.floating):
+        return tile.astype(F32)
+    return _i32(tile)
+
+
+def _widen(codec: KVCodec, tile: jax.Array) -> jax.Array:
+    """The codes of a widened plane tile as float32 (BF16, INT8, FP8) or int32 (NVFP4 bytes)."""
+    if codec is KVCodec.INT8_G64:
+        return tile.astype(F32)
+    if codec is KVCodec.FP8_E4M3FN_ROW:
+        return e4m3_bits_to_f32(tile)
+    return tile
+
+
+def _scales(codec: KVCodec, tile: jax.Array) -> jax.Array:
+    return tile
+
+
+def decode_keys(codec: KVCodec, qs: list, codes, scales, cdt) -> jax.Array:
+    """Scores float32 ``(rows, keys)``: ``codes``/``scales`` are the masked tiles from :func:`widen`."""
+    c = _widen(codec, codes)
+    if codec is KVCodec.BF16:
+        return dot(qs[0], c.astype(cdt), transpose_b=True)
+    sc = _scales(codec, scales)
+    if codec is KVCodec.FP8_E4M3FN_ROW:
+        return dot(qs[0], c.astype(cdt), transpose_b=True) * _scale_row(sc, 0)
+    if codec is KVCodec.INT8_G64:
+        total = None
+        for g in range(len(qs)):
+            part = dot(qs[g], c[:, 64 * g:64 * g + 64].astype(cdt), transpose_b=True) * _scale_row(sc, g)
+            total = part if total is None else total + part
+        return total
+    lo, hi = _nvfp4_halves(c, sc)
+    return dot(qs[0], lo.astype(cdt), transpose_b=True) + dot(qs[1], hi.astype(cdt), transpose_b=True)
+
+
+def decode_values(codec: KVCodec, accs: list, p: jax.Array, codes, scales, cdt) -> list:
+    """``accs[i] + p @ v`` per value column of the codec (see :func:`decode_keys`)."""
+    c = _widen(codec, codes)
+    if codec is KVCodec.BF16:
+        return [accs[0] + dot(p.astype(cdt), c.astype(cdt))]
+    sc = _scales(codec, scales)
+    if codec is KVCodec.FP8_E4M3FN_ROW:
+        return [accs[0] + dot((p * _scale_row(sc, 0)).astype(cdt), c.astype(cdt))]
+    if codec is KVCodec.INT8_G64:
+        return [accs[g] + dot((p * _scale_row(sc, g)).astype(cdt), c[:, 64 * g:64 * g + 64].astype(cdt))
+                for g in range(len(accs))]
+    lo, hi = _nvfp4_halves(c, sc)
+    pc = p.astype(cdt)
+    return [accs[0] + dot(pc, lo.astype(cdt)), accs[1] + dot(pc, hi.astype(cdt))]
+
+
+# -- encoding (append) -----------------------------------------------------------------------------
+
+
+def _e2m1_encode_i32(y: jax.Array) -> jax.Array:
+    """:func:`ninfer_kv.codecs.e2m1_encode` in int32 (Mosaic has no 8-bit vector arithmetic)."""
+    a = jnp.abs(y)
+    m = ((a > 0.25).astype(I32) + (a >= 0.75).astype(I32) + (a > 1.25).astype(I32) + (a >= 1.75).astype(I32)
+         + (a > 2.5).astype(I32) + (a >= 3.5).astype(I32) + (a > 5.0).astype(I32))
+    sign = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(y, I32), I32(31))
+    return m | jax.lax.shift_left(sign, I32(3))
+
+
+def _nvfp4_scale_bits_i32(amax: jax.Array) -> jax.Array:
+    """:func:`ninfer_kv.codecs.nvfp4_scale_bits` as int32 bits (0..255)."""
+    from ninfer_kv import codecs
+
+    q = codecs.flush_subnormal(codecs.div_rn(amax, jnp.full(amax.shape, codecs.E2M1_MAX, F32)))
+    nan = codecs.is_nan_bits(amax)
+    sb = jnp.minimum(jnp.where(nan, 0.0, q), codecs.FP8_MAX).astype(jnp.float8_e4m3fn)
+    bits = _i32(jax.lax.bitcast_convert_type(sb, jnp.uint8))
+    return jnp.where(nan, I32(codecs.E4M3FN_NAN_BITS), bits)
+
+
+def quantize_nvfp4_tile_i32(x_even: jax.Array, x_odd: jax.Array, head_dim: int, scale_lanes: int):
+    """:func:`pallas_kernels.common.codec_tiles.quantize_nvfp4_tile` with int32 results (bit-identical bytes).
+
+    Returns the packed bytes ``(n, D/2)`` and the scale bits ``(n, scale_lanes)``, both int32 in 0..255.
+    """
+    from ninfer_kv import codecs
+
+    from ..common.tiles import div_where, group_amax
+
+    x_even = codecs.flush_subnormal(x_even.astype(F32))
+    x_odd = codecs.flush_subnormal(x_odd.astype(F32))
+    half = x_even.shape[1]
+    groups = head_dim // 16
+    bits = []
+    for a_even, a_odd in zip(group_amax(x_even, 8, groups), group_amax(x_odd, 8, groups)):
+        nan = codecs.is_nan_bits(a_even) | codecs.is_nan_bits(a_odd)
+        bits.append(_nvfp4_scale_bits_i32(codecs.propagate_nan(jnp.maximum(a_even, a_odd), nan)))
+    bits = [v[:, None] if v.ndim == 1 else v for v in bits]
+    gid = jax.lax.div(jax.lax.broadcasted_iota(I32, (1, half), 1), I32(8))
+    s = jnp.zeros(x_even.shape, F32)
+    for g, v in enumerate(bits):
+        s = jnp.where(gid == g, e4m3_bits_to_f32(v), s)
+    ok = codecs.scale_usable(s)
+
+    def nibbles(x):
+        c = _e2m1_encode_i32(jnp.clip(div_where(x, s, ok), -codecs.E2M1_MAX, codecs.E2M1_MAX))
+        return jnp.where(ok, c, I32(0)) & 0xF
+
+    sid = jax.lax.broadcasted_iota(I32, (1, scale_lanes), 1)
+    sc = jnp.zeros((x_even.shape[0], scale_lanes), I32)
+    for g, v in enumerate(bits):
+        sc = jnp.where(sid == g, v, sc)
+    return nibbles(x_even) | jax.lax.shift_left(nibbles(x_odd), I32(4)), sc
+
+
+def quantize_int8_tile_i32(x: jax.Array, head_dim: int, scale_lanes: int):
+    """:func:`pallas_kernels.common.codec_tiles.quantize_int8_tile` with int32 results (bit-identical).
+
+    Returns the codes ``(n, D)`` as int32 (-127..127) and the bf16 bits of the scales ``(n,
+    scale_lanes)`` as int32 (0..0xFFFF; lanes past ``D / 64`` hold 0).
+    """
+    from ninfer_kv import codecs
+
+    from ..common.tiles import div_where, group_amax, spread
+
+    x = codecs.flush_subnormal(x.astype(F32))
+    scales = [codecs.bf16_scale(amax, codecs.INT8_QMAX).astype(F32) for amax in group_amax(x, 64, head_dim // 64)]
+    scales = [v[:, None] if v.ndim == 1 else v for v in scales]
+    gid = jax.lax.div(jax.lax.broadcasted_iota(I32, (1, x.shape[1]), 1), I32(64))
+    s = jnp.zeros(x.shape, F32)
+    for g, v in enumerate(scales):
+        s = jnp.where(gid == g, v, s)
+    y = div_where(x, s, codecs.scale_usable(s))
+    q = codecs.round_half_even(jnp.clip(y, -codecs.INT8_QMAX, codecs.INT8_QMAX)).astype(I32)
+    sid = jax.lax.broadcasted_iota(I32, (1, scale_lanes), 1)
+    sc = jnp.zeros((x.shape[0], scale_lanes), I32)
+    for g, v in enumerate(scales):
+        bits = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(v, I32), I32(16))
+        sc = jnp.where(sid == g, bits, sc)
+    return q, sc

@@ -1,0 +1,105 @@
+"""bench/deviceless_tpu.py: the paged ops and a decoder step compile for TPU chips without a TPU.
+
+Needs ``libtpu`` (the ``tpu-deviceless`` extra): ``jax.experimental.topologies`` then describes a
+TPU slice whose first chip XLA's TPU compiler targets from this CPU-only machine.  Without libtpu
+the compiling tests skip, saying so; the exit-code test runs everywhere.
+"""
+
+import importlib.util
+import math
+import pathlib
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.deviceless
+
+_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "deviceless_tpu.py"
+_NO_LIBTPU = importlib.util.find_spec("libtpu") is None
+needs_libtpu = pytest.mark.skipif(_NO_LIBTPU, reason='libtpu is not importable: pip install -e ".[tpu-deviceless]"')
+
+
+@pytest.fixture(scope="module")
+def dl():
+    spec = importlib.util.spec_from_file_location("deviceless_tpu", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _planes_bytes(profile, num_layers, kv_heads, head_dim, num_pages):
+    from ninfer_kv.layout import PagedKVStorageLayout
+
+    lay = PagedKVStorageLayout(profile, num_layers, kv_heads, head_dim)
+    dtypes = lay.plane_dtypes()
+    return sum(math.prod(s) * np.dtype(dtypes[n]).itemsize for n, s in lay.plane_shapes(num_pages).items())
+
+
+def _check_row(row, impl):
+    assert row["ok"], row.get("traceback") or row["error"]
+    for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes"):
+        assert 0 <= row[key] < 2**30, (key, row)
+    assert row["generated_code_bytes"] > 0, row
+    if impl == "pallas_tpu":  # the Mosaic kernels were lowered for the chip, not interpreted
+        assert row["mosaic_kernels"] >= 1, row
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("profile", ["bf16", "k8v4"])
+@pytest.mark.parametrize("which", ["backend", "reference"])
+def test_ops_compile_for_tpu(dl, topology, profile, which):
+    """``backend``: impl='pallas_tpu' when registered (Mosaic kernels compiled, not interpreted),
+    else the reference; ``reference``: the XLA gathers (checks the harness itself)."""
+    impl, _ = dl.choose_impl("auto" if which == "backend" else "reference")
+    device = dl.topology_device(topology)
+    assert device.platform == "tpu"
+    planes = _planes_bytes(profile, dl.LAYERS, dl.H, dl.D, dl.N_PAGES)
+    progs = {p.name: p for p in dl.op_programs(impl, [profile])}
+    append = dl.compile_program(progs["paged_append decode"], topology, device)
+    _check_row(append, impl)
+    # the planes are donated and aliased input -> output: the append writes in place
+    # (the TPU's tiled layouts pad the small scale planes: K8V4's by a third of the pool here)
+    assert planes <= append["alias_bytes"] <= 2 * planes, append
+    assert append["alias_bytes"] <= append["output_bytes"] <= append["alias_bytes"] + (64 << 10), append
+    assert append["alias_bytes"] <= append["argument_bytes"] <= append["alias_bytes"] + (1 << 20), append
+    t = dict(dl.OP_SHAPES)["chunk"]
+    attn = dl.compile_program(progs["paged_attention chunk"], topology, device)
+    _check_row(attn, impl)
+    assert attn["output_bytes"] == dl.B * t * dl.HQ * dl.D * 2 and attn["alias_bytes"] == 0, attn
+    assert planes <= attn["argument_bytes"] <= 2 * planes + (1 << 20), attn
+
+
+@needs_libtpu
+def test_decoder_decode_step_compiles_for_tpu(dl):
+    impl, _ = dl.choose_impl("auto")
+    s_impl, _ = dl.step_impl(impl)
+    device = dl.topology_device("v5e:2x2")
+    prog = next(p for p in dl.step_programs(s_impl, ["bf16"]) if p.name.startswith("decode"))
+    row = dl.compile_program(prog, "v5e:2x2", device)
+    _check_row(row, s_impl)
+    model = dl.qwen3_like_config()
+    planes = _planes_bytes("bf16", model.num_layers, model.num_kv_heads, model.head_dim, dl.STEP_PAGES)
+    weights = 2 * (model.vocab_size * model.d_model)  # the tied embedding alone, bfloat16
+    assert row["alias_bytes"] >= planes, row  # planes (and tables) donated
+    assert row["argument_bytes"] >= planes + weights, row
+    # logits (B, V) float32 and the updated planes come back
+    assert row["output_bytes"] >= planes + dl.STEP_BATCH * model.vocab_size * 4, row
+
+
+def test_exit_code_2_without_libtpu(dl, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    assert dl.main(["--sections", "ops", "--profiles", "bf16"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "libtpu is not installed" in out[0]
+
+
+def test_reference_fallback_is_said(dl):
+    impl, note = dl.choose_impl("reference")
+    assert impl == "reference" and "reference" in note
+    assert dl.step_impl("reference") == ("reference", "")
+    assert dl.step_impl("pallas_tpu")[0] in ("pallas_tpu", "reference")
