@@ -309,6 +309,18 @@ def _ptxas_figures(ptx: str, ptxas: str, path: str) -> dict:
     return parse_ptxas(res.stderr + res.stdout)
 
 
+def _record(out: dict, ptx: str, smem_dynamic: int, ptxas: str, ptx_path: str) -> None:
+    """ptxas's figures of ``ptx`` into ``out``, shared memory = Triton's dynamic + ptxas's static."""
+    out.update(_ptxas_figures(ptx, ptxas, ptx_path))
+    out["smem_dynamic"] = smem_dynamic
+    out["smem"] = smem_dynamic + out["smem_static"]
+
+
+def _record_error(out: dict, exc: Exception) -> None:
+    first = str(exc).strip().splitlines()
+    out["error"] = f"compile: {type(exc).__name__}: {' '.join(first[:3])}"[:400]
+
+
 def compile_kernel_xla(job: tuple) -> dict:
     """TTIR bytecode -> PTX with XLA's Triton (``jax._src.lib.triton.compile``, as the plugin does on a GPU)
     -> ``ptxas -v``.  Runs in this process (the plugin's handler is registered here)."""
@@ -320,12 +332,9 @@ def compile_kernel_xla(job: tuple) -> dict:
 
         res = jax_triton.compile("cuda", bytecode, f"{CAPABILITY // 10}.{CAPABILITY % 10}", num_warps=num_warps,
                                  num_ctas=1, num_stages=num_stages)
-        out.update(_ptxas_figures(res.asm, ptxas, os.path.join(workdir, f"{name}.ptx")))
-        out["smem_dynamic"] = int(res.smem_bytes)
-        out["smem"] = out["smem_dynamic"] + out["smem_static"]
+        _record(out, res.asm, int(res.smem_bytes), ptxas, os.path.join(workdir, f"{name}.ptx"))
     except Exception as exc:  # noqa: BLE001
-        first = str(exc).strip().splitlines()
-        out["error"] = f"compile: {type(exc).__name__}: {' '.join(first[:3])}"[:400]
+        _record_error(out, exc)
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -347,12 +356,9 @@ def compile_kernel(job: tuple) -> dict:
             f.write(ttir)
         compiled = triton.compile(src, target=GPUTarget("cuda", CAPABILITY, 32),
                                   options=dict(num_warps=num_warps, num_stages=num_stages))
-        out.update(_ptxas_figures(compiled.asm["ptx"], ptxas, os.path.join(workdir, f"{name}.ptx")))
-        out["smem_dynamic"] = int(compiled.metadata.shared)
-        out["smem"] = out["smem_dynamic"] + out["smem_static"]
+        _record(out, compiled.asm["ptx"], int(compiled.metadata.shared), ptxas, os.path.join(workdir, f"{name}.ptx"))
     except Exception as exc:  # noqa: BLE001
-        first = str(exc).strip().splitlines()
-        out["error"] = f"compile: {type(exc).__name__}: {' '.join(first[:3])}"[:400]
+        _record_error(out, exc)
     out["seconds"] = time.perf_counter() - t0
     return out
 

@@ -830,27 +830,34 @@ _TITLES = {
 }
 
 
-def _parse_budgets(items, smoke: bool) -> dict:
-    """Per-section budgets; the CPU rehearsal has none unless given (it must run every path)."""
-    budget = {name: (math.inf if smoke else seconds) for name, seconds in DEFAULT_BUDGET.items()}
+def parse_budgets(items, smoke: bool, defaults: dict) -> dict:
+    """Per-section budgets from ``SECTION=SECONDS`` items over ``defaults``; the CPU rehearsal has
+    none unless given (it must run every path)."""
+    budget = {name: (math.inf if smoke else seconds) for name, seconds in defaults.items()}
     for item in items or ():
         name, _, seconds = item.partition("=")
         if name not in budget or not seconds:
-            raise SystemExit(f"--budget {item!r}: expected SECTION=SECONDS with SECTION one of {', '.join(SECTIONS)}")
+            raise SystemExit(f"--budget {item!r}: expected SECTION=SECONDS with SECTION one of {', '.join(defaults)}")
         budget[name] = float(seconds)
     return budget
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpret mode, every section")
+def add_common_arguments(parser: argparse.ArgumentParser, sections, smoke_help: str) -> None:
+    """The flags every device check takes: ``--cpu-smoke``, ``--profiles``, ``--orders``,
+    ``--sections``, ``--budget``."""
+    parser.add_argument("--cpu-smoke", action="store_true", help=smoke_help)
     parser.add_argument("--profiles", nargs="+", default=PROFILES, choices=PROFILES, help="for `correctness`")
     parser.add_argument("--orders", nargs="+", default=ORDERS, choices=ORDERS, help="for `correctness`")
-    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument("--sections", nargs="+", default=list(sections), choices=sections)
     parser.add_argument("--budget", nargs="*", metavar="SECTION=SECONDS", help="per-section time budgets")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, SECTIONS, "tiny shapes, interpret mode, every section")
     parser.add_argument("--predicted", metavar="PATH", help="bench/deviceless_gpu.py --json output to print beside")
     args = parser.parse_args(argv)
-    budget = _parse_budgets(args.budget, args.cpu_smoke)
+    budget = parse_budgets(args.budget, args.cpu_smoke, DEFAULT_BUDGET)
     shapes = SMOKE if args.cpu_smoke else Shapes()
 
     backend = jax.default_backend()

@@ -322,25 +322,11 @@ _TITLES = {
 }
 
 
-def _parse_budgets(items, smoke: bool) -> dict:
-    budget = {name: (math.inf if smoke else seconds) for name, seconds in DEFAULT_BUDGET.items()}
-    for item in items or ():
-        name, _, seconds = item.partition("=")
-        if name not in budget or not seconds:
-            raise SystemExit(f"--budget {item!r}: expected SECTION=SECONDS with SECTION one of {', '.join(SECTIONS)}")
-        budget[name] = float(seconds)
-    return budget
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, TPU interpret mode, every section")
-    parser.add_argument("--profiles", nargs="+", default=PROFILES, choices=PROFILES, help="for `correctness`")
-    parser.add_argument("--orders", nargs="+", default=ORDERS, choices=ORDERS, help="for `correctness`")
-    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
-    parser.add_argument("--budget", nargs="*", metavar="SECTION=SECONDS", help="per-section time budgets")
+    gc.add_common_arguments(parser, SECTIONS, "tiny shapes, TPU interpret mode, every section")
     args = parser.parse_args(argv)
-    budget = _parse_budgets(args.budget, args.cpu_smoke)
+    budget = gc.parse_budgets(args.budget, args.cpu_smoke, DEFAULT_BUDGET)
     shapes = SMOKE if args.cpu_smoke else Shapes()
 
     backend = jax.default_backend()
