@@ -17,13 +17,16 @@ says it needs.  Programs, per topology (default ``v5e:2x2`` and ``v6e:2x2``):
     The decoder's ``prefill`` (a 128-token chunk) and ``decode`` steps of a small Qwen3-like model
     (its ``config.json`` made by :func:`ninfer_kv.models.hf.hf_config_dict` and mapped back by
     :func:`ninfer_kv.models.hf.model_config_from_hf`; bfloat16, 2 layers, d_model 256, 4 query heads
-    over 2 KV heads of 128, tied embeddings), for the bf16 and k8v4 pools, batch bucket 4.  The
+    over 2 KV heads of 128, tied embeddings), for the bf16 and k8v4 pools, batch bucket 4, with the
+    same ``impl`` as the ops (so the steps' paged append and attention are the Mosaic kernels).  The
     steps are the jitted functions of :class:`ninfer_kv.models.decoder.steps.ModelSteps`; the
     parameters are shapes only (random weights would be the same program).
 
 The table has one row per program: argument / output / alias / temp / generated-code bytes from
-``memory_analysis()``, VMEM when the analysis reports it (XLA's ``CompiledMemoryStats`` has no VMEM
-field today: the column then says ``n/r``), whether the compiled module holds a Mosaic kernel
+``memory_analysis()``; the scoped VMEM of an op program's Mosaic kernel as Mosaic's compiler states
+it (XLA's ``CompiledMemoryStats`` has no VMEM field, so :func:`vmem_probe` compiles the program again
+under a 4 KiB limit and reads the size from the compiler's out-of-VMEM error; ``n/r`` for the steps,
+whose several kernels the error would not separate); whether the compiled module holds a Mosaic kernel
 (``tpu_custom_call``: the Pallas kernels really were lowered for the TPU, not interpreted), and the
 compile time.  ``--json PATH`` writes the same rows.
 
@@ -46,6 +49,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -117,42 +121,39 @@ def choose_impl(requested: str = "auto") -> tuple[str, str]:
                          "impl='reference' instead (XLA gathers, no Mosaic kernel)")
 
 
-def step_impl(ops_impl: str) -> tuple[str, str]:
-    """The ``StepConfig.impl`` to compile the decoder steps with, and a note when it differs."""
-    from ninfer_kv.models.decoder.config import IMPLS
-
-    if ops_impl in IMPLS:
-        return ops_impl, ""
-    return "reference", (f"StepConfig.impl accepts {', '.join(IMPLS)} (not {ops_impl!r}): the decoder steps "
-                         "compile with impl='reference'")
-
-
 @contextlib.contextmanager
-def mosaic_compiled(impl: str):
+def mosaic_compiled(impl: str, vmem_limit: int | None = None):
     """Inside: ``impl="pallas_tpu"`` runs its kernels with ``interpret=False`` (compiled by Mosaic).
 
     The backend resolves ``interpret=None`` from ``jax.default_backend()``, which is the CPU here
     (``JAX_PLATFORMS=cpu``), so through ``ninfer_kv.ops`` it would build the TPU *interpreter*
     program.  The deviceless compile targets a TPU chip, where ``None`` means ``False``: the block
     re-registers the backend (:func:`ninfer_kv.ops.registry.override_impls`) with ``interpret=False``
-    bound, every other argument and the whole ``ninfer_kv.ops`` path unchanged.
+    bound, every other argument and the whole ``ninfer_kv.ops`` path unchanged.  ``vmem_limit``
+    also binds a ``config`` whose :class:`~pallas_kernels.mosaic_tpu.backend.MosaicConfig` carries
+    that scoped-VMEM limit (the probe of :func:`vmem_probe`).
     """
     if impl != TPU_IMPL:
         yield
         return
     from ninfer_kv.ops import registry
 
+    from pallas_kernels.common.config import PagedAppendConfig, PagedAttentionConfig
+    from pallas_kernels.mosaic_tpu.backend import MosaicConfig
+
     base = registry.load_impl(TPU_IMPL)
 
-    def compiled(fn):
+    def compiled(fn, config_type):
         def call(*args, **kwargs):
             kwargs.setdefault("interpret", False)
+            if vmem_limit is not None:
+                kwargs.setdefault("config", config_type(compiler=MosaicConfig(vmem_limit_bytes=vmem_limit)))
             return fn(*args, **kwargs)
         return call
 
     def loader():
-        return registry.OpImpl(name=base.name, paged_append=compiled(base.paged_append),
-                               paged_attention=compiled(base.paged_attention),
+        return registry.OpImpl(name=base.name, paged_append=compiled(base.paged_append, PagedAppendConfig),
+                               paged_attention=compiled(base.paged_attention, PagedAttentionConfig),
                                cyclic_append=base.cyclic_append, cyclic_attention=base.cyclic_attention)
 
     with registry.override_impls({TPU_IMPL: loader}):
@@ -279,6 +280,36 @@ def memory_row(stats) -> dict:
     return row
 
 
+VMEM_PROBE_LIMIT = 1 << 12
+"""The scoped-VMEM limit of the probe compile: below any kernel's need, so Mosaic names the need."""
+
+_SCOPED = re.compile(r"Scoped allocation with size ([0-9.]+)([KMG]?)")
+
+
+def vmem_probe(prog: Program, device) -> int | None:
+    """The scoped VMEM Mosaic allocates for the one kernel of ``prog``, from the compiler itself.
+
+    ``compiled.memory_analysis()`` has no VMEM field, but Mosaic checks its scoped allocation
+    (double-buffered blocks and scratch) against ``vmem_limit_bytes`` at compile time and names the
+    size when it does not fit: the probe compiles ``prog`` again with a 4 KiB limit and reads the
+    size from ``CompileTimeScopedVmemOom`` (rounded as Mosaic prints it: three significant digits).
+    ``None`` for a program with no Mosaic kernel or several (the error names only the first).
+    """
+    if prog.impl != TPU_IMPL or prog.section != "ops":
+        return None
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    try:
+        with mosaic_compiled(prog.impl, VMEM_PROBE_LIMIT):
+            fn, args = prog.build(lambda shape, dtype: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding))
+            fn.lower(*args).compile()
+    except Exception as exc:  # noqa: BLE001  (the expected outcome: the probe limit is exceeded)
+        m = _SCOPED.search(str(exc))
+        if m is None:
+            raise
+        return round(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)])
+    return VMEM_PROBE_LIMIT  # fits in the probe's limit: at most this
+
+
 def compile_program(prog: Program, topology: str, device) -> dict:
     """Compile ``prog`` for ``device``; a row with the memory figures or the error."""
     sharding = jax.sharding.SingleDeviceSharding(device)
@@ -296,6 +327,8 @@ def compile_program(prog: Program, topology: str, device) -> dict:
         row.update(memory_row(compiled.memory_analysis()))
         text = compiled.as_text() or ""
         row["mosaic_kernels"] = text.count("tpu_custom_call")
+        if row["vmem_bytes"] is None:
+            row["vmem_bytes"] = vmem_probe(prog, device)
         row["ok"], row["error"] = True, None
     except Exception as exc:  # noqa: BLE001  (every failure is a row)
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -339,10 +372,7 @@ def run(topologies, sections, impl_request="auto", profiles=PROFILES, step_profi
     if "ops" in sections:
         programs += op_programs(impl, profiles, order)
     if "steps" in sections:
-        s_impl, s_note = step_impl(impl)
-        if s_note:
-            notes.append(s_note)
-        programs += step_programs(s_impl, step_profiles)
+        programs += step_programs(impl, step_profiles)
     for n in notes:
         log(f"({n})")
     rows = []

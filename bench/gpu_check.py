@@ -768,8 +768,50 @@ def _buffer_pointers(planes: dict) -> dict:
     return {n: p.unsafe_buffer_pointer() for n, p in planes.items()}
 
 
-def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+@dataclasses.dataclass(frozen=True)
+class AppendRun:
+    """One timed append case: seconds per call, the comparison with the reference, the figures."""
+
+    seconds: float
+    ok: bool
+    desc: str
+    kept: bool  # donation kept the planes' buffers
+    tokens: int
+    written: int  # bytes of codes and scales written per call
+
+
+def run_append(fn, rs, shapes, profile: str, order: str, bsz: int, t: int, in_dtype) -> AppendRun:
+    """Time ``fn`` (a jitted, donating ``paged_append``) on a fresh pool with pages in random physical
+    order and hashed bits, then compare every written and unwritten row with the reference."""
     h, d = shapes.kv_heads, shapes.head_dim
+    blocks = shapes.append_context // PAGE
+    n_pages = bsz * blocks
+    table, rows = shuffled_tables(rs, bsz, blocks, n_pages)
+    lay = PagedKVStorageLayout(profile, 1, h, d, order)
+    view = PagedKVBatchLayerView(hashed_planes(lay, n_pages, 7), jnp.asarray(table), 0, lay)
+    before = jax.tree_util.tree_map(jnp.copy, view.planes)
+    k = jax.random.normal(jax.random.key(2), (bsz, t, h, d), in_dtype)
+    v = jax.random.normal(jax.random.key(3), (bsz, t, h, d), in_dtype)
+    pos = jnp.asarray(rs.randint(0, shapes.append_context - t, bsz).astype(np.int32))
+    valid = jnp.full((bsz,), t, jnp.int32)
+    rows_j = jnp.asarray(rows)
+    view = fn(view, rows_j, pos, k, v, valid)  # compile and warm up
+    jax.block_until_ready(view.planes)
+    pointers = _buffer_pointers(view.planes)
+    t0 = time.perf_counter()
+    for _ in range(shapes.iters):
+        view = fn(view, rows_j, pos, k, v, valid)
+    jax.block_until_ready(view.planes)
+    seconds = (time.perf_counter() - t0) / shapes.iters
+    kept = _buffer_pointers(view.planes) == pointers
+    base = PagedKVBatchLayerView(before, view.block_tables, 0, lay)
+    ok, desc = compare_append(base, view, table, rows, pos, valid, k, v, exact=shapes.smoke)
+    tokens = bsz * t
+    return AppendRun(seconds, ok, desc, kept, tokens, tokens * h * KVProfile.parse(profile).token_head_bytes(d))
+
+
+def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    d = shapes.head_dim
     log(f"Quantize + write in place, planes donated, {shapes.iters} back-to-back calls per timing; pages in random "
         "physical order.")
     log("")
@@ -784,36 +826,13 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
             if not sec.has(8, f"{profile} {order} {bsz}x{t} {dt}"):
                 continue
             try:
-                blocks = shapes.append_context // PAGE
-                n_pages = bsz * blocks
-                table, rows = shuffled_tables(rs, bsz, blocks, n_pages)
-                lay = PagedKVStorageLayout(profile, 1, h, d, order)
-                view = PagedKVBatchLayerView(hashed_planes(lay, n_pages, 7), jnp.asarray(table), 0, lay)
-                before = jax.tree_util.tree_map(jnp.copy, view.planes)
-                k = jax.random.normal(jax.random.key(2), (bsz, t, h, d), in_dtype)
-                v = jax.random.normal(jax.random.key(3), (bsz, t, h, d), in_dtype)
-                pos = jnp.asarray(rs.randint(0, shapes.append_context - t, bsz).astype(np.int32))
-                valid = jnp.full((bsz,), t, jnp.int32)
-                rows_j = jnp.asarray(rows)
-                view = fn(view, rows_j, pos, k, v, valid)  # compile and warm up
-                jax.block_until_ready(view.planes)
-                pointers = _buffer_pointers(view.planes)
-                t0 = time.perf_counter()
-                for _ in range(shapes.iters):
-                    view = fn(view, rows_j, pos, k, v, valid)
-                jax.block_until_ready(view.planes)
-                seconds = (time.perf_counter() - t0) / shapes.iters
-                kept = _buffer_pointers(view.planes) == pointers
-                base = PagedKVBatchLayerView(before, view.block_tables, 0, lay)
-                ok, desc = compare_append(base, view, table, rows, pos, valid, k, v, exact=shapes.smoke)
-                ok = ok and kept
+                run = run_append(fn, rs, shapes, profile, order, bsz, t, in_dtype)
+                ok = run.ok and run.kept
                 checks.failures += 0 if ok else 1
-                tokens = bsz * t
-                written = tokens * h * KVProfile.parse(profile).token_head_bytes(d)
-                log(f"| {profile} | {order} | {bsz} x {t} | {dt} | {seconds * 1e6:.1f} | {tokens / seconds:.3g} | "
-                    f"{written / seconds / 1e9:.2f} | {desc} | {kept} | {'PASS' if ok else 'FAIL'} |"
+                seconds = run.seconds
+                log(f"| {profile} | {order} | {bsz} x {t} | {dt} | {seconds * 1e6:.1f} | {run.tokens / seconds:.3g} | "
+                    f"{run.written / seconds / 1e9:.2f} | {run.desc} | {run.kept} | {'PASS' if ok else 'FAIL'} |"
                     + _pred_col(state, "append-decode" if t == 1 else "append-chunk", profile, order, d))
-                del view, before, base
             except Exception as exc:
                 checks.failures += 1
                 log(f"| {profile} | {order} | {bsz} x {t} | {dt} | {short_error(exc)} |  |  |  |  | FAIL |")

@@ -59,11 +59,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ninfer_kv import ops  # noqa: E402
-from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops import registry  # noqa: E402
 from ninfer_kv.ops.reference import paged_attention_reference  # noqa: E402
 from ninfer_kv.profiles import KVProfile  # noqa: E402
-from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
 
 
 def _load_gpu_check():
@@ -269,7 +267,6 @@ def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
 
 def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
     impl = _tpu_ops()
-    h, d = shapes.kv_heads, shapes.head_dim
     log(f"Quantize + write in place, planes donated, bfloat16 K/V, {shapes.iters} back-to-back calls per timing.")
     log("")
     log("| profile | order | B x T | time per call (us) | tokens/s | bytes written (GB/s) | written tokens | result |")
@@ -281,33 +278,11 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
             if not sec.has(8, f"{profile} {order} {bsz}x{t}"):
                 continue
             try:
-                blocks = shapes.append_context // PAGE
-                n_pages = bsz * blocks
-                table, rows = gc.shuffled_tables(rs, bsz, blocks, n_pages)
-                lay = PagedKVStorageLayout(profile, 1, h, d, order)
-                view = PagedKVBatchLayerView(gc.hashed_planes(lay, n_pages, 7), jnp.asarray(table), 0, lay)
-                before = jax.tree_util.tree_map(jnp.copy, view.planes)
-                k = jax.random.normal(jax.random.key(2), (bsz, t, h, d), jnp.bfloat16)
-                v = jax.random.normal(jax.random.key(3), (bsz, t, h, d), jnp.bfloat16)
-                pos = jnp.asarray(rs.randint(0, shapes.append_context - t, bsz).astype(np.int32))
-                valid = jnp.full((bsz,), t, jnp.int32)
-                rows_j = jnp.asarray(rows)
-                view = fn(view, rows_j, pos, k, v, valid)  # compile and warm up
-                jax.block_until_ready(view.planes)
-                t0 = time.perf_counter()
-                for _ in range(shapes.iters):
-                    view = fn(view, rows_j, pos, k, v, valid)
-                jax.block_until_ready(view.planes)
-                seconds = (time.perf_counter() - t0) / shapes.iters
-                base = PagedKVBatchLayerView(before, view.block_tables, 0, lay)
-                ok, desc = gc.compare_append(base, view, table, rows, pos, valid, k, v, exact=shapes.smoke)
-                checks.failures += 0 if ok else 1
-                checks.passed += 1 if ok else 0
-                tokens = bsz * t
-                written = tokens * h * KVProfile.parse(profile).token_head_bytes(d)
-                log(f"| {profile} | {order} | {bsz} x {t} | {seconds * 1e6:.1f} | {tokens / seconds:.3g} | "
-                    f"{written / seconds / 1e9:.2f} | {desc} | {'PASS' if ok else 'FAIL'} |")
-                del view, before, base
+                run = gc.run_append(fn, rs, shapes, profile, order, bsz, t, jnp.bfloat16)
+                checks.failures += 0 if run.ok else 1
+                checks.passed += 1 if run.ok else 0
+                log(f"| {profile} | {order} | {bsz} x {t} | {run.seconds * 1e6:.1f} | {run.tokens / run.seconds:.3g} | "
+                    f"{run.written / run.seconds / 1e9:.2f} | {run.desc} | {'PASS' if run.ok else 'FAIL'} |")
             except Exception as exc:
                 checks.failures += 1
                 log(f"| {profile} | {order} | {bsz} x {t} | {short_error(exc)} |  |  |  |  | FAIL |")

@@ -4,7 +4,7 @@
 
     ninfer-kv generate --model DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P]
         [--top-k K] [--seed S] [--kv-cache-dtype bf16|int8|fp8|nvfp4|k8v4] [--dtype bfloat16|float32]
-        [--max-context S] [--impl auto|ffi|pallas|reference] [--json]
+        [--max-context S] [--impl auto|ffi|pallas|pallas_tpu|reference] [--json]
 
 With a ``tokenizer.json`` in DIR the prompt is text and the output streams as text; without one the
 prompt is token ids (``"1 2 3"`` or ``"1,2,3"``) and the output streams token ids.  Generation stops
@@ -31,13 +31,12 @@ import time
 from ..planning.bounds import MAX_CONTEXT
 from ..units import format_bytes
 from .registry import CommandOutput, register_subcommand
-from .types import PROFILE, PROFILE_HELP, arg_type, bounded_int
+from .types import IMPL, IMPL_HELP, PROFILE, PROFILE_HELP, arg_type, bounded_int
 
 __all__ = ["configure", "run", "parse_token_ids"]
 
 DEFAULT_MAX_NEW_TOKENS = 64
 _DTYPES = ("bfloat16", "float32")
-_IMPLS = ("auto", "pallas", "ffi", "reference")
 
 
 def _float_in(name: str, low: float, high: float, *, low_open: bool = False):
@@ -107,8 +106,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=bounded_int(1, MAX_CONTEXT), default=None, metavar="S",
                    help="tokens per sequence, at most the model's max_position_embeddings (default: prompt + "
                         "--max-new-tokens, at most the model's context)")
-    p.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
-                   help="op implementation: auto (FFI on CPU, Pallas on GPU; default), ffi, pallas, reference")
+    p.add_argument("--impl", type=IMPL, default="auto", help=IMPL_HELP)
 
 
 def run(args: argparse.Namespace) -> CommandOutput | None:

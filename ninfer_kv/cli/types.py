@@ -28,6 +28,8 @@ __all__ = [
     "ORDER",
     "SPECULATIVE",
     "MESH",
+    "IMPL",
+    "IMPL_HELP",
     "add_profile",
 ]
 
@@ -91,6 +93,19 @@ def _speculative(text: str):
     return SpeculativeMethod.parse(text)
 
 
+def _impl(text: str) -> str:
+    from ..ops.registry import impl_choices  # imported when an --impl is parsed: the registry loads JAX
+
+    value = str(text).strip().lower()
+    if value not in impl_choices():
+        raise ValueError(f"impl {text!r} is not registered; allowed: {', '.join(impl_choices())}")
+    return value
+
+
+IMPL_HELP = ("op implementation: auto (the platform's preference: FFI on CPU, Pallas on GPU, Mosaic on TPU; "
+             "default) or a registered one (reference, pallas, ffi, pallas_tpu, and any registered by the caller)")
+
+
 def _mesh(text: str):
     from ..mesh_spec import MeshSpec
 
@@ -104,6 +119,7 @@ PROFILE = arg_type("profile", KVProfile.parse)
 ORDER = arg_type("order", _order)
 SPECULATIVE = arg_type("speculative method", _speculative)
 MESH = arg_type("mesh", _mesh)
+IMPL = arg_type("impl", _impl)
 
 
 def add_profile(p) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import sys
 
+from ..cli.types import IMPL, IMPL_HELP
 from ..cli import BYTES, POSITIVE_INT, PROFILE, CommandOutput, bounded_int, register_subcommand
 from ..cli.app import EXIT_CHECK_FAILED
 from ..profiles import KVProfile
@@ -25,7 +26,6 @@ __all__ = ["configure", "run"]
 
 _SPECULATIVE = ("off", "mtp")
 _MODELS = ("tiny", "small")
-_IMPLS = ("auto", "pallas", "ffi", "reference")
 
 DEFAULT_REQUESTS = 32
 DEFAULT_MAX_NEW_TOKENS = 24
@@ -71,8 +71,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                             "checkpoint directory (Qwen3, Qwen2, Llama, Mistral; served in float32, stops at its EOS)")
     model.add_argument("--profile", "--kv-cache-dtype", dest="profile", type=PROFILE, default="bf16",
                        help=f"KV profile: {', '.join(p.value for p in KVProfile)} (default bf16; short names too)")
-    model.add_argument("--impl", type=_choice("impl", _IMPLS), default="auto",
-                       help="op implementation: auto (Pallas on GPU, FFI on CPU; default), pallas, ffi, reference")
+    model.add_argument("--impl", type=IMPL, default="auto", help=IMPL_HELP)
     model.add_argument("--mesh", type=_mesh, default=None, metavar="data=D,model=T",
                        help="serve over a D x T device mesh: each request on a data shard (chosen by the scheduler), "
                             "the KV heads split over the model axis, planes never gathered; on a CPU D*T host devices "

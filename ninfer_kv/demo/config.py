@@ -7,7 +7,8 @@ import os
 
 from ..integers import check_int
 from ..mesh_spec import MeshSpec
-from ..models.decoder import IMPLS, ModelConfig
+from ..models.decoder import ModelConfig
+from ..ops.registry import impl_choices
 from ..planning import AutomaticCapacity, ExplicitCapacity, SpeculativeConfig
 from ..profiles import KVProfile
 from .checkpoint_cache import checkpoint_config
@@ -39,7 +40,8 @@ class DemoConfig:
       profile: the KV profile of the Main (and MTP) pool.
       speculative: ``"off"`` or ``"mtp"`` (speculative decoding with the model's MTP head).
       draft_window: MTP draft window K (``speculative="mtp"`` only).
-      impl: op implementation (``auto``: Pallas on GPU, FFI on CPU).
+      impl: op implementation, one of :func:`ninfer_kv.ops.registry.impl_choices` (``"auto"``: FFI on CPU,
+        Pallas on GPU, Mosaic on TPU).
       kv_lease_growth: lease a bounded window instead of the whole output budget.
       lease_window_tokens: the growth window (with ``kv_lease_growth``).
       lease_cushion_tokens: the per-lane cushion beyond the window: the tokens one decode round
@@ -85,8 +87,8 @@ class DemoConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative={self.speculative!r} is not supported by the demo; allowed: {', '.join(SPECULATIVE_METHODS)}")
         check_int("draft_window", self.draft_window, 1)
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(IMPLS)}")
+        if self.impl not in impl_choices():
+            raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(impl_choices())}")
         for name, minimum in (("lease_window_tokens", 1), ("host_bytes", 0), ("max_context", 1),
                               ("max_concurrency", 1), ("fixed_bytes", 0), ("seed", 0)):
             check_int(name, getattr(self, name), minimum)

@@ -65,7 +65,8 @@ class LLM:
       enable_prefix_caching: reuse the longest cached prefix of every prompt.
       lease_growth: reserve the prompt and a window (4096 tokens) instead of the whole budget, so more
         requests run at once; one the pool cannot extend ends with finish reason ``"length"``.
-      impl: op implementation (``"auto"``: FFI kernels on CPU, Pallas on GPU).
+      impl: op implementation, one of :func:`ninfer_kv.ops.registry.impl_choices` (``"auto"``: FFI on CPU,
+        Pallas on GPU, Mosaic on TPU).
       seed: the seed of requests that give none.
       tokenizer: with an :class:`EngineModel`, an optional
         :class:`~ninfer_kv.models.hf.tokenizer.TextTokenizer` for text prompts.

@@ -132,7 +132,8 @@ class DecoderModel:
     Args:
       params: the parameter tree (``load_checkpoint(...).params`` or ``init_params``).
       config: its :class:`~ninfer_kv.models.decoder.config.ModelConfig`.
-      impl: op implementation (``"auto"``: the FFI kernels on CPU, Pallas on GPU).
+      impl: op implementation, one of :func:`ninfer_kv.ops.registry.impl_choices` (``"auto"``: FFI on CPU,
+        Pallas on GPU, Mosaic on TPU).
       prefill_chunk: tokens per prefill call (a multiple of 64).
       draft_window: with a config that has an MTP head (``ModelConfig(mtp=True)``), decode in
         speculative rounds of ``K`` drafts (0: plain decoding).

@@ -122,7 +122,8 @@ class PagedGenerator:
       profile: the KV profile of the Main pool.
       max_context: tokens per sequence, prompt and output (S).
       max_batch: sequences served at once (C, the largest batch bucket).
-      impl: op implementation (``"auto"``: FFI on CPU, Pallas on GPU).
+      impl: op implementation, one of :func:`ninfer_kv.ops.registry.impl_choices` (``"auto"``: FFI on CPU,
+        Pallas on GPU, Mosaic on TPU).
       kv_capacity: Main capacity in tokens (default ``max_batch * ceil(S / 64) * 64``: every
         sequence can reach ``max_context``).
       prefill_chunk: tokens per prefill call (a multiple of 64).

@@ -138,7 +138,7 @@ def paged_append(
       positions: integer ``(B,)`` logical position of token 0 of each row, ``>= 0``.
       k, v: ``(B, T, H, D)`` float32 or bfloat16; ``H``, ``D`` as in the view's layout.
       valid: integer ``(B,)`` tokens to write per row, in ``[0, T]``; ``positions + valid <= L * 64``.
-      impl: ``"auto"``, ``"pallas"``, ``"ffi"``, ``"reference"`` or a registered name.
+      impl: ``"auto"`` or a registered name (:func:`ninfer_kv.ops.registry.impl_choices`).
 
     Integer vectors may be any integer array-like (converted to int32).  With concrete inputs the
     table entries of the blocks of ``[positions, positions + valid)`` must lie in ``[0, N)``;

@@ -53,6 +53,7 @@ __all__ = [
     "register_op",
     "register_impl",
     "registered_impls",
+    "impl_choices",
     "registered_ops",
     "available_impls",
     "load_impl",
@@ -243,6 +244,11 @@ def registered_impls() -> tuple[str, ...]:
         return tuple(_registry.backends)
 
 
+def impl_choices() -> tuple[str, ...]:
+    """Every value ``impl=`` accepts: ``"auto"`` then the registered implementations."""
+    return (AUTO,) + registered_impls()
+
+
 def registered_ops(backend: str | None = None) -> tuple[tuple[str, str], ...]:
     """The ``(op, backend)`` entries registered (of one backend, or of all); nothing is loaded.
 
@@ -368,7 +374,7 @@ def resolve_impl(impl: str = AUTO, *, platform: str | None = None) -> OpImpl:
       ImplUnavailableError: an explicit ``impl`` cannot load, or no ``auto`` candidate can.
     """
     if not isinstance(impl, str):
-        raise TypeError(f"impl must be a string, got {type(impl).__name__}; allowed: {', '.join((AUTO,) + registered_impls())}")
+        raise TypeError(f"impl must be a string, got {type(impl).__name__}; allowed: {', '.join(impl_choices())}")
     if impl != AUTO:
         return load_impl(impl)
     plat = _PLATFORM_ALIASES.get(platform, platform) if platform is not None else current_platform()

@@ -237,10 +237,11 @@ class Int8G64Tile:
     def columns(self, lanes: Lanes) -> tuple[Cols, ...]:
         return tuple(lanes.cols(64 * g, 1, 64, operand=True) for g in range(lanes.head_dim // 64))
 
-    def encode(self, tensor: str, x: TileSource, lanes: Lanes) -> tuple[Put, ...]:
+    def encode(self, tensor: str, x: TileSource, lanes: Lanes, quantizer=quantize_int8_tile) -> tuple[Put, ...]:
+        """``quantizer``: :func:`quantize_int8_tile` or a bit-identical twin of it (a backend's int32 form)."""
         d = lanes.head_dim
         cols, scale_cols = lanes.cols(0, 1, d), lanes.cols(0, 1, d // 64)
-        codes, scales = quantize_int8_tile(x(cols), d, scale_cols.n)
+        codes, scales = quantizer(x(cols), d, scale_cols.n)
         return (Put(tensor, codes, cols), Put(f"{tensor}_scale", scales, scale_cols))
 
     def decode_keys(self, qs: list, load: TileLoader, lanes: Lanes, cdt) -> jax.Array:
@@ -273,11 +274,12 @@ class Nvfp4G16Tile:
         half = lanes.head_dim // 2
         return (lanes.cols(0, 2, half, operand=True), lanes.cols(1, 2, half, operand=True))
 
-    def encode(self, tensor: str, x: TileSource, lanes: Lanes) -> tuple[Put, ...]:
+    def encode(self, tensor: str, x: TileSource, lanes: Lanes, quantizer=quantize_nvfp4_tile) -> tuple[Put, ...]:
+        """``quantizer``: :func:`quantize_nvfp4_tile` or a bit-identical twin of it (a backend's int32 form)."""
         d = lanes.head_dim
         even, odd = lanes.cols(0, 2, d // 2), lanes.cols(1, 2, d // 2)
         packed_cols, scale_cols = lanes.cols(0, 1, d // 2), lanes.cols(0, 1, d // 16)
-        packed, scales = quantize_nvfp4_tile(x(even), x(odd), d, scale_cols.n)
+        packed, scales = quantizer(x(even), x(odd), d, scale_cols.n)
         return (Put(tensor, packed, packed_cols), Put(f"{tensor}_scale", scales, scale_cols))
 
     @staticmethod

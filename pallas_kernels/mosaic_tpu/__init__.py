@@ -5,8 +5,10 @@
 the reference ops (:mod:`ninfer_kv.ops.reference`) plus keyword-only ``config`` (the common
 block-size configs; their ``compiler`` field a :class:`~pallas_kernels.mosaic_tpu.backend.MosaicConfig`
 or ``None``) and ``interpret`` (``None``: TPU interpret mode, ``pltpu.InterpretParams()``, unless
-the default JAX backend is a TPU).  Every profile runs through
-:data:`pallas_kernels.common.codec_tiles.CODEC_TILES`; both plane orders are supported.  The
+the default JAX backend is a TPU).  Every profile runs through its codecs' TPU tiles
+(:data:`pallas_kernels.mosaic_tpu.tpu_tiles.TPU_TILES`, one per shared tile of
+:data:`pallas_kernels.common.codec_tiles.CODEC_TILES`; the kernels never branch on the codec); both
+plane orders are supported.  The
 cyclic ops are not provided by this backend (``impl="pallas_tpu"`` raises
 ``ImplUnavailableError`` for them).
 
@@ -16,7 +18,8 @@ Design (details in each module):
   (``PrefetchScalarGridSpec``, SMEM; the tables flattened to 1-D);
 * the stacked planes stay in HBM (``memory_space=pl.ANY``); pages move by
   ``pltpu.make_async_copy`` into VMEM scratch, double-buffered in attention (page ``i + 1`` in
-  flight while page ``i`` is computed), one ``(1, X)`` row per written token in the append;
+  flight while page ``i`` is computed); the append reads each touched ``(64, X)`` page, merges
+  the new rows and writes the page back (a DMA into tiled HBM starts at a tile boundary);
 * every VMEM tile's last two dims are a whole ``(64, X)`` page tile or a whole ``(rows, D)``
   block, so they satisfy the TPU (8, 128) tiling rule by being full extents (64 is a multiple of
   the sublane tile of 32-, 16- and 8-bit dtypes); the small scale planes are their own ``(64,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -37,7 +36,7 @@ class MosaicConfig:
     vmem_limit_bytes: int | None = None
 
     def __post_init__(self):
-        check_int("MosaicConfig", "vmem_limit_bytes", self.vmem_limit_bytes, 1 << 20, 1 << 30, pow2=False,
+        check_int("MosaicConfig", "vmem_limit_bytes", self.vmem_limit_bytes, 1 << 12, 1 << 30, pow2=False,
                   allow_none=True)
 
     def params(self, semantics: tuple) -> pltpu.CompilerParams:

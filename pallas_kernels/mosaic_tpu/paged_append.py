@@ -6,9 +6,9 @@ block tables flattened to ``(C * L,)`` (a 1-D SMEM array pads nothing).  ``k`` a
 as ``(B, H, T, D)`` blocks ``(T, D)`` (a whole-extent block: its last two dims equal the
 array's, as TPU tiling requires); an NVFP4 tensor comes with its lanes permuted to ``[even |
 odd]`` so that its quantizer reads both halves unstrided.  The program encodes all ``T`` tokens
-with the codecs' tile objects (:data:`pallas_kernels.common.codec_tiles.CODEC_TILES`; INT8 and
-NVFP4 through the int32 variants of :mod:`pallas_kernels.mosaic_tpu.tpu_tiles`, Mosaic having no
-8-bit vector arithmetic) into one int32 VMEM buffer ``(W * 64, X)`` per plane.
+with the codecs' TPU tiles (:data:`pallas_kernels.mosaic_tpu.tpu_tiles.TPU_TILES`: the shared
+encoders, with int32 quantizer twins for INT8 and NVFP4, Mosaic having no 8-bit vector
+arithmetic) into one int32 VMEM buffer ``(W * 64, X)`` per plane.
 
 The planes stay in HBM (``memory_space=pltpu.HBM``) and are aliased input -> output.  A DMA into
 a tiled HBM page must start at a tile boundary (8 rows for 32/16-bit, 32 for 8-bit planes), so a
@@ -36,14 +36,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ninfer_kv.profiles import KVCodec
 from ninfer_kv.views import PagedKVBatchLayerView
 
-from ..common.codec_tiles import Put, codec_tile
 from ..common.config import PagedAppendConfig
 from ..common.tiles import F32
 from .backend import lanes, page_tile, prepare, read_cols
-from .tpu_tiles import permutes_lanes, quantize_int8_tile_i32, quantize_nvfp4_tile_i32, widen
+from .tpu_tiles import tpu_tile, widen
 
 __all__ = ["paged_append"]
 
@@ -124,33 +122,17 @@ def paged_append(
         jnp.asarray(positions, jnp.int32),
         jnp.asarray(valid, jnp.int32),
         jnp.reshape(view.block_tables.astype(jnp.int32), (-1,)),
-        jnp.swapaxes(_lanes_for(lay.profile.k_codec, k), 1, 2),
-        jnp.swapaxes(_lanes_for(lay.profile.v_codec, v), 1, 2),
+        jnp.swapaxes(_lanes_for(tpu_tile(lay.profile.k_codec), k), 1, 2),
+        jnp.swapaxes(_lanes_for(tpu_tile(lay.profile.v_codec), v), 1, 2),
         *planes,
     )
     new = {n: o if o.dtype == dtypes[n] else jax.lax.bitcast_convert_type(o, dtypes[n]) for n, o in zip(names, out)}
     return view.replace(planes=new)
 
 
-def _encode(profile, tensor, x, tile_lanes):
-    """The codec tile's :class:`Put` records, NVFP4 through the int32 variant of its quantizer."""
-    tile = codec_tile(profile.codec(tensor))
-    d = tile_lanes.head_dim
-    if tile.codec is KVCodec.INT8_G64:
-        cols, scale_cols = tile_lanes.cols(0, 1, d), tile_lanes.cols(0, 1, d // 64)
-        codes, scales = quantize_int8_tile_i32(x(cols), d, scale_cols.n)
-        return (Put(tensor, codes, cols), Put(f"{tensor}_scale", scales, scale_cols))
-    if tile.codec is not KVCodec.NVFP4_G16:
-        return tile.encode(tensor, x, tile_lanes)
-    even, odd = tile_lanes.cols(0, 2, d // 2), tile_lanes.cols(1, 2, d // 2)
-    packed_cols, scale_cols = tile_lanes.cols(0, 1, d // 2), tile_lanes.cols(0, 1, d // 16)
-    packed, scales = quantize_nvfp4_tile_i32(x(even), x(odd), d, scale_cols.n)
-    return (Put(tensor, packed, packed_cols), Put(f"{tensor}_scale", scales, scale_cols))
-
-
-def _lanes_for(codec, x: jax.Array) -> jax.Array:
-    """``x``'s lanes as ``[even | odd]`` for NVFP4 (its quantizer reads the halves unstrided), else ``x``."""
-    if permutes_lanes(codec):
+def _lanes_for(tile, x: jax.Array) -> jax.Array:
+    """``x``'s lanes as ``[even | odd]`` when the tile's quantizer reads the halves unstrided, else ``x``."""
+    if tile.permutes_lanes:
         return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     return x
 
@@ -167,14 +149,14 @@ def _kernel(layer_ref, rows_ref, pos_ref, valid_ref, table_ref, k_ref, v_ref, *r
 
     # Encode every token of (b, h) into the int32 row buffers (rows past T are never selected).
     for tensor, x_ref in (("k", k_ref), ("v", v_ref)):
-        perm = permutes_lanes(profile.codec(tensor))
+        tile = tpu_tile(profile.codec(tensor))
 
-        def x(cols, x_ref=x_ref, perm=perm):
+        def x(cols, x_ref=x_ref, perm=tile.permutes_lanes):
             if perm and cols.stride == 2:  # NVFP4: the wrapper gave the lanes as [even | odd]
                 return x_ref[:, pl.ds(cols.start * (d // 2), cols.n)].astype(F32)
             return read_cols(x_ref, cols).astype(F32)
 
-        for put in _encode(profile, tensor, x, tile_lanes):
+        for put in tile.encode(tensor, x, tile_lanes):
             buf = bufs[put.plane]
             value = put.value
             if value.dtype != jnp.int32:

@@ -43,14 +43,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ninfer_kv.geometry import PlaneOrder
-from ninfer_kv.profiles import KVCodec, KVProfile
+from ninfer_kv.profiles import KVProfile
 from ninfer_kv.views import PagedKVBatchLayerView
 
 from ..common.config import PagedAttentionConfig
 from ..common.softmax import M_INIT, compute_dtype_for
 from ..common.tiles import F32
 from .backend import page_tile, prepare
-from .tpu_tiles import decode_keys, decode_values, permutes_lanes, widen
+from .tpu_tiles import tpu_tile, widen
 
 __all__ = ["paged_attention"]
 
@@ -112,8 +112,8 @@ def paged_attention(
     t_pad = n_qt * block_q
     spec = _Spec(lay.profile, lay.order, tuple(lay.plane_names), d, t_len, group, block_q,
                  float(1.0 / d**0.5 if sm_scale is None else sm_scale), c_len, l_len, view.num_pages, lay.page_size)
-    k_perm, v_perm = permutes_lanes(lay.profile.k_codec), permutes_lanes(lay.profile.v_codec)
-    if k_perm:  # queries' lanes as [even | odd] for the NVFP4 key products
+    k_tile, v_tile = tpu_tile(lay.profile.k_codec), tpu_tile(lay.profile.v_codec)
+    if k_tile.permutes_lanes:  # queries' lanes as [even | odd] for the NVFP4 key products
         q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
     qr = jnp.transpose(q.reshape(bsz, t_len, h_len, group, d), (0, 2, 1, 3, 4))
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, t_pad - t_len), (0, 0), (0, 0))).reshape(bsz, h_len, t_pad * group, d)
@@ -145,7 +145,7 @@ def paged_attention(
     )
     out = jnp.transpose(out.reshape(bsz, h_len, t_pad, group, d)[:, :, :t_len], (0, 2, 1, 3, 4))
     out = out.reshape(bsz, t_len, hq_len, d)
-    if v_perm:  # output lanes came as [even | odd]
+    if v_tile.permutes_lanes:  # output lanes came as [even | odd]
         out = jnp.stack([out[..., :d // 2], out[..., d // 2:]], axis=-1).reshape(out.shape)
     return out
 
@@ -157,15 +157,6 @@ def _as_storage(x: jax.Array) -> jax.Array:
     return x
 
 
-def _q_columns(codec: KVCodec, d: int) -> list:
-    """The query lanes ``(start, n)`` of each key product of ``codec`` (NVFP4: of the permuted lanes)."""
-    if codec is KVCodec.INT8_G64:
-        return [(64 * g, 64) for g in range(d // 64)]
-    if codec is KVCodec.NVFP4_G16:
-        return [(0, d // 2), (d // 2, d // 2)]
-    return [(0, d)]
-
-
 def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, spec: _Spec):
     n = len(spec.names)
     plane_refs, bufs, sems = refs[:n], refs[n + 1:2 * n + 1], refs[2 * n + 1]
@@ -173,7 +164,7 @@ def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, sp
     b, h, qt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g_size, bq, page = spec.group, spec.block_q, spec.page
     rows = bq * g_size
-    k_codec, v_codec = spec.profile.k_codec, spec.profile.v_codec
+    k_tile, v_tile = tpu_tile(spec.profile.k_codec), tpu_tile(spec.profile.v_codec)
     cdt = compute_dtype_for(q_ref.dtype)
 
     row = rows_ref[b]
@@ -203,8 +194,8 @@ def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, sp
     tq = qt * bq + jax.lax.div(r, jnp.int32(g_size))
     qpos = jnp.where(tq < spec.num_queries, pos + tq, -1)
     d = spec.head_dim
-    qs = [q_ref[:, start:start + width].astype(cdt) for start, width in _q_columns(k_codec, d)]
-    out_cols = _q_columns(v_codec, d)
+    qs = [q_ref[:, start:start + width].astype(cdt) for start, width in k_tile.columns(d)]
+    out_cols = v_tile.columns(d)
     sm_scale = F32(spec.sm_scale)
     names = spec.names
 
@@ -231,14 +222,14 @@ def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, sp
             tile = widen(bufs[names.index(plane)][slot])
             return jnp.where(ok_col, tile, jnp.zeros((), tile.dtype))
 
-        s = decode_keys(k_codec, qs, load("k"), load("k_scale"), cdt) * sm_scale
+        s = k_tile.decode_keys(qs, load("k"), load("k_scale"), cdt) * sm_scale
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new)
         l_new = l * alpha + jnp.sum(p, axis=1, keepdims=True)
         accs = [a * alpha for a in accs]
-        return (m_new, l_new, *decode_values(v_codec, accs, p, load("v"), load("v_scale"), cdt))
+        return (m_new, l_new, *v_tile.decode_values(accs, p, load("v"), load("v_scale"), cdt))
 
     init = (jnp.full((rows, 1), M_INIT, F32), jnp.zeros((rows, 1), F32),
             *[jnp.zeros((rows, width), F32) for _, width in out_cols])

@@ -1,4 +1,7 @@
-"""TPU-friendly decoders of the codecs for the Mosaic attention kernel.
+"""The codecs in Mosaic's form: one TPU tile per shared codec tile, for the Mosaic append and attention.
+
+:data:`TPU_TILES` maps each tile class of :data:`pallas_kernels.common.codec_tiles.CODEC_TILES` to
+its :class:`TpuTile`; the kernels look a codec up with :func:`tpu_tile` and never branch on it.
 
 Mosaic lowers 2-D vectors of 32-bit elements best: no 1-D <-> 2-D reshapes, no arithmetic on 8-bit
 vectors, no strided loads of packed data.  So the decoders here widen every loaded plane to int32 or
@@ -13,14 +16,28 @@ queries with their lanes permuted to ``[even | odd]`` and writes the NVFP4 value
 
 from __future__ import annotations
 
+import dataclasses
+import types
+from typing import Callable, ClassVar, Mapping
+
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.profiles import KVCodec
+from ..common.codec_tiles import (CODEC_TILES, Bf16Tile, CodecTile, Fp8RowTile, Int8G64Tile, Nvfp4G16Tile, Put,
+                                  TileSource, codec_tile)
+from ..common.tiles import F32, Lanes, dot
 
-from ..common.tiles import F32, dot
-
-__all__ = ["e4m3_bits_to_f32", "e2m1_to_f32", "column_to_row", "decode_keys", "decode_values", "permutes_lanes", "widen"]
+__all__ = [
+    "TpuTile",
+    "TPU_TILES",
+    "tpu_tile",
+    "e4m3_bits_to_f32",
+    "e2m1_to_f32",
+    "column_to_row",
+    "widen",
+    "quantize_int8_tile_i32",
+    "quantize_nvfp4_tile_i32",
+]
 
 I32 = jnp.int32
 
@@ -67,11 +84,6 @@ def _scale_row(tile: jax.Array, lane: int) -> jax.Array:
     return column_to_row(tile[:, lane:lane + 1])
 
 
-def permutes_lanes(codec: KVCodec) -> bool:
-    """Whether the codec's products use ``[even | odd]`` lanes (queries for K, outputs for V)."""
-    return codec is KVCodec.NVFP4_G16
-
-
 def _nvfp4_halves(codes: jax.Array, scales: jax.Array):
     """Packed bytes ``(keys, D/2)`` int32 and scale bits ``(keys, D/16)`` int32 -> (even, odd) float32."""
     half = codes.shape[1]
@@ -90,53 +102,6 @@ def widen(tile: jax.Array) -> jax.Array:
     if jnp.issubdtype(tile.dtype, jnp.floating):
         return tile.astype(F32)
     return _i32(tile)
-
-
-def _widen(codec: KVCodec, tile: jax.Array) -> jax.Array:
-    """The codes of a widened plane tile as float32 (BF16, INT8, FP8) or int32 (NVFP4 bytes)."""
-    if codec is KVCodec.INT8_G64:
-        return tile.astype(F32)
-    if codec is KVCodec.FP8_E4M3FN_ROW:
-        return e4m3_bits_to_f32(tile)
-    return tile
-
-
-def _scales(codec: KVCodec, tile: jax.Array) -> jax.Array:
-    return tile
-
-
-def decode_keys(codec: KVCodec, qs: list, codes, scales, cdt) -> jax.Array:
-    """Scores float32 ``(rows, keys)``: ``codes``/``scales`` are the masked tiles from :func:`widen`."""
-    c = _widen(codec, codes)
-    if codec is KVCodec.BF16:
-        return dot(qs[0], c.astype(cdt), transpose_b=True)
-    sc = _scales(codec, scales)
-    if codec is KVCodec.FP8_E4M3FN_ROW:
-        return dot(qs[0], c.astype(cdt), transpose_b=True) * _scale_row(sc, 0)
-    if codec is KVCodec.INT8_G64:
-        total = None
-        for g in range(len(qs)):
-            part = dot(qs[g], c[:, 64 * g:64 * g + 64].astype(cdt), transpose_b=True) * _scale_row(sc, g)
-            total = part if total is None else total + part
-        return total
-    lo, hi = _nvfp4_halves(c, sc)
-    return dot(qs[0], lo.astype(cdt), transpose_b=True) + dot(qs[1], hi.astype(cdt), transpose_b=True)
-
-
-def decode_values(codec: KVCodec, accs: list, p: jax.Array, codes, scales, cdt) -> list:
-    """``accs[i] + p @ v`` per value column of the codec (see :func:`decode_keys`)."""
-    c = _widen(codec, codes)
-    if codec is KVCodec.BF16:
-        return [accs[0] + dot(p.astype(cdt), c.astype(cdt))]
-    sc = _scales(codec, scales)
-    if codec is KVCodec.FP8_E4M3FN_ROW:
-        return [accs[0] + dot((p * _scale_row(sc, 0)).astype(cdt), c.astype(cdt))]
-    if codec is KVCodec.INT8_G64:
-        return [accs[g] + dot((p * _scale_row(sc, g)).astype(cdt), c[:, 64 * g:64 * g + 64].astype(cdt))
-                for g in range(len(accs))]
-    lo, hi = _nvfp4_halves(c, sc)
-    pc = p.astype(cdt)
-    return [accs[0] + dot(pc, lo.astype(cdt)), accs[1] + dot(pc, hi.astype(cdt))]
 
 
 # -- encoding (append) -----------------------------------------------------------------------------
@@ -205,7 +170,7 @@ def quantize_int8_tile_i32(x: jax.Array, head_dim: int, scale_lanes: int):
     """
     from ninfer_kv import codecs
 
-    from ..common.tiles import div_where, group_amax, spread
+    from ..common.tiles import div_where, group_amax
 
     x = codecs.flush_subnormal(x.astype(F32))
     scales = [codecs.bf16_scale(amax, codecs.INT8_QMAX).astype(F32) for amax in group_amax(x, 64, head_dim // 64)]
@@ -222,3 +187,129 @@ def quantize_int8_tile_i32(x: jax.Array, head_dim: int, scale_lanes: int):
         bits = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(v, I32), I32(16))
         sc = jnp.where(sid == g, bits, sc)
     return q, sc
+
+
+# -- the TPU tiles: one per codec tile ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTile:
+    """The Mosaic form of one codec's tile (the shared :class:`~pallas_kernels.common.codec_tiles.CodecTile`).
+
+    The kernels never branch on the codec: they look its TPU tile up (:func:`tpu_tile`) and use
+
+    * ``permutes_lanes``: whether the products use ``[even | odd]`` lanes (the queries for the K
+      codec, the output accumulators for the V codec; the wrappers permute and restore them);
+    * ``columns(d)``: the lanes ``(start, n)`` of each query tile (K) or accumulator (V);
+    * ``encode(tensor, x, lanes)``: :class:`Put` records of int32 or 16/32-bit values (the shared
+      tile's encoder where Mosaic lowers it, an int32 twin where it would need 8-bit arithmetic);
+    * ``decode_keys(qs, codes, scales, cdt)`` and ``decode_values(accs, p, codes, scales, cdt)``
+      over the masked tiles :func:`widen` made of one fetched page.
+    """
+
+    base: CodecTile
+    quantizer: Callable | None = None
+    """The int32 twin the shared tile's ``encode`` uses instead of its own quantizer (``None``: its own)."""
+    permutes_lanes: ClassVar[bool] = False
+
+    def columns(self, d: int) -> list[tuple[int, int]]:
+        return [(0, d)]
+
+    def encode(self, tensor: str, x: TileSource, lanes: Lanes) -> tuple[Put, ...]:
+        if self.quantizer is None:
+            return self.base.encode(tensor, x, lanes)
+        return self.base.encode(tensor, x, lanes, quantizer=self.quantizer)
+
+    def codes(self, tile: jax.Array) -> jax.Array:
+        """A widened code tile as the operand of the products."""
+        return tile
+
+    def decode_keys(self, qs: list, codes, scales, cdt) -> jax.Array:
+        return dot(qs[0], self.codes(codes).astype(cdt), transpose_b=True)
+
+    def decode_values(self, accs: list, p: jax.Array, codes, scales, cdt) -> list:
+        return [accs[0] + dot(p.astype(cdt), self.codes(codes).astype(cdt))]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuBf16Tile(TpuTile):
+    """BF16: one product over all D lanes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuFp8RowTile(TpuTile):
+    """FP8-E4M3FN rows: codes decoded from their bits, the row scale applied to the scores or the probabilities."""
+
+    def codes(self, tile: jax.Array) -> jax.Array:
+        return e4m3_bits_to_f32(tile)
+
+    def decode_keys(self, qs: list, codes, scales, cdt) -> jax.Array:
+        return super().decode_keys(qs, codes, scales, cdt) * _scale_row(scales, 0)
+
+    def decode_values(self, accs: list, p: jax.Array, codes, scales, cdt) -> list:
+        return super().decode_values(accs, p * _scale_row(scales, 0), codes, scales, cdt)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuInt8G64Tile(TpuTile):
+    """INT8 in groups of 64 lanes: one product per group (encoded through the int32 quantizer twin)."""
+
+    def columns(self, d: int) -> list[tuple[int, int]]:
+        return [(64 * g, 64) for g in range(d // 64)]
+
+    def codes(self, tile: jax.Array) -> jax.Array:
+        return tile.astype(F32)
+
+    def decode_keys(self, qs: list, codes, scales, cdt) -> jax.Array:
+        c = self.codes(codes)
+        total = None
+        for g in range(len(qs)):
+            part = dot(qs[g], c[:, 64 * g:64 * g + 64].astype(cdt), transpose_b=True) * _scale_row(scales, g)
+            total = part if total is None else total + part
+        return total
+
+    def decode_values(self, accs: list, p: jax.Array, codes, scales, cdt) -> list:
+        c = self.codes(codes)
+        return [accs[g] + dot((p * _scale_row(scales, g)).astype(cdt), c[:, 64 * g:64 * g + 64].astype(cdt))
+                for g in range(len(accs))]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuNvfp4G16Tile(TpuTile):
+    """NVFP4: even and odd lanes in two products over ``[even | odd]`` lanes (encoded through the int32 twin)."""
+
+    permutes_lanes: ClassVar[bool] = True
+
+    def columns(self, d: int) -> list[tuple[int, int]]:
+        return [(0, d // 2), (d // 2, d // 2)]
+
+    def decode_keys(self, qs: list, codes, scales, cdt) -> jax.Array:
+        lo, hi = _nvfp4_halves(codes, scales)
+        return dot(qs[0], lo.astype(cdt), transpose_b=True) + dot(qs[1], hi.astype(cdt), transpose_b=True)
+
+    def decode_values(self, accs: list, p: jax.Array, codes, scales, cdt) -> list:
+        lo, hi = _nvfp4_halves(codes, scales)
+        pc = p.astype(cdt)
+        return [accs[0] + dot(pc, lo.astype(cdt)), accs[1] + dot(pc, hi.astype(cdt))]
+
+
+_TPU_FORMS: dict[type, Callable[[CodecTile], TpuTile]] = {
+    Bf16Tile: TpuBf16Tile,
+    Fp8RowTile: TpuFp8RowTile,
+    Int8G64Tile: lambda base: TpuInt8G64Tile(base, quantize_int8_tile_i32),
+    Nvfp4G16Tile: lambda base: TpuNvfp4G16Tile(base, quantize_nvfp4_tile_i32),
+}
+TPU_TILES: Mapping[type, TpuTile] = types.MappingProxyType(
+    {type(base): _TPU_FORMS[type(base)](base) for base in CODEC_TILES.values()}  # KeyError at import: a tile lacks its form
+)
+"""The TPU tile of every shared codec tile, keyed by the shared tile's class."""
+
+
+def tpu_tile(codec) -> TpuTile:
+    """The TPU tile of ``codec`` (``ValueError`` naming the codec when the shared table or this one lacks it)."""
+    base = codec_tile(codec)
+    tile = TPU_TILES.get(type(base))
+    if tile is None:
+        raise ValueError(f"the Mosaic TPU kernels have no tile for codec {codec}; add one to "
+                         "pallas_kernels.mosaic_tpu.tpu_tiles.TPU_TILES")
+    return tile

@@ -21,7 +21,8 @@ def _available() -> tuple[str, ...]:
         return available_impls()
 
 
-@pytest.mark.parametrize("impl, profile", [("ffi", "bf16"), ("ffi", "k8v4"), ("pallas", "bf16")])
+@pytest.mark.parametrize("impl, profile", [("ffi", "bf16"), ("ffi", "k8v4"), ("pallas", "bf16"),
+                                           pytest.param("pallas_tpu", "k8v4", marks=pytest.mark.slow)])
 def test_paged_steps_on_kernel_impls_match_dense(impl, profile):
     if impl not in _available():
         pytest.skip(f"implementation {impl!r} is not available here")
@@ -60,3 +61,23 @@ def test_ffi_decode_temp_memory_does_not_grow_with_context():
         temp.append(compiled.memory_analysis().temp_size_in_bytes)
     assert temp[0] == temp[1], temp
     assert steps.decode.compiles == 2
+
+
+def test_step_config_takes_every_registered_impl_and_names_them_when_refusing():
+    """``StepConfig.impl`` is any name of the op registry (``pallas_tpu`` and a caller's own), nothing else."""
+    from ninfer_kv.demo.config import DemoConfig
+    from ninfer_kv.models.decoder import StepConfig
+    from ninfer_kv.ops import registry
+
+    cfg = ModelConfig.tiny()
+    for impl in registry.impl_choices():
+        assert StepConfig(model=cfg, impl=impl).impl == impl
+    reference = registry.load_impl("reference")
+    with registry.override_impls({"mine": lambda: reference}):
+        assert StepConfig(model=cfg, impl="mine").impl == "mine"
+        assert DemoConfig(impl="mine").impl == "mine"
+    allowed = ", ".join(registry.impl_choices())
+    with pytest.raises(ValueError, match=f"impl='mine' is not supported; allowed: {allowed}$"):
+        StepConfig(model=cfg, impl="mine")
+    with pytest.raises(ValueError, match=f"impl='cuda' is not supported; allowed: {allowed}$"):
+        DemoConfig(impl="cuda")

@@ -85,6 +85,8 @@ def test_generate_refuses_bad_input_in_one_line(checkpoint, tmp_path, capsys):
         (["--prompt", "1 2 999"], "999 is outside the vocabulary [0, 320)"),
         (["--prompt", "1 2", "--top-p", "0"], "--top-p"),
         (["--prompt", "1 2", "--temperature", "-1"], "--temperature"),
+        (["--prompt", "1 2", "--impl", "cuda"], "impl 'cuda' is not registered; allowed: auto, reference, pallas, ffi, "
+                                                "pallas_tpu"),
     ]
     for extra, match in cases:
         assert main(["generate", "--model", str(checkpoint), *extra]) == 2

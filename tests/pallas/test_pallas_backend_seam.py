@@ -81,19 +81,11 @@ def _names_kv_codec(path: Path) -> bool:
     )
 
 
-# Known debt, listed exactly: the Mosaic TPU kernels still branch on the codec where Mosaic needs
-# 32-bit widening and lane reordering; a per-codec TPU tile table would remove these.  The list must
-# equal what the walker finds, so a new branch fails and so does removing one without this line.
-MOSAIC_CODEC_BRANCHES = ["mosaic_tpu/paged_append.py", "mosaic_tpu/paged_attention.py", "mosaic_tpu/tpu_tiles.py"]
-
-
 def test_the_kernels_never_branch_on_the_codec():
     table = PACKAGE / "common" / "codec_tiles.py"
     assert _names_kv_codec(table)  # the control: the walker sees the table's codecs
     naming = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p != table and _names_kv_codec(p))
-    assert naming == MOSAIC_CODEC_BRANCHES, (
-        f"only common/codec_tiles.py may name KVCodec (the codec tile table), besides the listed Mosaic debt: {naming}"
-    )
+    assert naming == [], f"only common/codec_tiles.py may name KVCodec (the codec tile table): {naming}"
 
 
 def test_every_codec_has_one_tile():

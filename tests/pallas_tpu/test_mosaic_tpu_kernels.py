@@ -108,3 +108,13 @@ def test_unsupported_config_is_rejected():
     with pytest.raises(TypeError, match="MosaicConfig"):
         paged_attention(jnp.zeros((2, 1, 4, D)), view, rows, jnp.asarray(kv_lens - 1), jnp.asarray(kv_lens),
                         config=PagedAttentionConfig(compiler=object()))
+
+
+def test_mosaic_config_bounds_the_vmem_limit():
+    """``vmem_limit_bytes`` is None or an int in [4 KiB, 1 GiB]; anything else names the range."""
+    from pallas_kernels.mosaic_tpu.backend import MosaicConfig
+
+    assert MosaicConfig().vmem_limit_bytes is None and MosaicConfig(4096).vmem_limit_bytes == 4096
+    for bad in (4095, 1 << 31, 2.5, "1MiB"):
+        with pytest.raises((ValueError, TypeError), match="vmem_limit_bytes"):
+            MosaicConfig(bad)

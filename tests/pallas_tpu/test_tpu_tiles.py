@@ -34,3 +34,23 @@ def test_int32_quantizers_match_the_shared_tiles_bit_for_bit():
     p32, b32 = quantize_nvfp4_tile_i32(jnp.asarray(x[:, 0::2]), jnp.asarray(x[:, 1::2]), 128, 8)
     np.testing.assert_array_equal(np.asarray(p32), np.asarray(packed).astype(np.int32))
     np.testing.assert_array_equal(np.asarray(b32), np.asarray(sbits).astype(np.int32))
+
+
+def test_every_shared_codec_tile_has_one_tpu_tile():
+    import dataclasses
+
+    import pytest
+
+    from ninfer_kv.profiles import KVCodec
+    from pallas_kernels.common.codec_tiles import CODEC_TILES
+    from pallas_kernels.mosaic_tpu.tpu_tiles import TPU_TILES, tpu_tile
+
+    assert set(TPU_TILES) == {type(t) for t in CODEC_TILES.values()}
+    for codec in KVCodec:
+        tile = tpu_tile(codec)
+        assert tile is TPU_TILES[type(CODEC_TILES[codec])] and tile.base is CODEC_TILES[codec]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            tile.base = None  # noqa: B010 - frozen: one TPU tile per shared tile
+    assert [c for c in KVCodec if tpu_tile(c).permutes_lanes] == [KVCodec.NVFP4_G16]
+    with pytest.raises(ValueError, match="no tile for codec"):
+        tpu_tile("not-a-codec")

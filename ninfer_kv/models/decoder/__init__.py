@@ -15,7 +15,7 @@ param_shapes), ``layers`` (RMSNorm, RoPE with scaling, SwiGLU), ``model`` (paged
 """
 
 from .buckets import PaddedRows, bucket_for, bucket_ladder, pad_rows, prompt_chunks
-from .config import DEFAULT_BATCH_BUCKETS, IMPLS, PREFILL_CHUNK, ROPE_SCALING_KINDS, ModelConfig, RopeScaling, StepConfig
+from .config import DEFAULT_BATCH_BUCKETS, PREFILL_CHUNK, ROPE_SCALING_KINDS, ModelConfig, RopeScaling, StepConfig
 from .dense import (
     DenseCacheSteps,
     DenseKVCache,
@@ -47,7 +47,6 @@ __all__ = [
     "pad_rows",
     "prompt_chunks",
     "DEFAULT_BATCH_BUCKETS",
-    "IMPLS",
     "PREFILL_CHUNK",
     "ModelConfig",
     "RopeScaling",

@@ -21,11 +21,11 @@ from ninfer_kv.geometry import PAGE_SIZE
 from ninfer_kv.integers import check_int
 from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.planning import ModelKVConfig
+from ninfer_kv.ops.registry import impl_choices
 from ninfer_kv.profiles import KVProfile
 
-__all__ = ["ModelConfig", "RopeScaling", "ROPE_SCALING_KINDS", "StepConfig", "IMPLS", "DEFAULT_BATCH_BUCKETS", "PREFILL_CHUNK"]
+__all__ = ["ModelConfig", "RopeScaling", "ROPE_SCALING_KINDS", "StepConfig", "DEFAULT_BATCH_BUCKETS", "PREFILL_CHUNK"]
 
-IMPLS = ("auto", "pallas", "ffi", "reference")
 """Allowed values of :attr:`StepConfig.impl` (forwarded to ``ninfer_kv.ops``)."""
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -235,7 +235,8 @@ class StepConfig:
     Attributes:
       model: the :class:`ModelConfig`.
       profile: the KV profile of the Main pool (and of the MTP pool when ``model.mtp``).
-      impl: op implementation passed to ``ninfer_kv.ops`` (``"auto"``: Pallas on GPU, FFI on CPU).
+      impl: op implementation, one of :func:`ninfer_kv.ops.registry.impl_choices` (``"auto"``: FFI on CPU,
+        Pallas on GPU, Mosaic on TPU).
       prefill_chunk: tokens per chunked-prefill call (a multiple of the page size 64).
       draft_window: speculative draft window K; verify takes ``K + 1`` tokens per row.
       batch_buckets: the batch sizes a step accepts; pad smaller batches up to a bucket
@@ -254,8 +255,8 @@ class StepConfig:
             raise TypeError(f"model must be a ModelConfig, got {type(self.model).__name__}")
         object.__setattr__(self, "profile", KVProfile.parse(self.profile))
         self.profile.check_head_dim(self.model.head_dim)
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(IMPLS)}")
+        if self.impl not in impl_choices():
+            raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(impl_choices())}")
         chunk = check_int("prefill_chunk", self.prefill_chunk, PAGE_SIZE)
         if chunk % PAGE_SIZE:
             raise ValueError(f"prefill_chunk={chunk} must be a multiple of the page size {PAGE_SIZE}")
