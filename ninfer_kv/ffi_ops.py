@@ -56,6 +56,8 @@ planes updates each element's planes separately.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -76,6 +78,8 @@ __all__ = [
     "paged_attention",
     "cyclic_append",
     "cyclic_attention",
+    "matmul_bf16",
+    "fixed_splits",
     "apply_tables",
     "write_pages",
     "is_available",
@@ -99,6 +103,7 @@ TARGETS = {
     "ninfer_kv_paged_attention": "NinferKvPagedAttention",
     "ninfer_kv_cyclic_append": "NinferKvCyclicAppend",
     "ninfer_kv_cyclic_attention": "NinferKvCyclicAttention",
+    "ninfer_kv_matmul_bf16": "NinferKvMatmulBf16",
     "ninfer_kv_apply_tables": "NinferKvApplyTables",
     "ninfer_kv_write_pages": "NinferKvWritePages",
 }
@@ -269,6 +274,23 @@ def _stream_read(buf: np.ndarray, threads: int = 0) -> int:
     return int(lib.NinferKvFfiStreamRead(buf.ctypes.data, buf.nbytes, threads))
 
 
+_NO_SPLITS: contextvars.ContextVar[bool] = contextvars.ContextVar("ninfer_kv_ffi_no_splits", default=False)
+
+
+@contextlib.contextmanager
+def fixed_splits():
+    """Attention traced inside the block splits no context: each (row, KV head, query block) is one
+    task of one thread whatever the batch, so a row's output depends on that row alone (the
+    batch-invariant steps use it); it costs parallelism only while the batch has fewer row x head
+    tasks than the library has threads.  Read when the attention is traced: a jitted function traced
+    outside the block keeps its adaptive splits."""
+    token = _NO_SPLITS.set(True)
+    try:
+        yield
+    finally:
+        _NO_SPLITS.reset(token)
+
+
 def _require() -> ctypes.CDLL:
     return ffi_library.require(_LIBRARY)
 
@@ -372,6 +394,7 @@ def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_le
         *_plane_list(view.planes, lay.profile),
         head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
         sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
+        no_splits=np.int32(_NO_SPLITS.get()),
         **_codec_attrs(lay.profile),
     )
     return out.astype(jnp.asarray(q).dtype)
@@ -414,9 +437,38 @@ def cyclic_attention(q, view: CyclicKVCacheLayerView, rows, positions, kv_lens, 
         *_plane_list(view.planes, lay.profile),
         window=np.int32(lay.window),
         sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
+        no_splits=np.int32(_NO_SPLITS.get()),
         **_codec_attrs(lay.profile),
     )
     return out.astype(jnp.asarray(q).dtype)
+
+
+# -- the model's weight products ---------------------------------------------------------------------
+
+
+def matmul_bf16(x, w) -> jax.Array:
+    """``x @ w.T`` in float32 for bfloat16 ``x (..., K)`` and ``w (N, K)`` (an ``nn.Linear`` weight).
+
+    Each output element is one fixed sequence of float32 operations over its row of ``x`` and of
+    ``w`` (16 lanes over K in chunks of 32, then a fixed reduction tree; ``ffi/src/matmul.cc``), so a
+    row's result never depends on the other rows, on their number or on the thread split, and it is
+    the same at every instruction-set level (a product of two bfloat16 values is exact in float32).
+    Streams each weight once per call: a decode step's products at memory speed.
+
+    Raises ``ValueError`` naming the operand for a dtype other than bfloat16 or mismatched K.
+    """
+    _require()
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    for name, a in (("x", x), ("w", w)):
+        if a.dtype != jnp.bfloat16:
+            raise ValueError(f"matmul_bf16: {name} must be bfloat16, got {a.dtype}")
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"matmul_bf16: x {x.shape} and w {w.shape} are not (..., K) and (N, K)")
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    out = jax.ffi.ffi_call("ninfer_kv_matmul_bf16", jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32),
+                           vmap_method="sequential")(x.reshape(rows, x.shape[-1]), w)
+    return out.reshape(*lead, w.shape[0])
 
 
 # -- round work (the CPU lowering of ninfer_kv.device.work.apply_work) ------------------------------

@@ -34,6 +34,10 @@ struct AttentionShape {
   const void* q;  // (B, T, Hq, D)
   bool q_bf16;    // q and out dtype: bfloat16 (else float32)
   void* out;      // (B, T, Hq, D)
+  // No context splits: each (row, KV head, query block) is one task whatever the batch, so a row's
+  // output depends on that row alone (a batch-invariant step); costs parallelism only while the
+  // batch has fewer row x head tasks than threads.
+  bool no_splits = false;
 };
 
 namespace internal {
@@ -75,7 +79,7 @@ void RunAttention(const AttentionShape& s, const Source& src) {
   const int64_t align = src.split_align();
   constexpr int64_t kMinRunsPerSplit = 4;
   int64_t splits = 1;
-  if (threads > 1 && base < 4 * threads) {
+  if (threads > 1 && base < 4 * threads && !s.no_splits) {
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) {
       int64_t lo0, hi0, lo1, hi1;

@@ -5,7 +5,7 @@
 //                        k (B, T, H, D), v (B, T, H, D), planes...) -> planes... (aliased)
 //   NinferKvCyclicAttention(q (B, T, Hq, D), rows, positions, kv_lens s32 (B,), layer,
 //                           planes...) -> out (B, T, Hq, D)
-//   attributes: k_codec, v_codec; window (s32 >= 1) and sm_scale (f32) for attention.
+//   attributes: k_codec, v_codec; window (s32 >= 1), sm_scale (f32) and no_splits (s32 0/1) for attention.
 //
 // Append writes token t < clip(valid[b], 0, T) at slot (positions[b] + t) mod slots when the
 // position is >= 0 and among the last `slots` positions the call writes for that row (earlier ones would be
@@ -120,7 +120,7 @@ ffi::Error CyclicAppendImpl(ffi::Buffer<ffi::S32, 1> rows, ffi::Buffer<ffi::S32,
 ffi::Error CyclicAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 1> rows, ffi::Buffer<ffi::S32, 1> positions,
                                ffi::Buffer<ffi::S32, 1> kv_lens, ffi::Buffer<ffi::S32, 0> layer,
                                ffi::RemainingArgs planes_in, ffi::Result<ffi::AnyBuffer> out, int32_t k_codec,
-                               int32_t v_codec, int32_t window, float sm_scale) {
+                               int32_t v_codec, int32_t window, float sm_scale, int32_t no_splits) {
   constexpr const char* kOp = "cyclic attention";
   if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
   if (window < 1) return ffi::Error::InvalidArgument("cyclic attention: window must be >= 1, got " + std::to_string(window));
@@ -133,7 +133,7 @@ ffi::Error CyclicAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 1> rows, 
   }
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
   RingSource src(planes, geo, lay, window, q.dimensions()[1], rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
-  RunAttention(QueryShape(q, *out, geo.heads, sm_scale), src);
+  RunAttention(QueryShape(q, *out, geo.heads, sm_scale, no_splits), src);
   return ffi::Error::Success();
 }
 
@@ -154,7 +154,8 @@ XLA_FFI_DEFINE_HANDLER(kCyclicAttentionHandler, CyclicAttentionImpl,
                                              .Arg<S32Vector>()       // kv_lens
                                              .Arg<S32Scalar>())      // layer
                            .Attr<int32_t>("window")
-                           .Attr<float>("sm_scale"));
+                           .Attr<float>("sm_scale")
+                           .Attr<int32_t>("no_splits"));
 
 XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame) { return kCyclicAppendHandler(call_frame); }
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kCyclicAttentionHandler(call_frame); }

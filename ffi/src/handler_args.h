@@ -101,10 +101,10 @@ inline xla::ffi::Error CheckAttentionBatch(const char* op, const xla::ffi::AnyBu
 
 // The attention problem of checked q / out over `kv_heads` KV heads.
 inline AttentionShape QueryShape(const xla::ffi::AnyBuffer& q, xla::ffi::AnyBuffer& out, int64_t kv_heads,
-                                 float sm_scale) {
+                                 float sm_scale, int32_t no_splits) {
   auto qd = q.dimensions();
   return AttentionShape{qd[0],           qd[1],    qd[2], kv_heads, qd[3], sm_scale, q.untyped_data(),
-                        q.element_type() == xla::ffi::DataType::BF16, out.untyped_data()};
+                        q.element_type() == xla::ffi::DataType::BF16, out.untyped_data(), no_splits != 0};
 }
 
 // Binding tail of an append handler: k, v, the plane operands, the aliased plane results and

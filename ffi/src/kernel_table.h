@@ -1,6 +1,6 @@
 // The function table of one compiled instruction-set level, and the CPU features it needs.
 //
-// Every level (isa.h) defines one KernelTable as constant data: the four handlers compiled for
+// Every level (isa.h) defines one KernelTable as constant data: the five handlers compiled for
 // that level, its vector width and the set of CPU features its code may use, derived from the
 // compiler's predefined macros (so a -march=native build declares exactly what it was built
 // for).  The dispatcher (dispatch.cc) reads the tables as data, without running any level's code,
@@ -53,7 +53,7 @@ struct KernelTable {
   const char* level;      // "baseline", "avx2", "avx512", "avx512vnni", "neon" or "native"
   int vector_width;       // float lanes per vector
   uint64_t features;      // Feature bits the level's code may use
-  HandlerFn paged_append, paged_attention, cyclic_append, cyclic_attention;
+  HandlerFn paged_append, paged_attention, cyclic_append, cyclic_attention, matmul_bf16;
   ArithmeticFn arithmetic;
   ReadWordsFn read_words;
 };
@@ -141,6 +141,7 @@ XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* MatmulBf16Handler(XLA_FFI_CallFrame* call_frame);  // matmul.cc
 int32_t AttentionArithmetic(int32_t k_codec, int32_t v_codec, int32_t head_dim);
 NINFER_KV_NAMESPACE_END
 

@@ -41,6 +41,7 @@ NINFER_KV_FORWARD(NinferKvPagedAppend, paged_append)
 NINFER_KV_FORWARD(NinferKvPagedAttention, paged_attention)
 NINFER_KV_FORWARD(NinferKvCyclicAppend, cyclic_append)
 NINFER_KV_FORWARD(NinferKvCyclicAttention, cyclic_attention)
+NINFER_KV_FORWARD(NinferKvMatmulBf16, matmul_bf16)
 #undef NINFER_KV_FORWARD
 
 // The operand/attribute contract version of the handlers (see kAbiVersion).

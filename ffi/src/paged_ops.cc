@@ -6,7 +6,8 @@
 //                       planes...) -> planes... (each result aliases its plane operand)
 //   NinferKvPagedAttention(q (B, T, Hq, D), block_tables, layer, table_rows, positions,
 //                          kv_lens s32 (B,), planes...) -> out (B, T, Hq, D), q's dtype
-//   attributes: k_codec, v_codec (s32 codec ids), head_major (s32 0/1), sm_scale (f32, attention).
+//   attributes: k_codec, v_codec (s32 codec ids), head_major (s32 0/1), sm_scale (f32, attention),
+//   no_splits (s32 0/1, attention: no context splits, attention_driver.h).
 //
 // Odd indices (the rules every implementation follows): a table row outside [0, C) is inert
 // (append writes nothing for it, attention returns zeros for its queries); attention reads only
@@ -144,7 +145,7 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
                               ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
                               ffi::Buffer<ffi::S32, 1> kv_lens, ffi::RemainingArgs planes_in,
                               ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec, int32_t head_major,
-                              float sm_scale) {
+                              float sm_scale, int32_t no_splits) {
   constexpr const char* kOp = "paged attention";
   if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
   PlaneSet planes;
@@ -158,7 +159,7 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
   const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
   PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
-  RunAttention(QueryShape(q, *out, geo.heads, sm_scale), src);
+  RunAttention(QueryShape(q, *out, geo.heads, sm_scale, no_splits), src);
   return ffi::Error::Success();
 }
 
@@ -182,7 +183,8 @@ XLA_FFI_DEFINE_HANDLER(kPagedAttentionHandler, PagedAttentionImpl,
                                              .Arg<S32Vector>()       // positions
                                              .Arg<S32Vector>())      // kv_lens
                            .Attr<int32_t>("head_major")
-                           .Attr<float>("sm_scale"));
+                           .Attr<float>("sm_scale")
+                           .Attr<int32_t>("no_splits"));
 
 XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendHandler(call_frame); }
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAttentionHandler(call_frame); }

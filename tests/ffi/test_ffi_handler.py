@@ -24,7 +24,7 @@ def test_paged_attention_handler_rejects_bad_operands():
     with pytest.raises(Exception, match="q must be"):
         call(
             jnp.zeros((2, 64), jnp.float32), i32(1, 2), i32(), i32(1), i32(1), i32(1), *planes,
-            k_codec=np.int32(0), v_codec=np.int32(0), head_major=np.int32(0), sm_scale=np.float32(1.0),
+            k_codec=np.int32(0), v_codec=np.int32(0), head_major=np.int32(0), sm_scale=np.float32(1.0), no_splits=np.int32(0),
         ).block_until_ready()
 
 

@@ -80,7 +80,9 @@ def _build(family: str, tmp_path_factory, dtype=torch.bfloat16):
     model = getattr(transformers, model_cls)(config).to(dtype).eval()
     directory = tmp_path_factory.mktemp(family)
     model.save_pretrained(directory)
-    return model, directory
+    # the reference is the saved checkpoint loaded as users load it (`.to(bfloat16)` would also round
+    # the float32 RoPE inv_freq buffer, which from_pretrained recomputes in float32)
+    return getattr(transformers, model_cls).from_pretrained(directory, dtype=dtype).eval(), directory
 
 
 def _reference(model, prompt):

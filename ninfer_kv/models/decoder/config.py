@@ -24,6 +24,8 @@ from ninfer_kv.planning import ModelKVConfig
 from ninfer_kv.ops.registry import impl_choices
 from ninfer_kv.profiles import KVProfile
 
+from .layers import Products
+
 __all__ = ["ModelConfig", "RopeScaling", "ROPE_SCALING_KINDS", "StepConfig", "DEFAULT_BATCH_BUCKETS", "PREFILL_CHUNK"]
 
 """Allowed values of :attr:`StepConfig.impl` (forwarded to ``ninfer_kv.ops``)."""
@@ -241,6 +243,11 @@ class StepConfig:
       draft_window: speculative draft window K; verify takes ``K + 1`` tokens per row.
       batch_buckets: the batch sizes a step accepts; pad smaller batches up to a bucket
         (:func:`ninfer_kv.models.decoder.buckets.pad_rows`).
+      products: how the weight products run when the ops are the FFI's (a CPU): ``"auto"``
+        (default: the FFI row kernel for single-row products, XLA's dots for more), ``"xla"``
+        (XLA's dots only) or ``"batch_invariant"`` (a row's logits never depend on the batch); see
+        :class:`ninfer_kv.models.decoder.layers.Products` and docs/MODELS.md.  Other
+        implementations always use XLA's dots.
     """
 
     model: ModelConfig = ModelConfig()
@@ -249,6 +256,7 @@ class StepConfig:
     prefill_chunk: int = PREFILL_CHUNK
     draft_window: int = 3
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    products: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.model, ModelConfig):
@@ -257,6 +265,9 @@ class StepConfig:
         self.profile.check_head_dim(self.model.head_dim)
         if self.impl not in impl_choices():
             raise ValueError(f"impl={self.impl!r} is not supported; allowed: {', '.join(impl_choices())}")
+        allowed = tuple(m.value for m in Products)
+        if self.products not in allowed:
+            raise ValueError(f"products={self.products!r} is not supported; allowed: {', '.join(allowed)}")
         chunk = check_int("prefill_chunk", self.prefill_chunk, PAGE_SIZE)
         if chunk % PAGE_SIZE:
             raise ValueError(f"prefill_chunk={chunk} must be a multiple of the page size {PAGE_SIZE}")

@@ -7,13 +7,17 @@ transformers' order, so a bfloat16 model rounds where transformers rounds:
   gain in that dtype (``weight * x_normed.to(input_dtype)``);
 * RoPE: angles ``position * inv_freq`` in float32, ``cos``/``sin`` (times the scaling's
   ``cos_sin_scale``) cast to the input dtype, then ``x * cos + rotate_half(x) * sin`` in that dtype;
-* inverse frequencies: transformers' formulas in float32 (:func:`scaled_inv_freq`).
+* inverse frequencies: transformers' formulas in float32 (:func:`scaled_inv_freq`);
+* SiLU: ``x / (1 + exp(-x))`` in float32, rounded once (torch's bfloat16 SiLU, :func:`silu`).
 
 For a float32 model every cast is the identity.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import enum
 import math
 
 import jax
@@ -22,22 +26,83 @@ import numpy as np
 
 __all__ = [
     "rms_norm",
+    "Products",
+    "products",
     "matmul_t",
     "rope_frequencies",
     "scaled_inv_freq",
     "apply_rope",
     "token_positions",
     "swiglu",
+    "silu",
     "linear",
 ]
 
 _F32 = jnp.float32
 
 
+class Products(str, enum.Enum):
+    """How :func:`matmul_t` computes the weight products of a traced step.
+
+    * ``XLA``: XLA's own dots (every platform; see :func:`matmul_t` for the two spellings).
+    * ``AUTO`` (CPU with the FFI library, bfloat16 ``x`` and ``w``): the FFI row kernel
+      (:func:`ninfer_kv.ffi_ops.matmul_bf16`) for single-row products (a decode step at batch 1: it
+      reads each weight once, front to back, faster than XLA's matrix-vector kernel), XLA's dots
+      for more rows (compute-bound there, where XLA's use the CPU's BF16 dot products).
+    * ``BATCH_INVARIANT`` (CPU with the FFI library): every computation of a row depends on that
+      row alone: bfloat16 weight products through the FFI row kernel
+      (:func:`ninfer_kv.ffi_ops.matmul_bf16`), :func:`rms_norm`'s sum of squares as a fixed pairwise
+      tree (XLA's CPU reductions change their order with the number of rows), and the FFI
+      attention's context splits at fixed key offsets (:func:`ninfer_kv.ffi_ops.fixed_splits`).
+    """
+
+    AUTO = "auto"
+    XLA = "xla"
+    BATCH_INVARIANT = "batch_invariant"
+
+_PRODUCTS: contextvars.ContextVar[Products] = contextvars.ContextVar("ninfer_kv_products", default=Products.XLA)
+
+
+@contextlib.contextmanager
+def products(mode: Products | str):
+    """Within the block, the layers compute as ``mode`` says (read when a step is traced)."""
+    mode = Products(mode)
+    token = _PRODUCTS.set(mode)
+    try:
+        if mode is Products.BATCH_INVARIANT:
+            from ninfer_kv import ffi_ops
+
+            with ffi_ops.fixed_splits():
+                yield
+        else:
+            yield
+    finally:
+        _PRODUCTS.reset(token)
+
+
+def _tree_sum(v: jax.Array) -> jax.Array:
+    """The sum over the last axis as a fixed pairwise tree (zero-padded to a power of two), keepdims."""
+    n = v.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, width - n)])
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v
+
+
 def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
-    """``(x / sqrt(mean(x^2) + eps)).astype(x.dtype) * gain`` over the last axis (statistics in float32)."""
+    """``(x / sqrt(mean(x^2) + eps)).astype(x.dtype) * gain`` over the last axis (statistics in float32).
+
+    Under :attr:`Products.BATCH_INVARIANT` the sum of squares is a fixed pairwise tree.
+    """
     xf = x.astype(_F32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + _F32(eps))
+    if _PRODUCTS.get() is Products.BATCH_INVARIANT:
+        ms = _tree_sum(xf * xf) / _F32(x.shape[-1])
+    else:
+        ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(ms + _F32(eps))
     return (xf * inv).astype(x.dtype) * gain.astype(x.dtype)
 
 
@@ -130,14 +195,21 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: "RopeS
 def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w.T`` for ``w (out, in)``, accumulated and returned in float32.
 
-    Two spellings of the same product, chosen by the (static) number of rows of ``x``, because
-    XLA's CPU compiler lowers them to different kernels: a matmul with the transposed weight takes
-    its fast matrix-vector kernel for one row (a decode step at batch 1) and is best again from a
-    few hundred rows, while between those a ``dot_general`` contracting ``w``'s second axis is 3 to
-    8 times faster (bf16, 1024 x 3072 and 1024 x 19K weights measured on a 2-core Xeon).  On
-    accelerators both lower to the same product.
+    Under :func:`products` ``BATCH_INVARIANT`` (or ``AUTO`` with one row) with bfloat16 ``x`` and
+    ``w``, the FFI row kernel (see :class:`Products`).  Otherwise XLA's dot, in one of two spellings chosen by the
+    (static) number of rows of ``x``, because XLA's CPU compiler lowers them to different kernels:
+    a matmul with the transposed weight takes its fast matrix-vector kernel for one row and is best
+    again from a few hundred rows, while between those a ``dot_general`` contracting ``w``'s second
+    axis is 3 to 8 times faster (bf16, 1024 x 3072 and 1024 x 19K weights measured on a 2-core
+    Xeon).  On accelerators both lower to the same product.
     """
     rows = math.prod(x.shape[:-1])
+    mode = _PRODUCTS.get()
+    row_kernel = mode is Products.BATCH_INVARIANT or (mode is Products.AUTO and rows == 1)
+    if row_kernel and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+        from ninfer_kv import ffi_ops
+
+        return ffi_ops.matmul_bf16(x, w)
     if rows == 1 or rows >= _MATVEC_FORM_FROM_ROWS:
         return jnp.matmul(x, w.T, preferred_element_type=jnp.float32)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -166,4 +238,14 @@ def swiglu(
     b_down: jax.Array | None = None,
 ) -> jax.Array:
     """``down(silu(gate(x)) * up(x))`` with :func:`linear` projections ``(out, in)`` (biases optional)."""
-    return linear(jax.nn.silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
+    return linear(silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
+
+
+def silu(x: jax.Array) -> jax.Array:
+    """``x / (1 + exp(-x))`` in float32, rounded once to ``x.dtype`` (torch's SiLU on bfloat16).
+
+    ``jax.nn.silu`` on bfloat16 rounds the sigmoid before the product: 37% of random bfloat16
+    inputs then differ from torch by a bfloat16 step; this form matches torch's on all of them.
+    """
+    xf = x.astype(_F32)
+    return (xf / (_F32(1.0) + jnp.exp(-xf))).astype(x.dtype)

@@ -71,7 +71,9 @@ from jax import monitoring
 from ...kinds import PoolKind
 from ...device.state import KVDeviceState
 from ...device.work import apply_work
+from ...ops.registry import resolve_impl
 from .config import StepConfig
+from .layers import Products, products
 from .model import forward_paged, logits_from_hidden
 from .mtp import mtp_draft_paged, mtp_forward_paged
 from .sampling import SamplingRows, greedy_tokens, sample_tokens
@@ -404,12 +406,14 @@ class ModelSteps:
         model = cfg.model
         main_layout = cfg.main_layout
         impl = cfg.impl
+        in_products = _in_products(cfg)
 
         def run_main(params, planes, block_tables, tokens, positions, valid, table_rows):
             return forward_paged(
                 params, model, main_layout, planes, block_tables, tokens, positions, valid, table_rows, impl=impl
             )
 
+        @in_products
         def prefill(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
             hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
             last = _at_index(hidden, jnp.maximum(valid - 1, 0))
@@ -417,12 +421,14 @@ class ModelSteps:
             chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + jnp.asarray(valid, jnp.int32))
             return PrefillOutput(planes, block_tables, logits, chosen, hidden)
 
+        @in_products
         def decode(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
             hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
             logits = logits_from_hidden(params, model, hidden[:, 0])
             chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + jnp.asarray(valid, jnp.int32))
             return DecodeOutput(planes, block_tables, logits, chosen, hidden)
 
+        @in_products
         def verify(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
             hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
             logits = logits_from_hidden(params, model, hidden)
@@ -442,6 +448,7 @@ class ModelSteps:
         if model.mtp:
             mtp_layout = cfg.mtp_layout
 
+            @in_products
             def mtp_extend(params, planes, block_tables, hidden, next_tokens, positions, valid, table_rows):
                 g, logits, planes = mtp_forward_paged(
                     params, model, mtp_layout, planes, block_tables, hidden, next_tokens, positions, valid,
@@ -450,6 +457,7 @@ class ModelSteps:
                 idx = jnp.maximum(valid - 1, 0)
                 return MTPExtendOutput(planes, block_tables, _at_index(logits, idx), _at_index(g, idx))
 
+            @in_products
             def mtp_draft(params, planes, block_tables, hidden, next_tokens, positions, valid, table_rows):
                 drafts, draft_logits, planes = mtp_draft_paged(
                     params, model, mtp_layout, planes, block_tables, hidden, next_tokens, positions, valid,
@@ -507,6 +515,28 @@ def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable) -> Cou
         check(params, shaped.pool_planes(pool), shaped.table(pool), *args)
 
     return CountedStep(f"{name}_state", body, check_arguments, donate_argnums=STATE_DONATED_ARGNUMS)
+
+
+def _in_products(cfg: StepConfig) -> Callable[[Callable], Callable]:
+    """A decorator running a step body under the weight-product mode of ``cfg`` (read when traced).
+
+    ``cfg.products`` applies when the ops resolve to the FFI implementation (a CPU with the
+    library); every other implementation traces XLA's dots.
+    """
+
+    def mode() -> Products:
+        if cfg.products == Products.XLA.value:
+            return Products.XLA
+        return Products(cfg.products) if resolve_impl(cfg.impl).name == "ffi" else Products.XLA
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def body(*args, **kwargs):
+            with products(mode()):
+                return fn(*args, **kwargs)
+        return body
+
+    return wrap
 
 
 def make_steps(step_config: StepConfig) -> ModelSteps:

@@ -1,0 +1,110 @@
+"""Weight products of a decode step: the FFI row kernel against XLA's dots, side by side, one run.
+
+For each weight shape of a Qwen3-0.6B layer and its LM head (bfloat16, ``x @ w.T``) and each row
+count M, prints the time of :func:`ninfer_kv.ffi_ops.matmul_bf16` and of XLA's two spellings, the
+row kernel's weight-read rate and its ratio to XLA's best.  Run: ``python bench/bench_products.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ninfer_kv import ffi_ops
+
+SHAPES = {"q/k/v (4096 x 1024)": (4096, 1024), "o (1024 x 2048)": (1024, 2048),
+          "gate+up (6144 x 1024)": (6144, 1024), "down (1024 x 3072)": (1024, 3072),
+          "lm head (151936 x 1024)": (151936, 1024)}
+
+
+def timed(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
+def qwen3_0_6b():
+    from ninfer_kv.models.decoder import ModelConfig
+
+    return ModelConfig(vocab_size=151936, d_model=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                       mlp_dim=3072, rope_theta=1e6, rms_eps=1e-6, dtype="bfloat16", qk_norm=True,
+                       tie_embeddings=True)
+
+
+def steps_section(batches, iters: int, context: int = 512) -> None:
+    import statistics
+
+    import numpy as np
+
+    from ninfer_kv.models.decoder import StepConfig, init_params, make_steps
+    from ninfer_kv.views import allocate_planes
+
+    cfg = qwen3_0_6b()
+    params = init_params(cfg, seed=0)
+    modes = ("xla", "auto", "batch_invariant")
+    steps = {m: make_steps(StepConfig(model=cfg, impl="ffi", products=m, batch_buckets=tuple(batches))) for m in modes}
+    print(f"decode step, Qwen3-0.6B shapes, {context} tokens of context per row, median of {iters}")
+    print("| batch | " + " | ".join(f"products={m!r} (ms)" for m in modes) + " | tokens/s: "
+          + " / ".join(modes) + " |")
+    print("|---|---|---|---|---|")
+    for b in batches:
+        blocks = context // 64 + 1
+        state = {}
+        for m in modes:
+            lay = steps[m].config.main_layout
+            state[m] = allocate_planes(lay, b * blocks + 1), np.arange(b * blocks, dtype=np.int32).reshape(b, blocks)
+        tokens = np.ones((b, 1), np.int32)
+        pos, one, rows = (np.full((b,), context, np.int32), np.ones((b,), np.int32), np.arange(b, dtype=np.int32))
+        times = {m: [] for m in modes}
+        for i in range(iters + 1):
+            for m in modes:
+                planes, tables = state[m]
+                t0 = time.perf_counter()
+                out = steps[m].decode(params, planes, jnp.asarray(tables), tokens, pos, one, rows)
+                jax.block_until_ready(out.next_tokens)
+                if i:  # the first call compiles
+                    times[m].append(time.perf_counter() - t0)
+                state[m] = out.planes, np.asarray(out.block_tables)
+        med = [statistics.median(times[m]) for m in modes]
+        print(f"| {b} | " + " | ".join(f"{t * 1e3:.1f}" for t in med) + " | "
+              + " / ".join(f"{b / t:.1f}" for t in med) + " |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--steps", action="store_true", help="time whole decode steps instead of the products")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    args = p.parse_args(argv)
+    if args.steps:
+        steps_section(args.batches, args.iters)
+        return 0
+    row = jax.jit(ffi_ops.matmul_bf16)
+    mm = jax.jit(lambda x, w: jnp.matmul(x, w.T, preferred_element_type=jnp.float32))
+    dg = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
+    print(f"FFI threads: {ffi_ops.num_threads()}, ISA: {ffi_ops.info().isa}")
+    print("(each implementation timed over every case before the next one runs: XLA's CPU thread pool keeps "
+          "spinning after its own calls and would slow a kernel timed right after them)")
+    cases = [(name, n, k, m) for name, (n, k) in SHAPES.items() for m in args.rows]
+    weights = {name: jax.random.normal(jax.random.key(0), (n, k), jnp.bfloat16) for name, (n, k) in SHAPES.items()}
+    xs = {(k, m): jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16) for _, _, k, m in cases}
+    times = {label: [timed(f, xs[(k, m)], weights[name], iters=args.iters) for name, n, k, m in cases]
+             for label, f in (("row", row), ("mm", mm), ("dg", dg))}
+    print("| weight | M | row kernel (us) | GB/s of weights | XLA x @ w.T (us) | XLA dot_general (us) | XLA best / row kernel |")
+    print("|---|---|---|---|---|---|---|")
+    for i, (name, n, k, m) in enumerate(cases):
+        a, b, c = times["row"][i], times["mm"][i], times["dg"][i]
+        print(f"| {name} | {m} | {a * 1e6:.0f} | {n * k * 2 / a / 1e9:.1f} | {b * 1e6:.0f} | {c * 1e6:.0f} | "
+              f"{min(b, c) / a:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
