@@ -9,7 +9,9 @@ One checkpoint (default: Qwen3-0.6B's ``config.json`` with random bf16 weights, 
 2. ``shared``: one 1000-token system prompt (not a multiple of the 64-token page) followed by 64
    different questions of 20-80 tokens;
 3. ``chat``: 16 conversations of 4 turns; turn k+1's prompt is turn k's prompt, its output and a new
-   user message of 20-60 tokens.  Each turn of every conversation is submitted together, turn by turn.
+   user message of 20-60 tokens.  Each turn of every conversation is submitted together, turn by turn;
+4. ``uniform``: 8 prompts of exactly ``--uniform-tokens`` (512) tokens, nothing shared (with
+   ``--requests uniform=1``: one request, the batch-1 decode figure).
 
 Every prompt starts with a different token (the questions and user messages too), so the only
 prefixes two prompts share are the ones a workload is built with.
@@ -60,8 +62,8 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_COUNTS = {"offline": 64, "shared": 64, "chat": 16}
-WORKLOADS = ("offline", "shared", "chat")
+DEFAULT_COUNTS = {"offline": 64, "shared": 64, "chat": 16, "uniform": 8}
+WORKLOADS = ("offline", "shared", "chat", "uniform")
 PAGE = 64
 
 
@@ -83,8 +85,9 @@ class _Tokens:
         return int(self.rng.integers(lo, hi + 1))
 
 
-def build_workloads(vocab: int, counts: dict, *, seed: int, system_tokens: int, turns: int) -> dict:
-    """Each workload's prompts (``offline``, ``shared``) or messages (``chat``), from ``seed``."""
+def build_workloads(vocab: int, counts: dict, *, seed: int, system_tokens: int, turns: int,
+                    uniform_tokens: int = 512) -> dict:
+    """Each workload's prompts (``offline``, ``shared``, ``uniform``) or messages (``chat``), from ``seed``."""
     out = {}
     t = _Tokens(vocab, seed)
     out["offline"] = {"prompts": [t.seq(t.length(128, 1024)) for _ in range(counts["offline"])]}
@@ -94,6 +97,8 @@ def build_workloads(vocab: int, counts: dict, *, seed: int, system_tokens: int, 
                      "system_tokens": system_tokens}
     t = _Tokens(vocab, seed + 2)
     out["chat"] = {"messages": [[t.seq(t.length(20, 60)) for _ in range(turns)] for _ in range(counts["chat"])]}
+    t = _Tokens(vocab, seed + 3)
+    out["uniform"] = {"prompts": [t.seq(uniform_tokens) for _ in range(counts["uniform"])]}
     return out
 
 
@@ -101,17 +106,17 @@ def run_workload(backend, name: str, wl: dict, max_new: int) -> dict:
     """Run one workload through ``backend``; returns its per-request records and the shared-prefix
     references: ``exact_each`` (each request's exact shared prefix) and ``alt_each`` (the variant named
     ``alt_name``), one entry per request in submission order."""
-    if name in ("offline", "shared"):
+    if name in ("offline", "shared", "uniform"):
         batch = backend.run_batch(name, wl["prompts"], max_new)
         n = len(wl["prompts"])
-        if name == "offline":
+        if name != "shared":
             exact_each, alt_each, alt_name = [0] * n, [0] * n, None
         else:
             p = wl["system_tokens"]
             exact_each, alt_each = [p] * n, [0] + [p] * (n - 1)
             alt_name = f"{n - 1} x {p} (the first request computes it)"
         return {"batches": [batch], "exact_each": exact_each, "alt_each": alt_each, "alt_name": alt_name,
-                "exact_name": "0 (nothing shared)" if name == "offline" else f"{n} x {wl['system_tokens']}"}
+                "exact_name": f"{n} x {wl['system_tokens']}" if name == "shared" else "0 (nothing shared)"}
     convs = wl["messages"]
     history = [[] for _ in convs]
     batches, exact_each, alt_each = [], [], []
@@ -632,6 +637,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--uniform-tokens", type=int, default=512, help="prompt length of the uniform workload")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-python", default=None, help="python of a virtual environment with vLLM's CPU build")
     ap.add_argument("--json", type=Path, default=None, help="also write the summaries here")
@@ -652,8 +658,8 @@ def main() -> None:
     checkpoint = ensure_checkpoint(args)
     config = json.loads((checkpoint / "config.json").read_text())
     data = build_workloads(int(config["vocab_size"]), counts, seed=args.seed, system_tokens=args.system_tokens,
-                           turns=args.turns)
-    longest = max([len(p) for w in ("offline", "shared") if w in workloads for p in data[w]["prompts"]] +
+                           turns=args.turns, uniform_tokens=args.uniform_tokens)
+    longest = max([len(p) for w in ("offline", "shared", "uniform") if w in workloads for p in data[w]["prompts"]] +
                   [sum(len(m) for m in c) + (len(c) - 1) * args.max_new_tokens
                    for c in data["chat"]["messages"] if "chat" in workloads] + [1])
     if args.max_model_len < longest + args.max_new_tokens:

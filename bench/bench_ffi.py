@@ -8,11 +8,12 @@ Decode attention (one layer, B rows of one context length, pages in random physi
   as bytes read + bytes written = 2 x the buffer size per copy (write-allocate traffic not
   counted), run on every FFI thread at once (each thread copies its own slice) and on one
   thread, at the start and again right before each profile's timing; the largest figure of the
-  run is the denominator of "of copy BW" and of the roofline (on a machine shared with other work
-  a copy timed in a busy moment would otherwise inflate every fraction);
-* read bandwidth = the same buffer read once (summed) by the FFI library's own threads, one
-  contiguous slice each, and by one thread; the larger figure is the denominator of "of read BW"
-  (attention only reads, so this is the ceiling it could reach);
+  run is the denominator of "of copy BW" (on a machine shared with other work a copy timed in a busy
+  moment would otherwise inflate every fraction);
+* read bandwidth = the same buffer read once (summed) by the FFI library's own threads with their
+  widest loads, one contiguous slice each, and by one thread; the larger figure is the denominator
+  of "of read BW" and the roofline's memory term (decode attention only reads, so this is the
+  ceiling it could reach);
 * whether the planes can sit on transparent huge pages (numpy's baseline buffers do; XLA's only
   with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` when THP is in ``madvise`` mode);
 * the instruction-set level in use (``NINFER_KV_FFI_ISA`` forces one, e.g. ``avx2`` on an
@@ -22,7 +23,8 @@ Decode attention (one layer, B rows of one context length, pages in random physi
   peak measured in this run by ``bench/ffi_compute.cc`` built for the level in use (on every FFI
   thread at once, each timing its own CPU time), the compute ceiling (the K/V bytes per second
   those peaks allow: ``cores * bytes per key-head / (G * D / peak_scores + G * D / peak_values)``),
-  the roofline ``min(copy bandwidth, ceiling)`` and the fraction of it the kernel reaches (the
+  the roofline ``min(read bandwidth, ceiling)``, the fractions of it and of the ceiling the kernel
+  reaches (the
   peak is the larger of the all-threads sum and threads x the one-thread figure, so that a peak
   timed while other work shared a core cannot lower the ceiling);
 * speed-up over the jnp reference (``ninfer_kv.ops.reference``, jitted, XLA CPU) on the same data;
@@ -343,21 +345,23 @@ def main() -> None:
         if peaks is not None and ar.scores in ffi_peaks.ARITHMETIC_PEAK and ar.values in ffi_peaks.ARITHMETIC_PEAK:
             sp, vp = peak(ar.scores), peak(ar.values)
             ceil = ffi_peaks.ceiling(prof, args.head_dim, args.gqa, sp, vp)
-            roof = min(bandwidth, ceil)
+            roof = min(read_bw, ceil)
             peak_txt = f"{sp / 1e9:.0f} / {vp / 1e9:.0f}"
             ceil_txt, roof_txt, frac_roof = f"{ceil / 1e9:.1f}", f"{roof / 1e9:.1f}", f"{100 * gbps / roof:.0f}%"
+            frac_ceil = f"{100 * gbps / ceil:.0f}%"
         else:
-            peak_txt = ceil_txt = roof_txt = frac_roof = "-"
+            peak_txt = ceil_txt = roof_txt = frac_roof = frac_ceil = "-"
         table.append([
             prof, ctx, f"{r['ms']:.2f}", f"{r['gbps']:.1f}", f"{ar.scores} / {ar.values}", peak_txt, ceil_txt,
-            f"{bandwidth / 1e9:.1f}", roof_txt, frac_roof, f"{100 * gbps / bandwidth:.0f}%",
-            f"{100 * r['read_frac']:.0f}%", f"{r['cores']:.2f}", "-" if r["ref_ms"] is None else f"{r['ref_ms']:.2f}",
+            f"{bandwidth / 1e9:.1f}", f"{read_bw / 1e9:.1f}", roof_txt, frac_roof, frac_ceil,
+            f"{100 * gbps / bandwidth:.0f}%", f"{100 * r['read_frac']:.0f}%", f"{r['cores']:.2f}", "-" if r["ref_ms"] is None else f"{r['ref_ms']:.2f}",
             "-" if r["speedup"] is None else f"{r['speedup']:.1f}x",
         ])
     print()
     print(tabulate(table, headers=[
         "profile", "context", "FFI ms", "FFI GB/s", "arithmetic (scores / values)", "peak G MAC/s (scores / values)",
-        "compute ceiling GB/s", "copy BW GB/s", "roofline GB/s", "of roofline", "of copy BW", "of read BW",
+        "compute ceiling GB/s", "copy BW GB/s", "read BW GB/s", "roofline GB/s", "of roofline",
+        "of compute ceiling", "of copy BW", "of read BW",
         "cores used", "jnp ref ms", "speed-up"], tablefmt="github"))
     if not args.append_profiles:
         return
