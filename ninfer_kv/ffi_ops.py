@@ -79,6 +79,7 @@ __all__ = [
     "cyclic_append",
     "cyclic_attention",
     "matmul_bf16",
+    "matmul_bf16_many",
     "fixed_splits",
     "apply_tables",
     "write_pages",
@@ -453,22 +454,35 @@ def matmul_bf16(x, w) -> jax.Array:
     ``w`` (16 lanes over K in chunks of 32, then a fixed reduction tree; ``ffi/src/matmul.cc``), so a
     row's result never depends on the other rows, on their number or on the thread split, and it is
     the same at every instruction-set level (a product of two bfloat16 values is exact in float32).
-    Streams each weight once per call: a decode step's products at memory speed.
+    One row of ``x`` streams each weight once, front to back: a decode step's products at memory
+    speed.
 
     Raises ``ValueError`` naming the operand for a dtype other than bfloat16 or mismatched K.
     """
+    return matmul_bf16_many(x, (w,))[0]
+
+
+def matmul_bf16_many(x, weights) -> tuple[jax.Array, ...]:
+    """:func:`matmul_bf16` of one ``x`` with each of ``weights`` (the same K), in one call: ``x`` is
+    prepared once and the weights stream one after another (q, k and v; gate and up).  The results
+    are bit-identical to one :func:`matmul_bf16` per weight."""
     _require()
-    x, w = jnp.asarray(x), jnp.asarray(w)
-    for name, a in (("x", x), ("w", w)):
+    x = jnp.asarray(x)
+    weights = tuple(jnp.asarray(w) for w in weights)
+    if not weights:
+        raise ValueError("matmul_bf16: at least one weight is needed")
+    for name, a in (("x", x),) + tuple((f"w[{i}]", w) for i, w in enumerate(weights)):
         if a.dtype != jnp.bfloat16:
             raise ValueError(f"matmul_bf16: {name} must be bfloat16, got {a.dtype}")
-    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"matmul_bf16: x {x.shape} and w {w.shape} are not (..., K) and (N, K)")
+    for i, w in enumerate(weights):
+        if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+            raise ValueError(f"matmul_bf16: x {x.shape} and w[{i}] {w.shape} are not (..., K) and (N, K)")
     lead = x.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
-    out = jax.ffi.ffi_call("ninfer_kv_matmul_bf16", jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32),
-                           vmap_method="sequential")(x.reshape(rows, x.shape[-1]), w)
-    return out.reshape(*lead, w.shape[0])
+    outs = jax.ffi.ffi_call("ninfer_kv_matmul_bf16",
+                            tuple(jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32) for w in weights),
+                            vmap_method="sequential")(x.reshape(rows, x.shape[-1]), *weights)
+    return tuple(o.reshape(*lead, w.shape[0]) for o, w in zip(outs, weights))
 
 
 # -- round work (the CPU lowering of ninfer_kv.device.work.apply_work) ------------------------------

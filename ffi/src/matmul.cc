@@ -1,6 +1,8 @@
 // XLA FFI handler of the model's weight products: out = x @ w.T for bfloat16 x and w, float32 out.
 //
-//   NinferKvMatmulBf16(x bf16 (M, K), w bf16 (N, K)) -> out f32 (M, N)
+//   NinferKvMatmulBf16(x bf16 (M, K), w_0 bf16 (N_0, K), w_1, ...) -> out_0 f32 (M, N_0), out_1, ...
+//   (one call for several weights of the same input, e.g. q, k and v: x is split once and the
+//   weights stream one after another in one pool dispatch)
 //
 // Batch invariance by construction: every output element out[m, n] is computed by one thread with
 // one instruction sequence, whatever M is, whichever block the row falls in and however the work
@@ -24,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -183,29 +186,51 @@ std::vector<float>& SplitBuffer(int64_t n) {
   return buffer;
 }
 
-ffi::Error MatmulBf16Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
+// One weight and its result, checked: w (N, K) bfloat16, out (M, N) float32.
+struct Product {
+  const uint16_t* w;
+  float* out;
+  int64_t n_len;
+};
+
+ffi::Error CheckProducts(const ffi::AnyBuffer& x, const std::vector<ffi::AnyBuffer>& ws,
+                         const std::vector<ffi::AnyBuffer>& outs, std::vector<Product>* products) {
   const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto od = out->dimensions();
-  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
-      out->element_type() != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("matmul_bf16: x and w must be bfloat16 and the result float32");
+  if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
+    return ffi::Error::InvalidArgument("matmul_bf16: x must be bfloat16 (M, K), got " + DimsString(xd));
   }
-  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2) {
-    return ffi::Error::InvalidArgument("matmul_bf16: x (M, K), w (N, K) and the result (M, N) must be 2-D, got x " +
-                                       DimsString(xd) + ", w " + DimsString(wd) + ", result " + DimsString(od));
+  if (ws.empty() || ws.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("matmul_bf16: " + std::to_string(ws.size()) + " weights and " +
+                                       std::to_string(outs.size()) + " results (at least one of each, as many)");
   }
-  const int64_t m_len = xd[0], k_len = xd[1], n_len = wd[0];
-  if (wd[1] != k_len || od[0] != m_len || od[1] != n_len) {
-    return ffi::Error::InvalidArgument("matmul_bf16: shapes x " + DimsString(xd) + ", w " + DimsString(wd) +
-                                       ", result " + DimsString(od) + " are not (M, K), (N, K), (M, N)");
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const auto wd = ws[i].dimensions();
+    const auto od = outs[i].dimensions();
+    if (ws[i].element_type() != ffi::DataType::BF16 || outs[i].element_type() != ffi::DataType::F32 ||
+        wd.size() != 2 || od.size() != 2 || wd[1] != xd[1] || od[0] != xd[0] || od[1] != wd[0]) {
+      return ffi::Error::InvalidArgument("matmul_bf16: weight " + std::to_string(i) + " " + DimsString(wd) +
+                                         " and its result " + DimsString(od) + " are not bfloat16 (N, K) and float32 "
+                                         "(M, N) for x " + DimsString(xd));
+    }
+    products->push_back({static_cast<const uint16_t*>(ws[i].untyped_data()),
+                         static_cast<float*>(outs[i].untyped_data()), wd[0]});
   }
+  return ffi::Error::Success();
+}
+
+// x @ w_i.T for every weight w_i: x split once, one pool dispatch for all of them (the column
+// blocks of one weight after another, so the weights stream as one run).
+ffi::Error MatmulBf16Impl(ffi::AnyBuffer x, ffi::RemainingArgs ws_in, ffi::RemainingRets outs_in) {
+  std::vector<ffi::AnyBuffer> ws, outs;
+  if (auto err = CollectArgs(ws_in, &ws); err.failure()) return err;
+  if (auto err = CollectRets(outs_in, &outs); err.failure()) return err;
+  std::vector<Product> products;
+  if (auto err = CheckProducts(x, ws, outs, &products); err.failure()) return err;
+  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
   const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
-  const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
-  auto* op = static_cast<float*>(out->untyped_data());
-  if (m_len == 0 || n_len == 0) return ffi::Error::Success();
+  if (m_len == 0) return ffi::Error::Success();
   if (k_len == 0) {
-    std::fill(op, op + m_len * n_len, 0.0f);
+    for (const Product& p : products) std::fill(p.out, p.out + m_len * p.n_len, 0.0f);
     return ffi::Error::Success();
   }
   // Split x into float32 even and odd lanes per 32-element chunk (the tail chunk zero-padded).
@@ -224,10 +249,14 @@ ffi::Error MatmulBf16Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::A
     }
   });
   const SplitRows x_rows{split.data(), chunks};
-  const int64_t tasks = (n_len + kColsPerTask - 1) / kColsPerTask;
-  ParallelFor(tasks, [&](int64_t t) {
-    const int64_t n0 = t * kColsPerTask;
-    Columns(x_rows, wp, op, m_len, k_len, n_len, n0, std::min(n_len, n0 + kColsPerTask));
+  std::vector<std::pair<int, int64_t>> tasks;  // (product, first column)
+  for (size_t i = 0; i < products.size(); ++i) {
+    for (int64_t n0 = 0; n0 < products[i].n_len; n0 += kColsPerTask) tasks.emplace_back(static_cast<int>(i), n0);
+  }
+  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Product& p = products[tasks[t].first];
+    const int64_t n0 = tasks[t].second;
+    Columns(x_rows, p.w, p.out, m_len, k_len, p.n_len, n0, std::min(p.n_len, n0 + kColsPerTask));
   });
   return ffi::Error::Success();
 }
@@ -235,7 +264,7 @@ ffi::Error MatmulBf16Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::A
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kMatmulBf16Handler, MatmulBf16Impl,
-                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingArgs().RemainingRets());
 
 XLA_FFI_Error* MatmulBf16Handler(XLA_FFI_CallFrame* call_frame) { return kMatmulBf16Handler(call_frame); }
 

@@ -122,3 +122,19 @@ def test_auto_takes_the_row_kernel_for_one_row_only():
     np.testing.assert_array_equal(one, np.asarray(ffi_ops.matmul_bf16(x[:1], w)))
     with products(Products.XLA):
         np.testing.assert_array_equal(three, np.asarray(matmul_t(x, w)))
+
+
+def test_several_weights_in_one_call_equal_one_call_each():
+    from ninfer_kv import ffi_ops
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((5, 1, 96)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((n, 96)), jnp.bfloat16) for n in (40, 8, 700)]
+    many = ffi_ops.matmul_bf16_many(x, ws)
+    for w, got in zip(ws, many):
+        assert got.shape == (5, 1, w.shape[0])
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ffi_ops.matmul_bf16(x, w)))
+    with pytest.raises(ValueError, match=r"x \(5, 1, 96\) and w\[1\] \(8, 95\)"):
+        ffi_ops.matmul_bf16_many(x, [ws[0], jnp.zeros((8, 95), jnp.bfloat16)])
+    with pytest.raises(ValueError, match="at least one weight"):
+        ffi_ops.matmul_bf16_many(x, [])

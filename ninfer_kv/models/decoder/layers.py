@@ -29,6 +29,7 @@ __all__ = [
     "Products",
     "products",
     "matmul_t",
+    "matmul_t_many",
     "rope_frequencies",
     "scaled_inv_freq",
     "apply_rope",
@@ -36,6 +37,7 @@ __all__ = [
     "swiglu",
     "silu",
     "linear",
+    "linear_many",
 ]
 
 _F32 = jnp.float32
@@ -204,9 +206,7 @@ def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     Xeon).  On accelerators both lower to the same product.
     """
     rows = math.prod(x.shape[:-1])
-    mode = _PRODUCTS.get()
-    row_kernel = mode is Products.BATCH_INVARIANT or (mode is Products.AUTO and rows == 1)
-    if row_kernel and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+    if _row_kernel(x, w):
         from ninfer_kv import ffi_ops
 
         return ffi_ops.matmul_bf16(x, w)
@@ -215,8 +215,37 @@ def matmul_t(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def matmul_t_many(x: jax.Array, weights) -> tuple[jax.Array, ...]:
+    """:func:`matmul_t` of one ``x`` with each of ``weights``; one FFI call for all of them where the
+    row kernel applies (bit-identical to one call per weight), else one product each."""
+    if _row_kernel(x, *weights):
+        from ninfer_kv import ffi_ops
+
+        return ffi_ops.matmul_bf16_many(x, weights)
+    return tuple(matmul_t(x, w) for w in weights)
+
+
+def _row_kernel(x: jax.Array, *weights: jax.Array) -> bool:
+    """Whether the current :class:`Products` mode takes the FFI row kernel for these operands."""
+    mode = _PRODUCTS.get()
+    if x.dtype != jnp.bfloat16 or any(w.dtype != jnp.bfloat16 for w in weights):
+        return False
+    return mode is Products.BATCH_INVARIANT or (mode is Products.AUTO and math.prod(x.shape[:-1]) == 1)
+
+
 _MATVEC_FORM_FROM_ROWS = 256
 """From this many rows :func:`matmul_t` takes the transposed-weight form again (see there)."""
+
+
+def linear_many(x: jax.Array, weights, biases) -> tuple[jax.Array, ...]:
+    """:func:`linear` of one ``x`` with each ``(w, b)`` (``b`` may be ``None``), the products in one
+    :func:`matmul_t_many` call."""
+    out = []
+    for y, b in zip(matmul_t_many(x, weights), biases):
+        if b is not None:
+            y = y + b.astype(jnp.float32)
+        out.append(y.astype(x.dtype))
+    return tuple(out)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
@@ -238,7 +267,8 @@ def swiglu(
     b_down: jax.Array | None = None,
 ) -> jax.Array:
     """``down(silu(gate(x)) * up(x))`` with :func:`linear` projections ``(out, in)`` (biases optional)."""
-    return linear(silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
+    gate, up = linear_many(x, (w_gate, w_up), (b_gate, b_up))
+    return linear(silu(gate) * up, w_down, b_down)
 
 
 def silu(x: jax.Array) -> jax.Array:

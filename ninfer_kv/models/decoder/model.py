@@ -37,7 +37,7 @@ from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.views import PagedKVBatchLayerView
 
 from .config import ModelConfig
-from .layers import apply_rope, linear, matmul_t, rms_norm, swiglu, token_positions
+from .layers import apply_rope, linear, linear_many, matmul_t, rms_norm, swiglu, token_positions
 
 __all__ = [
     "Attend",
@@ -71,9 +71,10 @@ def project_qkv(lp: dict, config: ModelConfig, x: jax.Array, token_pos: jax.Arra
     """q ``(B,T,Hq,D)``, k, v ``(B,T,H,D)`` of normed input ``x``; q and k are (QK-normed and) rotated."""
     b, t, _ = x.shape
     c = config
-    q = linear(x, lp["wq"], lp.get("bq")).reshape(b, t, c.num_heads, c.head_dim)
-    k = linear(x, lp["wk"], lp.get("bk")).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = linear(x, lp["wv"], lp.get("bv")).reshape(b, t, c.num_kv_heads, c.head_dim)
+    q, k, v = linear_many(x, (lp["wq"], lp["wk"], lp["wv"]), (lp.get("bq"), lp.get("bk"), lp.get("bv")))
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     if c.qk_norm:
         q = rms_norm(q, lp["q_norm"], c.rms_eps)
         k = rms_norm(k, lp["k_norm"], c.rms_eps)
