@@ -178,6 +178,13 @@ class Checks:
         self.row(check, profile, order, "exception", short_error(exc), False)
         traceback.print_exc(file=sys.stdout)
 
+    def failed_row(self, cells: list, blanks: int, exc) -> None:
+        """A timing table's row for a case that raised: its leading ``cells``, the error, ``blanks``
+        empty cells and FAIL; the traceback follows."""
+        self.failures += 1
+        log("| " + " | ".join(map(str, cells)) + f" | {short_error(exc)} |" + "  |" * blanks + " FAIL |")
+        traceback.print_exc(file=sys.stdout)
+
 
 # -- pools -----------------------------------------------------------------------------------------
 
@@ -415,7 +422,6 @@ def _planes_bytes_read(profile: str, bsz: int, ctx: int, kv_heads: int, head_dim
 
 def section_setup(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
     from ninfer_kv import ops
-    from ninfer_kv.ops import dispatch
     from ninfer_kv.ops import registry
 
     checks.header()
@@ -575,9 +581,7 @@ def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                     state.setdefault("peer_inputs", {})[ctx] = (view, table, rows, q, pos, lens)
                 del view
             except Exception as exc:
-                checks.failures += 1
-                log(f"| ours | {profile} | {order} | {ctx} | {short_error(exc)} |  |  |  |  |  |  | FAIL |")
-                traceback.print_exc(file=sys.stdout)
+                checks.failed_row(["ours", profile, order, ctx], 6, exc)
 
 
 def section_peer(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
@@ -595,7 +599,6 @@ def section_peer(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> N
     log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for ctx, (view, table, rows, q, pos, lens) in state.get("peer_inputs", {}).items():
         bsz = q.shape[0]
-        n_pages = view.num_pages
         k_pages = view.planes["k"][0]
         v_pages = view.planes["v"][0]
         per_row = jnp.asarray(table[rows])
@@ -834,9 +837,7 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                     f"{run.written / seconds / 1e9:.2f} | {run.desc} | {run.kept} | {'PASS' if ok else 'FAIL'} |"
                     + _pred_col(state, "append-decode" if t == 1 else "append-chunk", profile, order, d))
             except Exception as exc:
-                checks.failures += 1
-                log(f"| {profile} | {order} | {bsz} x {t} | {dt} | {short_error(exc)} |  |  |  |  | FAIL |")
-                traceback.print_exc(file=sys.stdout)
+                checks.failed_row([profile, order, f"{bsz} x {t}", dt], 4, exc)
 
 
 _TITLES = {
@@ -847,6 +848,26 @@ _TITLES = {
     "correctness": "Correctness against the reference, small shapes",
     "append": "Append",
 }
+
+
+def run_sections(order, budget: dict, titles: dict, sections: dict, checks: Checks) -> None:
+    """Run ``sections[name](Section)`` for each name of ``order`` under its budget, each under its own
+    heading; a section that raises counts one failure and the next one runs."""
+    for name in order:
+        sec = Section(name, budget[name])
+        log("")
+        log(f"## {titles[name]} (budget {budget[name]:.0f} s)" if math.isfinite(budget[name]) else f"## {titles[name]}")
+        log("")
+        try:
+            sections[name](sec)
+        except Exception as exc:
+            checks.failures += 1
+            log(f"section {name} failed: {short_error(exc)}")
+            traceback.print_exc(file=sys.stdout)
+        log("")
+        if sec.skipped:
+            log(f"(budget spent: skipped {'; '.join(sec.skipped)})")
+        log(f"({name}: {time.perf_counter() - sec.start:.0f} s)")
 
 
 def parse_budgets(items, smoke: bool, defaults: dict) -> dict:
@@ -902,32 +923,15 @@ def main(argv=None) -> int:
         order.insert(0, "setup")  # the bandwidth baselines are the denominators
     if "peer" in order and "decode" not in order:
         order.insert(order.index("peer"), "decode")  # the peer reuses decode's pools
-    for name in order:
-        sec = Section(name, budget[name])
-        log("")
-        log(f"## {_TITLES[name]} (budget {budget[name]:.0f} s)" if math.isfinite(budget[name]) else f"## {_TITLES[name]}")
-        log("")
-        try:
-            if name == "setup":
-                section_setup(sec, shapes, checks, state)
-            elif name == "decode":
-                section_decode(sec, shapes, checks, state)
-            elif name == "peer":
-                section_peer(sec, shapes, checks, state)
-            elif name == "large":
-                section_large(sec, shapes, checks, state)
-            elif name == "correctness":
-                section_correctness(sec, shapes, checks, state, args.profiles, args.orders)
-            else:
-                section_append(sec, shapes, checks, state)
-        except Exception as exc:
-            checks.failures += 1
-            log(f"section {name} failed: {short_error(exc)}")
-            traceback.print_exc(file=sys.stdout)
-        log("")
-        if sec.skipped:
-            log(f"(budget spent: skipped {'; '.join(sec.skipped)})")
-        log(f"({name}: {time.perf_counter() - sec.start:.0f} s)")
+    sections = {
+        "setup": lambda sec: section_setup(sec, shapes, checks, state),
+        "decode": lambda sec: section_decode(sec, shapes, checks, state),
+        "peer": lambda sec: section_peer(sec, shapes, checks, state),
+        "large": lambda sec: section_large(sec, shapes, checks, state),
+        "correctness": lambda sec: section_correctness(sec, shapes, checks, state, args.profiles, args.orders),
+        "append": lambda sec: section_append(sec, shapes, checks, state),
+    }
+    run_sections(order, budget, _TITLES, sections, checks)
     for note in state.get("notes", []):
         log(note)
     log("")

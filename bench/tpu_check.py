@@ -49,7 +49,6 @@ import os
 import pathlib
 import sys
 import time
-import traceback
 
 if "--cpu-smoke" in sys.argv:
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -260,9 +259,7 @@ def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                     f"{'PASS' if ok else 'FAIL'} |")
                 del view
             except Exception as exc:
-                checks.failures += 1
-                log(f"| {profile} | {order} | {ctx} | {short_error(exc)} |  |  |  |  |  | FAIL |")
-                traceback.print_exc(file=sys.stdout)
+                checks.failed_row([profile, order, ctx], 5, exc)
 
 
 def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
@@ -284,9 +281,7 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                 log(f"| {profile} | {order} | {bsz} x {t} | {run.seconds * 1e6:.1f} | {run.tokens / run.seconds:.3g} | "
                     f"{run.written / run.seconds / 1e9:.2f} | {run.desc} | {'PASS' if run.ok else 'FAIL'} |")
             except Exception as exc:
-                checks.failures += 1
-                log(f"| {profile} | {order} | {bsz} x {t} | {short_error(exc)} |  |  |  |  | FAIL |")
-                traceback.print_exc(file=sys.stdout)
+                checks.failed_row([profile, order, f"{bsz} x {t}"], 4, exc)
 
 
 _TITLES = {
@@ -320,28 +315,12 @@ def main(argv=None) -> int:
     order = [s for s in SECTIONS if s in args.sections]
     if "setup" not in order and "decode" in order:
         order.insert(0, "setup")  # the bandwidth baselines are the denominators
-    for name in order:
-        sec = Section(name, budget[name])
-        log("")
-        log(f"## {_TITLES[name]} (budget {budget[name]:.0f} s)" if math.isfinite(budget[name]) else f"## {_TITLES[name]}")
-        log("")
-        try:
-            if name == "setup":
-                section_setup(sec, shapes, checks, state)
-            elif name == "correctness":
-                section_correctness(sec, shapes, checks, state, args.profiles, args.orders)
-            elif name == "decode":
-                section_decode(sec, shapes, checks, state)
-            else:
-                section_append(sec, shapes, checks, state)
-        except Exception as exc:
-            checks.failures += 1
-            log(f"section {name} failed: {short_error(exc)}")
-            traceback.print_exc(file=sys.stdout)
-        log("")
-        if sec.skipped:
-            log(f"(budget spent: skipped {'; '.join(sec.skipped)})")
-        log(f"({name}: {time.perf_counter() - sec.start:.0f} s)")
+    gc.run_sections(order, budget, _TITLES, {
+        "setup": lambda sec: section_setup(sec, shapes, checks, state),
+        "correctness": lambda sec: section_correctness(sec, shapes, checks, state, args.profiles, args.orders),
+        "decode": lambda sec: section_decode(sec, shapes, checks, state),
+        "append": lambda sec: section_append(sec, shapes, checks, state),
+    }, checks)
     log("")
     log(f"{checks.failures} failing checks, {checks.passed} passing table checks "
         f"({time.perf_counter() - start:.0f} s)")

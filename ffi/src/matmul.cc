@@ -99,8 +99,7 @@ inline void LoadW(const uint16_t* row, int64_t c, int64_t k_len, V16& even, V16&
   Split(buf, even, odd);
 }
 
-// out[m + i, n + j] for i < MR, j < NR (MR, NR <= 4); the same per-element sequence for every MR, NR
-// (and as RowVector's).
+// out[m + i, n + j] for i < MR, j < NR (MR, NR <= 4); the same per-element sequence for every MR, NR.
 template <int MR, int NR>
 void Block(const SplitRows& x, const uint16_t* w, float* out, int64_t k_len, int64_t n_len, int64_t m, int64_t n) {
   V16 acc[MR][NR] = {};
@@ -120,21 +119,6 @@ void Block(const SplitRows& x, const uint16_t* w, float* out, int64_t k_len, int
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) out[(m + i) * n_len + n + j] = Reduce(acc[i][j]);
-}
-
-// out[0, n] for one row of x (M = 1): row n of w read front to back, one sequential stream (the
-// blocks' 4 rows side by side reach half the DRAM rate when there is nothing to reuse them for).
-void RowVector(const SplitRows& x, const uint16_t* w, float* out, int64_t k_len, int64_t n) {
-  V16 acc = {};
-  const uint16_t* wr = w + n * k_len;
-  for (int64_t c = 0; c < x.chunks; ++c) {
-    V16 we, wo, xe, xo;
-    LoadW(wr, c, k_len, we, wo);
-    LoadX(x, 0, c, xe, xo);
-    acc += xo * wo;
-    acc += xe * we;
-  }
-  out[n] = Reduce(acc);
 }
 
 template <int NR>
@@ -160,11 +144,13 @@ void AnyBlock(int mr, int nr, const SplitRows& x, const uint16_t* w, float* out,
 
 // Output columns [n0, n1) for every row: by chunks of 64 rows of x (kept in L2 with the task's
 // rows of w), 4 columns at a time, all rows of the chunk over them 4 at a time; one row of x takes
-// RowVector.
+// the rows of w one at a time.
 void Columns(const SplitRows& x, const uint16_t* w, float* out, int64_t m_len, int64_t k_len, int64_t n_len,
              int64_t n0, int64_t n1) {
   if (m_len == 1) {
-    for (int64_t n = n0; n < n1; ++n) RowVector(x, w, out, k_len, n);
+    // One row of w at a time, front to back: one sequential stream (4 rows read side by side, with
+    // nothing to reuse them for, reach half the DRAM rate).
+    for (int64_t n = n0; n < n1; ++n) Block<1, 1>(x, w, out, k_len, n_len, 0, n);
     return;
   }
   for (int64_t m0 = 0; m0 < m_len; m0 += kRowsPerChunk) {

@@ -251,10 +251,7 @@ def linear_many(x: jax.Array, weights, biases) -> tuple[jax.Array, ...]:
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """``x @ w.T (+ b)`` with ``w (out, in)`` (an ``nn.Linear`` weight), float32 accumulation, the bias
     added before the one rounding to ``x.dtype``."""
-    y = matmul_t(x, w)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return linear_many(x, (w,), (b,))[0]
 
 
 def swiglu(
