@@ -76,6 +76,8 @@ from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 __all__ = [
     "paged_append",
     "paged_attention",
+    "paged_append_packed",
+    "paged_attention_packed",
     "cyclic_append",
     "cyclic_attention",
     "matmul_bf16",
@@ -102,6 +104,8 @@ ABI_VERSION = ffi_library.ABI_VERSION
 TARGETS = {
     "ninfer_kv_paged_append": "NinferKvPagedAppend",
     "ninfer_kv_paged_attention": "NinferKvPagedAttention",
+    "ninfer_kv_paged_append_packed": "NinferKvPagedAppendPacked",
+    "ninfer_kv_paged_attention_packed": "NinferKvPagedAttentionPacked",
     "ninfer_kv_cyclic_append": "NinferKvCyclicAppend",
     "ninfer_kv_cyclic_attention": "NinferKvCyclicAttention",
     "ninfer_kv_matmul_bf16": "NinferKvMatmulBf16",
@@ -399,6 +403,58 @@ def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_le
         **_codec_attrs(lay.profile),
     )
     return out.astype(jnp.asarray(q).dtype)
+
+
+def paged_append_packed(view: PagedKVBatchLayerView, table_rows, positions, k, v, query_starts) -> PagedKVBatchLayerView:
+    """:func:`paged_append` of a ragged batch: ``k, v (N, H, D)`` hold the tokens of ``R`` rows one
+    after another, row ``r`` tokens ``[query_starts[r], query_starts[r + 1])`` (``ninfer_kv.ops``
+    has the rules); one pass over the tokens, no padding to a rectangle."""
+    _require()
+    lay = view.layout
+    planes = _plane_list(view.planes, lay.profile)
+    kk, vv = _kv_inputs(k, v)
+    call = _append_call("ninfer_kv_paged_append_packed", planes, n_fixed=7)
+    out = call(
+        _i32(view.block_tables),
+        _layer(view.layer),
+        _i32(table_rows),
+        _i32(positions),
+        _i32(query_starts),
+        kk[None],
+        vv[None],
+        *planes,
+        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
+        **_codec_attrs(lay.profile),
+    )
+    return view.replace(planes=dict(zip(lay.profile.plane_names(), out)))
+
+
+def paged_attention_packed(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, query_starts, *,
+                           sm_scale=None) -> jax.Array:
+    """:func:`paged_attention` of a ragged batch: ``q (N, Hq, D)`` holds the queries of ``R`` rows one
+    after another (see :func:`paged_append_packed`); ``(N, Hq, D)`` in q's dtype, zeros for tokens
+    of no row.  Each row's queries are blocked as the rectangular form blocks a row of that length."""
+    _require()
+    lay = view.layout
+    q_in = _query(q)[None]
+    call = jax.ffi.ffi_call(
+        "ninfer_kv_paged_attention_packed", jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential"
+    )
+    out = call(
+        q_in,
+        _i32(view.block_tables),
+        _layer(view.layer),
+        _i32(table_rows),
+        _i32(positions),
+        _i32(kv_lens),
+        _i32(query_starts),
+        *_plane_list(view.planes, lay.profile),
+        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
+        sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
+        no_splits=np.int32(_NO_SPLITS.get()),
+        **_codec_attrs(lay.profile),
+    )
+    return out[0].astype(jnp.asarray(q).dtype)
 
 
 def cyclic_append(view: CyclicKVCacheLayerView, rows, positions, k, v, valid) -> CyclicKVCacheLayerView:

@@ -38,7 +38,30 @@ struct AttentionShape {
   // output depends on that row alone (a batch-invariant step); costs parallelism only while the
   // batch has fewer row x head tasks than threads.
   bool no_splits = false;
+  // Packed rows (a ragged batch): when set, q and out are (1, T, Hq, D) with T tokens in all, and
+  // row b (of `batch`) owns tokens [row_starts[b], row_starts[b + 1]) (a non-decreasing vector of
+  // batch + 1 entries in [0, T], PackedStarts); its query t is token row_starts[b] + t.  Tokens
+  // of no row are padding: their output is zero.
+  const int64_t* row_starts = nullptr;
+
+  int64_t RowQueries(int64_t b) const { return row_starts ? row_starts[b + 1] - row_starts[b] : queries; }
+  int64_t RowFirst(int64_t b) const { return row_starts ? row_starts[b] : b * queries; }
 };
+
+// The effective starts of packed rows from a caller's int32 vector of rows + 1 entries: each
+// clamped into [0, tokens], then the running maximum (so rows never overlap; a decreasing entry
+// makes an empty row).  Concrete inputs are checked on the Python side; this is what every
+// implementation does under jax.jit.
+inline std::vector<int64_t> PackedStarts(const int32_t* starts, int64_t rows, int64_t tokens) {
+  std::vector<int64_t> e(static_cast<size_t>(rows + 1));
+  int64_t prev = 0;
+  for (int64_t r = 0; r <= rows; ++r) {
+    const int64_t s = std::min<int64_t>(std::max<int64_t>(starts[r], 0), tokens);
+    prev = r == 0 ? s : std::max(prev, s);
+    e[static_cast<size_t>(r)] = prev;
+  }
+  return e;
+}
 
 namespace internal {
 
@@ -66,13 +89,28 @@ inline void StoreOutputRow(const AttentionShape& s, int64_t index, const float* 
 
 template <class Source>
 void RunAttention(const AttentionShape& s, const Source& src) {
-  const int64_t B = s.batch, T = s.queries, H = s.kv_heads, D = s.head_dim;
+  const int64_t B = s.batch, H = s.kv_heads, D = s.head_dim;
   const int64_t G = s.q_heads / H;
-  if (B == 0 || T == 0 || s.q_heads == 0) return;
-  // Query blocks: at most 64 query rows (positions x group heads) per task.
-  const int64_t tb = std::max<int64_t>(1, std::min<int64_t>(T, 64 / std::max<int64_t>(G, 1)));
-  const int64_t nqb = (T + tb - 1) / tb;
-  const int64_t base = B * H * nqb;
+  if (s.row_starts) {  // padding tokens (outside every row) return zeros
+    const int64_t row_bytes = s.q_heads * D * (s.q_bf16 ? 2 : 4);
+    char* out = static_cast<char*>(s.out);
+    std::memset(out, 0, static_cast<size_t>(s.row_starts[0] * row_bytes));
+    std::memset(out + s.row_starts[B] * row_bytes, 0, static_cast<size_t>((s.queries - s.row_starts[B]) * row_bytes));
+  }
+  if (B == 0 || s.queries == 0 || s.q_heads == 0) return;
+  // Query blocks: at most 64 query rows (positions x group heads) per task; a block never spans
+  // two batch rows, and a row's blocks are the same whether it is packed or not.
+  const int64_t tb = std::max<int64_t>(1, 64 / std::max<int64_t>(G, 1));
+  struct QueryBlock {
+    int64_t b, t0, t1;
+  };
+  std::vector<QueryBlock> blocks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t T = s.RowQueries(b);
+    for (int64_t t0 = 0; t0 < T; t0 += tb) blocks.push_back({b, t0, std::min(T, t0 + tb)});
+  }
+  const int64_t base = static_cast<int64_t>(blocks.size()) * H;
+  if (base == 0) return;
   const int threads = PoolThreads();
 
   // Context splits when the base tasks cannot occupy the pool (long decode rows, few heads).
@@ -82,6 +120,8 @@ void RunAttention(const AttentionShape& s, const Source& src) {
   if (threads > 1 && base < 4 * threads && !s.no_splits) {
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) {
+      const int64_t T = s.RowQueries(b);
+      if (T == 0) continue;
       int64_t lo0, hi0, lo1, hi1;
       src.Visible(static_cast<int>(b), 0, &lo0, &hi0);
       src.Visible(static_cast<int>(b), static_cast<int>(T - 1), &lo1, &hi1);
@@ -92,18 +132,23 @@ void RunAttention(const AttentionShape& s, const Source& src) {
     const int64_t by_length = longest / (align * kMinRunsPerSplit);
     splits = std::max<int64_t>(1, std::min(by_pool, by_length));
   }
-  const int64_t rows_max = tb * G;
+  int64_t block_max = 0;  // the most query positions in one block
+  for (const QueryBlock& blk : blocks) block_max = std::max(block_max, blk.t1 - blk.t0);
+  const int64_t rows_max = block_max * G;
   std::vector<float> partial;
   if (splits > 1) partial.resize(static_cast<size_t>(base * splits * rows_max * (D + 2)));
+  // Index of query row (t, g) of block `blk` for KV head h in q / out.
+  auto query_index = [&](const QueryBlock& blk, int64_t h, int64_t t, int64_t g) {
+    return (s.RowFirst(blk.b) + t) * s.q_heads + h * G + g;
+  };
 
   auto task = [&](int64_t i) {
     ScopedFlushDenormal flush;
     const int64_t split = i % splits;
     const int64_t bi = i / splits;
-    const int64_t qb = bi % nqb;
-    const int64_t h = (bi / nqb) % H;
-    const int64_t b = bi / (nqb * H);
-    const int64_t t0 = qb * tb, t1 = std::min(T, t0 + tb);
+    const int64_t h = bi % H;
+    const QueryBlock& blk = blocks[static_cast<size_t>(bi / H)];
+    const int64_t b = blk.b, t0 = blk.t0, t1 = blk.t1;
     const int rows = static_cast<int>((t1 - t0) * G);
     AttentionAccumulator& acc = ThreadAccumulator();
     acc.Begin(rows, static_cast<int>(D), src.run_capacity(), s.sm_scale);
@@ -112,7 +157,7 @@ void RunAttention(const AttentionShape& s, const Source& src) {
       src.Visible(static_cast<int>(b), static_cast<int>(t), &lo, &hi);
       for (int64_t g = 0; g < G; ++g) {
         const int m = static_cast<int>((t - t0) * G + g);
-        internal::LoadQueryRow(s, (b * T + t) * s.q_heads + h * G + g, acc.QueryRow(m));
+        internal::LoadQueryRow(s, query_index(blk, h, t, g), acc.QueryRow(m));
         acc.SetVisible(m, lo, hi);
       }
     }
@@ -154,7 +199,7 @@ void RunAttention(const AttentionShape& s, const Source& src) {
           acc.ExportPartial(m, partial.data() + ((bi * splits + split) * rows_max + m) * (D + 2));
         } else {
           acc.Output(m, row.data());
-          internal::StoreOutputRow(s, (b * T + t) * s.q_heads + h * G + g, row.data());
+          internal::StoreOutputRow(s, query_index(blk, h, t, g), row.data());
         }
       }
     }
@@ -164,18 +209,16 @@ void RunAttention(const AttentionShape& s, const Source& src) {
 
   ParallelFor(base, [&](int64_t bi) {
     ScopedFlushDenormal flush;
-    const int64_t qb = bi % nqb;
-    const int64_t h = (bi / nqb) % H;
-    const int64_t b = bi / (nqb * H);
-    const int64_t t0 = qb * tb, t1 = std::min(T, t0 + tb);
+    const int64_t h = bi % H;
+    const QueryBlock& blk = blocks[static_cast<size_t>(bi / H)];
     std::vector<float>& row = ThreadRowBuffer(D + 2);
     std::vector<const float*> parts(static_cast<size_t>(splits));
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = blk.t0; t < blk.t1; ++t) {
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t m = (t - t0) * G + g;
+        const int64_t m = (t - blk.t0) * G + g;
         for (int64_t sp = 0; sp < splits; ++sp) parts[sp] = partial.data() + ((bi * splits + sp) * rows_max + m) * (D + 2);
         CombinePartials(parts.data(), static_cast<int>(splits), static_cast<int>(D), row.data());
-        internal::StoreOutputRow(s, (b * T + t) * s.q_heads + h * G + g, row.data());
+        internal::StoreOutputRow(s, query_index(blk, h, t, g), row.data());
       }
     }
   });

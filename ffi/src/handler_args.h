@@ -63,6 +63,24 @@ inline xla::ffi::Error CheckAppendBatch(const char* op, const AppendInputs& in, 
   return CheckBatchVectors(vectors, names, in.batch);
 }
 
+// Packed operands: the token tensor's leading dim is 1, its heads match the planes', each of
+// `vectors` is (R,) and query_starts is (R + 1,).
+inline xla::ffi::Error CheckPackedRows(const char* op, int64_t lead, int64_t heads, int64_t plane_heads,
+                                       const S32Vector& query_starts, std::initializer_list<const S32Vector*> vectors,
+                                       const char* names) {
+  if (lead != 1) {
+    return xla::ffi::Error::InvalidArgument(std::string(op) + ": the packed tokens must be (1, T, ...), got a leading " +
+                                            "dimension of " + std::to_string(lead));
+  }
+  if (heads != plane_heads) {
+    return xla::ffi::Error::InvalidArgument(std::string(op) + ": k has " + std::to_string(heads) +
+                                            " heads, the planes have " + std::to_string(plane_heads));
+  }
+  const int64_t rows = query_starts.dimensions()[0] - 1;
+  if (rows < 0) return xla::ffi::Error::InvalidArgument(std::string(op) + ": query_starts must have R + 1 >= 1 entries");
+  return CheckBatchVectors(vectors, names, rows);
+}
+
 // Checks that q is (B, T, Hq, D) float32 or bfloat16 and that `out` has q's shape and dtype.
 inline xla::ffi::Error CheckQueryAndOutput(const char* op, const xla::ffi::AnyBuffer& q,
                                            const xla::ffi::AnyBuffer& out) {

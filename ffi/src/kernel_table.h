@@ -56,6 +56,7 @@ struct KernelTable {
   HandlerFn paged_append, paged_attention, cyclic_append, cyclic_attention, matmul_bf16;
   ArithmeticFn arithmetic;
   ReadWordsFn read_words;
+  HandlerFn paged_append_packed, paged_attention_packed;  // the ragged forms (paged_ops.cc)
 };
 
 // The CPU features a translation unit is compiled to use, from the predefined macros.
@@ -139,6 +140,8 @@ NINFER_KV_NAMESPACE_BEGIN
 // The handlers of the level this translation unit is compiled for (paged_ops.cc, cyclic_ops.cc).
 XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* PagedAppendPackedHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* PagedAttentionPackedHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MatmulBf16Handler(XLA_FFI_CallFrame* call_frame);  // matmul.cc

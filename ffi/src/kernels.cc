@@ -47,5 +47,7 @@ const ninfer_kv_ffi::KernelTable NINFER_KV_KERNEL_TABLE(NINFER_KV_ISA_ID) = {
     &ninfer_kv_ffi::MatmulBf16Handler,
     &ninfer_kv_ffi::AttentionArithmetic,
     &ninfer_kv_ffi::ReadWords,
+    &ninfer_kv_ffi::PagedAppendPackedHandler,
+    &ninfer_kv_ffi::PagedAttentionPackedHandler,
 };
 }  // extern "C"

@@ -6,8 +6,20 @@
 //                       planes...) -> planes... (each result aliases its plane operand)
 //   NinferKvPagedAttention(q (B, T, Hq, D), block_tables, layer, table_rows, positions,
 //                          kv_lens s32 (B,), planes...) -> out (B, T, Hq, D), q's dtype
+//   NinferKvPagedAppendPacked(block_tables, layer, table_rows s32 (R,), positions s32 (R,),
+//                             query_starts s32 (R + 1,), k (1, T, H, D), v, planes...) -> planes...
+//   NinferKvPagedAttentionPacked(q (1, T, Hq, D), block_tables, layer, table_rows s32 (R,),
+//                                positions s32 (R,), kv_lens s32 (R,), query_starts s32 (R + 1,),
+//                                planes...) -> out (1, T, Hq, D)
 //   attributes: k_codec, v_codec (s32 codec ids), head_major (s32 0/1), sm_scale (f32, attention),
 //   no_splits (s32 0/1, attention: no context splits, attention_driver.h).
+//
+// The packed forms take a ragged batch: R rows of different query lengths in one token axis; row
+// r owns tokens [query_starts[r], query_starts[r + 1]) (PackedStarts: clamped into [0, T], then a
+// running maximum), its token t at position positions[r] + t.  Tokens of no row are padding:
+// append writes nothing for them, attention returns zeros.  Each row is what the rectangular
+// form computes for a batch row of that many tokens (the same query blocks, bit for bit when
+// neither splits its context).
 //
 // Odd indices (the rules every implementation follows): a table row outside [0, C) is inert
 // (append writes nothing for it, attention returns zeros for its queries); attention reads only
@@ -17,6 +29,8 @@
 // layer is outside [0, num_layers).
 #include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "append_common.h"
 #include "attention_driver.h"
@@ -101,6 +115,30 @@ class PagedSource {
   const int32_t* lens_;
 };
 
+// Writes token t of batch row b (at position positions[b] + t of table row table_rows[b]) from
+// k / v row (kb, kt), dropping it where the rules of the header say.
+struct TokenWriter {
+  const AppendInputs& in;
+  const PlaneSet& planes;
+  PagedGeometry geo;
+  BlockTables bt;
+  int64_t layer;
+  const int32_t* rows;
+  const int32_t* pos;
+
+  void operator()(int64_t b, int64_t t, int64_t kb, int64_t kt) const {
+    const int64_t p = static_cast<int64_t>(pos[b]) + t;
+    if (p < 0) return;
+    const int64_t blk = p / geo.page_size;
+    if (blk >= bt.blocks) return;
+    const int64_t row = rows[b];
+    if (row < 0 || row >= bt.rows) return;  // an inert row writes nothing
+    const int64_t page = bt.data[row * bt.blocks + blk];
+    if (page < 0 || page >= geo.pages) return;
+    for (int64_t h = 0; h < in.heads; ++h) WriteToken(in, planes, kb, kt, h, geo.Token(layer, page, h, p % geo.page_size));
+  }
+};
+
 ffi::Error PagedAppendImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
                            ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
                            ffi::Buffer<ffi::S32, 1> valid, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -121,22 +159,44 @@ ffi::Error PagedAppendImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ff
   const int64_t lay = layer.typed_data()[0];
   if (lay < 0 || lay >= geo.layers || bt.rows == 0 || bt.blocks == 0) return ffi::Error::Success();
 
-  const int32_t* rows = table_rows.typed_data();
-  const int32_t* pos = positions.typed_data();
   const int32_t* val = valid.typed_data();
   const int64_t T = in.queries;
+  const TokenWriter write{in, planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data()};
   ForEachItem(in.batch * T, in.heads * in.head_dim, [&](int64_t item) {
     const int64_t b = item / T, t = item % T;
-    if (t >= val[b]) return;
-    const int64_t p = static_cast<int64_t>(pos[b]) + t;
-    if (p < 0) return;
-    const int64_t blk = p / geo.page_size;
-    if (blk >= bt.blocks) return;
-    const int64_t row = rows[b];
-    if (row < 0 || row >= bt.rows) return;  // an inert row writes nothing
-    const int64_t page = bt.data[row * bt.blocks + blk];
-    if (page < 0 || page >= geo.pages) return;
-    for (int64_t h = 0; h < in.heads; ++h) WriteToken(in, planes, b, t, h, geo.Token(lay, page, h, p % geo.page_size));
+    if (t < val[b]) write(b, t, b, t);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAppendPackedImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
+                                 ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
+                                 ffi::Buffer<ffi::S32, 1> query_starts, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                 ffi::RemainingArgs planes_in, ffi::RemainingRets planes_out, int32_t k_codec,
+                                 int32_t v_codec, int32_t head_major) {
+  constexpr const char* kOp = "packed paged append";
+  AppendInputs in;
+  PlaneSet planes;
+  if (auto err = ParseAppendOperands(kOp, k, v, planes_in, planes_out, k_codec, v_codec, &in, &planes); err.failure()) {
+    return err;
+  }
+  const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
+  if (auto err = CheckPackedRows(kOp, in.batch, in.heads, geo.heads, query_starts, {&table_rows, &positions},
+                                 "table_rows/positions");
+      err.failure()) {
+    return err;
+  }
+  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
+  const int64_t lay = layer.typed_data()[0];
+  if (lay < 0 || lay >= geo.layers || bt.rows == 0 || bt.blocks == 0) return ffi::Error::Success();
+
+  const int64_t R = table_rows.dimensions()[0], T = in.queries;
+  const std::vector<int64_t> e = PackedStarts(query_starts.typed_data(), R, T);
+  const TokenWriter write{in, planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data()};
+  ForEachItem(e[R] - e[0], in.heads * in.head_dim, [&](int64_t item) {
+    const int64_t i = e[0] + item;
+    const int64_t b = std::upper_bound(e.begin() + 1, e.end(), i) - (e.begin() + 1);  // e[b] <= i < e[b + 1]
+    write(b, i - e[b], 0, i);
   });
   return ffi::Error::Success();
 }
@@ -163,6 +223,39 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
   return ffi::Error::Success();
 }
 
+ffi::Error PagedAttentionPackedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
+                                    ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> table_rows,
+                                    ffi::Buffer<ffi::S32, 1> positions, ffi::Buffer<ffi::S32, 1> kv_lens,
+                                    ffi::Buffer<ffi::S32, 1> query_starts, ffi::RemainingArgs planes_in,
+                                    ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec,
+                                    int32_t head_major, float sm_scale, int32_t no_splits) {
+  constexpr const char* kOp = "packed paged attention";
+  if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
+  PlaneSet planes;
+  if (auto err = ParseAttentionPlanes(q, planes_in, k_codec, v_codec, &planes); err.failure()) return err;
+  const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
+  const int64_t q_heads = q.dimensions()[2];
+  if (q_heads % geo.heads != 0) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": q heads (" + std::to_string(q_heads) +
+                                       ") must be a multiple of the KV heads (" + std::to_string(geo.heads) + ")");
+  }
+  if (auto err = CheckPackedRows(kOp, q.dimensions()[0], geo.heads, geo.heads, query_starts,
+                                 {&table_rows, &positions, &kv_lens}, "table_rows/positions/kv_lens");
+      err.failure()) {
+    return err;
+  }
+  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
+  const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
+  const int64_t R = table_rows.dimensions()[0];
+  AttentionShape shape = QueryShape(q, *out, geo.heads, sm_scale, no_splits);
+  const std::vector<int64_t> e = PackedStarts(query_starts.typed_data(), R, shape.queries);
+  shape.batch = R;
+  shape.row_starts = e.data();
+  PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
+  RunAttention(shape, src);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER(kPagedAppendHandler, PagedAppendImpl,
@@ -186,7 +279,33 @@ XLA_FFI_DEFINE_HANDLER(kPagedAttentionHandler, PagedAttentionImpl,
                            .Attr<float>("sm_scale")
                            .Attr<int32_t>("no_splits"));
 
+XLA_FFI_DEFINE_HANDLER(kPagedAppendPackedHandler, PagedAppendPackedImpl,
+                       BindAppendTail(ffi::Ffi::Bind()
+                                          .Arg<S32Matrix>()   // block_tables
+                                          .Arg<S32Scalar>()   // layer
+                                          .Arg<S32Vector>()   // table_rows
+                                          .Arg<S32Vector>()   // positions
+                                          .Arg<S32Vector>())  // query_starts
+                           .Attr<int32_t>("head_major"));
+
+XLA_FFI_DEFINE_HANDLER(kPagedAttentionPackedHandler, PagedAttentionPackedImpl,
+                       BindAttentionTail(ffi::Ffi::Bind()
+                                             .Arg<ffi::AnyBuffer>()  // q
+                                             .Arg<S32Matrix>()       // block_tables
+                                             .Arg<S32Scalar>()       // layer
+                                             .Arg<S32Vector>()       // table_rows
+                                             .Arg<S32Vector>()       // positions
+                                             .Arg<S32Vector>()       // kv_lens
+                                             .Arg<S32Vector>())      // query_starts
+                           .Attr<int32_t>("head_major")
+                           .Attr<float>("sm_scale")
+                           .Attr<int32_t>("no_splits"));
+
 XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendHandler(call_frame); }
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAttentionHandler(call_frame); }
+XLA_FFI_Error* PagedAppendPackedHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendPackedHandler(call_frame); }
+XLA_FFI_Error* PagedAttentionPackedHandler(XLA_FFI_CallFrame* call_frame) {
+  return kPagedAttentionPackedHandler(call_frame);
+}
 
 NINFER_KV_NAMESPACE_END

@@ -12,8 +12,14 @@ Each :meth:`EngineCore.step` is one round:
    Before that, a prefix that waiting requests share beyond what the cache holds (at least
    :data:`MIN_SHARED_TOKENS` tokens more), and the prompt of an ``n > 1`` request, is first
    prefilled once by a *prefix job* and retained, and the requests then fork it;
-3. **prefill**: every sequence still in its prompt gets one chunk (batched, padded to a bucket);
-   a sequence whose prompt completes produces its first token;
+3. **prefill and decode in one ragged batch** (a model with a ``packed`` call on a runner that runs
+   it, no speculation): every decoding sequence feeds its one token and the sequences still in
+   their prompts, in arrival order, as many prompt tokens as the round's budget
+   ``max_num_batched_tokens`` leaves, all in one model call where each row pays for its own tokens
+   only; a round with no prompt work is a plain decode step.  Otherwise (speculative models,
+   data-parallel engines) **prefill**: every sequence still in its prompt gets one chunk of
+   ``prefill_chunk`` tokens (batched, padded to a bucket), then **decode**.  A sequence whose
+   prompt completes produces its first token;
 4. **decode**: every other running sequence produces one token (batched); with lease growth
    (``KVStore(..., entitlement=EntitlementPolicy(kv_lease_growth=True))``) the decoding sequences'
    entitlements are extended first (:meth:`~ninfer_kv.store.KVStore.round_boundary`), and one the
@@ -37,7 +43,8 @@ import numpy as np
 
 from ..errors import PoolCapacityError
 from ..geometry import PAGE_SIZE
-from ..models.decoder.buckets import bucket_ladder
+from ..integers import check_int
+from ..models.decoder.buckets import bucket_ladder, token_ladder
 from ..models.request_checks import token_ids
 from ..kinds import PoolKind
 from ..store import KVStore
@@ -50,7 +57,10 @@ from .runner import DeviceRunner, UnitCall, drive
 from .sampling_params import SamplingParams
 from .speculative import HiddenStates, pending_pairs
 
-__all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS", "request_seed"]
+__all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "request_seed"]
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+"""Tokens one ragged round feeds at most (decodes first, then prompt tokens in arrival order)."""
 
 MIN_SHARED_TOKENS = PAGE_SIZE
 """Tokens that waiting requests must share beyond the cached prefix before a prefix job computes
@@ -62,8 +72,8 @@ class EngineStats:
     """Counters of an engine.
 
     Attributes:
-      rounds: calls of :meth:`EngineCore.step`; prefill_units / decode_units: model steps run
-        (a speculative round counts as one decode unit).
+      rounds: calls of :meth:`EngineCore.step`; prefill_units / decode_units / packed_units: model
+        steps run (a speculative round counts as one decode unit; a ragged round as one packed unit).
       prefill_tokens / decode_tokens: tokens they processed (padding excluded; decode: tokens produced).
       prefix_jobs: prefixes computed once for several sequences.
       failed_steps: steps that raised (their requests failed, the state was repaired).
@@ -77,6 +87,7 @@ class EngineStats:
     rounds: int = 0
     prefill_units: int = 0
     decode_units: int = 0
+    packed_units: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     prefix_jobs: int = 0
@@ -103,6 +114,9 @@ class EngineCore:
       seed: the engine seed, from which requests without a seed draw theirs.
       runner: what runs the units (default: a :class:`~ninfer_kv.engine.runner.DeviceRunner` on one
         device; a data-parallel engine passes its shard's).
+      max_num_batched_tokens: tokens a ragged round feeds at most (>= the store's rows; default
+        :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`, or the rows when more); ragged rounds need a model with a ``packed``
+        call, no speculation and a runner that runs them.
 
     A model with a ``draft_window`` (an MTP head; :mod:`ninfer_kv.engine.speculative`) over a store
     with an MTP pool decodes in speculative rounds.
@@ -119,6 +133,7 @@ class EngineCore:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         runner=None,
+        max_num_batched_tokens: int | None = None,
     ):
         self.model = model
         self.store = store
@@ -126,6 +141,10 @@ class EngineCore:
         self.max_num_seqs = store.max_concurrency
         self.buckets = bucket_ladder(self.max_num_seqs, 2)
         self.draft_window = draft_window_of(model)
+        budget = max_num_batched_tokens
+        if budget is None:
+            budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", budget, self.max_num_seqs, 1 << 20)
         has_mtp = PoolKind.MTP in store.pool_kinds
         if has_mtp != bool(self.draft_window):
             raise ValueError("the store has an MTP pool but the model has no MTP head (draft_window)" if has_mtp else
@@ -135,7 +154,12 @@ class EngineCore:
             raise ValueError(f"lease growth with draft_window={self.draft_window} needs cushion_tokens >= "
                              f"{self.draft_window + 1} (a round writes up to K + 1 tokens); got "
                              f"{store.policy.cushion_tokens}")
-        self.runner = runner if runner is not None else DeviceRunner(model, store, self.buckets)
+        packed = callable(getattr(model, "packed", None)) and not self.draft_window
+        if runner is None:
+            tokens = token_ladder(self.max_num_batched_tokens) if packed else None
+            runner = DeviceRunner(model, store, self.buckets, token_buckets=tokens)
+        self.runner = runner
+        self.packed_rounds = packed and bool(getattr(runner, "runs_packed", False))
         self.chunk = int(model.prefill_chunk)
         if self.chunk < PAGE_SIZE or self.chunk % PAGE_SIZE:
             raise ValueError(f"the model's prefill_chunk={self.chunk} must be a positive multiple of {PAGE_SIZE}")
@@ -256,6 +280,12 @@ class EngineCore:
         self._apply_aborts()
         self._admit()
         pre = [s for s in self.running if s.prefilling]
+        if self.packed_rounds and pre:
+            dec = [s for s in self.running if not s.prefilling and not s.done and s.request is not None]
+            self._limits(dec)
+            yield from self._packed(dec, pre)
+            self._finish_done()
+            return self._outputs()
         for group in _groups(pre, self.buckets[-1]):
             yield from self._prefill(group)
         prefilled = {id(s) for s in pre}  # a sequence whose prompt completed this round has its token
@@ -492,6 +522,45 @@ class EngineCore:
             self._produce(s, int(chosen[i]), logits[i] if s.logprobs is not None else None)
         if self.draft_window:
             yield from self._extend_mtp(seqs)
+
+    def _packed(self, dec: list[Sequence], pre: list[Sequence]):
+        """One ragged unit: a token for every sequence of ``dec``, then prompt tokens of ``pre`` in
+        arrival order within the round's budget; a sequence whose prompt completes produces its first
+        token."""
+        budget = self.max_num_batched_tokens - len(dec)
+        chunks = []
+        for s in pre:
+            if budget <= 0:
+                break
+            v = min(s.target - s.frontier, budget)
+            chunks.append((s, v))
+            budget -= v
+        seqs = dec + [s for s, _ in chunks]
+        valid = np.array([1] * len(dec) + [v for _, v in chunks], np.int32)
+        tokens = np.array([s.tokens[-1] for s in dec] + [t for s, v in chunks for t in s.tokens[s.frontier:s.frontier + v]],
+                          np.int32)
+        pos = np.array([s.frontier for s in seqs], np.int32)
+        rows = np.array([s.row for s in seqs], np.int64)
+        ends = pos.astype(np.int64) + valid
+        n = len(seqs)
+        self.store.map(rows, ends)
+        try:
+            out = yield UnitCall("packed", tokens, pos, valid, rows, _sampling(seqs))
+            chosen = np.asarray(out.next_tokens)[:n]
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests only
+            self._fail_unit(seqs, exc)
+            return
+        self.store.commit(rows, ends)
+        self.stats.packed_units += 1
+        self.stats.decode_tokens += len(dec)
+        self.stats.prefill_tokens += int(valid[len(dec):].sum())
+        producing = [s.request is not None and int(ends[i]) >= s.target for i, s in enumerate(seqs)]
+        want = any(p and s.logprobs is not None for p, s in zip(producing, seqs))
+        logits = np.asarray(out.logits[:n]) if want else None
+        for i, s in enumerate(seqs):
+            s.frontier = int(ends[i])
+            if producing[i]:
+                self._produce(s, int(chosen[i]), logits[i] if s.logprobs is not None else None)
 
     def _decode(self, seqs: list[Sequence]):
         """One token for every sequence of ``seqs``."""

@@ -68,6 +68,8 @@ class LLM:
       impl: op implementation, one of :func:`ninfer_kv.ops.registry.impl_choices` (``"auto"``: FFI on CPU,
         Pallas on GPU, Mosaic on TPU).
       seed: the seed of requests that give none.
+      max_num_batched_tokens: tokens one round feeds at most: every decode's token, then prompt
+        tokens in arrival order, in one ragged batch (default 2048, or ``max_num_seqs`` when more).
       tokenizer: with an :class:`EngineModel`, an optional
         :class:`~ninfer_kv.models.hf.tokenizer.TextTokenizer` for text prompts.
       eos_token_ids: with an :class:`EngineModel`, the ids that end a completion.
@@ -87,6 +89,7 @@ class LLM:
         lease_growth: bool = False,
         impl: str = "auto",
         seed: int = 0,
+        max_num_batched_tokens: int | None = None,
         tokenizer=None,
         eos_token_ids: Sequence[int] = (),
     ):
@@ -113,7 +116,7 @@ class LLM:
         self.engine = EngineCore(
             engine_model, store, eos_token_ids=eos, text_state=self._text_state_factory(),
             decode_token=self._decode_token if self.tokenizer is not None else None,
-            enable_prefix_caching=enable_prefix_caching, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
         )
         self._ids = 0
 

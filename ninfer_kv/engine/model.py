@@ -24,6 +24,17 @@ token each row chooses::
   ``max(valid - 1, 0)``: a padding row has ``valid == 0``; its outputs are ignored);
   ``out.logits`` float32 ``(B, V)`` there (read only when a request asks for log-probabilities).
 
+Ragged rounds (optional).  A model with a ``packed`` call runs a round's decodes and prefill
+chunks as one ragged batch (``DecoderModel`` has it)::
+
+    state, out = model.packed(state, work, tokens, positions, query_starts, table_rows, sampling)
+
+``tokens`` int32 ``(N,)`` holds the rows' tokens one after another, row ``r`` the tokens
+``[query_starts[r], query_starts[r + 1])`` (``query_starts`` int32 ``(B + 1,)``) from position
+``positions[r]``; ``N`` is a token bucket (``prepare``'s ``token_buckets``), padding rows own no
+token; ``out`` is as for decode, at each row's last token.  The engine prepares such a model with
+``prepare(layout, batch_buckets, token_buckets=...)``.
+
 Speculative decoding (optional).  A model with an MTP head sets ``draft_window`` (``K``) and
 ``hidden_size`` (``d``), returns ``out.hidden`` float32 ``(B, T, d)`` (every position's main hidden
 state) from prefill and decode, and has three more calls (:mod:`ninfer_kv.engine.speculative` says
@@ -165,15 +176,18 @@ class DecoderModel:
         """The decoder's KV shape in ``profile``."""
         return self.config.kv_config(KVProfile.parse(profile))
 
-    def prepare(self, layout: PagedKVStorageLayout, batch_buckets: tuple[int, ...]) -> None:
+    def prepare(self, layout: PagedKVStorageLayout, batch_buckets: tuple[int, ...],
+                token_buckets: tuple[int, ...] | None = None) -> None:
         """Build (or reuse: steps are shared per configuration) the jitted steps for ``layout``'s
-        profile (on a mesh, ``layout`` is one device's and the buckets are global)."""
+        profile (on a mesh, ``layout`` is one device's and the buckets are global); ``token_buckets``
+        are the packed step's token counts (default: the step configuration's)."""
         if self.mesh is None and layout != self.config.main_layout(layout.profile):
             raise ValueError(f"the store's Main layout {layout} is not this decoder's "
                              f"{self.config.main_layout(layout.profile)}")
         step_config = StepConfig(model=self.config, profile=layout.profile, impl=self.impl,
                                  prefill_chunk=self.prefill_chunk, batch_buckets=tuple(batch_buckets),
-                                 draft_window=max(1, self.draft_window))
+                                 draft_window=max(1, self.draft_window),
+                                 **({"token_buckets": tuple(token_buckets)} if token_buckets else {}))
         if self.mesh is None:
             self._steps = shared_steps(step_config)
         else:
@@ -207,6 +221,12 @@ class DecoderModel:
         """Verify ``K`` drafts per row (speculative decoding)."""
         state, out = self._run("verify", state, work, tokens, positions, valid, table_rows, sampling=sampling)
         return state, VerifyOutput(out.target_tokens, out.num_accepted, out.logits, out.hidden)
+
+    def packed(self, state, work, tokens, positions, query_starts, table_rows, sampling=None):
+        """One ragged batch through the decoder's jitted packed step: row ``r`` feeds tokens
+        ``[query_starts[r], query_starts[r + 1])`` (a decode's one token or a prefill chunk)."""
+        state, out = self._run("packed", state, work, tokens, positions, query_starts, table_rows, sampling=sampling)
+        return state, StepOutput(out.next_tokens, out.logits, None)
 
     def mtp_extend(self, state, work, hidden, next_tokens, positions, valid, table_rows):
         """Write MTP pairs (speculative decoding)."""

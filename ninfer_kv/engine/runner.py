@@ -20,14 +20,15 @@ from ..device.offload import offload_checkpoint
 from ..device.rounds import take_step_work
 from ..device.resync import resync
 from ..device.work import apply_work_jit
-from ..models.decoder.buckets import bucket_for, pad_rows
+from ..models.decoder.buckets import bucket_for, pad_packed, pad_rows
 from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store import KVStore
 
 __all__ = ["UnitCall", "DeviceRunner", "UnitLog", "drive", "KINDS"]
 
-KINDS = ("prefill", "decode", "verify", "mtp_extend", "mtp_draft")
-"""The model calls a round can make (the last three only with a speculative model)."""
+KINDS = ("prefill", "decode", "verify", "mtp_extend", "mtp_draft", "packed")
+"""The model calls a round can make (``verify`` and the MTP calls only with a speculative model;
+``packed``, a ragged batch, only on a runner and model that run it)."""
 
 
 class UnitCall(NamedTuple):
@@ -35,8 +36,9 @@ class UnitCall(NamedTuple):
 
     Attributes:
       kind: one of :data:`KINDS`; the model method called.
-      tokens: int32 ``(n, T)``: input tokens (for the MTP calls, the token after each hidden state).
-      positions, valid: int32 ``(n,)``.
+      tokens: int32 ``(n, T)``: input tokens (for the MTP calls, the token after each hidden state);
+        for ``packed``, int32 ``(sum(valid),)``: the rows' tokens one after another.
+      positions, valid: int32 ``(n,)`` (for ``packed``, ``valid`` is each row's token count).
       rows: int64 ``(n,)`` execution rows of the store that the round runs over.
       sampling: each row's :class:`~ninfer_kv.models.decoder.sampling.SamplingConfig`, or ``None``
         when every row is greedy.
@@ -65,7 +67,8 @@ class UnitLog:
 
 
 def call_model(model, kind: str, state, work, tokens, positions, valid, table_rows, sampling, hidden):
-    """``model.<kind>(state, work, ...)`` with the arguments that kind takes."""
+    """``model.<kind>(state, work, ...)`` with the arguments that kind takes (for ``packed``,
+    ``valid`` is the rows' ``query_starts``)."""
     if kind in ("mtp_extend", "mtp_draft"):
         return getattr(model, kind)(state, work, hidden, tokens, positions, valid, table_rows)
     return getattr(model, kind)(state, work, tokens, positions, valid, table_rows, sampling)
@@ -78,21 +81,40 @@ class DeviceRunner:
       model: the engine's model (prepared here for the store's Main layout and ``buckets``).
       store: the store.
       buckets: batch sizes a unit is padded to.
+      token_buckets: token counts a ``packed`` unit is padded to, or ``None`` when this runner
+        runs no packed units (:attr:`runs_packed`); only with a model that has a ``packed`` call.
     """
 
-    def __init__(self, model, store: KVStore, buckets: tuple[int, ...]):
+    def __init__(self, model, store: KVStore, buckets: tuple[int, ...], token_buckets: tuple[int, ...] | None = None):
         self.model = model
         self.store = store
         self.buckets = tuple(buckets)
-        model.prepare(store.layout("main"), self.buckets)
+        self.token_buckets = tuple(token_buckets) if token_buckets else None
+        if self.token_buckets is not None:
+            model.prepare(store.layout("main"), self.buckets, token_buckets=self.token_buckets)
+        else:
+            model.prepare(store.layout("main"), self.buckets)
         self.state = allocate_state(store)
         self.log = UnitLog()
+
+    @property
+    def runs_packed(self) -> bool:
+        """Whether :meth:`run` takes ``packed`` units (ragged batches)."""
+        return self.token_buckets is not None
 
     def run(self, call: UnitCall):
         """Pad ``call`` to a bucket, apply the pending round work inside the step, run the model;
         returns the model's output with ``n`` meaningful rows."""
         bucket = bucket_for(len(call.rows), self.buckets)
-        padded = pad_rows(call.tokens, call.positions, call.valid, call.rows, bucket=bucket)
+        if call.kind == "packed":
+            packed = pad_packed(call.tokens, call.valid, call.positions, call.rows, bucket=bucket,
+                                token_bucket=bucket_for(max(int(call.tokens.size), 1), self.token_buckets))
+            padded = (packed.tokens, packed.positions, packed.query_starts, packed.table_rows)
+            self.log.record(call.kind, packed.tokens.size)
+        else:
+            rect = pad_rows(call.tokens, call.positions, call.valid, call.rows, bucket=bucket)
+            padded = (rect.tokens, rect.positions, rect.valid, rect.table_rows)
+            self.log.record(call.kind, bucket)
         sampling = None
         if call.sampling is not None:
             sampling = sampling_rows([c if c is not None else GREEDY for c in call.sampling], bucket)
@@ -100,10 +122,8 @@ class DeviceRunner:
         if call.hidden is not None:
             hidden = np.zeros((bucket,) + call.hidden.shape[1:], np.float32)
             hidden[: len(call.rows)] = call.hidden
-        self.log.record(call.kind, bucket)
         self.state, work = take_step_work(self.store, self.state)
-        self.state, out = call_model(self.model, call.kind, self.state, work, padded.tokens, padded.positions,
-                                     padded.valid, padded.table_rows, sampling, hidden)
+        self.state, out = call_model(self.model, call.kind, self.state, work, *padded, sampling, hidden)
         return out
 
     def flushed_state(self):

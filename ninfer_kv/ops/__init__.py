@@ -18,6 +18,11 @@ Semantics (identical for every implementation):
 * :func:`paged_attention` — query ``t`` of row ``b`` sits at ``positions[b] + t``; key ``j`` is
   visible iff ``j <= positions[b] + t and j < kv_lens[b]``; query head ``hq`` reads KV head
   ``hq // (Hq // H)``; a query with no visible key returns zeros.
+* :func:`paged_append_packed` / :func:`paged_attention_packed` — the same over a *ragged* batch:
+  the tokens of ``R`` rows lie one after another on one axis of ``N`` tokens, row ``r`` owning
+  ``[query_starts[r], query_starts[r + 1])`` (its token ``t`` at ``positions[r] + t``), so decodes
+  of one token sit beside prefill chunks with no padding to a rectangle; tokens of no row are
+  padding (nothing written, zeros returned).  A row's result is its rectangular result.
 * :func:`cyclic_append` / :func:`cyclic_attention` — the same over per-row ring buffers: key ``j``
   lives in slot ``j mod slots`` and is visible iff ``positions[b] + t - window < j <= positions[b] + t``
   and ``j < kv_lens[b]``.
@@ -71,16 +76,21 @@ from .registry import (
     resolve_impl,
 )
 from .page_runs import gather_page_runs, scatter_page_runs
+from .packed import append_by_token, attention_by_token
 from .reference import (
     cyclic_append_reference,
     cyclic_attention_reference,
     paged_append_reference,
+    paged_append_packed_reference,
+    paged_attention_packed_reference,
     paged_attention_reference,
 )
 
 __all__ = [
     "paged_append",
     "paged_attention",
+    "paged_append_packed",
+    "paged_attention_packed",
     "cyclic_append",
     "cyclic_attention",
     "copy_page_columns",
@@ -99,6 +109,8 @@ __all__ = [
     "ImplFallbackWarning",
     "paged_append_reference",
     "paged_attention_reference",
+    "paged_append_packed_reference",
+    "paged_attention_packed_reference",
     "cyclic_append_reference",
     "cyclic_attention_reference",
 ]
@@ -203,6 +215,65 @@ def paged_attention(
     table_rows, positions, kv_lens = validation.check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale)
     fn = resolve_impl(impl).paged_attention
     return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, sm_scale=sm_scale)
+
+
+def paged_append_packed(
+    view: PagedKVBatchLayerView,
+    table_rows: ArrayLike,
+    positions: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    query_starts: ArrayLike,
+    *,
+    impl: str = "auto",
+) -> PagedKVBatchLayerView:
+    """Append the packed tokens ``k, v (N, H, D)`` of ``R`` rows; returns the view with the new planes.
+
+    Args:
+      view: a :class:`PagedKVBatchLayerView`.
+      table_rows: integer ``(R,)`` block-table row of each row, in ``[0, C)``.
+      positions: integer ``(R,)`` logical position of each row's first token, ``>= 0``.
+      k, v: ``(N, H, D)`` float32 or bfloat16: row ``r``'s tokens are ``[query_starts[r],
+        query_starts[r + 1])``.
+      query_starts: integer ``(R + 1,)``, non-decreasing, in ``[0, N]``; tokens outside
+        ``[query_starts[0], query_starts[R])`` are padding and are not written.
+      impl: as :func:`paged_append`; a backend without a native packed kernel runs its
+        rectangular append over one token per row (:mod:`ninfer_kv.ops.packed`).
+
+    With concrete inputs every range and every table entry the writes touch is checked as for
+    :func:`paged_append` (a row's length plays ``valid``); under ``jax.jit`` ``query_starts`` is
+    clamped into ``[0, N]`` and made non-decreasing, and the rules of the module docstring apply.
+    """
+    table_rows, positions, query_starts = validation.check_paged_append_packed(
+        view, table_rows, positions, k, v, query_starts)
+    backend = resolve_impl(impl)
+    fn = backend.paged_append_packed or append_by_token(backend.paged_append)
+    return fn(view, table_rows, positions, jnp.asarray(k), jnp.asarray(v), query_starts)
+
+
+def paged_attention_packed(
+    q: ArrayLike,
+    view: PagedKVBatchLayerView,
+    table_rows: ArrayLike,
+    positions: ArrayLike,
+    kv_lens: ArrayLike,
+    query_starts: ArrayLike,
+    *,
+    sm_scale: float | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Causal paged attention of the packed queries ``q (N, Hq, D)`` of ``R`` rows; returns ``(N, Hq, D)``.
+
+    Row ``r``'s queries are tokens ``[query_starts[r], query_starts[r + 1])`` at positions
+    ``positions[r] + t``, reading ``kv_lens[r]`` keys of table row ``table_rows[r]`` (the visibility
+    rule of :func:`paged_attention`); padding tokens return zeros.  Arguments and checks as
+    :func:`paged_append_packed` and :func:`paged_attention`.
+    """
+    table_rows, positions, kv_lens, query_starts = validation.check_paged_attention_packed(
+        q, view, table_rows, positions, kv_lens, query_starts, sm_scale)
+    backend = resolve_impl(impl)
+    fn = backend.paged_attention_packed or attention_by_token(backend.paged_attention)
+    return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, query_starts, sm_scale=sm_scale)
 
 
 def cyclic_append(

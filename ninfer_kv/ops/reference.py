@@ -34,10 +34,13 @@ import jax.numpy as jnp
 from .. import codecs
 from ..geometry import PlaneOrder
 from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+from .packed import append_by_token, attention_by_token
 
 __all__ = [
     "paged_append_reference",
     "paged_attention_reference",
+    "paged_append_packed_reference",
+    "paged_attention_packed_reference",
     "cyclic_append_reference",
     "cyclic_attention_reference",
     "attention_over_keys",
@@ -182,6 +185,33 @@ def paged_append_reference(
         vals = enc[name].reshape((b * t,) + enc[name].shape[2:])
         new[name] = _scatter_tokens(plane, view.layer, lay.order, pages.reshape(-1), offs.reshape(-1), vals)
     return view.replace(planes=new)
+
+
+def paged_append_packed_reference(
+    view: PagedKVBatchLayerView,
+    table_rows: jax.Array,
+    positions: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    query_starts: jax.Array,
+) -> PagedKVBatchLayerView:
+    """Reference packed append: the reference append over one token per row (:mod:`ninfer_kv.ops.packed`)."""
+    return append_by_token(paged_append_reference)(view, table_rows, positions, k, v, query_starts)
+
+
+def paged_attention_packed_reference(
+    q: jax.Array,
+    view: PagedKVBatchLayerView,
+    table_rows: jax.Array,
+    positions: jax.Array,
+    kv_lens: jax.Array,
+    query_starts: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Reference packed attention: the reference attention over one query per row (:mod:`ninfer_kv.ops.packed`)."""
+    return attention_by_token(paged_attention_reference)(q, view, table_rows, positions, kv_lens, query_starts,
+                                                         sm_scale=sm_scale)
 
 
 # -- cyclic ----------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ __all__ = [
     "check_cyclic_view",
     "check_paged_append",
     "check_paged_attention",
+    "check_paged_append_packed",
+    "check_paged_attention_packed",
     "check_cyclic_append",
     "check_cyclic_attention",
     "check_sm_scale",
@@ -206,27 +208,34 @@ def check_paged_append(view, table_rows, positions, k, v, valid) -> tuple[jax.Ar
     table_rows, positions, valid = (
         check_int_vector(name, x, b) for name, x in (("table_rows", table_rows), ("positions", positions), ("valid", valid))
     )
-    cap = view.logical_pages * view.page_size
-    _check_table_rows(table_rows, view.max_concurrency)
-    pos, val = host_values(positions), host_values(valid)
-    if pos is not None:
-        _first_bad("positions", pos, pos < 0, ">= 0")
+    val = host_values(valid)
     if val is not None:
         _first_bad("valid", val, (val < 0) | (val > t), f"[0, T={t}]")
+    _check_append_spans(view, table_rows, positions, val, "valid")
+    return table_rows, positions, valid
+
+
+def _check_append_spans(view, table_rows, positions, val, count_name: str) -> None:
+    """Rows append ``val[b]`` tokens (range-checked; ``None`` when not concrete) from ``positions[b]``:
+    the table rows, the positions, the capacity and every table entry the writes touch."""
+    cap = view.logical_pages * view.page_size
+    _check_table_rows(table_rows, view.max_concurrency)
+    pos = host_values(positions)
+    if pos is not None:
+        _first_bad("positions", pos, pos < 0, ">= 0")
     if pos is not None and val is not None:
         end = pos.astype(np.int64) + val
         bad = end > cap
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(
-                f"positions[{i}] + valid[{i}] = {int(pos[i])} + {int(val[i])} = {int(end[i])} exceeds the "
+                f"positions[{i}] + {count_name}[{i}] = {int(pos[i])} + {int(val[i])} = {int(end[i])} exceeds the "
                 f"logical capacity L*P = {view.logical_pages}*{view.page_size} = {cap} tokens of a table row"
             )
         p = view.page_size
         first = pos // p
         last = np.where(val > 0, (end - 1) // p, first - 1)
         check_table_entries(view, table_rows, first, last - first + 1, "paged_append")
-    return table_rows, positions, valid
 
 
 def check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale=None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -238,6 +247,13 @@ def check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale=None
         for name, x in (("table_rows", table_rows), ("positions", positions), ("kv_lens", kv_lens))
     )
     check_sm_scale(sm_scale)
+    _check_attention_spans(view, table_rows, positions, kv_lens, t)
+    return table_rows, positions, kv_lens
+
+
+def _check_attention_spans(view, table_rows, positions, kv_lens, t: int) -> None:
+    """Rows of at most ``t`` queries at ``positions`` reading ``kv_lens`` keys: the table rows, the
+    positions, the lengths and every table entry the reads touch."""
     cap = view.logical_pages * view.page_size
     _check_table_rows(table_rows, view.max_concurrency)
     pos, lens = host_values(positions), host_values(kv_lens)
@@ -248,7 +264,79 @@ def check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale=None
         _first_bad("kv_lens", lens, (lens < 0) | (lens > cap), f"[0, L*P={cap}]")
         blocks = -(-lens.astype(np.int64) // view.page_size)
         check_table_entries(view, table_rows, np.zeros_like(blocks), blocks, "paged_attention")
-    return table_rows, positions, kv_lens
+
+
+# -- packed (ragged) forms -----------------------------------------------------------------------
+
+
+def _check_packed(name: str, x, rank_name: str) -> int:
+    """A packed token tensor ``(N, heads, D)`` (float32 or bfloat16); returns ``N``."""
+    _require_array(name, x)
+    if np.dtype(x.dtype) not in KV_DTYPES:
+        raise ValueError(f"{name} has dtype {np.dtype(x.dtype).name}; allowed: {_KV_DTYPE_NAMES}")
+    _chex(lambda: chex.assert_rank(x, 3), f"{name} must be packed tokens {rank_name}, got shape {tuple(x.shape)}")
+    if x.shape[0] < 1:
+        raise ValueError(f"{name} has N={x.shape[0]} tokens; N must be >= 1")
+    return int(x.shape[0])
+
+
+def _check_query_starts(query_starts, rows: int, tokens: int) -> tuple[jax.Array, np.ndarray | None]:
+    """``query_starts`` int ``(R + 1,)``: non-decreasing, from ``>= 0`` up to ``<= N``.  Returns it as
+    int32 and the row lengths (``None`` when not concrete)."""
+    starts = check_int_vector("query_starts", query_starts, rows + 1)
+    s = host_values(starts)
+    if s is None:
+        return starts, None
+    s = s.astype(np.int64)
+    _first_bad("query_starts", s, (s < 0) | (s > tokens), f"[0, N={tokens}] (N packed tokens)")
+    drops = np.diff(s) < 0
+    if drops.any():
+        i = int(np.argmax(drops)) + 1
+        raise ValueError(f"query_starts[{i}]={int(s[i])} is below query_starts[{i - 1}]={int(s[i - 1])}; "
+                         f"query_starts must be non-decreasing (row r owns tokens [query_starts[r], query_starts[r + 1]))")
+    return starts, np.diff(s)
+
+
+def check_paged_append_packed(view, table_rows, positions, k, v, query_starts):
+    """Checks a packed append's inputs (``k, v (N, H, D)``, ``R`` rows); returns ``(table_rows,
+    positions, query_starts)`` as int32 arrays."""
+    check_paged_view(view)
+    n = _check_packed("k", k, "(N, H, D)")
+    _check_packed("v", v, "(N, H, D)")
+    _check_kv(k[None], v[None], view.num_kv_heads, view.head_dim)
+    table_rows = _rows_vector("table_rows", table_rows)
+    r = int(table_rows.shape[0])
+    positions = check_int_vector("positions", positions, r)
+    query_starts, lengths = _check_query_starts(query_starts, r, n)
+    _check_append_spans(view, table_rows, positions, lengths, "row length")
+    return table_rows, positions, query_starts
+
+
+def check_paged_attention_packed(q, view, table_rows, positions, kv_lens, query_starts, sm_scale=None):
+    """Checks a packed attention call's inputs (``q (N, Hq, D)``, ``R`` rows); returns ``(table_rows,
+    positions, kv_lens, query_starts)`` as int32 arrays."""
+    check_paged_view(view)
+    n = _check_packed("q", q, "(N, Hq, D)")
+    _check_q(q[None], view.num_kv_heads, view.head_dim)
+    table_rows = _rows_vector("table_rows", table_rows)
+    r = int(table_rows.shape[0])
+    positions = check_int_vector("positions", positions, r)
+    kv_lens = check_int_vector("kv_lens", kv_lens, r)
+    query_starts, lengths = _check_query_starts(query_starts, r, n)
+    check_sm_scale(sm_scale)
+    longest = int(lengths.max()) if lengths is not None and lengths.size else 1
+    _check_attention_spans(view, table_rows, positions, kv_lens, max(longest, 1))
+    return table_rows, positions, kv_lens, query_starts
+
+
+def _rows_vector(name: str, x) -> jax.Array:
+    """An integer vector of any length ``R >= 1`` as int32 (the rows of a packed call)."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        shape = np.shape(x)
+    if len(shape) != 1 or shape[0] < 1:
+        raise ValueError(f"{name} must be an integer vector (R,) with R >= 1 rows, got shape {tuple(shape)}")
+    return check_int_vector(name, x, int(shape[0]))
 
 
 # -- cyclic ops ----------------------------------------------------------------------------------

@@ -69,6 +69,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="tokens per sequence, prompt and output (default: the model's context)")
     p.add_argument("--max-num-seqs", type=bounded_int(1, 4096), default=64, metavar="N",
                    help="sequences served at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=None, metavar="N",
+                   help="tokens one round feeds at most: the decodes' tokens, then prompt tokens in arrival order "
+                        "(default 2048, or --max-num-seqs when more)")
     p.add_argument("--kv-cache-dtype", dest="profile", type=PROFILE, default="bf16", help="KV profile (default bf16)")
     p.add_argument("--kv-capacity", type=_capacity, default="auto", metavar="TOKENS|auto",
                    help="Main pool tokens (default auto: from the memory left after the weights)")
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.profile, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, kv_capacity=args.kv_capacity, host_memory=args.host_memory,
-              enable_prefix_caching=args.enable_prefix_caching, lease_growth=args.lease_growth, seed=args.seed)
+              enable_prefix_caching=args.enable_prefix_caching, lease_growth=args.lease_growth, seed=args.seed,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     name = args.served_model_name or args.model
     pages = llm.engine.store.pool("main").capacity
     app = create_app(AsyncLLMEngine(llm), served_model_name=name, api_key=api_key,

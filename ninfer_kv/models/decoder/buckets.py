@@ -28,7 +28,8 @@ from ...integers import check_int
 from ...step_shapes import ladder_rungs
 from .config import DEFAULT_BATCH_BUCKETS
 
-__all__ = ["bucket_for", "bucket_ladder", "PaddedRows", "pad_rows", "prompt_chunks"]
+__all__ = ["bucket_for", "bucket_ladder", "token_ladder", "PaddedRows", "pad_rows", "PackedRows", "pad_packed",
+           "prompt_chunks"]
 
 
 def bucket_ladder(largest: int, factor: int = 2) -> tuple[int, ...]:
@@ -36,6 +37,29 @@ def bucket_ladder(largest: int, factor: int = 2) -> tuple[int, ...]:
     largest = check_int("largest", largest, 1)
     factor = check_int("factor", factor, 2)
     return tuple(ladder_rungs(1, factor, largest))
+
+
+def token_ladder(largest: int, steps_per_octave: int = 4) -> tuple[int, ...]:
+    """Token buckets of the packed step up to ``largest``: 16, 32, 64, 128, then ``steps_per_octave``
+    evenly spaced sizes per doubling (160, 192, 224, 256, 320, ... with 4), then ``largest``.
+
+    Padding tokens cost what real ones cost in the products, so above 128 tokens the ladder is
+    finer than doubling: at most ``1 / steps_per_octave`` of a round is padding, while the number
+    of compiled shapes grows only with the logarithm of ``largest``.
+    """
+    largest = check_int("largest", largest, 1)
+    steps_per_octave = check_int("steps_per_octave", steps_per_octave, 1, 64)
+    out, n = [], 16
+    while n < min(largest, 128):
+        out.append(n)
+        n *= 2
+    octave = 128
+    while octave < largest:
+        step = octave // steps_per_octave
+        out.extend(s for s in range(octave, min(2 * octave, largest), step) if s >= 128 and s not in out)
+        octave *= 2
+    out.append(largest)
+    return tuple(sorted(set(out)))
 
 
 def bucket_for(batch: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> int:
@@ -93,6 +117,52 @@ def pad_rows(tokens, positions, valid, table_rows, *, bucket: int, scratch_row: 
     rows = np.full((bucket,), scratch_row, np.int32)
     rows[:n] = _int_vector("table_rows", table_rows, n)
     return PaddedRows(out_tok, pos, val, rows, int(n))
+
+
+class PackedRows(NamedTuple):
+    """Packed-step inputs padded to a batch bucket and a token bucket: rows ``[0, num_real)`` are
+    real; the padding rows own no token; tokens past the last row are padding."""
+
+    tokens: np.ndarray  # int32 (token_bucket,)
+    positions: np.ndarray  # int32 (bucket,)
+    query_starts: np.ndarray  # int32 (bucket + 1,)
+    table_rows: np.ndarray  # int32 (bucket,)
+    num_real: int
+
+
+def pad_packed(tokens, lengths, positions, table_rows, *, bucket: int, token_bucket: int,
+               scratch_row: int = 0) -> PackedRows:
+    """Pad a ragged batch of ``n`` rows (row ``r``'s ``lengths[r]`` tokens one after another in
+    ``tokens``) up to ``bucket`` rows and ``token_bucket`` tokens.
+
+    Padding rows (position 0, no token, table row ``scratch_row``) and padding tokens (id 0) write
+    nothing and read nothing; their outputs must be ignored.
+    """
+    tok = np.asarray(tokens)
+    if tok.ndim != 1 or not np.issubdtype(tok.dtype, np.integer):
+        raise ValueError(f"tokens must be an integer (N,) array, got shape {tok.shape} dtype {tok.dtype}")
+    lens = np.asarray(lengths)
+    if lens.ndim != 1 or not np.issubdtype(lens.dtype, np.integer):
+        raise ValueError(f"lengths must be an integer (n,) vector, got shape {lens.shape} dtype {lens.dtype}")
+    n = lens.size
+    lens = _int_vector("lengths", lens, n)
+    if np.any(lens < 0) or int(lens.sum()) != tok.size:
+        raise ValueError(f"lengths must be >= 0 and sum to the {tok.size} tokens, got {lens.tolist()}")
+    if not isinstance(bucket, (int, np.integer)) or bucket < max(n, 1):
+        raise ValueError(f"bucket={bucket!r} must be an integer >= the number of real rows {n} (and >= 1)")
+    if not isinstance(token_bucket, (int, np.integer)) or token_bucket < max(tok.size, 1):
+        raise ValueError(f"token_bucket={token_bucket!r} must be an integer >= the {tok.size} tokens (and >= 1)")
+    if not isinstance(scratch_row, (int, np.integer)) or scratch_row < 0:
+        raise ValueError(f"scratch_row={scratch_row!r} must be an integer >= 0")
+    out_tok = np.zeros((token_bucket,), np.int32)
+    out_tok[: tok.size] = tok
+    starts = np.full((bucket + 1,), tok.size, np.int32)
+    starts[: n + 1] = np.concatenate([[0], np.cumsum(lens)])
+    pos = np.zeros((bucket,), np.int32)
+    pos[:n] = _int_vector("positions", positions, n)
+    rows = np.full((bucket,), scratch_row, np.int32)
+    rows[:n] = _int_vector("table_rows", table_rows, n)
+    return PackedRows(out_tok, pos, starts, rows, int(n))
 
 
 def prompt_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:

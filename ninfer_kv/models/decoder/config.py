@@ -26,12 +26,16 @@ from ninfer_kv.profiles import KVProfile
 
 from .layers import Products
 
-__all__ = ["ModelConfig", "RopeScaling", "ROPE_SCALING_KINDS", "StepConfig", "DEFAULT_BATCH_BUCKETS", "PREFILL_CHUNK"]
+__all__ = ["ModelConfig", "RopeScaling", "ROPE_SCALING_KINDS", "StepConfig", "DEFAULT_BATCH_BUCKETS",
+           "DEFAULT_TOKEN_BUCKETS", "PREFILL_CHUNK"]
 
 """Allowed values of :attr:`StepConfig.impl` (forwarded to ``ninfer_kv.ops``)."""
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 """Batch sizes the step functions are compiled for; smaller batches are padded up to a bucket."""
+
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+"""Token counts the packed step is compiled for; a ragged batch is padded up to one."""
 
 PREFILL_CHUNK = 128
 """Tokens per chunked-prefill call (two pages of 64)."""
@@ -243,6 +247,8 @@ class StepConfig:
       draft_window: speculative draft window K; verify takes ``K + 1`` tokens per row.
       batch_buckets: the batch sizes a step accepts; pad smaller batches up to a bucket
         (:func:`ninfer_kv.models.decoder.buckets.pad_rows`).
+      token_buckets: the token counts ``N`` the packed step accepts (strictly increasing); pad a
+        ragged batch with :func:`ninfer_kv.models.decoder.buckets.pad_packed`.
       products: how the weight products run when the ops are the FFI's (a CPU): ``"auto"``
         (default: the FFI row kernel for single-row products, XLA's dots for more), ``"xla"``
         (XLA's dots only) or ``"batch_invariant"`` (a row's logits never depend on the batch); see
@@ -257,6 +263,7 @@ class StepConfig:
     draft_window: int = 3
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     products: str = "auto"
+    token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS
 
     def __post_init__(self):
         if not isinstance(self.model, ModelConfig):
@@ -272,12 +279,13 @@ class StepConfig:
         if chunk % PAGE_SIZE:
             raise ValueError(f"prefill_chunk={chunk} must be a multiple of the page size {PAGE_SIZE}")
         check_int("draft_window", self.draft_window, 1)
-        buckets = tuple(self.batch_buckets)
-        if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
-            raise ValueError(f"batch_buckets={self.batch_buckets!r} must be a non-empty tuple of integers >= 1")
-        if list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"batch_buckets={buckets!r} must be strictly increasing")
-        object.__setattr__(self, "batch_buckets", buckets)
+        for name in ("batch_buckets", "token_buckets"):
+            buckets = tuple(getattr(self, name))
+            if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a non-empty tuple of integers >= 1")
+            if list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"{name}={buckets!r} must be strictly increasing")
+            object.__setattr__(self, name, buckets)
 
     @property
     def main_layout(self) -> PagedKVStorageLayout:

@@ -17,6 +17,11 @@ paged forward (this module: K/V go through ``ninfer_kv.ops.paged_append`` into l
 Main pool and queries read them back through ``ninfer_kv.ops.paged_attention``) and the dense
 reference (:mod:`ninfer_kv.models.decoder.dense`).
 
+Packed (ragged) semantics (:func:`forward_packed`): the tokens of ``R`` rows lie one after another
+on one axis, row ``r`` owning ``[query_starts[r], query_starts[r + 1])`` at positions
+``positions[r] + t`` (``ninfer_kv.ops.paged_attention_packed``); the layers run on ``(1, N, d)`` so
+every product sees all ``N`` tokens at once, and no row pays for another's length.
+
 Paged chunk semantics (row ``b`` of a chunk of ``T`` tokens): token ``t`` sits at position
 ``positions[b] + t`` and is real iff ``t < valid[b]``.  Only real tokens are written; with
 ``kv_lens = positions + valid`` the ops' visibility rule ``j <= positions[b] + t and j < kv_lens[b]``
@@ -33,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_kv import ops
+from ninfer_kv.ops.packed import effective_starts, token_rows
 from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.views import PagedKVBatchLayerView
 
@@ -47,6 +53,8 @@ __all__ = [
     "embed_tokens",
     "logits_from_hidden",
     "forward_paged",
+    "packed_attend",
+    "forward_packed",
 ]
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
@@ -155,3 +163,62 @@ def forward_paged(
         h, view = decoder_layer(lp, config, h, token_pos, paged_attend(view, table_rows, positions, valid, impl))
         planes = view.planes
     return h, planes
+
+
+def packed_attend(
+    view: PagedKVBatchLayerView,
+    table_rows: jax.Array,
+    positions: jax.Array,
+    query_starts: jax.Array,
+    kv_lens: jax.Array,
+    impl: str,
+) -> Attend:
+    """:func:`paged_attend` of a packed batch: ``q, k, v`` are ``(1, N, heads, D)``."""
+
+    def attend(q, k, v):
+        new_view = ops.paged_append_packed(view, table_rows, positions, k[0], v[0], query_starts, impl=impl)
+        out = ops.paged_attention_packed(q[0], new_view, table_rows, positions, kv_lens, query_starts, impl=impl)
+        return out[None], new_view
+
+    return attend
+
+
+def forward_packed(
+    params: dict,
+    config: ModelConfig,
+    layout: PagedKVStorageLayout,
+    planes: dict,
+    block_tables: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    query_starts: jax.Array,
+    table_rows: jax.Array,
+    *,
+    impl: str,
+) -> tuple[jax.Array, jax.Array, dict]:
+    """Run all decoder layers on a packed batch, appending every row's tokens to the Main pool.
+
+    Args:
+      tokens: int32 ``(N,)``; positions, table_rows: int32 ``(R,)``; query_starts: int32 ``(R + 1,)``
+        (see the module docstring; padding tokens write nothing).
+      Others as :func:`forward_paged`.
+    Returns:
+      ``(hidden (N, d_model), last (R,), planes)``: the final hidden states before the final norm,
+      the index of each row's last token (0 for an empty row) and the updated planes.
+    """
+    if layout.num_layers != config.num_layers:
+        raise ValueError(f"layout has {layout.num_layers} layers, the model has {config.num_layers}")
+    n = tokens.shape[0]
+    positions = jnp.asarray(positions, jnp.int32)
+    query_starts = jnp.asarray(query_starts, jnp.int32)
+    table_rows = jnp.asarray(table_rows, jnp.int32)
+    tok = token_rows(table_rows, positions, query_starts, n)
+    e = effective_starts(query_starts, n)
+    kv_lens = positions + (e[1:] - e[:-1])
+    h = embed_tokens(params, tokens[None])
+    for layer, lp in enumerate(params["layers"]):
+        view = PagedKVBatchLayerView(planes, block_tables, layer, layout)
+        attend = packed_attend(view, table_rows, positions, query_starts, kv_lens, impl)
+        h, view = decoder_layer(lp, config, h, tok.positions[None], attend)
+        planes = view.planes
+    return h[0], jnp.maximum(e[1:] - 1, 0), planes

@@ -27,6 +27,16 @@ Steps (``B`` in ``step_config.batch_buckets``; pad with :func:`ninfer_kv.models.
     mtp_draft(params, mtp_planes, mtp_block_tables, hidden (B, T, d), next_tokens (B, T),
               positions, valid, table_rows)
         -> MTPDraftOutput(planes, block_tables, drafts (B, K), draft_logits (B, K, V))
+    packed(params, planes, block_tables, tokens (N,), positions (R,), query_starts (R + 1,),
+           table_rows (R,))
+        -> PackedOutput(planes, block_tables, logits (R, V), next_tokens (R,))
+
+``packed`` is a ragged batch (:func:`~ninfer_kv.models.decoder.model.forward_packed`): row ``r``
+feeds tokens ``[query_starts[r], query_starts[r + 1])`` from position ``positions[r]`` — a decode
+of one token beside a prefill chunk of hundreds, each paying for its own tokens only.  ``N`` is a
+token bucket (``step_config.token_buckets``; pad with
+:func:`~ninfer_kv.models.decoder.buckets.pad_packed`), ``R`` a batch bucket; logits and the next
+token are taken at each row's last token and produced at ``positions + length``.
 
 positions, valid, table_rows are int32 ``(B,)``; ``kv_lens = positions + valid`` is formed inside.
 
@@ -71,10 +81,11 @@ from jax import monitoring
 from ...kinds import PoolKind
 from ...device.state import KVDeviceState
 from ...device.work import apply_work
+from ...ops.packed import effective_starts
 from ...ops.registry import resolve_impl
 from .config import StepConfig
 from .layers import Products, products
-from .model import forward_paged, logits_from_hidden
+from .model import forward_packed, forward_paged, logits_from_hidden
 from .mtp import mtp_draft_paged, mtp_forward_paged
 from .sampling import SamplingRows, greedy_tokens, sample_tokens
 
@@ -89,6 +100,7 @@ __all__ = [
     "VerifyOutput",
     "MTPExtendOutput",
     "MTPDraftOutput",
+    "PackedOutput",
     "DONATED_ARGNUMS",
     "STATE_DONATED_ARGNUMS",
     "accepted_prefix",
@@ -126,6 +138,13 @@ class VerifyOutput(NamedTuple):
     target_tokens: jax.Array  # int32 (B, K + 1)
     num_accepted: jax.Array  # int32 (B,)
     hidden: jax.Array  # (B, K + 1, d)
+
+
+class PackedOutput(NamedTuple):
+    planes: dict
+    block_tables: jax.Array
+    logits: jax.Array  # float32 (R, V) at each row's last token
+    next_tokens: jax.Array  # int32 (R,)
 
 
 class MTPExtendOutput(NamedTuple):
@@ -290,20 +309,28 @@ def _check_int32_vector(name: str, x, b: int) -> None:
         raise ValueError(f"{name} must be int32 ({b},), got {np.dtype(x.dtype).name} {shape}")
 
 
-def _check_common(cfg: StepConfig, what: str, planes, block_tables, lead, positions, valid, table_rows, t_expected):
-    """Checks of the per-row arguments; ``lead`` is tokens (B, T) or hidden (B, T, d)."""
+def _check_pool(what: str, planes, block_tables) -> None:
     if not isinstance(planes, dict):
         raise TypeError(f"{what}: planes must be the dict of stacked plane arrays, got {type(planes).__name__}")
     bt = _shape(block_tables)
     if len(bt) != 2 or np.dtype(block_tables.dtype) != np.int32:
         raise ValueError(f"{what}: block_tables must be int32 (C, L), got {np.dtype(block_tables.dtype).name} {bt}")
-    shape = _shape(lead)
-    b = shape[0]
+
+
+def _check_bucket(cfg: StepConfig, what: str, b: int, pad_with: str) -> None:
     if b not in cfg.batch_buckets:
         raise ValueError(
             f"{what}: batch size {b} is not a bucket {cfg.batch_buckets}; pad the batch with "
-            f"ninfer_kv.models.decoder.buckets.pad_rows"
+            f"ninfer_kv.models.decoder.buckets.{pad_with}"
         )
+
+
+def _check_common(cfg: StepConfig, what: str, planes, block_tables, lead, positions, valid, table_rows, t_expected):
+    """Checks of the per-row arguments; ``lead`` is tokens (B, T) or hidden (B, T, d)."""
+    _check_pool(what, planes, block_tables)
+    shape = _shape(lead)
+    b = shape[0]
+    _check_bucket(cfg, what, b, "pad_rows")
     if t_expected is not None and shape[1] != t_expected:
         raise ValueError(f"{what}: expected {t_expected} tokens per row, got shape {shape}")
     for name, x in (("positions", positions), ("valid", valid), ("table_rows", table_rows)):
@@ -335,6 +362,30 @@ def _token_check(cfg: StepConfig, what: str, t_expected: int):
         _check_tokens(f"{what}: tokens", tokens)
         b, _ = _check_common(cfg, what, planes, block_tables, tokens, positions, valid, table_rows, t_expected)
         _check_sampling(what, sampling, b)
+
+    return check
+
+
+def _packed_check(cfg: StepConfig):
+    what = "packed"
+
+    def check(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None):
+        shape = _shape(tokens)
+        if np.dtype(tokens.dtype) != np.int32 or len(shape) != 1:
+            raise ValueError(f"{what}: tokens must be int32 (N,), got {np.dtype(tokens.dtype).name} {shape}")
+        if shape[0] not in cfg.token_buckets:
+            raise ValueError(f"{what}: {shape[0]} tokens is not a token bucket {cfg.token_buckets}; pad with "
+                             f"ninfer_kv.models.decoder.buckets.pad_packed")
+        _check_pool(what, planes, block_tables)
+        rows = _shape(table_rows)
+        if len(rows) != 1:
+            raise ValueError(f"{what}: table_rows must be int32 (R,), got shape {rows}")
+        r = rows[0]
+        _check_bucket(cfg, what, r, "pad_packed")
+        for name, x, n in (("positions", positions, r), ("table_rows", table_rows, r),
+                           ("query_starts", query_starts, r + 1)):
+            _check_int32_vector(f"{what}: {name}", x, n)
+        _check_sampling(what, sampling, r)
 
     return check
 
@@ -436,13 +487,24 @@ class ModelSteps:
             accepted = accepted_prefix(tokens, target, valid)
             return VerifyOutput(planes, block_tables, logits, target, accepted, hidden)
 
+        @in_products
+        def packed(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None):
+            hidden, last, planes = forward_packed(params, model, main_layout, planes, block_tables, tokens, positions,
+                                                  query_starts, table_rows, impl=impl)
+            logits = logits_from_hidden(params, model, hidden[last])
+            e = effective_starts(query_starts, tokens.shape[0])
+            lengths = e[1:] - e[:-1]
+            chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + lengths)
+            return PackedOutput(planes, block_tables, logits, chosen)
+
         self.prefill = CountedStep("prefill", prefill, _token_check(cfg, "prefill", cfg.prefill_chunk))
         self.decode = CountedStep("decode", decode, _token_check(cfg, "decode", 1))
         self.verify = CountedStep("verify", verify, _token_check(cfg, "verify", cfg.draft_window + 1))
-        self._steps = {"prefill": self.prefill, "decode": self.decode, "verify": self.verify}
+        self.packed = CountedStep("packed", packed, _packed_check(cfg))
+        self._steps = {"prefill": self.prefill, "decode": self.decode, "verify": self.verify, "packed": self.packed}
         self._state_steps = {
             name: _state_step(name, PoolKind.MAIN, fn, self._steps[name]._check)
-            for name, fn in (("prefill", prefill), ("decode", decode), ("verify", verify))
+            for name, fn in (("prefill", prefill), ("decode", decode), ("verify", verify), ("packed", packed))
         }
 
         if model.mtp:
