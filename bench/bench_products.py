@@ -1,8 +1,10 @@
-"""Weight products of a decode step: the FFI row kernel against XLA's dots, side by side, one run.
+"""Weight products of a decode step: the FFI kernels against XLA's dots, side by side, one run.
 
 For each weight shape of a Qwen3-0.6B layer and its LM head (bfloat16, ``x @ w.T``) and each row
-count M, prints the time of :func:`ninfer_kv.ffi_ops.matmul_bf16` and of XLA's two spellings, the
-row kernel's weight-read rate and its ratio to XLA's best.  Run: ``python bench/bench_products.py``.
+count M, prints the median time of :func:`ninfer_kv.ffi_ops.matmul_bf16` (the row kernel), of
+:func:`ninfer_kv.ffi_ops.matmul_bf16_packed` (weights packed once) and of XLA's two spellings, the
+packed kernel's rate (GMAC/s, and GB/s of weights) and the ratios.  Run:
+``python bench/bench_products.py [--rows 1 8 32 128 512] [--repeats 5]``.
 """
 
 from __future__ import annotations
@@ -20,13 +22,23 @@ SHAPES = {"q/k/v (4096 x 1024)": (4096, 1024), "o (1024 x 2048)": (1024, 2048),
           "lm head (151936 x 1024)": (151936, 1024)}
 
 
-def timed(fn, *args, iters: int) -> float:
+def timed(fn, *args, iters: int, repeats: int = 1, budget_s: float = 0.2) -> float:
+    """Median over ``repeats`` of the mean time of up to ``iters`` calls (fewer for slow calls:
+    about ``budget_s`` per repeat)."""
+    import statistics
+
     jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters
+    jax.block_until_ready(fn(*args))
+    n = max(1, min(iters, int(budget_s / max(time.perf_counter() - t0, 1e-6))))
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        means.append((time.perf_counter() - t0) / n)
+    return statistics.median(means)
 
 
 def qwen3_0_6b():
@@ -42,43 +54,47 @@ def steps_section(batches, iters: int, context: int = 512) -> None:
 
     import numpy as np
 
-    from ninfer_kv.models.decoder import StepConfig, init_params, make_steps
+    from ninfer_kv.models.decoder import StepConfig, init_params, make_steps, pack_params
     from ninfer_kv.views import allocate_planes
 
     cfg = qwen3_0_6b()
-    params = init_params(cfg, seed=0)
-    modes = ("xla", "auto", "batch_invariant")
-    steps = {m: make_steps(StepConfig(model=cfg, impl="ffi", products=m, batch_buckets=tuple(batches))) for m in modes}
+    plain = init_params(cfg, seed=0)
+    packed = pack_params(plain, cfg)
+    # (label, products mode, params): the packed weights (pack_params) take the packed products
+    modes = (("xla", "xla", plain), ("auto", "auto", plain), ("batch_invariant", "batch_invariant", plain),
+             ("auto, packed", "auto", packed), ("batch_invariant, packed", "batch_invariant", packed))
+    steps = {label: make_steps(StepConfig(model=cfg, impl="ffi", products=m, batch_buckets=tuple(batches)))
+             for label, m, _ in modes}
     print(f"decode step, Qwen3-0.6B shapes, {context} tokens of context per row, median of {iters}")
-    print("| batch | " + " | ".join(f"products={m!r} (ms)" for m in modes) + " | tokens/s: "
-          + " / ".join(modes) + " |")
-    print("|---|---|---|---|---|")
+    print("| batch | " + " | ".join(f"{label} (ms)" for label, _, _ in modes) + " | xla / auto, packed |")
+    print("|---" * (len(modes) + 2) + "|")
     for b in batches:
         blocks = context // 64 + 1
         state = {}
-        for m in modes:
-            lay = steps[m].config.main_layout
-            state[m] = allocate_planes(lay, b * blocks + 1), np.arange(b * blocks, dtype=np.int32).reshape(b, blocks)
+        for label, _, _ in modes:
+            lay = steps[label].config.main_layout
+            state[label] = allocate_planes(lay, b * blocks + 1), np.arange(b * blocks, dtype=np.int32).reshape(b, blocks)
         tokens = np.ones((b, 1), np.int32)
         pos, one, rows = (np.full((b,), context, np.int32), np.ones((b,), np.int32), np.arange(b, dtype=np.int32))
-        times = {m: [] for m in modes}
+        times = {label: [] for label, _, _ in modes}
         for i in range(iters + 1):
-            for m in modes:
-                planes, tables = state[m]
+            for label, _, params in modes:
+                planes, tables = state[label]
                 t0 = time.perf_counter()
-                out = steps[m].decode(params, planes, jnp.asarray(tables), tokens, pos, one, rows)
+                out = steps[label].decode(params, planes, jnp.asarray(tables), tokens, pos, one, rows)
                 jax.block_until_ready(out.next_tokens)
                 if i:  # the first call compiles
-                    times[m].append(time.perf_counter() - t0)
-                state[m] = out.planes, np.asarray(out.block_tables)
-        med = [statistics.median(times[m]) for m in modes]
-        print(f"| {b} | " + " | ".join(f"{t * 1e3:.1f}" for t in med) + " | "
-              + " / ".join(f"{b / t:.1f}" for t in med) + " |")
+                    times[label].append(time.perf_counter() - t0)
+                state[label] = out.planes, np.asarray(out.block_tables)
+        med = {label: statistics.median(times[label]) for label, _, _ in modes}
+        print(f"| {b} | " + " | ".join(f"{med[label] * 1e3:.1f}" for label, _, _ in modes) + " | "
+              + f"{med['xla'] / med['auto, packed']:.2f} |")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    p.add_argument("--repeats", type=int, default=5, help="medians of this many timings")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--steps", action="store_true", help="time whole decode steps instead of the products")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -87,22 +103,28 @@ def main(argv=None) -> int:
         steps_section(args.batches, args.iters)
         return 0
     row = jax.jit(ffi_ops.matmul_bf16)
+    packed = jax.jit(ffi_ops.matmul_bf16_packed)
     mm = jax.jit(lambda x, w: jnp.matmul(x, w.T, preferred_element_type=jnp.float32))
     dg = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
-    print(f"FFI threads: {ffi_ops.num_threads()}, ISA: {ffi_ops.info().isa}")
+    print(f"FFI threads: {ffi_ops.num_threads()}, ISA: {ffi_ops.info().isa}, packed products with "
+          f"{'VDPBF16PS' if ffi_ops.packed_uses_bf16() else 'float32 FMAs'}")
     print("(each implementation timed over every case before the next one runs: XLA's CPU thread pool keeps "
           "spinning after its own calls and would slow a kernel timed right after them)")
     cases = [(name, n, k, m) for name, (n, k) in SHAPES.items() for m in args.rows]
     weights = {name: jax.random.normal(jax.random.key(0), (n, k), jnp.bfloat16) for name, (n, k) in SHAPES.items()}
     xs = {(k, m): jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16) for _, _, k, m in cases}
-    times = {label: [timed(f, xs[(k, m)], weights[name], iters=args.iters) for name, n, k, m in cases]
-             for label, f in (("row", row), ("mm", mm), ("dg", dg))}
-    print("| weight | M | row kernel (us) | GB/s of weights | XLA x @ w.T (us) | XLA dot_general (us) | XLA best / row kernel |")
-    print("|---|---|---|---|---|---|---|")
+    packs = {name: ffi_ops.pack_bf16_weight(w) for name, w in weights.items()}
+    operands = {"row": weights, "packed": packs, "mm": weights, "dg": weights}
+    times = {label: [timed(f, xs[(k, m)], operands[label][name], iters=args.iters, repeats=args.repeats)
+                     for name, n, k, m in cases]
+             for label, f in (("row", row), ("packed", packed), ("mm", mm), ("dg", dg))}
+    print("| weight | M | row kernel (us) | packed (us) | packed GMAC/s | packed GB/s of weights | XLA x @ w.T (us) "
+          "| XLA dot_general (us) | XLA best / packed | row kernel / packed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i, (name, n, k, m) in enumerate(cases):
-        a, b, c = times["row"][i], times["mm"][i], times["dg"][i]
-        print(f"| {name} | {m} | {a * 1e6:.0f} | {n * k * 2 / a / 1e9:.1f} | {b * 1e6:.0f} | {c * 1e6:.0f} | "
-              f"{min(b, c) / a:.2f} |")
+        a, q, b, c = times["row"][i], times["packed"][i], times["mm"][i], times["dg"][i]
+        print(f"| {name} | {m} | {a * 1e6:.0f} | {q * 1e6:.0f} | {m * n * k / q / 1e9:.1f} | {n * k * 2 / q / 1e9:.1f} "
+              f"| {b * 1e6:.0f} | {c * 1e6:.0f} | {min(b, c) / q:.2f} | {a / q:.2f} |")
     return 0
 
 

@@ -70,6 +70,7 @@ from . import ffi_library
 from .ffi_library import REBUILD_HINT, FFILibraryPathError, FFIUnavailableError
 from .geometry import PlaneOrder
 from .layout import word_dtype
+from .packed_weight import PackedWeight, pack_bf16_weight
 from .profiles import KVCodec, KVProfile
 from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 
@@ -82,6 +83,11 @@ __all__ = [
     "cyclic_attention",
     "matmul_bf16",
     "matmul_bf16_many",
+    "matmul_bf16_packed",
+    "matmul_bf16_packed_many",
+    "packed_uses_bf16",
+    "PackedWeight",
+    "pack_bf16_weight",
     "fixed_splits",
     "apply_tables",
     "write_pages",
@@ -109,6 +115,7 @@ TARGETS = {
     "ninfer_kv_cyclic_append": "NinferKvCyclicAppend",
     "ninfer_kv_cyclic_attention": "NinferKvCyclicAttention",
     "ninfer_kv_matmul_bf16": "NinferKvMatmulBf16",
+    "ninfer_kv_matmul_bf16_packed": "NinferKvMatmulBf16Packed",
     "ninfer_kv_apply_tables": "NinferKvApplyTables",
     "ninfer_kv_write_pages": "NinferKvWritePages",
 }
@@ -539,6 +546,58 @@ def matmul_bf16_many(x, weights) -> tuple[jax.Array, ...]:
                             tuple(jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32) for w in weights),
                             vmap_method="sequential")(x.reshape(rows, x.shape[-1]), *weights)
     return tuple(o.reshape(*lead, w.shape[0]) for o, w in zip(outs, weights))
+
+
+def packed_uses_bf16() -> bool:
+    """Whether :func:`matmul_bf16_packed` runs VDPBF16PS here (an AVX-512 level on a CPU with
+    AVX512_BF16, and ``$NINFER_KV_FFI_BF16`` not ``0``) rather than float32 FMAs; the results are
+    the same either way."""
+    lib = _require()
+    lib.NinferKvFfiPackedBf16.restype = ctypes.c_int
+    return int(lib.NinferKvFfiPackedBf16()) == 1
+
+
+def matmul_bf16_packed(x, packed: PackedWeight) -> jax.Array:
+    """``x @ w.T`` in float32 for bfloat16 ``x (..., K)`` and a weight packed once by
+    :func:`pack_bf16_weight` (``ffi/src/gemm_packed.cc``).
+
+    Output ``(m, n)`` is one fixed sequence over the pairs of K: for p = 0, 1, ... a fused
+    multiply-add of the odd elements ``x[m, 2p+1] * w[n, 2p+1]``, then of the even ones, from +0,
+    denormal inputs read as zero and tiny results flushed to zero (VDPBF16PS's arithmetic, which
+    the levels without it emulate bit for bit).  So a row's result never depends on the other rows,
+    their number, the thread split or the instruction-set level (batch invariance), and the weight
+    tiles are reused across rows in registers: several times the row kernel's
+    (:func:`matmul_bf16`) speed from 8 rows on, and the same stream at one row.
+
+    Raises ``ValueError`` naming the operand for a dtype other than bfloat16, a weight that is not
+    a :class:`PackedWeight` or a K that differs from the weight's.
+    """
+    return matmul_bf16_packed_many(x, (packed,))[0]
+
+
+def matmul_bf16_packed_many(x, weights: Sequence[PackedWeight]) -> tuple[jax.Array, ...]:
+    """:func:`matmul_bf16_packed` of one ``x`` with each of ``weights`` (the same K) in one call
+    (q, k and v; gate and up); bit-identical to one call per weight."""
+    _require()
+    x = jnp.asarray(x)
+    weights = tuple(weights)
+    if not weights:
+        raise ValueError("matmul_bf16_packed: at least one weight is needed")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_bf16_packed: x must be bfloat16, got {x.dtype}")
+    for i, w in enumerate(weights):
+        if not isinstance(w, PackedWeight):
+            raise ValueError(f"matmul_bf16_packed: w[{i}] must be a PackedWeight (pack_bf16_weight), got "
+                             f"{type(w).__name__}")
+        if x.ndim < 1 or x.shape[-1] != w.k:
+            raise ValueError(f"matmul_bf16_packed: x {x.shape} and w[{i}] (N={w.n}, K={w.k}) are not (..., K) "
+                             f"and (N, K)")
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    outs = jax.ffi.ffi_call("ninfer_kv_matmul_bf16_packed",
+                            tuple(jax.ShapeDtypeStruct((rows, w.n), jnp.float32) for w in weights),
+                            vmap_method="sequential")(x.reshape(rows, x.shape[-1]), *(w.data for w in weights))
+    return tuple(o.reshape(*lead, w.n) for o, w in zip(outs, weights))
 
 
 # -- round work (the CPU lowering of ninfer_kv.device.work.apply_work) ------------------------------

@@ -24,6 +24,7 @@ constexpr const char* kFeatureNames[kNumFeatures] = {
     "sse3",    "ssse3",    "sse4.1",   "sse4.2",   "popcnt",   "cx16",     "avx",
     "avx2",    "fma",      "f16c",     "bmi1",     "bmi2",     "lzcnt",    "movbe",
     "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512vbmi", "neon",    "avx512vnni",
+    "avx512bf16",
 };
 
 const KernelTable* const kLevels[] = {
@@ -72,6 +73,8 @@ uint64_t DetectX86() {
       if (bit(b, 31)) f |= kAvx512vl;
       if (bit(c, 1)) f |= kAvx512vbmi;
       if (bit(c, 11)) f |= kAvx512vnni;
+      __cpuid_count(7, 1, a, b, c, d);
+      if (bit(a, 5)) f |= kAvx512bf16;
     }
   }
   if (__get_cpuid(0x80000001u, &a, &b, &c, &d) && bit(c, 5)) f |= kLzcnt;
@@ -140,6 +143,14 @@ std::string FeatureNames(uint64_t bits) {
     if ((bits >> i) & 1u) s += (s.empty() ? "" : ",") + std::string(kFeatureNames[i]);
   }
   return s;
+}
+
+bool PackedBf16Enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("NINFER_KV_FFI_BF16");
+    return (CpuFeatures() & kAvx512bf16) != 0 && !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return enabled;
 }
 
 const Selection& Selected() {

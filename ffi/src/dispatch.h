@@ -30,6 +30,11 @@ struct Selection {
   std::string cpu_features;            // FeatureNames(CpuFeatures())
 };
 
+// Whether the packed weight products (gemm_packed.cc) may use VDPBF16PS: the CPU has AVX512_BF16
+// and NINFER_KV_FFI_BF16 is not "0" (read once; "0" keeps the float32 FMA form of the same
+// arithmetic, for tests and comparisons).
+bool PackedBf16Enabled();
+
 // The selection of this process (made on the first call; thread safe).
 const Selection& Selected();
 

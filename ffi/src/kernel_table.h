@@ -1,6 +1,6 @@
 // The function table of one compiled instruction-set level, and the CPU features it needs.
 //
-// Every level (isa.h) defines one KernelTable as constant data: the five handlers compiled for
+// Every level (isa.h) defines one KernelTable as constant data: the six handlers compiled for
 // that level, its vector width and the set of CPU features its code may use, derived from the
 // compiler's predefined macros (so a -march=native build declares exactly what it was built
 // for).  The dispatcher (dispatch.cc) reads the tables as data, without running any level's code,
@@ -46,17 +46,19 @@ enum Feature : uint64_t {
   kAvx512vbmi = 1ull << 19,
   kNeon = 1ull << 20,
   kAvx512vnni = 1ull << 21,
-  kNumFeatures = 22,
+  kAvx512bf16 = 1ull << 22,  // detected only: the packed products choose VDPBF16PS at run time
+  kNumFeatures = 23,
 };
 
 struct KernelTable {
   const char* level;      // "baseline", "avx2", "avx512", "avx512vnni", "neon" or "native"
   int vector_width;       // float lanes per vector
   uint64_t features;      // Feature bits the level's code may use
-  HandlerFn paged_append, paged_attention, cyclic_append, cyclic_attention, matmul_bf16;
+  HandlerFn paged_append, paged_attention, paged_append_packed, paged_attention_packed;  // paged_ops.cc
+  HandlerFn cyclic_append, cyclic_attention, matmul_bf16, matmul_bf16_packed;
   ArithmeticFn arithmetic;
   ReadWordsFn read_words;
-  HandlerFn paged_append_packed, paged_attention_packed;  // the ragged forms (paged_ops.cc)
+  bool (*packed_uses_bf16)();  // whether matmul_bf16_packed runs VDPBF16PS on this CPU
 };
 
 // The CPU features a translation unit is compiled to use, from the predefined macros.
@@ -145,6 +147,8 @@ XLA_FFI_Error* PagedAttentionPackedHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MatmulBf16Handler(XLA_FFI_CallFrame* call_frame);  // matmul.cc
+XLA_FFI_Error* MatmulBf16PackedHandler(XLA_FFI_CallFrame* call_frame);  // gemm_packed.cc
+bool PackedUsesBf16();                                                // gemm_packed.cc
 int32_t AttentionArithmetic(int32_t k_codec, int32_t v_codec, int32_t head_dim);
 NINFER_KV_NAMESPACE_END
 

@@ -42,12 +42,14 @@ const ninfer_kv_ffi::KernelTable NINFER_KV_KERNEL_TABLE(NINFER_KV_ISA_ID) = {
     ninfer_kv_ffi::CompiledFeatures(),
     &ninfer_kv_ffi::PagedAppendHandler,
     &ninfer_kv_ffi::PagedAttentionHandler,
+    &ninfer_kv_ffi::PagedAppendPackedHandler,
+    &ninfer_kv_ffi::PagedAttentionPackedHandler,
     &ninfer_kv_ffi::CyclicAppendHandler,
     &ninfer_kv_ffi::CyclicAttentionHandler,
     &ninfer_kv_ffi::MatmulBf16Handler,
+    &ninfer_kv_ffi::MatmulBf16PackedHandler,
     &ninfer_kv_ffi::AttentionArithmetic,
     &ninfer_kv_ffi::ReadWords,
-    &ninfer_kv_ffi::PagedAppendPackedHandler,
-    &ninfer_kv_ffi::PagedAttentionPackedHandler,
+    &ninfer_kv_ffi::PackedUsesBf16,
 };
 }  // extern "C"

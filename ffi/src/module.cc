@@ -42,6 +42,7 @@ NINFER_KV_FORWARD(NinferKvPagedAttention, paged_attention)
 NINFER_KV_FORWARD(NinferKvCyclicAppend, cyclic_append)
 NINFER_KV_FORWARD(NinferKvCyclicAttention, cyclic_attention)
 NINFER_KV_FORWARD(NinferKvMatmulBf16, matmul_bf16)
+NINFER_KV_FORWARD(NinferKvMatmulBf16Packed, matmul_bf16_packed)
 NINFER_KV_FORWARD(NinferKvPagedAppendPacked, paged_append_packed)
 NINFER_KV_FORWARD(NinferKvPagedAttentionPacked, paged_attention_packed)
 #undef NINFER_KV_FORWARD
@@ -74,6 +75,13 @@ NINFER_KV_EXPORT const char* NinferKvFfiCpuFeatures() { return ninfer_kv_ffi::Se
 NINFER_KV_EXPORT int32_t NinferKvFfiArithmetic(int32_t k_codec, int32_t v_codec, int32_t head_dim) {
   const auto* t = Table();
   return t ? t->arithmetic(k_codec, v_codec, head_dim) : -1;
+}
+
+// 1 when the packed weight products of the level in use run VDPBF16PS on this CPU, 0 when they
+// take float32 FMAs (the same results), -1 when no level is in use.
+NINFER_KV_EXPORT int NinferKvFfiPackedBf16() {
+  const auto* t = Table();
+  return t ? (t->packed_uses_bf16() ? 1 : 0) : -1;
 }
 
 // Float lanes per SIMD vector of the level in use (0 when none is).

@@ -38,7 +38,7 @@ from .steps import (
     shared_steps,
 )
 from .sampling import GREEDY, SamplingConfig, SamplingRows, sample_tokens, sampling_rows, sequence_key
-from .weights import init_params, param_count, param_shapes
+from .weights import init_params, pack_params, param_count, param_shapes
 
 __all__ = [
     "PaddedRows",
@@ -76,6 +76,7 @@ __all__ = [
     "make_steps",
     "shared_steps",
     "init_params",
+    "pack_params",
     "param_count",
     "param_shapes",
 ]

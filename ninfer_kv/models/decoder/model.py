@@ -71,7 +71,8 @@ def logits_from_hidden(params: dict, config: ModelConfig, hidden: jax.Array, fin
     """float32 logits of hidden states ``(..., d_model) -> (..., vocab)`` (final RMSNorm + LM head)."""
     gain = params["final_norm"] if final_norm is None else final_norm
     x = rms_norm(hidden, gain, config.rms_eps)
-    head = params["embed"] if config.tie_embeddings else params["lm_head"]  # (V, d): contract d, no copy
+    # (V, d): contract d, no copy; a tied head packed once (weights.pack_params) is params["lm_head"]
+    head = params["lm_head"] if not config.tie_embeddings or "lm_head" in params else params["embed"]
     return matmul_t(x, head)
 
 

@@ -44,7 +44,10 @@ import numpy as np
 
 from .config import ModelConfig
 
-__all__ = ["init_params", "param_count", "param_shapes", "layer_param_shapes"]
+__all__ = ["init_params", "param_count", "param_shapes", "layer_param_shapes", "pack_params", "PROJECTIONS"]
+
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+"""A layer's projection weights ``(out, in)``: what :func:`pack_params` packs."""
 
 
 def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -153,6 +156,28 @@ def param_shapes(config: ModelConfig) -> dict:
     if not config.tie_embeddings:
         tree["lm_head"] = jax.ShapeDtypeStruct((v, d), dt)
     return tree
+
+
+def pack_params(params: dict, config: ModelConfig) -> dict:
+    """``params`` with its bfloat16 projections and LM head packed once for the FFI's packed products
+    (:class:`~ninfer_kv.packed_weight.PackedWeight`; :class:`~ninfer_kv.models.decoder.layers.Products`
+    says when they are used).  A tied head gets its own packed copy as ``"lm_head"`` (the embedding
+    table stays for the lookup); the MTP head and everything not bfloat16 stay as they are.  For
+    the FFI backend on one CPU device only: the dense reference and the other backends take the
+    plain params (under ``Products.XLA`` a packed weight is unpacked in every step).
+    """
+    from ninfer_kv.packed_weight import PackedWeight, pack_bf16_weight
+
+    def pack(w):
+        if isinstance(w, PackedWeight) or getattr(w, "dtype", None) != jnp.bfloat16 or w.ndim != 2:
+            return w
+        return pack_bf16_weight(w)
+
+    out = dict(params)
+    out["layers"] = tuple({k: pack(v) if k in PROJECTIONS else v for k, v in lp.items()} for lp in params["layers"])
+    head = params["embed"] if config.tie_embeddings and "lm_head" not in params else params["lm_head"]
+    out["lm_head"] = pack(head)
+    return out
 
 
 def param_count(params) -> int:

@@ -1,0 +1,364 @@
+// XLA FFI handler of the model's weight products on weights packed once at load:
+// out = x @ w.T for bfloat16 x and w, float32 out.
+//
+//   NinferKvMatmulBf16Packed(x bf16 (M, K), packed_0 bf16 (T_0, P, 128), packed_1, ...)
+//       -> out_0 f32 (M, N_0), out_1, ...      with P = ceil(K / 2), T_i = ceil(N_i / 64)
+//
+// Packed layout (ninfer_kv/packed_weight.py writes it): tiles of 64 output columns, each tile one
+// contiguous run over K, the bfloat16 pairs of a column side by side:
+//   packed[t][p][c][e] = w[64 t + c, 2 p + e]      (t < T, p < P, c < 64, e < 2)
+// zero past N and K, bfloat16 denormals flushed to zero (sign kept).  One pair step of a tile is
+// 256 bytes: four vectors of 16 columns x (even, odd), the operand layout of VDPBF16PS.
+//
+// Arithmetic (the definition; the same for every M, row block, thread split and level): output
+// (m, n) starts from +0 and, for p = 0 .. P-1 in order, takes two fused multiply-adds
+//   acc = fma(x[m, 2p+1], w[n, 2p+1], acc);  acc = fma(x[m, 2p], w[n, 2p], acc)
+// with denormal inputs read as zero and results flushed to zero when tiny after rounding (sign
+// kept), x's pair past an odd K being zero.  This is what VDPBF16PS computes lane by lane (checked
+// on AMD Zen 4 against the definition, denormals and underflowing products included), so:
+//   * CPUs with AVX512_BF16 (cpuid 7.1:EAX[5]) use VDPBF16PS at the AVX-512 levels (unless
+//     NINFER_KV_FFI_BF16=0, read once);
+//   * every other level emulates it with float32 FMAs on the pairs split to float32 (exact), under
+//     FTZ/DAZ (set on every thread for the kernel's duration); the baseline level, which has no
+//     FMA, adds the exact double product in double precision (exactly rounded sums of two 24-bit
+//     significands: no double-rounding error) and flushes tiny results explicitly.
+// Every row's result is therefore bit-identical whatever the batch (batch invariance), and the
+// same at every level on every x86 machine.  (AArch64's flush-to-zero detects tininess before
+// rounding: a result that rounds up to the smallest normal float is flushed there.)
+//
+// Blocking: the work is split over the thread pool by tiles (64 columns of one weight).  A task
+// runs its tile over K blocks of kPairsPerBlock pairs (64 KiB of the tile, kept in L1/L2 while
+// the rows pass), each K block over register blocks of MR rows x NG groups of 16 columns (6 x 4
+// with VDPBF16PS: 24 accumulators, four weight vectors loaded per pair step and one broadcast
+// pair of x per row); partial sums go to the float32 output between K blocks (which keeps the
+// order).  One row of x reads each tile front to back: one sequential stream per tile.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "dispatch.h"
+#include "handler_args.h"
+#include "kernel_table.h"
+#include "thread_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
+#include <immintrin.h>
+#define NINFER_KV_PACKED_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+NINFER_KV_NAMESPACE_BEGIN
+namespace {
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef uint32_t U16 __attribute__((vector_size(64)));
+typedef double D8 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+
+constexpr int64_t kTileCols = 64;         // output columns per tile
+constexpr int64_t kTileWords = kTileCols;  // 32-bit words (bfloat16 pairs) per pair step of a tile
+constexpr int kGroups = 4;                 // vectors of 16 columns per tile
+constexpr int64_t kPairsPerBlock = 256;    // pairs of K per block (64 KiB of a tile)
+
+#if defined(__AVX512F__)
+constexpr int kFmaRows = 4, kFmaGroups = 4;
+#elif defined(__AVX2__) || (defined(__aarch64__) && defined(__ARM_NEON))
+constexpr int kFmaRows = 4, kFmaGroups = 1;
+#else
+constexpr int kFmaRows = 2, kFmaGroups = 1;
+#endif
+
+// acc + a * b rounded once (see the header); tiny results flushed by FTZ or explicitly.
+inline V16 Fma(V16 a, V16 b, V16 acc) {
+#if defined(__AVX512F__)
+  return (V16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  V16 r;
+  for (int h = 0; h < 2; ++h) {
+    __m256 x, y, z;
+    std::memcpy(&x, reinterpret_cast<const float*>(&a) + 8 * h, 32);
+    std::memcpy(&y, reinterpret_cast<const float*>(&b) + 8 * h, 32);
+    std::memcpy(&z, reinterpret_cast<const float*>(&acc) + 8 * h, 32);
+    const __m256 s = _mm256_fmadd_ps(x, y, z);
+    std::memcpy(reinterpret_cast<float*>(&r) + 8 * h, &s, 32);
+  }
+  return r;
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+  V16 r;
+  for (int q = 0; q < 4; ++q) {
+    float32x4_t x, y, z;
+    std::memcpy(&x, reinterpret_cast<const float*>(&a) + 4 * q, 16);
+    std::memcpy(&y, reinterpret_cast<const float*>(&b) + 4 * q, 16);
+    std::memcpy(&z, reinterpret_cast<const float*>(&acc) + 4 * q, 16);
+    const float32x4_t s = vfmaq_f32(z, x, y);
+    std::memcpy(reinterpret_cast<float*>(&r) + 4 * q, &s, 16);
+  }
+  return r;
+#else
+  // The product of two bfloat16 values is exact in double, and so is the double sum rounded to
+  // float (53 >= 2 * 24 + 2); x86's FTZ detects tininess after rounding: below the midpoint
+  // between the largest denormal and the smallest normal float.
+  const double kTiny = 1.1754942106924411e-38;  // 2^-126 - 2^-151
+  V16 r;
+  for (int h = 0; h < 2; ++h) {
+    F8 x, y, z;
+    std::memcpy(&x, reinterpret_cast<const float*>(&a) + 8 * h, 32);
+    std::memcpy(&y, reinterpret_cast<const float*>(&b) + 8 * h, 32);
+    std::memcpy(&z, reinterpret_cast<const float*>(&acc) + 8 * h, 32);
+    const D8 d = __builtin_convertvector(z, D8) + __builtin_convertvector(x, D8) * __builtin_convertvector(y, D8);
+    for (int i = 0; i < 8; ++i) {
+      const double v = d[i];
+      r[8 * h + i] = std::fabs(v) < kTiny ? std::copysign(0.0f, static_cast<float>(v)) : static_cast<float>(v);
+    }
+  }
+  return r;
+#endif
+}
+
+inline V16 AsFloat(U16 u) {
+  V16 f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// One weight and its result.
+struct Product {
+  const uint16_t* packed;  // (T, P, 128)
+  float* out;              // (M, N)
+  int64_t n_len, tiles;
+};
+
+// Where a task's register blocks write: the output itself, or a tile-wide scratch for the last,
+// partial tile (copied out at the end).
+struct Dest {
+  float* data;
+  int64_t ld;
+};
+
+// bfloat16 bit pattern with a denormal flushed to a zero of its sign.
+inline uint16_t FlushBf16(uint16_t b) { return (b & 0x7F80u) == 0 ? static_cast<uint16_t>(b & 0x8000u) : b; }
+
+// ---- the float32 FMA path: x as (odd, even) float32 per pair, x_f[(m * P + p) * 2 + {0, 1}] ----
+
+template <int MR, int NG>
+void FmaBlock(const float* xf, int64_t pairs, const uint16_t* tile, int64_t p0, int64_t p1, int64_t m, int g0,
+              Dest d) {
+  V16 acc[MR][NG];
+  for (int i = 0; i < MR; ++i)
+    for (int g = 0; g < NG; ++g) {
+      if (p0 == 0) {
+        acc[i][g] = V16{};
+      } else {
+        std::memcpy(&acc[i][g], d.data + (m + i) * d.ld + 16 * (g0 + g), sizeof(V16));
+      }
+    }
+  for (int64_t p = p0; p < p1; ++p) {
+    V16 we[NG], wo[NG];
+    for (int g = 0; g < NG; ++g) {
+      U16 bits;
+      std::memcpy(&bits, tile + (p * kTileWords + 16 * (g0 + g)) * 2, sizeof bits);
+      we[g] = AsFloat(bits << 16);
+      wo[g] = AsFloat(bits & 0xFFFF0000u);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const float* xp = xf + ((m + i) * pairs + p) * 2;
+      const V16 xo = xp[0] - V16{}, xe = xp[1] - V16{};
+      for (int g = 0; g < NG; ++g) {
+        acc[i][g] = Fma(xo, wo[g], acc[i][g]);
+        acc[i][g] = Fma(xe, we[g], acc[i][g]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int g = 0; g < NG; ++g) std::memcpy(d.data + (m + i) * d.ld + 16 * (g0 + g), &acc[i][g], sizeof(V16));
+}
+
+template <int MR>
+void FmaRows(const float* xf, int64_t pairs, const uint16_t* tile, int64_t p0, int64_t p1, int64_t m, Dest d) {
+  for (int g0 = 0; g0 < kGroups; g0 += kFmaGroups) FmaBlock<MR, kFmaGroups>(xf, pairs, tile, p0, p1, m, g0, d);
+}
+
+void FmaTile(const float* xf, int64_t m_len, int64_t pairs, const uint16_t* tile, Dest d) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairsPerBlock) {
+    const int64_t p1 = std::min(pairs, p0 + kPairsPerBlock);
+    int64_t m = 0;
+    for (; m + kFmaRows <= m_len; m += kFmaRows) FmaRows<kFmaRows>(xf, pairs, tile, p0, p1, m, d);
+    switch (m_len - m) {
+      case 3: FmaRows<3>(xf, pairs, tile, p0, p1, m, d); break;
+      case 2: FmaRows<2>(xf, pairs, tile, p0, p1, m, d); break;
+      case 1: FmaRows<1>(xf, pairs, tile, p0, p1, m, d); break;
+      default: break;
+    }
+  }
+}
+
+// ---- the VDPBF16PS path: x as one 32-bit word per pair, x_w[m * P + p] ----
+
+#if defined(NINFER_KV_PACKED_BF16)
+constexpr int kBf16Rows = 6;
+
+template <int MR>
+__attribute__((target("avx512bf16"))) void Bf16Block(const uint32_t* xw, int64_t pairs, const uint16_t* tile,
+                                                      int64_t p0, int64_t p1, int64_t m, Dest d) {
+  __m512 acc[MR][kGroups];
+  for (int i = 0; i < MR; ++i)
+    for (int g = 0; g < kGroups; ++g)
+      acc[i][g] = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(d.data + (m + i) * d.ld + 16 * g);
+  const uint32_t* xr = xw + m * pairs;
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512i w[kGroups];
+    for (int g = 0; g < kGroups; ++g) w[g] = _mm512_loadu_si512(tile + (p * kTileWords + 16 * g) * 2);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(xr[i * pairs + p]));
+      for (int g = 0; g < kGroups; ++g) acc[i][g] = _mm512_dpbf16_ps(acc[i][g], (__m512bh)b, (__m512bh)w[g]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int g = 0; g < kGroups; ++g) _mm512_storeu_ps(d.data + (m + i) * d.ld + 16 * g, acc[i][g]);
+}
+
+void Bf16Tile(const uint32_t* xw, int64_t m_len, int64_t pairs, const uint16_t* tile, Dest d) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPairsPerBlock) {
+    const int64_t p1 = std::min(pairs, p0 + kPairsPerBlock);
+    int64_t m = 0;
+    for (; m + kBf16Rows <= m_len; m += kBf16Rows) Bf16Block<kBf16Rows>(xw, pairs, tile, p0, p1, m, d);
+    switch (m_len - m) {
+      case 5: Bf16Block<5>(xw, pairs, tile, p0, p1, m, d); break;
+      case 4: Bf16Block<4>(xw, pairs, tile, p0, p1, m, d); break;
+      case 3: Bf16Block<3>(xw, pairs, tile, p0, p1, m, d); break;
+      case 2: Bf16Block<2>(xw, pairs, tile, p0, p1, m, d); break;
+      case 1: Bf16Block<1>(xw, pairs, tile, p0, p1, m, d); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+bool UseBf16() {
+#if defined(NINFER_KV_PACKED_BF16)
+  return PackedBf16Enabled();
+#else
+  return false;
+#endif
+}
+
+ffi::Error CheckPacked(const ffi::AnyBuffer& x, const std::vector<ffi::AnyBuffer>& ws,
+                       const std::vector<ffi::AnyBuffer>& outs, std::vector<Product>* products) {
+  const auto xd = x.dimensions();
+  if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
+    return ffi::Error::InvalidArgument("matmul_bf16_packed: x must be bfloat16 (M, K), got " + DimsString(xd));
+  }
+  if (ws.empty() || ws.size() != outs.size()) {
+    return ffi::Error::InvalidArgument("matmul_bf16_packed: " + std::to_string(ws.size()) + " weights and " +
+                                       std::to_string(outs.size()) + " results (at least one of each, as many)");
+  }
+  const int64_t pairs = (xd[1] + 1) / 2;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const auto wd = ws[i].dimensions();
+    const auto od = outs[i].dimensions();
+    const bool ok = ws[i].element_type() == ffi::DataType::BF16 && outs[i].element_type() == ffi::DataType::F32 &&
+                    wd.size() == 3 && od.size() == 2 && od[0] == xd[0] && wd[0] == (od[1] + kTileCols - 1) / kTileCols &&
+                    wd[1] == pairs && wd[2] == 2 * kTileCols;
+    if (!ok) {
+      return ffi::Error::InvalidArgument(
+          "matmul_bf16_packed: packed weight " + std::to_string(i) + " " + DimsString(wd) + " and its result " +
+          DimsString(od) + " are not bfloat16 (ceil(N/64), ceil(K/2), 128) and float32 (M, N) for x " + DimsString(xd));
+    }
+    products->push_back({static_cast<const uint16_t*>(ws[i].untyped_data()),
+                         static_cast<float*>(outs[i].untyped_data()), od[1], wd[0]});
+  }
+  return ffi::Error::Success();
+}
+
+// Per-thread scratch (reused across calls; grown, never shrunk).
+template <typename T>
+T* Scratch(std::vector<T>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
+  return buffer.data();
+}
+
+ffi::Error MatmulBf16PackedImpl(ffi::AnyBuffer x, ffi::RemainingArgs ws_in, ffi::RemainingRets outs_in) {
+  std::vector<ffi::AnyBuffer> ws, outs;
+  if (auto err = CollectArgs(ws_in, &ws); err.failure()) return err;
+  if (auto err = CollectRets(outs_in, &outs); err.failure()) return err;
+  std::vector<Product> products;
+  if (auto err = CheckPacked(x, ws, outs, &products); err.failure()) return err;
+  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
+  const int64_t pairs = (k_len + 1) / 2;
+  if (m_len == 0) return ffi::Error::Success();
+  if (k_len == 0) {
+    for (const Product& p : products) std::fill(p.out, p.out + m_len * p.n_len, 0.0f);
+    return ffi::Error::Success();
+  }
+  const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+  const bool bf16 = UseBf16();
+  // x once per call: 32-bit pair words (VDPBF16PS) or (odd, even) float32 pairs, denormals flushed,
+  // the pair past an odd K zero.
+  thread_local std::vector<uint32_t> x_words;
+  thread_local std::vector<float> x_floats;
+  uint32_t* xw = bf16 ? Scratch(x_words, m_len * pairs) : nullptr;
+  float* xf = bf16 ? nullptr : Scratch(x_floats, m_len * pairs * 2);
+  ParallelFor(m_len, [&](int64_t m) {
+    const uint16_t* row = xp + m * k_len;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint32_t even = FlushBf16(row[2 * p]);
+      const uint32_t odd = 2 * p + 1 < k_len ? FlushBf16(row[2 * p + 1]) : 0u;
+      if (bf16) {
+        xw[m * pairs + p] = even | (odd << 16);
+      } else {
+        const uint32_t bits[2] = {odd << 16, even << 16};
+        std::memcpy(xf + (m * pairs + p) * 2, bits, sizeof bits);
+      }
+    }
+  });
+  std::vector<std::pair<int, int64_t>> tasks;  // (product, tile)
+  for (size_t i = 0; i < products.size(); ++i) {
+    for (int64_t t = 0; t < products[i].tiles; ++t) tasks.emplace_back(static_cast<int>(i), t);
+  }
+  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t task) {
+    ScopedFlushDenormal flush;
+    const Product& p = products[tasks[task].first];
+    const int64_t t = tasks[task].second;
+    const uint16_t* tile = p.packed + t * pairs * kTileWords * 2;
+    const int64_t n0 = t * kTileCols, cols = std::min(kTileCols, p.n_len - n0);
+    thread_local std::vector<float> partial;
+    const Dest d = cols == kTileCols ? Dest{p.out + n0, p.n_len} : Dest{Scratch(partial, m_len * kTileCols), kTileCols};
+#if defined(NINFER_KV_PACKED_BF16)
+    if (bf16) {
+      Bf16Tile(xw, m_len, pairs, tile, d);
+    } else {
+      FmaTile(xf, m_len, pairs, tile, d);
+    }
+#else
+    FmaTile(xf, m_len, pairs, tile, d);
+#endif
+    if (cols != kTileCols) {
+      for (int64_t m = 0; m < m_len; ++m) std::memcpy(p.out + m * p.n_len + n0, d.data + m * kTileCols, cols * sizeof(float));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER(kMatmulBf16PackedHandler, MatmulBf16PackedImpl,
+                       ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingArgs().RemainingRets());
+
+XLA_FFI_Error* MatmulBf16PackedHandler(XLA_FFI_CallFrame* call_frame) { return kMatmulBf16PackedHandler(call_frame); }
+
+// Whether this level's packed products use VDPBF16PS on this CPU.
+bool PackedUsesBf16() { return UseBf16(); }
+
+NINFER_KV_NAMESPACE_END

@@ -1,0 +1,189 @@
+"""The packed weight products (ffi_ops.matmul_bf16_packed, ffi/src/gemm_packed.cc).
+
+Checked bit for bit against a numpy emulation of the defined order (per pair of K: a fused
+multiply-add of the odd elements, then of the even ones, denormal inputs as zero, tiny results
+flushed after rounding), across row counts and row positions (batch invariance), across the
+instruction-set levels and the VDPBF16PS / float32-FMA forms (one subprocess each), on data with
+denormals, signed zeros and magnitudes from 1e-20 to 1e15.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ninfer_kv import ffi_ops
+from ninfer_kv.packed_weight import PackedWeight, pack_bf16_weight, unpack_bf16_weight
+
+pytestmark = pytest.mark.skipif(not ffi_ops.is_available(), reason="FFI library unavailable")
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = np.float32(2.0**-126)
+FLUSH_BELOW = 2.0**-126 - 2.0**-151  # x86 FTZ: tiny after rounding
+
+
+def _daz(a: np.ndarray) -> np.ndarray:
+    return np.where(np.abs(a) < TINY, np.copysign(np.float32(0), a), a).astype(np.float32)
+
+
+def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The defined order in numpy: a product of bfloat16 values is exact in float64, and the float64
+    sum of it and a float32 rounds to the float32 fused result (no double-rounding error)."""
+    xf, wf = _daz(x.astype(np.float32)), _daz(w.astype(np.float32))
+    if x.shape[1] % 2:
+        xf, wf = np.pad(xf, ((0, 0), (0, 1))), np.pad(wf, ((0, 0), (0, 1)))
+    acc = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for p in range(xf.shape[1] // 2):
+        for e in (1, 0):
+            d = acc.astype(np.float64) + np.outer(xf[:, 2 * p + e], wf[:, 2 * p + e]).astype(np.float64)
+            f = d.astype(np.float32)
+            acc = np.where(np.abs(d) < FLUSH_BELOW, np.copysign(np.float32(0), f), f).astype(np.float32)
+    return acc
+
+
+def hard_values(rng, shape) -> np.ndarray:
+    """bfloat16 values with denormals, +-0 and magnitudes from 1e-20 to 1e15 (products stay finite)."""
+    scale = rng.choice(np.array([1.0, 1.0, 1e-20, 1e-39, 1e15, 1e-19], np.float32), shape)
+    v = (rng.standard_normal(shape) * scale).astype(np.float32)
+    v[rng.random(shape) < 0.05] = 0.0
+    v[rng.random(shape) < 0.05] = -0.0
+    return v.astype(ml_dtypes.bfloat16)
+
+
+def bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 70, 33), (5, 64, 64), (7, 130, 1), (13, 200, 300), (3, 1, 2)])
+def test_matches_defined_order(m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x, w = hard_values(rng, (m, k)), hard_values(rng, (n, k))
+    out = ffi_ops.matmul_bf16_packed(jnp.asarray(x), pack_bf16_weight(jnp.asarray(w)))
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(bits(out), bits(reference(x, w)))
+
+
+def test_row_alone_equals_row_in_any_batch():
+    rng = np.random.default_rng(7)
+    k, n = 96, 150
+    w = pack_bf16_weight(jnp.asarray(hard_values(rng, (n, k))))
+    row = hard_values(rng, (1, k))
+    alone = bits(ffi_ops.matmul_bf16_packed(jnp.asarray(row), w))[0]
+    for m in (2, 3, 5, 6, 7, 12, 13, 31, 70):
+        batch = hard_values(rng, (m, k))
+        for pos in sorted({0, m // 2, m - 1}):
+            batch[pos] = row[0]
+            got = bits(ffi_ops.matmul_bf16_packed(jnp.asarray(batch), w))[pos]
+            np.testing.assert_array_equal(got, alone, err_msg=f"M={m}, row {pos}")
+
+
+def test_many_equals_one_call_per_weight_and_leading_dims():
+    rng = np.random.default_rng(3)
+    x = hard_values(rng, (2, 3, 40))
+    ws = [pack_bf16_weight(jnp.asarray(hard_values(rng, (n, 40)))) for n in (64, 17, 129)]
+    many = ffi_ops.matmul_bf16_packed_many(jnp.asarray(x), ws)
+    for w, got in zip(ws, many):
+        assert got.shape == (2, 3, w.n)
+        np.testing.assert_array_equal(bits(got), bits(ffi_ops.matmul_bf16_packed(jnp.asarray(x), w)))
+
+
+def test_close_to_xla_on_model_like_data():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((9, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((100, 256)) * 0.05, jnp.bfloat16)
+    got = ffi_ops.matmul_bf16_packed(x, pack_bf16_weight(w))
+    want = jnp.matmul(x, w.T, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weight_is_a_pytree_and_unpacks():
+    rng = np.random.default_rng(11)
+    w = hard_values(rng, (70, 33))
+    pw = pack_bf16_weight(jnp.asarray(w))
+    assert pw.data.shape == (2, 17, 128) and pw.shape == (70, 33)
+    leaves, tree = jax.tree_util.tree_flatten(pw)
+    assert len(leaves) == 1 and leaves[0] is pw.data
+    back = jax.tree_util.tree_unflatten(tree, leaves)
+    assert isinstance(back, PackedWeight) and (back.n, back.k) == (70, 33)
+    flushed = _daz(w.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(unpack_bf16_weight(pw)).view(np.uint16), flushed.view(np.uint16))
+    x = jnp.asarray(hard_values(rng, (4, 33)))
+    jitted = jax.jit(ffi_ops.matmul_bf16_packed)(x, pw)
+    np.testing.assert_array_equal(bits(jitted), bits(ffi_ops.matmul_bf16_packed(x, pw)))
+
+
+def test_bad_operands_raise_clear_errors():
+    w = pack_bf16_weight(jnp.ones((8, 6), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be bfloat16, got float32"):
+        ffi_ops.matmul_bf16_packed(jnp.ones((2, 6), jnp.float32), w)
+    with pytest.raises(ValueError, match=r"x \(2, 5\) and w\[0\] \(N=8, K=6\)"):
+        ffi_ops.matmul_bf16_packed(jnp.ones((2, 5), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match=r"w\[0\] must be a PackedWeight.*got ArrayImpl"):
+        ffi_ops.matmul_bf16_packed(jnp.ones((2, 6), jnp.bfloat16), jnp.ones((8, 6), jnp.bfloat16))
+    with pytest.raises(ValueError, match="at least one weight"):
+        ffi_ops.matmul_bf16_packed_many(jnp.ones((2, 6), jnp.bfloat16), ())
+    with pytest.raises(ValueError, match=r"w must be bfloat16, got float32"):
+        pack_bf16_weight(jnp.ones((8, 6), jnp.float32))
+    with pytest.raises(ValueError, match=r"N >= 1 and K >= 1, got shape \(8, 0\)"):
+        pack_bf16_weight(jnp.ones((8, 0), jnp.bfloat16))
+
+
+_LEVEL_PROBE = """
+import os, sys
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import ml_dtypes, numpy as np, jax.numpy as jnp
+from ninfer_kv import ffi_ops
+from ninfer_kv.packed_weight import pack_bf16_weight
+d = {k: v.view(ml_dtypes.bfloat16) for k, v in np.load(sys.argv[1]).items()}
+outs = ffi_ops.matmul_bf16_packed_many(jnp.asarray(d["x"]), [pack_bf16_weight(jnp.asarray(d["w"]))])
+np.savez(sys.argv[2], out=np.asarray(outs[0]), isa=ffi_ops.info().isa, bf16=ffi_ops.packed_uses_bf16())
+"""
+
+
+def test_levels_and_bf16_form_bit_identical(tmp_path):
+    rng = np.random.default_rng(21)
+    x, w = hard_values(rng, (11, 301)), hard_values(rng, (150, 301))
+    want = reference(x, w)
+    inp = tmp_path / "in.npz"
+    np.savez(inp, x=x.view(np.uint16), w=w.view(np.uint16))
+    runs = [(level, flag) for level in ffi_ops.info().supported for flag in ("1", "0")]
+    procs = {}
+    for level, flag in runs:
+        env = dict(os.environ, NINFER_KV_FFI_ISA=level, NINFER_KV_FFI_BF16=flag, JAX_PLATFORMS="cpu")
+        out = tmp_path / f"{level}-{flag}.npz"
+        procs[(level, flag)] = out, subprocess.Popen([sys.executable, "-c", _LEVEL_PROBE, str(inp), str(out)], env=env,
+                                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    forms = set()
+    for key, (out, proc) in procs.items():
+        log = proc.communicate(timeout=240)[0]
+        assert proc.returncode == 0, f"{key}: {log[-2000:]}"
+        got = np.load(out)
+        assert str(got["isa"]) == key[0]
+        forms.add(bool(got["bf16"]))
+        if key[1] == "0":
+            assert not bool(got["bf16"])
+        np.testing.assert_array_equal(bits(got["out"]), bits(want), err_msg=f"level {key[0]}, BF16={key[1]}")
+    assert False in forms
+
+
+def test_compiles_for_aarch64(tmp_path):
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("aarch64-linux-gnu-g++ missing; CI must compile the NEON level")
+        pytest.skip("no aarch64 cross compiler")
+    inc = jax.ffi.include_dir()
+    cmd = [cxx, "-std=gnu++17", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-psabi", "-Werror",
+           "-ffp-contract=fast", "-DNINFER_KV_ISA_ID=neon", f"-I{REPO / 'ffi' / 'src'}", f"-isystem{inc}", "-c",
+           str(REPO / "ffi" / "src" / "gemm_packed.cc"), "-o", str(tmp_path / "gemm_packed.o")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
