@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_kv import ffi_ops
+from ninfer_kv.packed_weight import pack_bf16_weight
 
 SHAPES = {"q/k/v (4096 x 1024)": (4096, 1024), "o (1024 x 2048)": (1024, 2048),
           "gate+up (6144 x 1024)": (6144, 1024), "down (1024 x 3072)": (1024, 3072),
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     cases = [(name, n, k, m) for name, (n, k) in SHAPES.items() for m in args.rows]
     weights = {name: jax.random.normal(jax.random.key(0), (n, k), jnp.bfloat16) for name, (n, k) in SHAPES.items()}
     xs = {(k, m): jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16) for _, _, k, m in cases}
-    packs = {name: ffi_ops.pack_bf16_weight(w) for name, w in weights.items()}
+    packs = {name: pack_bf16_weight(w) for name, w in weights.items()}
     operands = {"row": weights, "packed": packs, "mm": weights, "dg": weights}
     times = {label: [timed(f, xs[(k, m)], operands[label][name], iters=args.iters, repeats=args.repeats)
                      for name, n, k, m in cases]

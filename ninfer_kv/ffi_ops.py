@@ -77,8 +77,8 @@ from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 __all__ = [
     "paged_append",
     "paged_attention",
-    "paged_append_packed",
-    "paged_attention_packed",
+    "paged_append_ragged",
+    "paged_attention_ragged",
     "cyclic_append",
     "cyclic_attention",
     "matmul_bf16",
@@ -86,8 +86,6 @@ __all__ = [
     "matmul_bf16_packed",
     "matmul_bf16_packed_many",
     "packed_uses_bf16",
-    "PackedWeight",
-    "pack_bf16_weight",
     "fixed_splits",
     "apply_tables",
     "write_pages",
@@ -110,8 +108,8 @@ ABI_VERSION = ffi_library.ABI_VERSION
 TARGETS = {
     "ninfer_kv_paged_append": "NinferKvPagedAppend",
     "ninfer_kv_paged_attention": "NinferKvPagedAttention",
-    "ninfer_kv_paged_append_packed": "NinferKvPagedAppendPacked",
-    "ninfer_kv_paged_attention_packed": "NinferKvPagedAttentionPacked",
+    "ninfer_kv_paged_append_ragged": "NinferKvPagedAppendRagged",
+    "ninfer_kv_paged_attention_ragged": "NinferKvPagedAttentionRagged",
     "ninfer_kv_cyclic_append": "NinferKvCyclicAppend",
     "ninfer_kv_cyclic_attention": "NinferKvCyclicAttention",
     "ninfer_kv_matmul_bf16": "NinferKvMatmulBf16",
@@ -412,7 +410,7 @@ def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_le
     return out.astype(jnp.asarray(q).dtype)
 
 
-def paged_append_packed(view: PagedKVBatchLayerView, table_rows, positions, k, v, query_starts) -> PagedKVBatchLayerView:
+def paged_append_ragged(view: PagedKVBatchLayerView, table_rows, positions, k, v, query_starts) -> PagedKVBatchLayerView:
     """:func:`paged_append` of a ragged batch: ``k, v (N, H, D)`` hold the tokens of ``R`` rows one
     after another, row ``r`` tokens ``[query_starts[r], query_starts[r + 1])`` (``ninfer_kv.ops``
     has the rules); one pass over the tokens, no padding to a rectangle."""
@@ -420,7 +418,7 @@ def paged_append_packed(view: PagedKVBatchLayerView, table_rows, positions, k, v
     lay = view.layout
     planes = _plane_list(view.planes, lay.profile)
     kk, vv = _kv_inputs(k, v)
-    call = _append_call("ninfer_kv_paged_append_packed", planes, n_fixed=7)
+    call = _append_call("ninfer_kv_paged_append_ragged", planes, n_fixed=7)
     out = call(
         _i32(view.block_tables),
         _layer(view.layer),
@@ -436,16 +434,16 @@ def paged_append_packed(view: PagedKVBatchLayerView, table_rows, positions, k, v
     return view.replace(planes=dict(zip(lay.profile.plane_names(), out)))
 
 
-def paged_attention_packed(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, query_starts, *,
+def paged_attention_ragged(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, query_starts, *,
                            sm_scale=None) -> jax.Array:
     """:func:`paged_attention` of a ragged batch: ``q (N, Hq, D)`` holds the queries of ``R`` rows one
-    after another (see :func:`paged_append_packed`); ``(N, Hq, D)`` in q's dtype, zeros for tokens
+    after another (see :func:`paged_append_ragged`); ``(N, Hq, D)`` in q's dtype, zeros for tokens
     of no row.  Each row's queries are blocked as the rectangular form blocks a row of that length."""
     _require()
     lay = view.layout
     q_in = _query(q)[None]
     call = jax.ffi.ffi_call(
-        "ninfer_kv_paged_attention_packed", jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential"
+        "ninfer_kv_paged_attention_ragged", jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential"
     )
     out = call(
         q_in,

@@ -34,8 +34,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("host", ("ninfer_kv.host",)),
     ("store", ("ninfer_kv.store",)),
     # stateless functions over arrays: codec references, views, the op registry and its kernels
-    ("ops", ("ninfer_kv.int_arrays", "ninfer_kv.codecs", "ninfer_kv.views", "ninfer_kv.ffi_ops",
-             "ninfer_kv.ops", "pallas_kernels")),
+    ("ops", ("ninfer_kv.int_arrays", "ninfer_kv.codecs", "ninfer_kv.views", "ninfer_kv.packed_weight",
+             "ninfer_kv.ffi_ops", "ninfer_kv.ops", "pallas_kernels")),
     ("device", ("ninfer_kv.device",)),
     ("models", ("ninfer_kv.models",)),
     ("engine", ("ninfer_kv.engine",)),

@@ -38,9 +38,9 @@ struct AttentionShape {
   // output depends on that row alone (a batch-invariant step); costs parallelism only while the
   // batch has fewer row x head tasks than threads.
   bool no_splits = false;
-  // Packed rows (a ragged batch): when set, q and out are (1, T, Hq, D) with T tokens in all, and
+  // Ragged rows (a ragged batch): when set, q and out are (1, T, Hq, D) with T tokens in all, and
   // row b (of `batch`) owns tokens [row_starts[b], row_starts[b + 1]) (a non-decreasing vector of
-  // batch + 1 entries in [0, T], PackedStarts); its query t is token row_starts[b] + t.  Tokens
+  // batch + 1 entries in [0, T], RaggedStarts); its query t is token row_starts[b] + t.  Tokens
   // of no row are padding: their output is zero.
   const int64_t* row_starts = nullptr;
 
@@ -48,11 +48,11 @@ struct AttentionShape {
   int64_t RowFirst(int64_t b) const { return row_starts ? row_starts[b] : b * queries; }
 };
 
-// The effective starts of packed rows from a caller's int32 vector of rows + 1 entries: each
+// The effective starts of ragged rows from a caller's int32 vector of rows + 1 entries: each
 // clamped into [0, tokens], then the running maximum (so rows never overlap; a decreasing entry
 // makes an empty row).  Concrete inputs are checked on the Python side; this is what every
 // implementation does under jax.jit.
-inline std::vector<int64_t> PackedStarts(const int32_t* starts, int64_t rows, int64_t tokens) {
+inline std::vector<int64_t> RaggedStarts(const int32_t* starts, int64_t rows, int64_t tokens) {
   std::vector<int64_t> e(static_cast<size_t>(rows + 1));
   int64_t prev = 0;
   for (int64_t r = 0; r <= rows; ++r) {
@@ -99,7 +99,7 @@ void RunAttention(const AttentionShape& s, const Source& src) {
   }
   if (B == 0 || s.queries == 0 || s.q_heads == 0) return;
   // Query blocks: at most 64 query rows (positions x group heads) per task; a block never spans
-  // two batch rows, and a row's blocks are the same whether it is packed or not.
+  // two batch rows, and a row's blocks are the same whether it is ragged or not.
   const int64_t tb = std::max<int64_t>(1, 64 / std::max<int64_t>(G, 1));
   struct QueryBlock {
     int64_t b, t0, t1;

@@ -61,6 +61,7 @@ namespace ffi = xla::ffi;
 
 NINFER_KV_NAMESPACE_BEGIN
 namespace {
+namespace packed_products {  // named: the sources also build as one translation unit (the NEON check)
 
 typedef float V16 __attribute__((vector_size(64)));
 typedef uint32_t U16 __attribute__((vector_size(64)));
@@ -351,14 +352,15 @@ ffi::Error MatmulBf16PackedImpl(ffi::AnyBuffer x, ffi::RemainingArgs ws_in, ffi:
   return ffi::Error::Success();
 }
 
+}  // namespace packed_products
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER(kMatmulBf16PackedHandler, MatmulBf16PackedImpl,
+XLA_FFI_DEFINE_HANDLER(kMatmulBf16PackedHandler, packed_products::MatmulBf16PackedImpl,
                        ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingArgs().RemainingRets());
 
 XLA_FFI_Error* MatmulBf16PackedHandler(XLA_FFI_CallFrame* call_frame) { return kMatmulBf16PackedHandler(call_frame); }
 
 // Whether this level's packed products use VDPBF16PS on this CPU.
-bool PackedUsesBf16() { return UseBf16(); }
+bool PackedUsesBf16() { return packed_products::UseBf16(); }
 
 NINFER_KV_NAMESPACE_END

@@ -63,13 +63,13 @@ inline xla::ffi::Error CheckAppendBatch(const char* op, const AppendInputs& in, 
   return CheckBatchVectors(vectors, names, in.batch);
 }
 
-// Packed operands: the token tensor's leading dim is 1, its heads match the planes', each of
+// Ragged operands: the token tensor's leading dim is 1, its heads match the planes', each of
 // `vectors` is (R,) and query_starts is (R + 1,).
-inline xla::ffi::Error CheckPackedRows(const char* op, int64_t lead, int64_t heads, int64_t plane_heads,
+inline xla::ffi::Error CheckRaggedRows(const char* op, int64_t lead, int64_t heads, int64_t plane_heads,
                                        const S32Vector& query_starts, std::initializer_list<const S32Vector*> vectors,
                                        const char* names) {
   if (lead != 1) {
-    return xla::ffi::Error::InvalidArgument(std::string(op) + ": the packed tokens must be (1, T, ...), got a leading " +
+    return xla::ffi::Error::InvalidArgument(std::string(op) + ": the ragged tokens must be (1, T, ...), got a leading " +
                                             "dimension of " + std::to_string(lead));
   }
   if (heads != plane_heads) {

@@ -54,7 +54,7 @@ struct KernelTable {
   const char* level;      // "baseline", "avx2", "avx512", "avx512vnni", "neon" or "native"
   int vector_width;       // float lanes per vector
   uint64_t features;      // Feature bits the level's code may use
-  HandlerFn paged_append, paged_attention, paged_append_packed, paged_attention_packed;  // paged_ops.cc
+  HandlerFn paged_append, paged_attention, paged_append_ragged, paged_attention_ragged;  // paged_ops.cc
   HandlerFn cyclic_append, cyclic_attention, matmul_bf16, matmul_bf16_packed;
   ArithmeticFn arithmetic;
   ReadWordsFn read_words;
@@ -142,8 +142,8 @@ NINFER_KV_NAMESPACE_BEGIN
 // The handlers of the level this translation unit is compiled for (paged_ops.cc, cyclic_ops.cc).
 XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PagedAppendPackedHandler(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PagedAttentionPackedHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* PagedAppendRaggedHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* PagedAttentionRaggedHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MatmulBf16Handler(XLA_FFI_CallFrame* call_frame);  // matmul.cc

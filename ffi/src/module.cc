@@ -43,8 +43,8 @@ NINFER_KV_FORWARD(NinferKvCyclicAppend, cyclic_append)
 NINFER_KV_FORWARD(NinferKvCyclicAttention, cyclic_attention)
 NINFER_KV_FORWARD(NinferKvMatmulBf16, matmul_bf16)
 NINFER_KV_FORWARD(NinferKvMatmulBf16Packed, matmul_bf16_packed)
-NINFER_KV_FORWARD(NinferKvPagedAppendPacked, paged_append_packed)
-NINFER_KV_FORWARD(NinferKvPagedAttentionPacked, paged_attention_packed)
+NINFER_KV_FORWARD(NinferKvPagedAppendRagged, paged_append_ragged)
+NINFER_KV_FORWARD(NinferKvPagedAttentionRagged, paged_attention_ragged)
 #undef NINFER_KV_FORWARD
 
 // The operand/attribute contract version of the handlers (see kAbiVersion).

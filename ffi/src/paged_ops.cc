@@ -6,16 +6,16 @@
 //                       planes...) -> planes... (each result aliases its plane operand)
 //   NinferKvPagedAttention(q (B, T, Hq, D), block_tables, layer, table_rows, positions,
 //                          kv_lens s32 (B,), planes...) -> out (B, T, Hq, D), q's dtype
-//   NinferKvPagedAppendPacked(block_tables, layer, table_rows s32 (R,), positions s32 (R,),
+//   NinferKvPagedAppendRagged(block_tables, layer, table_rows s32 (R,), positions s32 (R,),
 //                             query_starts s32 (R + 1,), k (1, T, H, D), v, planes...) -> planes...
-//   NinferKvPagedAttentionPacked(q (1, T, Hq, D), block_tables, layer, table_rows s32 (R,),
+//   NinferKvPagedAttentionRagged(q (1, T, Hq, D), block_tables, layer, table_rows s32 (R,),
 //                                positions s32 (R,), kv_lens s32 (R,), query_starts s32 (R + 1,),
 //                                planes...) -> out (1, T, Hq, D)
 //   attributes: k_codec, v_codec (s32 codec ids), head_major (s32 0/1), sm_scale (f32, attention),
 //   no_splits (s32 0/1, attention: no context splits, attention_driver.h).
 //
-// The packed forms take a ragged batch: R rows of different query lengths in one token axis; row
-// r owns tokens [query_starts[r], query_starts[r + 1]) (PackedStarts: clamped into [0, T], then a
+// The ragged forms take a ragged batch: R rows of different query lengths in one token axis; row
+// r owns tokens [query_starts[r], query_starts[r + 1]) (RaggedStarts: clamped into [0, T], then a
 // running maximum), its token t at position positions[r] + t.  Tokens of no row are padding:
 // append writes nothing for them, attention returns zeros.  Each row is what the rectangular
 // form computes for a batch row of that many tokens (the same query blocks, bit for bit when
@@ -169,19 +169,19 @@ ffi::Error PagedAppendImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAppendPackedImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
+ffi::Error PagedAppendRaggedImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
                                  ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
                                  ffi::Buffer<ffi::S32, 1> query_starts, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                  ffi::RemainingArgs planes_in, ffi::RemainingRets planes_out, int32_t k_codec,
                                  int32_t v_codec, int32_t head_major) {
-  constexpr const char* kOp = "packed paged append";
+  constexpr const char* kOp = "ragged paged append";
   AppendInputs in;
   PlaneSet planes;
   if (auto err = ParseAppendOperands(kOp, k, v, planes_in, planes_out, k_codec, v_codec, &in, &planes); err.failure()) {
     return err;
   }
   const PagedGeometry geo = PagedGeometry::Of(planes, head_major != 0);
-  if (auto err = CheckPackedRows(kOp, in.batch, in.heads, geo.heads, query_starts, {&table_rows, &positions},
+  if (auto err = CheckRaggedRows(kOp, in.batch, in.heads, geo.heads, query_starts, {&table_rows, &positions},
                                  "table_rows/positions");
       err.failure()) {
     return err;
@@ -191,7 +191,7 @@ ffi::Error PagedAppendPackedImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buf
   if (lay < 0 || lay >= geo.layers || bt.rows == 0 || bt.blocks == 0) return ffi::Error::Success();
 
   const int64_t R = table_rows.dimensions()[0], T = in.queries;
-  const std::vector<int64_t> e = PackedStarts(query_starts.typed_data(), R, T);
+  const std::vector<int64_t> e = RaggedStarts(query_starts.typed_data(), R, T);
   const TokenWriter write{in, planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data()};
   ForEachItem(e[R] - e[0], in.heads * in.head_dim, [&](int64_t item) {
     const int64_t i = e[0] + item;
@@ -223,13 +223,13 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttentionPackedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
+ffi::Error PagedAttentionRaggedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
                                     ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> table_rows,
                                     ffi::Buffer<ffi::S32, 1> positions, ffi::Buffer<ffi::S32, 1> kv_lens,
                                     ffi::Buffer<ffi::S32, 1> query_starts, ffi::RemainingArgs planes_in,
                                     ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec,
                                     int32_t head_major, float sm_scale, int32_t no_splits) {
-  constexpr const char* kOp = "packed paged attention";
+  constexpr const char* kOp = "ragged paged attention";
   if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
   PlaneSet planes;
   if (auto err = ParseAttentionPlanes(q, planes_in, k_codec, v_codec, &planes); err.failure()) return err;
@@ -239,7 +239,7 @@ ffi::Error PagedAttentionPackedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> b
     return ffi::Error::InvalidArgument(std::string(kOp) + ": q heads (" + std::to_string(q_heads) +
                                        ") must be a multiple of the KV heads (" + std::to_string(geo.heads) + ")");
   }
-  if (auto err = CheckPackedRows(kOp, q.dimensions()[0], geo.heads, geo.heads, query_starts,
+  if (auto err = CheckRaggedRows(kOp, q.dimensions()[0], geo.heads, geo.heads, query_starts,
                                  {&table_rows, &positions, &kv_lens}, "table_rows/positions/kv_lens");
       err.failure()) {
     return err;
@@ -248,7 +248,7 @@ ffi::Error PagedAttentionPackedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> b
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
   const int64_t R = table_rows.dimensions()[0];
   AttentionShape shape = QueryShape(q, *out, geo.heads, sm_scale, no_splits);
-  const std::vector<int64_t> e = PackedStarts(query_starts.typed_data(), R, shape.queries);
+  const std::vector<int64_t> e = RaggedStarts(query_starts.typed_data(), R, shape.queries);
   shape.batch = R;
   shape.row_starts = e.data();
   PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
@@ -279,7 +279,7 @@ XLA_FFI_DEFINE_HANDLER(kPagedAttentionHandler, PagedAttentionImpl,
                            .Attr<float>("sm_scale")
                            .Attr<int32_t>("no_splits"));
 
-XLA_FFI_DEFINE_HANDLER(kPagedAppendPackedHandler, PagedAppendPackedImpl,
+XLA_FFI_DEFINE_HANDLER(kPagedAppendRaggedHandler, PagedAppendRaggedImpl,
                        BindAppendTail(ffi::Ffi::Bind()
                                           .Arg<S32Matrix>()   // block_tables
                                           .Arg<S32Scalar>()   // layer
@@ -288,7 +288,7 @@ XLA_FFI_DEFINE_HANDLER(kPagedAppendPackedHandler, PagedAppendPackedImpl,
                                           .Arg<S32Vector>())  // query_starts
                            .Attr<int32_t>("head_major"));
 
-XLA_FFI_DEFINE_HANDLER(kPagedAttentionPackedHandler, PagedAttentionPackedImpl,
+XLA_FFI_DEFINE_HANDLER(kPagedAttentionRaggedHandler, PagedAttentionRaggedImpl,
                        BindAttentionTail(ffi::Ffi::Bind()
                                              .Arg<ffi::AnyBuffer>()  // q
                                              .Arg<S32Matrix>()       // block_tables
@@ -303,9 +303,9 @@ XLA_FFI_DEFINE_HANDLER(kPagedAttentionPackedHandler, PagedAttentionPackedImpl,
 
 XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendHandler(call_frame); }
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAttentionHandler(call_frame); }
-XLA_FFI_Error* PagedAppendPackedHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendPackedHandler(call_frame); }
-XLA_FFI_Error* PagedAttentionPackedHandler(XLA_FFI_CallFrame* call_frame) {
-  return kPagedAttentionPackedHandler(call_frame);
+XLA_FFI_Error* PagedAppendRaggedHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendRaggedHandler(call_frame); }
+XLA_FFI_Error* PagedAttentionRaggedHandler(XLA_FFI_CallFrame* call_frame) {
+  return kPagedAttentionRaggedHandler(call_frame);
 }
 
 NINFER_KV_NAMESPACE_END

@@ -19,7 +19,8 @@ JSON keys (every key is present; ``null`` where it does not apply):
 * scheduling: ``finish_reasons``, ``bounded_completions``, ``lease_pages_granted``,
   ``kv_lease_growth``, ``peak_active``, ``admission_waits``;
 * compilation: ``compiles`` (per step function: XLA compilations during this run),
-  ``buckets`` (per step function: the batch buckets it ran in), ``units`` (calls per step);
+  ``buckets`` (per step function: the batch buckets it ran in; a ragged round's ``[rows, tokens]``
+  buckets), ``units`` (calls per step);
 * ``mtp`` (speculative mtp: ``draft_window``, ``head_calibration_agreement``, ``rounds``,
   ``drafts_verified``, ``drafts_accepted``, ``acceptance_rate``, ``tokens_per_round``);
 * ``tokens_digest``: sha256 hex of every request's generated tokens in request order (the UTF-8
@@ -116,11 +117,11 @@ class DemoResult:
                "bytes of one device" if d.get("mesh") else "") + ")",
             render_table(["cache", "pages", "most in use", "bytes per page", "total"], rows, right=(1, 2, 3, 4)),
             "",
-            "step functions (compiled once per batch size)",
+            "step functions (compiled once per shape: batch size, or rows x tokens of a ragged round)",
             render_table(
-                ["step", "calls", "batch sizes", "compiles"],
+                ["step", "calls", "shapes", "compiles"],
                 [
-                    [name, d["units"].get(name, 0), ",".join(str(b) for b in d["buckets"].get(name, [])) or "-", n]
+                    [name, d["units"].get(name, 0), ",".join(_shape(b) for b in d["buckets"].get(name, [])) or "-", n]
                     for name, n in d["compiles"].items()
                 ],
                 right=(1, 3),
@@ -216,3 +217,8 @@ def demo_result(config, plan, served, *, generated: int, serve_seconds: float, c
             "tokens_per_round": st.decode_tokens / st.spec_rounds if st.spec_rounds else 0.0,
         }
     return DemoResult(data, tuple(sorted(records, key=lambda r: r.request.id)))
+
+
+def _shape(bucket) -> str:
+    """A batch bucket, or a ragged round's ``(rows, tokens)`` as ``RxN``."""
+    return "x".join(str(b) for b in bucket) if isinstance(bucket, (list, tuple)) else str(bucket)

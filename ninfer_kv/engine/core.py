@@ -12,7 +12,7 @@ Each :meth:`EngineCore.step` is one round:
    Before that, a prefix that waiting requests share beyond what the cache holds (at least
    :data:`MIN_SHARED_TOKENS` tokens more), and the prompt of an ``n > 1`` request, is first
    prefilled once by a *prefix job* and retained, and the requests then fork it;
-3. **prefill and decode in one ragged batch** (a model with a ``packed`` call on a runner that runs
+3. **prefill and decode in one ragged batch** (a model with a ``ragged`` call on a runner that runs
    it, no speculation): every decoding sequence feeds its one token and the sequences still in
    their prompts, in arrival order, as many prompt tokens as the round's budget
    ``max_num_batched_tokens`` leaves, all in one model call where each row pays for its own tokens
@@ -72,8 +72,8 @@ class EngineStats:
     """Counters of an engine.
 
     Attributes:
-      rounds: calls of :meth:`EngineCore.step`; prefill_units / decode_units / packed_units: model
-        steps run (a speculative round counts as one decode unit; a ragged round as one packed unit).
+      rounds: calls of :meth:`EngineCore.step`; prefill_units / decode_units / ragged_units: model
+        steps run (a speculative round counts as one decode unit; a ragged round as one ragged unit).
       prefill_tokens / decode_tokens: tokens they processed (padding excluded; decode: tokens produced).
       prefix_jobs: prefixes computed once for several sequences.
       failed_steps: steps that raised (their requests failed, the state was repaired).
@@ -87,7 +87,7 @@ class EngineStats:
     rounds: int = 0
     prefill_units: int = 0
     decode_units: int = 0
-    packed_units: int = 0
+    ragged_units: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     prefix_jobs: int = 0
@@ -115,7 +115,7 @@ class EngineCore:
       runner: what runs the units (default: a :class:`~ninfer_kv.engine.runner.DeviceRunner` on one
         device; a data-parallel engine passes its shard's).
       max_num_batched_tokens: tokens a ragged round feeds at most (>= the store's rows; default
-        :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`, or the rows when more); ragged rounds need a model with a ``packed``
+        :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`, or the rows when more); ragged rounds need a model with a ``ragged``
         call, no speculation and a runner that runs them.
 
     A model with a ``draft_window`` (an MTP head; :mod:`ninfer_kv.engine.speculative`) over a store
@@ -154,12 +154,12 @@ class EngineCore:
             raise ValueError(f"lease growth with draft_window={self.draft_window} needs cushion_tokens >= "
                              f"{self.draft_window + 1} (a round writes up to K + 1 tokens); got "
                              f"{store.policy.cushion_tokens}")
-        packed = callable(getattr(model, "packed", None)) and not self.draft_window
+        ragged = callable(getattr(model, "ragged", None)) and not self.draft_window
         if runner is None:
-            tokens = token_ladder(self.max_num_batched_tokens) if packed else None
+            tokens = token_ladder(self.max_num_batched_tokens) if ragged else None
             runner = DeviceRunner(model, store, self.buckets, token_buckets=tokens)
         self.runner = runner
-        self.packed_rounds = packed and bool(getattr(runner, "runs_packed", False))
+        self.ragged_rounds = ragged and bool(getattr(runner, "runs_ragged", False))
         self.chunk = int(model.prefill_chunk)
         if self.chunk < PAGE_SIZE or self.chunk % PAGE_SIZE:
             raise ValueError(f"the model's prefill_chunk={self.chunk} must be a positive multiple of {PAGE_SIZE}")
@@ -280,10 +280,10 @@ class EngineCore:
         self._apply_aborts()
         self._admit()
         pre = [s for s in self.running if s.prefilling]
-        if self.packed_rounds and pre:
+        if self.ragged_rounds and pre:
             dec = [s for s in self.running if not s.prefilling and not s.done and s.request is not None]
             self._limits(dec)
-            yield from self._packed(dec, pre)
+            yield from self._ragged(dec, pre)
             self._finish_done()
             return self._outputs()
         for group in _groups(pre, self.buckets[-1]):
@@ -523,7 +523,7 @@ class EngineCore:
         if self.draft_window:
             yield from self._extend_mtp(seqs)
 
-    def _packed(self, dec: list[Sequence], pre: list[Sequence]):
+    def _ragged(self, dec: list[Sequence], pre: list[Sequence]):
         """One ragged unit: a token for every sequence of ``dec``, then prompt tokens of ``pre`` in
         arrival order within the round's budget; a sequence whose prompt completes produces its first
         token."""
@@ -545,13 +545,13 @@ class EngineCore:
         n = len(seqs)
         self.store.map(rows, ends)
         try:
-            out = yield UnitCall("packed", tokens, pos, valid, rows, _sampling(seqs))
+            out = yield UnitCall("ragged", tokens, pos, valid, rows, _sampling(seqs))
             chosen = np.asarray(out.next_tokens)[:n]
         except Exception as exc:  # noqa: BLE001 - a failed step fails its own requests only
             self._fail_unit(seqs, exc)
             return
         self.store.commit(rows, ends)
-        self.stats.packed_units += 1
+        self.stats.ragged_units += 1
         self.stats.decode_tokens += len(dec)
         self.stats.prefill_tokens += int(valid[len(dec):].sum())
         producing = [s.request is not None and int(ends[i]) >= s.target for i, s in enumerate(seqs)]

@@ -24,10 +24,10 @@ token each row chooses::
   ``max(valid - 1, 0)``: a padding row has ``valid == 0``; its outputs are ignored);
   ``out.logits`` float32 ``(B, V)`` there (read only when a request asks for log-probabilities).
 
-Ragged rounds (optional).  A model with a ``packed`` call runs a round's decodes and prefill
+Ragged rounds (optional).  A model with a ``ragged`` call runs a round's decodes and prefill
 chunks as one ragged batch (``DecoderModel`` has it)::
 
-    state, out = model.packed(state, work, tokens, positions, query_starts, table_rows, sampling)
+    state, out = model.ragged(state, work, tokens, positions, query_starts, table_rows, sampling)
 
 ``tokens`` int32 ``(N,)`` holds the rows' tokens one after another, row ``r`` the tokens
 ``[query_starts[r], query_starts[r + 1])`` (``query_starts`` int32 ``(B + 1,)``) from position
@@ -180,7 +180,7 @@ class DecoderModel:
                 token_buckets: tuple[int, ...] | None = None) -> None:
         """Build (or reuse: steps are shared per configuration) the jitted steps for ``layout``'s
         profile (on a mesh, ``layout`` is one device's and the buckets are global); ``token_buckets``
-        are the packed step's token counts (default: the step configuration's)."""
+        are the ragged step's token counts (default: the step configuration's)."""
         if self.mesh is None and layout != self.config.main_layout(layout.profile):
             raise ValueError(f"the store's Main layout {layout} is not this decoder's "
                              f"{self.config.main_layout(layout.profile)}")
@@ -190,6 +190,7 @@ class DecoderModel:
                                  **({"token_buckets": tuple(token_buckets)} if token_buckets else {}))
         if self.mesh is None:
             self._steps = shared_steps(step_config)
+            self.params = self._steps.prepare_params(self.params)
         else:
             from ..models.decoder.mesh_steps import MeshSteps
 
@@ -222,10 +223,10 @@ class DecoderModel:
         state, out = self._run("verify", state, work, tokens, positions, valid, table_rows, sampling=sampling)
         return state, VerifyOutput(out.target_tokens, out.num_accepted, out.logits, out.hidden)
 
-    def packed(self, state, work, tokens, positions, query_starts, table_rows, sampling=None):
-        """One ragged batch through the decoder's jitted packed step: row ``r`` feeds tokens
+    def ragged(self, state, work, tokens, positions, query_starts, table_rows, sampling=None):
+        """One ragged batch through the decoder's jitted ragged step: row ``r`` feeds tokens
         ``[query_starts[r], query_starts[r + 1])`` (a decode's one token or a prefill chunk)."""
-        state, out = self._run("packed", state, work, tokens, positions, query_starts, table_rows, sampling=sampling)
+        state, out = self._run("ragged", state, work, tokens, positions, query_starts, table_rows, sampling=sampling)
         return state, StepOutput(out.next_tokens, out.logits, None)
 
     def mtp_extend(self, state, work, hidden, next_tokens, positions, valid, table_rows):

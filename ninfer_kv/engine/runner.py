@@ -20,15 +20,15 @@ from ..device.offload import offload_checkpoint
 from ..device.rounds import take_step_work
 from ..device.resync import resync
 from ..device.work import apply_work_jit
-from ..models.decoder.buckets import bucket_for, pad_packed, pad_rows
+from ..models.decoder.buckets import bucket_for, pad_ragged, pad_rows
 from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store import KVStore
 
 __all__ = ["UnitCall", "DeviceRunner", "UnitLog", "drive", "KINDS"]
 
-KINDS = ("prefill", "decode", "verify", "mtp_extend", "mtp_draft", "packed")
+KINDS = ("prefill", "decode", "verify", "mtp_extend", "mtp_draft", "ragged")
 """The model calls a round can make (``verify`` and the MTP calls only with a speculative model;
-``packed``, a ragged batch, only on a runner and model that run it)."""
+``ragged``, a ragged batch, only on a runner and model that run it)."""
 
 
 class UnitCall(NamedTuple):
@@ -37,8 +37,8 @@ class UnitCall(NamedTuple):
     Attributes:
       kind: one of :data:`KINDS`; the model method called.
       tokens: int32 ``(n, T)``: input tokens (for the MTP calls, the token after each hidden state);
-        for ``packed``, int32 ``(sum(valid),)``: the rows' tokens one after another.
-      positions, valid: int32 ``(n,)`` (for ``packed``, ``valid`` is each row's token count).
+        for ``ragged``, int32 ``(sum(valid),)``: the rows' tokens one after another.
+      positions, valid: int32 ``(n,)`` (for ``ragged``, ``valid`` is each row's token count).
       rows: int64 ``(n,)`` execution rows of the store that the round runs over.
       sampling: each row's :class:`~ninfer_kv.models.decoder.sampling.SamplingConfig`, or ``None``
         when every row is greedy.
@@ -56,18 +56,20 @@ class UnitCall(NamedTuple):
 
 @dataclasses.dataclass
 class UnitLog:
-    """Model calls run, by kind, and the batch buckets each kind ran in."""
+    """Model calls run, by kind, and the shapes each kind ran in: its batch buckets, and for
+    ``ragged`` units ``(batch bucket, token bucket)`` pairs."""
 
     units: dict = dataclasses.field(default_factory=dict)
     buckets: dict = dataclasses.field(default_factory=dict)
 
-    def record(self, kind: str, bucket: int) -> None:
+    def record(self, kind: str, bucket: "int | tuple[int, int]") -> None:
         self.units[kind] = self.units.get(kind, 0) + 1
-        self.buckets.setdefault(kind, set()).add(int(bucket))
+        shape = tuple(int(b) for b in bucket) if isinstance(bucket, tuple) else int(bucket)
+        self.buckets.setdefault(kind, set()).add(shape)
 
 
 def call_model(model, kind: str, state, work, tokens, positions, valid, table_rows, sampling, hidden):
-    """``model.<kind>(state, work, ...)`` with the arguments that kind takes (for ``packed``,
+    """``model.<kind>(state, work, ...)`` with the arguments that kind takes (for ``ragged``,
     ``valid`` is the rows' ``query_starts``)."""
     if kind in ("mtp_extend", "mtp_draft"):
         return getattr(model, kind)(state, work, hidden, tokens, positions, valid, table_rows)
@@ -81,8 +83,8 @@ class DeviceRunner:
       model: the engine's model (prepared here for the store's Main layout and ``buckets``).
       store: the store.
       buckets: batch sizes a unit is padded to.
-      token_buckets: token counts a ``packed`` unit is padded to, or ``None`` when this runner
-        runs no packed units (:attr:`runs_packed`); only with a model that has a ``packed`` call.
+      token_buckets: token counts a ``ragged`` unit is padded to, or ``None`` when this runner
+        runs no ragged units (:attr:`runs_ragged`); only with a model that has a ``ragged`` call.
     """
 
     def __init__(self, model, store: KVStore, buckets: tuple[int, ...], token_buckets: tuple[int, ...] | None = None):
@@ -98,19 +100,19 @@ class DeviceRunner:
         self.log = UnitLog()
 
     @property
-    def runs_packed(self) -> bool:
-        """Whether :meth:`run` takes ``packed`` units (ragged batches)."""
+    def runs_ragged(self) -> bool:
+        """Whether :meth:`run` takes ``ragged`` units (ragged batches)."""
         return self.token_buckets is not None
 
     def run(self, call: UnitCall):
         """Pad ``call`` to a bucket, apply the pending round work inside the step, run the model;
         returns the model's output with ``n`` meaningful rows."""
         bucket = bucket_for(len(call.rows), self.buckets)
-        if call.kind == "packed":
-            packed = pad_packed(call.tokens, call.valid, call.positions, call.rows, bucket=bucket,
+        if call.kind == "ragged":
+            ragged = pad_ragged(call.tokens, call.valid, call.positions, call.rows, bucket=bucket,
                                 token_bucket=bucket_for(max(int(call.tokens.size), 1), self.token_buckets))
-            padded = (packed.tokens, packed.positions, packed.query_starts, packed.table_rows)
-            self.log.record(call.kind, packed.tokens.size)
+            padded = (ragged.tokens, ragged.positions, ragged.query_starts, ragged.table_rows)
+            self.log.record(call.kind, (bucket, ragged.tokens.size))
         else:
             rect = pad_rows(call.tokens, call.positions, call.valid, call.rows, bucket=bucket)
             padded = (rect.tokens, rect.positions, rect.valid, rect.table_rows)

@@ -159,6 +159,7 @@ class PagedGenerator:
         self.plan = plan
         self.store = KVStore(plan)
         self.steps: ModelSteps = shared_steps(step_config)
+        self.params = self.steps.prepare_params(params)
         self.chunk = step_config.prefill_chunk
         self.buckets = step_config.batch_buckets
         self.state: KVDeviceState = allocate_state(self.store)

@@ -18,7 +18,7 @@ Semantics (identical for every implementation):
 * :func:`paged_attention` — query ``t`` of row ``b`` sits at ``positions[b] + t``; key ``j`` is
   visible iff ``j <= positions[b] + t and j < kv_lens[b]``; query head ``hq`` reads KV head
   ``hq // (Hq // H)``; a query with no visible key returns zeros.
-* :func:`paged_append_packed` / :func:`paged_attention_packed` — the same over a *ragged* batch:
+* :func:`paged_append_ragged` / :func:`paged_attention_ragged` — the same over a *ragged* batch:
   the tokens of ``R`` rows lie one after another on one axis of ``N`` tokens, row ``r`` owning
   ``[query_starts[r], query_starts[r + 1])`` (its token ``t`` at ``positions[r] + t``), so decodes
   of one token sit beside prefill chunks with no padding to a rectangle; tokens of no row are
@@ -76,21 +76,21 @@ from .registry import (
     resolve_impl,
 )
 from .page_runs import gather_page_runs, scatter_page_runs
-from .packed import append_by_token, attention_by_token
+from .ragged import append_by_token, attention_by_token
 from .reference import (
     cyclic_append_reference,
     cyclic_attention_reference,
     paged_append_reference,
-    paged_append_packed_reference,
-    paged_attention_packed_reference,
+    paged_append_ragged_reference,
+    paged_attention_ragged_reference,
     paged_attention_reference,
 )
 
 __all__ = [
     "paged_append",
     "paged_attention",
-    "paged_append_packed",
-    "paged_attention_packed",
+    "paged_append_ragged",
+    "paged_attention_ragged",
     "cyclic_append",
     "cyclic_attention",
     "copy_page_columns",
@@ -109,8 +109,8 @@ __all__ = [
     "ImplFallbackWarning",
     "paged_append_reference",
     "paged_attention_reference",
-    "paged_append_packed_reference",
-    "paged_attention_packed_reference",
+    "paged_append_ragged_reference",
+    "paged_attention_ragged_reference",
     "cyclic_append_reference",
     "cyclic_attention_reference",
 ]
@@ -217,7 +217,7 @@ def paged_attention(
     return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, sm_scale=sm_scale)
 
 
-def paged_append_packed(
+def paged_append_ragged(
     view: PagedKVBatchLayerView,
     table_rows: ArrayLike,
     positions: ArrayLike,
@@ -227,7 +227,7 @@ def paged_append_packed(
     *,
     impl: str = "auto",
 ) -> PagedKVBatchLayerView:
-    """Append the packed tokens ``k, v (N, H, D)`` of ``R`` rows; returns the view with the new planes.
+    """Append the tokens ``k, v (N, H, D)`` of ``R`` rows; returns the view with the new planes.
 
     Args:
       view: a :class:`PagedKVBatchLayerView`.
@@ -237,21 +237,21 @@ def paged_append_packed(
         query_starts[r + 1])``.
       query_starts: integer ``(R + 1,)``, non-decreasing, in ``[0, N]``; tokens outside
         ``[query_starts[0], query_starts[R])`` are padding and are not written.
-      impl: as :func:`paged_append`; a backend without a native packed kernel runs its
-        rectangular append over one token per row (:mod:`ninfer_kv.ops.packed`).
+      impl: as :func:`paged_append`; a backend without a native ragged kernel runs its
+        rectangular append over one token per row (:mod:`ninfer_kv.ops.ragged`).
 
     With concrete inputs every range and every table entry the writes touch is checked as for
     :func:`paged_append` (a row's length plays ``valid``); under ``jax.jit`` ``query_starts`` is
     clamped into ``[0, N]`` and made non-decreasing, and the rules of the module docstring apply.
     """
-    table_rows, positions, query_starts = validation.check_paged_append_packed(
+    table_rows, positions, query_starts = validation.check_paged_append_ragged(
         view, table_rows, positions, k, v, query_starts)
     backend = resolve_impl(impl)
-    fn = backend.paged_append_packed or append_by_token(backend.paged_append)
+    fn = backend.paged_append_ragged or append_by_token(backend.paged_append)
     return fn(view, table_rows, positions, jnp.asarray(k), jnp.asarray(v), query_starts)
 
 
-def paged_attention_packed(
+def paged_attention_ragged(
     q: ArrayLike,
     view: PagedKVBatchLayerView,
     table_rows: ArrayLike,
@@ -262,17 +262,17 @@ def paged_attention_packed(
     sm_scale: float | None = None,
     impl: str = "auto",
 ) -> jax.Array:
-    """Causal paged attention of the packed queries ``q (N, Hq, D)`` of ``R`` rows; returns ``(N, Hq, D)``.
+    """Causal paged attention of the queries ``q (N, Hq, D)`` of ``R`` rows; returns ``(N, Hq, D)``.
 
     Row ``r``'s queries are tokens ``[query_starts[r], query_starts[r + 1])`` at positions
     ``positions[r] + t``, reading ``kv_lens[r]`` keys of table row ``table_rows[r]`` (the visibility
     rule of :func:`paged_attention`); padding tokens return zeros.  Arguments and checks as
-    :func:`paged_append_packed` and :func:`paged_attention`.
+    :func:`paged_append_ragged` and :func:`paged_attention`.
     """
-    table_rows, positions, kv_lens, query_starts = validation.check_paged_attention_packed(
+    table_rows, positions, kv_lens, query_starts = validation.check_paged_attention_ragged(
         q, view, table_rows, positions, kv_lens, query_starts, sm_scale)
     backend = resolve_impl(impl)
-    fn = backend.paged_attention_packed or attention_by_token(backend.paged_attention)
+    fn = backend.paged_attention_ragged or attention_by_token(backend.paged_attention)
     return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, query_starts, sm_scale=sm_scale)
 
 

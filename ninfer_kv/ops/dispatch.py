@@ -11,7 +11,7 @@ Built-in names:
 * ``"pallas"`` — the top-level ``pallas_kernels`` package (Pallas kernels on the Triton backend;
   interpret mode on a CPU backend).
 * ``"ffi"`` — :mod:`ninfer_kv.ffi_ops` (C++ XLA FFI CPU kernels); available when its native library
-  loaded (:func:`ninfer_kv.ffi_ops.unavailable_reason`).  With native packed (ragged) forms.
+  loaded (:func:`ninfer_kv.ffi_ops.unavailable_reason`).  With native ragged (ragged) forms.
 * ``"pallas_tpu"`` — :mod:`pallas_kernels.mosaic_tpu` (Pallas kernels on Mosaic TPU: the two paged
   ops; TPU interpret mode on a CPU).
 
@@ -27,7 +27,7 @@ it also scopes the warn-once memory so a fallback warning inside the block is al
 
 from __future__ import annotations
 
-from .registry import OP_NAMES, PACKED_OP_NAMES, register_backend
+from .registry import OP_NAMES, RAGGED_OP_NAMES, register_backend
 
 __all__ = [
 ]
@@ -39,7 +39,7 @@ REBUILD_HINT = (
 
 # -- built-in backends (nothing is imported here: targets load on first use) ---------------------
 
-register_backend("reference", {op: f"ninfer_kv.ops.reference:{op}_reference" for op in OP_NAMES + PACKED_OP_NAMES})
+register_backend("reference", {op: f"ninfer_kv.ops.reference:{op}_reference" for op in OP_NAMES + RAGGED_OP_NAMES})
 register_backend(
     "pallas",
     {op: f"pallas_kernels:{op}" for op in OP_NAMES},
@@ -47,7 +47,7 @@ register_backend(
 )
 register_backend(
     "ffi",
-    {op: f"ninfer_kv.ffi_ops:{op}" for op in OP_NAMES + PACKED_OP_NAMES},
+    {op: f"ninfer_kv.ffi_ops:{op}" for op in OP_NAMES + RAGGED_OP_NAMES},
     check="ninfer_kv.ffi_ops:unavailable_reason",
     hint=REBUILD_HINT,
 )

@@ -34,13 +34,13 @@ import jax.numpy as jnp
 from .. import codecs
 from ..geometry import PlaneOrder
 from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
-from .packed import append_by_token, attention_by_token
+from .ragged import append_by_token, attention_by_token
 
 __all__ = [
     "paged_append_reference",
     "paged_attention_reference",
-    "paged_append_packed_reference",
-    "paged_attention_packed_reference",
+    "paged_append_ragged_reference",
+    "paged_attention_ragged_reference",
     "cyclic_append_reference",
     "cyclic_attention_reference",
     "attention_over_keys",
@@ -187,7 +187,7 @@ def paged_append_reference(
     return view.replace(planes=new)
 
 
-def paged_append_packed_reference(
+def paged_append_ragged_reference(
     view: PagedKVBatchLayerView,
     table_rows: jax.Array,
     positions: jax.Array,
@@ -195,11 +195,11 @@ def paged_append_packed_reference(
     v: jax.Array,
     query_starts: jax.Array,
 ) -> PagedKVBatchLayerView:
-    """Reference packed append: the reference append over one token per row (:mod:`ninfer_kv.ops.packed`)."""
+    """Reference ragged append: the reference append over one token per row (:mod:`ninfer_kv.ops.ragged`)."""
     return append_by_token(paged_append_reference)(view, table_rows, positions, k, v, query_starts)
 
 
-def paged_attention_packed_reference(
+def paged_attention_ragged_reference(
     q: jax.Array,
     view: PagedKVBatchLayerView,
     table_rows: jax.Array,
@@ -209,7 +209,7 @@ def paged_attention_packed_reference(
     *,
     sm_scale: float | None = None,
 ) -> jax.Array:
-    """Reference packed attention: the reference attention over one query per row (:mod:`ninfer_kv.ops.packed`)."""
+    """Reference ragged attention: the reference attention over one query per row (:mod:`ninfer_kv.ops.ragged`)."""
     return attention_by_token(paged_attention_reference)(q, view, table_rows, positions, kv_lens, query_starts,
                                                          sm_scale=sm_scale)
 

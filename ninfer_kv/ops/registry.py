@@ -44,7 +44,7 @@ from typing import Callable, Iterator, Mapping, Union
 
 __all__ = [
     "OP_NAMES",
-    "PACKED_OP_NAMES",
+    "RAGGED_OP_NAMES",
     "AUTO",
     "AUTO_PREFERENCE",
     "OpImpl",
@@ -68,8 +68,8 @@ AUTO = "auto"
 OP_NAMES = ("paged_append", "paged_attention", "cyclic_append", "cyclic_attention")
 """The ops of the op contract, in the order of :class:`OpImpl`'s fields."""
 
-PACKED_OP_NAMES = ("paged_append_packed", "paged_attention_packed")
-"""The ragged forms of the paged ops (:mod:`ninfer_kv.ops.packed`): optional entries.  A backend
+RAGGED_OP_NAMES = ("paged_append_ragged", "paged_attention_ragged")
+"""The ragged forms of the paged ops (:mod:`ninfer_kv.ops.ragged`): optional entries.  A backend
 without them runs them as its rectangular op over one query per row; ``impl="auto"`` never
 completes them from another backend."""
 
@@ -85,15 +85,15 @@ class ImplFallbackWarning(RuntimeWarning):
 @dataclasses.dataclass(frozen=True)
 class OpImpl:
     """One implementation of the four ops, with the signatures of :mod:`ninfer_kv.ops.reference`,
-    and optionally native packed forms (``None``: the generic form, :mod:`ninfer_kv.ops.packed`)."""
+    and optionally native ragged forms (``None``: the generic form, :mod:`ninfer_kv.ops.ragged`)."""
 
     name: str
     paged_append: Callable
     paged_attention: Callable
     cyclic_append: Callable
     cyclic_attention: Callable
-    paged_append_packed: Callable | None = None
-    paged_attention_packed: Callable | None = None
+    paged_append_ragged: Callable | None = None
+    paged_attention_ragged: Callable | None = None
 
     @classmethod
     def from_module(cls, name: str, module, *, suffix: str = "") -> "OpImpl":
@@ -106,7 +106,7 @@ class OpImpl:
                     f"implementation {name!r}: module {module.__name__} does not define {op + suffix}()"
                 )
             fns[op] = fn
-        for op in PACKED_OP_NAMES:  # optional
+        for op in RAGGED_OP_NAMES:  # optional
             fn = getattr(module, op + suffix, None)
             fns[op] = fn if callable(fn) else None
         return cls(name=name, **fns)
@@ -166,8 +166,8 @@ def _check_name(name) -> None:
 
 
 def _check_op(op) -> None:
-    if op not in OP_NAMES + PACKED_OP_NAMES:
-        raise ValueError(f"unknown op {op!r}; allowed: {', '.join(OP_NAMES + PACKED_OP_NAMES)}")
+    if op not in OP_NAMES + RAGGED_OP_NAMES:
+        raise ValueError(f"unknown op {op!r}; allowed: {', '.join(OP_NAMES + RAGGED_OP_NAMES)}")
 
 
 def _check_target(what: str, target) -> None:
@@ -201,7 +201,7 @@ def register_backend(
 
     Args:
       name: the ``impl=`` name (not ``"auto"``).
-      ops: some or all of :data:`OP_NAMES` (and :data:`PACKED_OP_NAMES`), each mapped to its function or to
+      ops: some or all of :data:`OP_NAMES` (and :data:`RAGGED_OP_NAMES`), each mapped to its function or to
         ``"module:attribute"`` (imported when the backend is first loaded, so nothing is imported
         here).
       check: optional availability check, a callable or ``"module:attribute"``, run on first load
@@ -272,7 +272,7 @@ def registered_ops(backend: str | None = None) -> tuple[tuple[str, str], ...]:
             if backend is not None and b.name != backend:
                 continue
             ops = OP_NAMES if b.loader is not None else ()
-            ops += tuple(op for op in OP_NAMES + PACKED_OP_NAMES if op in b.entries and op not in ops)
+            ops += tuple(op for op in OP_NAMES + RAGGED_OP_NAMES if op in b.entries and op not in ops)
             out.extend((op, b.name) for op in ops)
         return tuple(out)
 
@@ -323,12 +323,12 @@ def _load(backend: _Backend) -> OpImpl:
         if not isinstance(impl, OpImpl):
             raise TypeError(f"loader of implementation {backend.name!r} returned {type(impl).__name__}, expected OpImpl")
         label = impl.name
-        fns = {op: getattr(impl, op) for op in OP_NAMES + PACKED_OP_NAMES if getattr(impl, op) is not None}
+        fns = {op: getattr(impl, op) for op in OP_NAMES + RAGGED_OP_NAMES if getattr(impl, op) is not None}
     for op, target in backend.entries.items():
         fns[op] = _resolve(backend, target, op)
     provided = tuple(op for op in OP_NAMES if op in fns)
     return OpImpl(label, **{op: fns.get(op) or _missing_op(backend.name, op, provided) for op in OP_NAMES},
-                  **{op: fns.get(op) for op in PACKED_OP_NAMES})
+                  **{op: fns.get(op) for op in RAGGED_OP_NAMES})
 
 
 def load_impl(name: str) -> OpImpl:

@@ -39,8 +39,8 @@ __all__ = [
     "check_cyclic_view",
     "check_paged_append",
     "check_paged_attention",
-    "check_paged_append_packed",
-    "check_paged_attention_packed",
+    "check_paged_append_ragged",
+    "check_paged_attention_ragged",
     "check_cyclic_append",
     "check_cyclic_attention",
     "check_sm_scale",
@@ -266,15 +266,15 @@ def _check_attention_spans(view, table_rows, positions, kv_lens, t: int) -> None
         check_table_entries(view, table_rows, np.zeros_like(blocks), blocks, "paged_attention")
 
 
-# -- packed (ragged) forms -----------------------------------------------------------------------
+# -- ragged (ragged) forms -----------------------------------------------------------------------
 
 
-def _check_packed(name: str, x, rank_name: str) -> int:
-    """A packed token tensor ``(N, heads, D)`` (float32 or bfloat16); returns ``N``."""
+def _check_ragged(name: str, x, rank_name: str) -> int:
+    """A ragged token tensor ``(N, heads, D)`` (float32 or bfloat16); returns ``N``."""
     _require_array(name, x)
     if np.dtype(x.dtype) not in KV_DTYPES:
         raise ValueError(f"{name} has dtype {np.dtype(x.dtype).name}; allowed: {_KV_DTYPE_NAMES}")
-    _chex(lambda: chex.assert_rank(x, 3), f"{name} must be packed tokens {rank_name}, got shape {tuple(x.shape)}")
+    _chex(lambda: chex.assert_rank(x, 3), f"{name} must be the tokens of a ragged batch {rank_name}, got shape {tuple(x.shape)}")
     if x.shape[0] < 1:
         raise ValueError(f"{name} has N={x.shape[0]} tokens; N must be >= 1")
     return int(x.shape[0])
@@ -288,7 +288,7 @@ def _check_query_starts(query_starts, rows: int, tokens: int) -> tuple[jax.Array
     if s is None:
         return starts, None
     s = s.astype(np.int64)
-    _first_bad("query_starts", s, (s < 0) | (s > tokens), f"[0, N={tokens}] (N packed tokens)")
+    _first_bad("query_starts", s, (s < 0) | (s > tokens), f"[0, N={tokens}] (N tokens in all)")
     drops = np.diff(s) < 0
     if drops.any():
         i = int(np.argmax(drops)) + 1
@@ -297,12 +297,12 @@ def _check_query_starts(query_starts, rows: int, tokens: int) -> tuple[jax.Array
     return starts, np.diff(s)
 
 
-def check_paged_append_packed(view, table_rows, positions, k, v, query_starts):
-    """Checks a packed append's inputs (``k, v (N, H, D)``, ``R`` rows); returns ``(table_rows,
+def check_paged_append_ragged(view, table_rows, positions, k, v, query_starts):
+    """Checks a ragged append's inputs (``k, v (N, H, D)``, ``R`` rows); returns ``(table_rows,
     positions, query_starts)`` as int32 arrays."""
     check_paged_view(view)
-    n = _check_packed("k", k, "(N, H, D)")
-    _check_packed("v", v, "(N, H, D)")
+    n = _check_ragged("k", k, "(N, H, D)")
+    _check_ragged("v", v, "(N, H, D)")
     _check_kv(k[None], v[None], view.num_kv_heads, view.head_dim)
     table_rows = _rows_vector("table_rows", table_rows)
     r = int(table_rows.shape[0])
@@ -312,11 +312,11 @@ def check_paged_append_packed(view, table_rows, positions, k, v, query_starts):
     return table_rows, positions, query_starts
 
 
-def check_paged_attention_packed(q, view, table_rows, positions, kv_lens, query_starts, sm_scale=None):
-    """Checks a packed attention call's inputs (``q (N, Hq, D)``, ``R`` rows); returns ``(table_rows,
+def check_paged_attention_ragged(q, view, table_rows, positions, kv_lens, query_starts, sm_scale=None):
+    """Checks a ragged attention call's inputs (``q (N, Hq, D)``, ``R`` rows); returns ``(table_rows,
     positions, kv_lens, query_starts)`` as int32 arrays."""
     check_paged_view(view)
-    n = _check_packed("q", q, "(N, Hq, D)")
+    n = _check_ragged("q", q, "(N, Hq, D)")
     _check_q(q[None], view.num_kv_heads, view.head_dim)
     table_rows = _rows_vector("table_rows", table_rows)
     r = int(table_rows.shape[0])
@@ -330,7 +330,7 @@ def check_paged_attention_packed(q, view, table_rows, positions, kv_lens, query_
 
 
 def _rows_vector(name: str, x) -> jax.Array:
-    """An integer vector of any length ``R >= 1`` as int32 (the rows of a packed call)."""
+    """An integer vector of any length ``R >= 1`` as int32 (the rows of a ragged call)."""
     shape = getattr(x, "shape", None)
     if shape is None:
         shape = np.shape(x)

@@ -73,7 +73,7 @@ def test_text_view_is_the_summary_table(capsys):
     assert main(["demo", *TINY, "--no-dense-check"]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("ninfer-kv demo: 4 requests on model tiny")
-    assert "step functions" in out and "prefill" in out and "decode" in out
+    assert "step functions" in out and "ragged" in out and "decode" in out
     assert "not checked (--no-dense-check)" in out
 
 

@@ -39,7 +39,8 @@ def test_paged_steps_on_kernel_impls_match_dense(impl, profile):
     np.testing.assert_array_equal(np.concatenate([np.asarray(first.next_tokens)[:, None], toks], 1), np.asarray(dense_tokens))
     paged_logits = np.concatenate([np.asarray(first.logits)[:, None], logits], 1)
     np.testing.assert_allclose(paged_logits, np.asarray(dense_logits), atol=TOL_KERNEL, rtol=0)
-    assert steps.compiles() == {"prefill": 1, "decode": 1, "verify": 0, "prefill_state": 0, "decode_state": 0, "verify_state": 0}
+    assert steps.compiles() == {"prefill": 1, "decode": 1, "verify": 0, "ragged": 0, "prefill_state": 0, "decode_state": 0,
+                                "verify_state": 0, "ragged_state": 0}
 
 
 def test_ffi_decode_temp_memory_does_not_grow_with_context():

@@ -28,7 +28,7 @@ from ...integers import check_int
 from ...step_shapes import ladder_rungs
 from .config import DEFAULT_BATCH_BUCKETS
 
-__all__ = ["bucket_for", "bucket_ladder", "token_ladder", "PaddedRows", "pad_rows", "PackedRows", "pad_packed",
+__all__ = ["bucket_for", "bucket_ladder", "token_ladder", "PaddedRows", "pad_rows", "RaggedRows", "pad_ragged",
            "prompt_chunks"]
 
 
@@ -40,7 +40,7 @@ def bucket_ladder(largest: int, factor: int = 2) -> tuple[int, ...]:
 
 
 def token_ladder(largest: int, steps_per_octave: int = 4) -> tuple[int, ...]:
-    """Token buckets of the packed step up to ``largest``: 16, 32, 64, 128, then ``steps_per_octave``
+    """Token buckets of the ragged step up to ``largest``: 16, 32, 64, 128, then ``steps_per_octave``
     evenly spaced sizes per doubling (160, 192, 224, 256, 320, ... with 4), then ``largest``.
 
     Padding tokens cost what real ones cost in the products, so above 128 tokens the ladder is
@@ -119,8 +119,8 @@ def pad_rows(tokens, positions, valid, table_rows, *, bucket: int, scratch_row: 
     return PaddedRows(out_tok, pos, val, rows, int(n))
 
 
-class PackedRows(NamedTuple):
-    """Packed-step inputs padded to a batch bucket and a token bucket: rows ``[0, num_real)`` are
+class RaggedRows(NamedTuple):
+    """Ragged-step inputs padded to a batch bucket and a token bucket: rows ``[0, num_real)`` are
     real; the padding rows own no token; tokens past the last row are padding."""
 
     tokens: np.ndarray  # int32 (token_bucket,)
@@ -130,8 +130,8 @@ class PackedRows(NamedTuple):
     num_real: int
 
 
-def pad_packed(tokens, lengths, positions, table_rows, *, bucket: int, token_bucket: int,
-               scratch_row: int = 0) -> PackedRows:
+def pad_ragged(tokens, lengths, positions, table_rows, *, bucket: int, token_bucket: int,
+               scratch_row: int = 0) -> RaggedRows:
     """Pad a ragged batch of ``n`` rows (row ``r``'s ``lengths[r]`` tokens one after another in
     ``tokens``) up to ``bucket`` rows and ``token_bucket`` tokens.
 
@@ -162,7 +162,7 @@ def pad_packed(tokens, lengths, positions, table_rows, *, bucket: int, token_buc
     pos[:n] = _int_vector("positions", positions, n)
     rows = np.full((bucket,), scratch_row, np.int32)
     rows[:n] = _int_vector("table_rows", table_rows, n)
-    return PackedRows(out_tok, pos, starts, rows, int(n))
+    return RaggedRows(out_tok, pos, starts, rows, int(n))
 
 
 def prompt_chunks(prompt_len: int, chunk: int) -> list[tuple[int, int]]:

@@ -35,7 +35,7 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 """Batch sizes the step functions are compiled for; smaller batches are padded up to a bucket."""
 
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-"""Token counts the packed step is compiled for; a ragged batch is padded up to one."""
+"""Token counts the ragged step is compiled for; a ragged batch is padded up to one."""
 
 PREFILL_CHUNK = 128
 """Tokens per chunked-prefill call (two pages of 64)."""
@@ -247,8 +247,8 @@ class StepConfig:
       draft_window: speculative draft window K; verify takes ``K + 1`` tokens per row.
       batch_buckets: the batch sizes a step accepts; pad smaller batches up to a bucket
         (:func:`ninfer_kv.models.decoder.buckets.pad_rows`).
-      token_buckets: the token counts ``N`` the packed step accepts (strictly increasing); pad a
-        ragged batch with :func:`ninfer_kv.models.decoder.buckets.pad_packed`.
+      token_buckets: the token counts ``N`` the ragged step accepts (strictly increasing); pad a
+        ragged batch with :func:`ninfer_kv.models.decoder.buckets.pad_ragged`.
       products: how the weight products run when the ops are the FFI's (a CPU): ``"auto"``
         (default: the FFI row kernel for single-row products, XLA's dots for more), ``"xla"``
         (XLA's dots only) or ``"batch_invariant"`` (a row's logits never depend on the batch); see

@@ -17,9 +17,9 @@ paged forward (this module: K/V go through ``ninfer_kv.ops.paged_append`` into l
 Main pool and queries read them back through ``ninfer_kv.ops.paged_attention``) and the dense
 reference (:mod:`ninfer_kv.models.decoder.dense`).
 
-Packed (ragged) semantics (:func:`forward_packed`): the tokens of ``R`` rows lie one after another
+Ragged semantics (:func:`forward_ragged`): the tokens of ``R`` rows lie one after another
 on one axis, row ``r`` owning ``[query_starts[r], query_starts[r + 1])`` at positions
-``positions[r] + t`` (``ninfer_kv.ops.paged_attention_packed``); the layers run on ``(1, N, d)`` so
+``positions[r] + t`` (``ninfer_kv.ops.paged_attention_ragged``); the layers run on ``(1, N, d)`` so
 every product sees all ``N`` tokens at once, and no row pays for another's length.
 
 Paged chunk semantics (row ``b`` of a chunk of ``T`` tokens): token ``t`` sits at position
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_kv import ops
-from ninfer_kv.ops.packed import effective_starts, token_rows
+from ninfer_kv.ops.ragged import effective_starts, token_rows
 from ninfer_kv.layout import PagedKVStorageLayout
 from ninfer_kv.views import PagedKVBatchLayerView
 
@@ -53,8 +53,8 @@ __all__ = [
     "embed_tokens",
     "logits_from_hidden",
     "forward_paged",
-    "packed_attend",
-    "forward_packed",
+    "ragged_attend",
+    "forward_ragged",
 ]
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
@@ -166,7 +166,7 @@ def forward_paged(
     return h, planes
 
 
-def packed_attend(
+def ragged_attend(
     view: PagedKVBatchLayerView,
     table_rows: jax.Array,
     positions: jax.Array,
@@ -174,17 +174,17 @@ def packed_attend(
     kv_lens: jax.Array,
     impl: str,
 ) -> Attend:
-    """:func:`paged_attend` of a packed batch: ``q, k, v`` are ``(1, N, heads, D)``."""
+    """:func:`paged_attend` of a ragged batch: ``q, k, v`` are ``(1, N, heads, D)``."""
 
     def attend(q, k, v):
-        new_view = ops.paged_append_packed(view, table_rows, positions, k[0], v[0], query_starts, impl=impl)
-        out = ops.paged_attention_packed(q[0], new_view, table_rows, positions, kv_lens, query_starts, impl=impl)
+        new_view = ops.paged_append_ragged(view, table_rows, positions, k[0], v[0], query_starts, impl=impl)
+        out = ops.paged_attention_ragged(q[0], new_view, table_rows, positions, kv_lens, query_starts, impl=impl)
         return out[None], new_view
 
     return attend
 
 
-def forward_packed(
+def forward_ragged(
     params: dict,
     config: ModelConfig,
     layout: PagedKVStorageLayout,
@@ -197,7 +197,7 @@ def forward_packed(
     *,
     impl: str,
 ) -> tuple[jax.Array, jax.Array, dict]:
-    """Run all decoder layers on a packed batch, appending every row's tokens to the Main pool.
+    """Run all decoder layers on a ragged batch, appending every row's tokens to the Main pool.
 
     Args:
       tokens: int32 ``(N,)``; positions, table_rows: int32 ``(R,)``; query_starts: int32 ``(R + 1,)``
@@ -219,7 +219,7 @@ def forward_packed(
     h = embed_tokens(params, tokens[None])
     for layer, lp in enumerate(params["layers"]):
         view = PagedKVBatchLayerView(planes, block_tables, layer, layout)
-        attend = packed_attend(view, table_rows, positions, query_starts, kv_lens, impl)
+        attend = ragged_attend(view, table_rows, positions, query_starts, kv_lens, impl)
         h, view = decoder_layer(lp, config, h, tok.positions[None], attend)
         planes = view.planes
     return h[0], jnp.maximum(e[1:] - 1, 0), planes

@@ -27,15 +27,15 @@ Steps (``B`` in ``step_config.batch_buckets``; pad with :func:`ninfer_kv.models.
     mtp_draft(params, mtp_planes, mtp_block_tables, hidden (B, T, d), next_tokens (B, T),
               positions, valid, table_rows)
         -> MTPDraftOutput(planes, block_tables, drafts (B, K), draft_logits (B, K, V))
-    packed(params, planes, block_tables, tokens (N,), positions (R,), query_starts (R + 1,),
+    ragged(params, planes, block_tables, tokens (N,), positions (R,), query_starts (R + 1,),
            table_rows (R,))
-        -> PackedOutput(planes, block_tables, logits (R, V), next_tokens (R,))
+        -> RaggedOutput(planes, block_tables, logits (R, V), next_tokens (R,))
 
-``packed`` is a ragged batch (:func:`~ninfer_kv.models.decoder.model.forward_packed`): row ``r``
+``ragged`` is a ragged batch (:func:`~ninfer_kv.models.decoder.model.forward_ragged`): row ``r``
 feeds tokens ``[query_starts[r], query_starts[r + 1])`` from position ``positions[r]`` — a decode
 of one token beside a prefill chunk of hundreds, each paying for its own tokens only.  ``N`` is a
 token bucket (``step_config.token_buckets``; pad with
-:func:`~ninfer_kv.models.decoder.buckets.pad_packed`), ``R`` a batch bucket; logits and the next
+:func:`~ninfer_kv.models.decoder.buckets.pad_ragged`), ``R`` a batch bucket; logits and the next
 token are taken at each row's last token and produced at ``positions + length``.
 
 positions, valid, table_rows are int32 ``(B,)``; ``kv_lens = positions + valid`` is formed inside.
@@ -81,13 +81,14 @@ from jax import monitoring
 from ...kinds import PoolKind
 from ...device.state import KVDeviceState
 from ...device.work import apply_work
-from ...ops.packed import effective_starts
+from ...ops.ragged import effective_starts
 from ...ops.registry import resolve_impl
 from .config import StepConfig
 from .layers import Products, products
-from .model import forward_packed, forward_paged, logits_from_hidden
+from .model import forward_ragged, forward_paged, logits_from_hidden
 from .mtp import mtp_draft_paged, mtp_forward_paged
 from .sampling import SamplingRows, greedy_tokens, sample_tokens
+from .weights import pack_params
 
 __all__ = [
     "CompileCounter",
@@ -100,7 +101,7 @@ __all__ = [
     "VerifyOutput",
     "MTPExtendOutput",
     "MTPDraftOutput",
-    "PackedOutput",
+    "RaggedOutput",
     "DONATED_ARGNUMS",
     "STATE_DONATED_ARGNUMS",
     "accepted_prefix",
@@ -140,7 +141,7 @@ class VerifyOutput(NamedTuple):
     hidden: jax.Array  # (B, K + 1, d)
 
 
-class PackedOutput(NamedTuple):
+class RaggedOutput(NamedTuple):
     planes: dict
     block_tables: jax.Array
     logits: jax.Array  # float32 (R, V) at each row's last token
@@ -366,8 +367,8 @@ def _token_check(cfg: StepConfig, what: str, t_expected: int):
     return check
 
 
-def _packed_check(cfg: StepConfig):
-    what = "packed"
+def _ragged_check(cfg: StepConfig):
+    what = "ragged"
 
     def check(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None):
         shape = _shape(tokens)
@@ -375,13 +376,13 @@ def _packed_check(cfg: StepConfig):
             raise ValueError(f"{what}: tokens must be int32 (N,), got {np.dtype(tokens.dtype).name} {shape}")
         if shape[0] not in cfg.token_buckets:
             raise ValueError(f"{what}: {shape[0]} tokens is not a token bucket {cfg.token_buckets}; pad with "
-                             f"ninfer_kv.models.decoder.buckets.pad_packed")
+                             f"ninfer_kv.models.decoder.buckets.pad_ragged")
         _check_pool(what, planes, block_tables)
         rows = _shape(table_rows)
         if len(rows) != 1:
             raise ValueError(f"{what}: table_rows must be int32 (R,), got shape {rows}")
         r = rows[0]
-        _check_bucket(cfg, what, r, "pad_packed")
+        _check_bucket(cfg, what, r, "pad_ragged")
         for name, x, n in (("positions", positions, r), ("table_rows", table_rows, r),
                            ("query_starts", query_starts, r + 1)):
             _check_int32_vector(f"{what}: {name}", x, n)
@@ -488,23 +489,23 @@ class ModelSteps:
             return VerifyOutput(planes, block_tables, logits, target, accepted, hidden)
 
         @in_products
-        def packed(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None):
-            hidden, last, planes = forward_packed(params, model, main_layout, planes, block_tables, tokens, positions,
+        def ragged(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None):
+            hidden, last, planes = forward_ragged(params, model, main_layout, planes, block_tables, tokens, positions,
                                                   query_starts, table_rows, impl=impl)
             logits = logits_from_hidden(params, model, hidden[last])
             e = effective_starts(query_starts, tokens.shape[0])
             lengths = e[1:] - e[:-1]
             chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + lengths)
-            return PackedOutput(planes, block_tables, logits, chosen)
+            return RaggedOutput(planes, block_tables, logits, chosen)
 
         self.prefill = CountedStep("prefill", prefill, _token_check(cfg, "prefill", cfg.prefill_chunk))
         self.decode = CountedStep("decode", decode, _token_check(cfg, "decode", 1))
         self.verify = CountedStep("verify", verify, _token_check(cfg, "verify", cfg.draft_window + 1))
-        self.packed = CountedStep("packed", packed, _packed_check(cfg))
-        self._steps = {"prefill": self.prefill, "decode": self.decode, "verify": self.verify, "packed": self.packed}
+        self.ragged = CountedStep("ragged", ragged, _ragged_check(cfg))
+        self._steps = {"prefill": self.prefill, "decode": self.decode, "verify": self.verify, "ragged": self.ragged}
         self._state_steps = {
             name: _state_step(name, PoolKind.MAIN, fn, self._steps[name]._check)
-            for name, fn in (("prefill", prefill), ("decode", decode), ("verify", verify), ("packed", packed))
+            for name, fn in (("prefill", prefill), ("decode", decode), ("verify", verify), ("ragged", ragged))
         }
 
         if model.mtp:
@@ -551,6 +552,15 @@ class ModelSteps:
             return self._state_steps[name]
         except KeyError:
             raise ValueError(f"unknown step {name!r}; steps: {sorted(self._state_steps)}") from None
+
+    def prepare_params(self, params: dict) -> dict:
+        """``params`` as these steps run them fastest: with the bfloat16 projections and the LM head
+        packed once (:func:`~ninfer_kv.models.decoder.weights.pack_params`) when the ops resolve to
+        the FFI and the products are not ``"xla"``, else ``params`` itself.  Call it once, after
+        loading, and pass the result to every step; the steps also take plain params."""
+        if self.config.products == Products.XLA.value or resolve_impl(self.config.impl).name != "ffi":
+            return params
+        return pack_params(params, self.config.model)
 
     def compiles(self) -> dict[str, int]:
         """Backend compilations per step function."""

@@ -1,16 +1,16 @@
-"""Ragged (packed) batches as one query per row: the generic form of the packed ops.
+"""Ragged batches as one query per row: the generic form of the ragged ops.
 
-A packed call holds the tokens of ``R`` rows one after another on one token axis of length ``N``;
+A ragged call holds the tokens of ``R`` rows one after another on one token axis of length ``N``;
 row ``r`` owns tokens ``[e[r], e[r + 1])`` where ``e`` is ``query_starts`` clamped into ``[0, N]``
 and made non-decreasing by a running maximum (:func:`effective_starts`; concrete inputs are checked
 to need neither).  Token ``i`` of row ``r`` sits at position ``positions[r] + i - e[r]``; a token of
 no row (before ``e[0]`` or from ``e[R]`` on) is padding.
 
-Every packed op equals its rectangular op over ``N`` rows of one token each
+Every ragged op equals its rectangular op over ``N`` rows of one token each
 (:func:`token_rows`): token ``i`` becomes a row of the same table row, at its own position, with
 its row's ``kv_lens`` (attention) and ``valid = 1`` (append; padding tokens get an out-of-range
-table row, which the op contract makes inert).  That is how backends without a native packed
-kernel run the packed ops, and with the reference backend it is the packed ops' float32
+table row, which the op contract makes inert).  That is how backends without a native ragged
+kernel run the ragged ops, and with the reference backend it is the ragged ops' float32
 reference.  A native kernel (the FFI's) instead walks each row's queries in blocks, as the
 rectangular form walks a row of that many queries.
 """
@@ -34,7 +34,7 @@ def effective_starts(query_starts: jax.Array, num_tokens: int) -> jax.Array:
 
 
 class TokenRows(NamedTuple):
-    """Per-token rows of a packed call: each ``int32 (N,)``."""
+    """Per-token rows of a ragged call: each ``int32 (N,)``."""
 
     row: jax.Array  # the row owning token i, R for padding
     table_rows: jax.Array  # its table row; -1 (inert) for padding
@@ -43,7 +43,7 @@ class TokenRows(NamedTuple):
 
 
 def token_rows(table_rows: jax.Array, positions: jax.Array, query_starts: jax.Array, num_tokens: int) -> TokenRows:
-    """The row, table row and position of every token of a packed call."""
+    """The row, table row and position of every token of a ragged call."""
     r = table_rows.shape[0]
     e = effective_starts(query_starts, num_tokens)
     i = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -57,26 +57,26 @@ def token_rows(table_rows: jax.Array, positions: jax.Array, query_starts: jax.Ar
 
 
 def append_by_token(paged_append: Callable) -> Callable:
-    """The packed append of a backend's rectangular ``paged_append`` (one token per row)."""
+    """The ragged append of a backend's rectangular ``paged_append`` (one token per row)."""
 
-    def packed(view: PagedKVBatchLayerView, table_rows: jax.Array, positions: jax.Array, k: jax.Array,
+    def ragged(view: PagedKVBatchLayerView, table_rows: jax.Array, positions: jax.Array, k: jax.Array,
                v: jax.Array, query_starts: jax.Array) -> PagedKVBatchLayerView:
-        """The packed append: token ``i`` is row ``i`` of one token."""
+        """The ragged append: token ``i`` is row ``i`` of one token."""
         tok = token_rows(table_rows, positions, query_starts, k.shape[0])
         return paged_append(view, tok.table_rows, tok.positions, k[:, None], v[:, None], tok.real)
 
-    return packed
+    return ragged
 
 
 def attention_by_token(paged_attention: Callable) -> Callable:
-    """The packed attention of a backend's rectangular ``paged_attention`` (one query per row)."""
+    """The ragged attention of a backend's rectangular ``paged_attention`` (one query per row)."""
 
-    def packed(q: jax.Array, view: PagedKVBatchLayerView, table_rows: jax.Array, positions: jax.Array,
+    def ragged(q: jax.Array, view: PagedKVBatchLayerView, table_rows: jax.Array, positions: jax.Array,
                kv_lens: jax.Array, query_starts: jax.Array, *, sm_scale: float | None = None) -> jax.Array:
-        """The packed attention: query ``i`` is row ``i`` of one query."""
+        """The ragged attention: query ``i`` is row ``i`` of one query."""
         tok = token_rows(table_rows, positions, query_starts, q.shape[0])
         lens = jnp.where(tok.real == 1, jnp.asarray(kv_lens, jnp.int32)[jnp.clip(tok.row, 0, table_rows.shape[0] - 1)], 0)
         out = paged_attention(q[:, None], view, tok.table_rows, tok.positions, lens, sm_scale=sm_scale)
         return out[:, 0]
 
-    return packed
+    return ragged

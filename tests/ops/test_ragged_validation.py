@@ -1,4 +1,4 @@
-"""The packed (ragged) ops' host checks: each bad input is refused naming it and its allowed range."""
+"""The ragged (ragged) ops' host checks: each bad input is refused naming it and its allowed range."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +26,7 @@ def _append(**over):
     kv = jnp.zeros((7, H, D), jnp.float32)
     a = dict(view=_view(), table_rows=i32(0, 2), positions=i32(0, 5), k=kv, v=kv, query_starts=i32(0, 4, 7))
     a.update(over)
-    return ops.paged_append_packed(a["view"], a["table_rows"], a["positions"], a["k"], a["v"], a["query_starts"],
+    return ops.paged_append_ragged(a["view"], a["table_rows"], a["positions"], a["k"], a["v"], a["query_starts"],
                                    impl="reference")
 
 
@@ -34,11 +34,11 @@ def _attention(**over):
     a = dict(q=jnp.zeros((7, 2 * H, D), jnp.bfloat16), view=_view(), table_rows=i32(0, 2), positions=i32(0, 5),
              kv_lens=i32(4, 8), query_starts=i32(0, 4, 7))
     a.update(over)
-    return ops.paged_attention_packed(a["q"], a["view"], a["table_rows"], a["positions"], a["kv_lens"],
+    return ops.paged_attention_ragged(a["q"], a["view"], a["table_rows"], a["positions"], a["kv_lens"],
                                       a["query_starts"], impl="reference")
 
 
-def test_valid_packed_calls_pass():
+def test_valid_ragged_calls_pass():
     assert _append().planes["k"].shape == _view().planes["k"].shape
     assert _attention().shape == (7, 2 * H, D)
 
@@ -52,10 +52,10 @@ def test_valid_packed_calls_pass():
     (dict(positions=i32(0, CAP - 2)), r"positions\[1\] \+ row length\[1\] = 126 \+ 3 = 129 exceeds the logical "
                                       r"capacity"),
     (dict(table_rows=i32(0, C)), r"table_rows\[1\]=3 is out of range; allowed: \[0, C=3\)"),
-    (dict(k=jnp.zeros((1, 7, H, D))), r"k must be packed tokens \(N, H, D\)"),
+    (dict(k=jnp.zeros((1, 7, H, D))), r"k must be the tokens of a ragged batch \(N, H, D\)"),
     (dict(table_rows=jnp.zeros((0,), jnp.int32)), r"table_rows must be an integer vector \(R,\) with R >= 1 rows"),
 ])
-def test_bad_packed_appends_are_refused(over, message):
+def test_bad_ragged_appends_are_refused(over, message):
     with pytest.raises(ValueError, match=message):
         _append(**over)
 
@@ -66,7 +66,7 @@ def test_bad_packed_appends_are_refused(over, message):
     (dict(query_starts=i32(3, 2, 7)), r"query_starts\[1\]=2 is below query_starts\[0\]=3"),
     (dict(positions=i32(-1, 5)), r"positions\[0\]=-1 is out of range; allowed: >= 0"),
 ])
-def test_bad_packed_attention_is_refused(over, message):
+def test_bad_ragged_attention_is_refused(over, message):
     with pytest.raises(ValueError, match=message):
         _attention(**over)
 

@@ -5,13 +5,13 @@ tokens and one new prompt of ``--chunk`` tokens.  Times (median of ``--iters`` a
 
 * the decodes alone (the decode step, a batch of ``D``);
 * the chunk alone (the prefill step, one row of ``--chunk`` tokens);
-* the ragged round: the packed step, ``D`` one-token rows and the chunk in one call, padded to the
+* the ragged round: the ragged step, ``D`` one-token rows and the chunk in one call, padded to the
   token bucket the engine would take (``ninfer_kv.models.decoder.buckets.token_ladder``) and to
   the batch bucket of ``D + 1`` rows;
-* the same packed step at the exact token count (no padding tokens), for reference;
+* the same ragged step at the exact token count (no padding tokens), for reference;
 
 and the ratio of the ragged round to (decodes alone + chunk alone).  Run:
-``python bench/bench_packed.py [--decodes 8] [--chunk 256] [--context 512]``.
+``python bench/bench_ragged.py [--decodes 8] [--chunk 256] [--context 512]``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_products import qwen3_0_6b  # noqa: E402
 
 from ninfer_kv.models.decoder import StepConfig, init_params, make_steps  # noqa: E402
-from ninfer_kv.models.decoder.buckets import bucket_for, bucket_ladder, pad_packed, token_ladder  # noqa: E402
+from ninfer_kv.models.decoder.buckets import bucket_for, bucket_ladder, pad_ragged, token_ladder  # noqa: E402
 from ninfer_kv.views import allocate_planes  # noqa: E402
 
 
@@ -86,15 +86,15 @@ def main(argv=None) -> int:
     pre_args = (i32(prompt[None]), i32([0]), i32([chunk]), i32([d]))
     flat = np.concatenate([dec_tokens, prompt])
 
-    def packed_args(token_bucket):
-        pk = pad_packed(flat, [1] * d + [chunk], [ctx] * d + [0], list(range(rows)), bucket=bucket_for(rows, batch),
+    def ragged_args(token_bucket):
+        pk = pad_ragged(flat, [1] * d + [chunk], [ctx] * d + [0], list(range(rows)), bucket=bucket_for(rows, batch),
                         token_bucket=token_bucket)
         return (i32(pk.tokens), i32(pk.positions), i32(pk.query_starts), i32(pk.table_rows))
 
     t_dec = median_time(lambda: run(steps.decode, *dec_args), args.iters)
     t_pre = median_time(lambda: run(steps.prefill, *pre_args), args.iters)
-    t_pk = median_time(lambda: run(steps.packed, *packed_args(bucket)), args.iters)
-    t_exact = median_time(lambda: run(steps.packed, *packed_args(tokens_total)), args.iters) \
+    t_pk = median_time(lambda: run(steps.ragged, *ragged_args(bucket)), args.iters)
+    t_exact = median_time(lambda: run(steps.ragged, *ragged_args(tokens_total)), args.iters) \
         if tokens_total != bucket else t_pk
     parts = t_dec + t_pre
     print(f"Qwen3-0.6B shapes, FFI ops, {jax.devices()[0].device_kind}; {d} decodes at {ctx} tokens + one "

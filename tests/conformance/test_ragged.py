@@ -1,10 +1,10 @@
-"""The packed (ragged) forms: each row of a packed call is its rectangular call, padding is inert.
+"""The ragged (ragged) forms: each row of a ragged call is its rectangular call, padding is inert.
 
-A packed call holds rows of different query lengths on one token axis (a decode of one token, a
+A ragged call holds rows of different query lengths on one token axis (a decode of one token, a
 prefill chunk, an empty row) with padding tokens before the first and after the last row.  Every
 backend is held to the numpy model per row (attention within the stated tolerance, appends bit for
 bit, every other byte untouched), with NaN or random-byte poison on unused pages as in the other
-conformance tests.  The FFI's native packed kernels must also give, bit for bit, what its
+conformance tests.  The FFI's native ragged kernels must also give, bit for bit, what its
 rectangular kernels give for each row alone when neither splits its context.
 """
 
@@ -43,7 +43,7 @@ def _i32(x):
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
-def test_packed_attention_is_each_rows_attention(backend, profile):
+def test_ragged_attention_is_each_rows_attention(backend, profile):
     backends.require(backend)
     g = attention_geometry(profile)
     cap = g.logical_pages * PAGE
@@ -54,7 +54,7 @@ def test_packed_attention_is_each_rows_attention(backend, profile):
     starts = _starts(_LENGTHS)
     n = int(starts[-1]) + _TAIL
     q = rng.standard_normal((n, g.heads * g.group, g.head_dim)).astype(np.float32).astype(jnp.dtype(g.q_dtype))
-    got = np.asarray(_jitted(backend, "paged_attention_packed")(
+    got = np.asarray(_jitted(backend, "paged_attention_ragged")(
         jnp.asarray(q), case.view(), _i32(case.table_rows), _i32(positions), _i32(kv_lens), _i32(starts),
         sm_scale=g.sm_scale))
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -71,7 +71,7 @@ def test_packed_attention_is_each_rows_attention(backend, profile):
 
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
-def test_packed_append_is_each_rows_append(backend, profile):
+def test_ragged_append_is_each_rows_append(backend, profile):
     backends.require(backend)
     g = append_geometry(profile)
     case = append_case(g, seed=5)
@@ -83,7 +83,7 @@ def test_packed_append_is_each_rows_append(backend, profile):
     starts = _starts(lengths)
     n = int(starts[-1]) + _TAIL
     k, v = random_kv(rng, (n, g.heads, g.head_dim), dtype=g.kv_dtype, spread=True)
-    out = _jitted(backend, "paged_append_packed")(case.view(), _i32(case.table_rows), _i32(positions),
+    out = _jitted(backend, "paged_append_ragged")(case.view(), _i32(case.table_rows), _i32(positions),
                                                   jnp.asarray(k), jnp.asarray(v), _i32(starts))
     got = {name: np.asarray(x) for name, x in out.planes.items()}
     t = int(lengths.max())
@@ -94,10 +94,10 @@ def test_packed_append_is_each_rows_append(backend, profile):
         vr[r, :length] = v[starts[r]:starts[r + 1]]
     want = np_ops.paged_append(case.planes, case.layout, case.layer, case.block_tables, case.table_rows, positions,
                                kr, vr, lengths)
-    assert_same_planes(got, want, f"{backend} {profile.value} packed append")
+    assert_same_planes(got, want, f"{backend} {profile.value} ragged append")
 
 
-def test_packed_starts_out_of_order_under_jit_are_clamped(backend):
+def test_ragged_starts_out_of_order_under_jit_are_clamped(backend):
     """Under jax.jit nothing is checked: ``query_starts`` is clamped into [0, N] and made
     non-decreasing, so a decreasing entry gives an empty row and an entry past N ends at N."""
     backends.require(backend)
@@ -109,7 +109,7 @@ def test_packed_starts_out_of_order_under_jit_are_clamped(backend):
     n = 8
     q = rng.standard_normal((n, g.heads * g.group, g.head_dim)).astype(np.float32).astype(jnp.dtype(g.q_dtype))
     positions = np.array([66, 0, 40, 5])
-    call = _jitted(backend, "paged_attention_packed")
+    call = _jitted(backend, "paged_attention_ragged")
     args = (case.view(), _i32(case.table_rows), _i32(positions), _i32(kv_lens))
     odd = np.asarray(call(jnp.asarray(q), *args, _i32([-3, 4, 2, 5, 99]), sm_scale=g.sm_scale))
     fair = np.asarray(call(jnp.asarray(q), *args, _i32([0, 4, 4, 5, 8]), sm_scale=g.sm_scale))
@@ -118,8 +118,8 @@ def test_packed_starts_out_of_order_under_jit_are_clamped(backend):
 
 @pytest.mark.skipif(not ffi_ops.is_available(), reason="the FFI library is not built")
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
-def test_ffi_packed_rows_are_bit_identical_to_rectangular_rows(profile):
-    """Without context splits, a packed row walks the blocks a rectangular row of its length walks."""
+def test_ffi_ragged_rows_are_bit_identical_to_rectangular_rows(profile):
+    """Without context splits, a ragged row walks the blocks a rectangular row of its length walks."""
     g = attention_geometry(profile)
     cap = g.logical_pages * PAGE
     kv_lens = np.array([70, 0, 41, cap])
@@ -131,7 +131,7 @@ def test_ffi_packed_rows_are_bit_identical_to_rectangular_rows(profile):
     q = rng.standard_normal((n, g.heads * g.group, g.head_dim)).astype(np.float32).astype(jnp.dtype(g.q_dtype))
     view = case.view()
     with ffi_ops.fixed_splits():
-        packed = np.asarray(jax.jit(lambda q: ffi_ops.paged_attention_packed(
+        ragged = np.asarray(jax.jit(lambda q: ffi_ops.paged_attention_ragged(
             q, view, _i32(case.table_rows), _i32(positions), _i32(kv_lens), _i32(starts), sm_scale=g.sm_scale))(
                 jnp.asarray(q)))
         for r, length in enumerate(_LENGTHS):
@@ -141,4 +141,4 @@ def test_ffi_packed_rows_are_bit_identical_to_rectangular_rows(profile):
             alone = np.asarray(jax.jit(lambda q: ffi_ops.paged_attention(
                 q, view, _i32(case.table_rows[r:r + 1]), _i32(positions[r:r + 1]), _i32(kv_lens[r:r + 1]),
                 sm_scale=g.sm_scale))(jnp.asarray(q[None, rows])))
-            assert_same_bits(packed[rows], alone[0], f"{profile.value} row {r}")
+            assert_same_bits(ragged[rows], alone[0], f"{profile.value} row {r}")

@@ -1,4 +1,4 @@
-"""The packed step: a ragged round (decodes beside a prefill chunk) is the rectangular steps, row by row.
+"""The ragged step: a ragged round (decodes beside a prefill chunk) is the rectangular steps, row by row.
 
 With batch-invariant products on the FFI every row's logits and every stored KV byte are the same
 bits as the decode step gives the decode rows and the prefill step gives the chunk; on the
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ninfer_kv.models.decoder import ModelConfig, StepConfig, init_params, make_steps
-from ninfer_kv.models.decoder.buckets import pad_packed
+from ninfer_kv.models.decoder.buckets import pad_ragged
 from ninfer_kv.ops import available_impls
 from ninfer_kv.views import allocate_planes
 
@@ -48,7 +48,7 @@ def _compare(got, want, exact: bool, what: str, rtol: float = 2e-5) -> None:
 
 
 @pytest.mark.parametrize("cfg, impl, mode", _CASES)
-def test_a_packed_round_is_the_decode_and_prefill_steps(cfg, impl, mode):
+def test_a_ragged_round_is_the_decode_and_prefill_steps(cfg, impl, mode):
     exact = impl == "ffi"
     steps = make_steps(StepConfig(model=cfg, impl=impl, products=mode, prefill_chunk=64,
                                   batch_buckets=(1, 2, 4), token_buckets=(16, 64)))
@@ -57,7 +57,7 @@ def test_a_packed_round_is_the_decode_and_prefill_steps(cfg, impl, mode):
     blocks = 3
     tables = random_tables(rng, 4, blocks, 4 * blocks + 2)
     planes = allocate_planes(steps.config.main_layout, 4 * blocks + 2)
-    # rows 2 and 0 hold 70-token prompts; row 3 starts a 40-token prompt in the packed round
+    # rows 2 and 0 hold 70-token prompts; row 3 starts a 40-token prompt in the ragged round
     prompt = rng.integers(0, cfg.vocab_size, (2, 70)).astype(np.int32)
     planes, first = prefill(steps, params, planes, tables, prompt, [2, 0])
     chunk = rng.integers(0, cfg.vocab_size, 40).astype(np.int32)
@@ -71,9 +71,9 @@ def test_a_packed_round_is_the_decode_and_prefill_steps(cfg, impl, mode):
     tok[0, :40] = chunk
     pre = steps.prefill(params, dec.planes, jnp.asarray(tables), tok, i32([0]), i32([40]), i32([3]))
 
-    # packed: the three rows in one call (a bucket of 4 rows and 64 tokens: one padding row)
-    p = pad_packed(np.concatenate([nxt, chunk]), [1, 1, 40], [70, 70, 0], [2, 0, 3], bucket=4, token_bucket=64)
-    out = steps.packed(params, copy_planes(base), jnp.asarray(tables), p.tokens, p.positions, p.query_starts,
+    # ragged: the three rows in one call (a bucket of 4 rows and 64 tokens: one padding row)
+    p = pad_ragged(np.concatenate([nxt, chunk]), [1, 1, 40], [70, 70, 0], [2, 0, 3], bucket=4, token_bucket=64)
+    out = steps.ragged(params, copy_planes(base), jnp.asarray(tables), p.tokens, p.positions, p.query_starts,
                        p.table_rows)
     logits = np.asarray(out.logits)
     assert logits.shape == (4, cfg.vocab_size) and np.isfinite(logits).all()
@@ -84,21 +84,21 @@ def test_a_packed_round_is_the_decode_and_prefill_steps(cfg, impl, mode):
     for name in pre.planes:
         # bfloat16 planes: float32 rounding differences of the reference's products may move one ulp
         _compare(out.planes[name], pre.planes[name], exact, f"plane {name}", rtol=2.0**-7)
-    assert steps.packed.compiles == 1
+    assert steps.ragged.compiles == 1
 
 
-def test_the_packed_step_refuses_shapes_off_its_buckets():
+def test_the_ragged_step_refuses_shapes_off_its_buckets():
     steps = make_steps(StepConfig(model=_F32, impl="reference", batch_buckets=(1, 2), token_buckets=(16,)))
     params = init_params(_F32, seed=1)
     planes = allocate_planes(steps.config.main_layout, 4)
     tables = jnp.zeros((2, 2), jnp.int32)
-    with pytest.raises(ValueError, match=r"packed: 17 tokens is not a token bucket \(16,\); pad with"):
-        steps.packed(params, planes, tables, i32(np.zeros(17)), i32([0]), i32([0, 1]), i32([0]))
-    with pytest.raises(ValueError, match=r"packed: batch size 3 is not a bucket \(1, 2\)"):
-        steps.packed(params, planes, tables, i32(np.zeros(16)), i32([0] * 3), i32([0] * 4), i32([0] * 3))
-    with pytest.raises(ValueError, match=r"packed: query_starts must be int32 \(3,\)"):
-        steps.packed(params, planes, tables, i32(np.zeros(16)), i32([0, 0]), i32([0, 1]), i32([0, 0]))
+    with pytest.raises(ValueError, match=r"ragged: 17 tokens is not a token bucket \(16,\); pad with"):
+        steps.ragged(params, planes, tables, i32(np.zeros(17)), i32([0]), i32([0, 1]), i32([0]))
+    with pytest.raises(ValueError, match=r"ragged: batch size 3 is not a bucket \(1, 2\)"):
+        steps.ragged(params, planes, tables, i32(np.zeros(16)), i32([0] * 3), i32([0] * 4), i32([0] * 3))
+    with pytest.raises(ValueError, match=r"ragged: query_starts must be int32 \(3,\)"):
+        steps.ragged(params, planes, tables, i32(np.zeros(16)), i32([0, 0]), i32([0, 1]), i32([0, 0]))
     with pytest.raises(ValueError, match="lengths must be >= 0 and sum to the 3 tokens"):
-        pad_packed(np.zeros(3, np.int32), [1, 1], [0, 0], [0, 1], bucket=2, token_bucket=16)
+        pad_ragged(np.zeros(3, np.int32), [1, 1], [0, 0], [0, 1], bucket=2, token_bucket=16)
     with pytest.raises(ValueError, match="token_bucket=2 must be an integer >= the 3 tokens"):
-        pad_packed(np.zeros(3, np.int32), [1, 2], [0, 0], [0, 1], bucket=2, token_bucket=2)
+        pad_ragged(np.zeros(3, np.int32), [1, 2], [0, 0], [0, 1], bucket=2, token_bucket=2)

@@ -1,8 +1,8 @@
-"""Ragged rounds: decodes ride beside prompt tokens in one packed unit, within the round's budget.
+"""Ragged rounds: decodes ride beside prompt tokens in one ragged unit, within the round's budget.
 
 Every request still produces exactly the tokens it produces served alone; a round never feeds more
 than ``max_num_batched_tokens`` tokens; a decoding sequence gets its token every round while a long
-prompt is prefilled beside it; an engine whose model has no packed call (or a speculative one) keeps
+prompt is prefilled beside it; an engine whose model has no ragged call (or a speculative one) keeps
 its rectangular rounds.
 """
 
@@ -27,7 +27,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def test_decodes_ride_beside_a_long_prompt_and_every_round_keeps_the_budget():
     rng = np.random.default_rng(31)
     engine = make_llm(max_num_batched_tokens=48).engine
-    assert engine.packed_rounds
+    assert engine.ragged_rounds
     short, long_ = _tokens(rng, 20), _tokens(rng, 150)
     engine.add_request("a", short, _greedy(8))
     engine.step()  # "a": its whole prompt and first token in one ragged round
@@ -45,8 +45,8 @@ def test_decodes_ride_beside_a_long_prompt_and_every_round_keeps_the_budget():
     # 150 prompt tokens beside one decode in rounds of 48 tokens: 47 prompt tokens per round
     assert rounds == -(-150 // 47)
     log = engine.runner.log
-    assert log.units["packed"] >= rounds + 1
-    assert max(log.buckets["packed"]) <= 48
+    assert log.units["ragged"] >= rounds + 1
+    assert max(log.buckets["ragged"]) <= 48
     done = drain(engine)
     for rid, prompt, n in (("a", short, 8), ("b", long_, 4)):
         assert done[rid].outputs[0].token_ids == reference().greedy(prompt, n), rid
