@@ -19,7 +19,7 @@ prefixes two prompts share are the ones a workload is built with.
 Measured per workload, by driving ``llm.engine`` (the ``EngineCore``) directly: every request is
 added at ``t0``, then ``step()`` runs until all have finished, recording when each request first
 holds a generated token (TTFT) and when it finishes.  Model steps are timed by wrapping
-``llm.engine.model.prefill`` / ``.decode`` (the wrapper blocks on the step's ``next_tokens``, which the
+``llm.engine.model.prefill`` / ``.ragged`` / ``.decode`` (the wrapper blocks on the step's ``next_tokens``, which the
 engine reads to the host right after the call anyway); the engine's host time is the wall time
 minus the time inside those steps.  Cached prompt tokens (the sum of ``num_cached_tokens``) are
 compared with the exact prefix each workload shares:
@@ -30,8 +30,9 @@ compared with the exact prefix each workload shares:
   computed (no step ran on it), so the reusable part is one token less per request.
 
 The jitted steps are compiled before timing (every batch bucket of prefill and decode, plus a short
-generation that forks a cached prefix); compiles that still happen inside a timed workload are
-counted and printed.
+generation that forks a cached prefix), and each workload runs ``--warm-runs`` times untimed first
+(the ragged rounds' shapes, rows x tokens, depend on the workload); compiles that still happen
+inside a timed workload are counted and printed.
 
 vLLM (``--vllm-python PATH``: the python of a virtual environment where ``import vllm`` works): the
 same prompts run through ``vllm.LLM(model=DIR, skip_tokenizer_init=True, kv_cache_memory_bytes=<our
@@ -155,10 +156,8 @@ def summarize(result: dict, block: int | None = None) -> dict:
     if all("step_s" in b for b in result["batches"]):
         step = sum(b["step_s"] for b in result["batches"])
         s.update(step_s=step, host_s=wall - step, host_share=(wall - step) / wall,
-                 prefill_steps=sum(b["prefill_steps"] for b in result["batches"]),
-                 decode_steps=sum(b["decode_steps"] for b in result["batches"]),
-                 prefill_step_s=sum(b["prefill_step_s"] for b in result["batches"]),
-                 decode_step_s=sum(b["decode_step_s"] for b in result["batches"]),
+                 **{f"{k}_steps": sum(b[f"{k}_steps"] for b in result["batches"]) for k in STEP_KINDS},
+                 **{f"{k}_step_s": sum(b[f"{k}_step_s"] for b in result["batches"]) for k in STEP_KINDS},
                  compiles=sum(b["compiles"] for b in result["batches"]),
                  compile_s=sum(b["compile_s"] for b in result["batches"]),
                  compiled=sorted({n for b in result["batches"] for n in b["compiled"]}),
@@ -362,20 +361,25 @@ class _CompileWatch:
             self.names.append(str(kwargs.get("fun_name", "?")))
 
 
+STEP_KINDS = ("prefill", "ragged", "decode")
+"""The model calls timed: rectangular prefill chunks, ragged rounds (decodes beside prompt tokens), decodes."""
+
+
 class _StepTimer:
-    """Wraps a model's ``prefill`` / ``decode``: seconds inside them, blocked on ``next_tokens``."""
+    """Wraps a model's ``prefill`` / ``ragged`` / ``decode``: seconds inside them, blocked on ``next_tokens``."""
 
     def __init__(self, model):
         import jax
 
         self._block = jax.block_until_ready
         self.reset()
-        for kind in ("prefill", "decode"):
-            setattr(model, kind, self._wrap(kind, getattr(model, kind)))
+        for kind in STEP_KINDS:
+            if callable(getattr(model, kind, None)):
+                setattr(model, kind, self._wrap(kind, getattr(model, kind)))
 
     def reset(self) -> None:
-        self.seconds = {"prefill": 0.0, "decode": 0.0}
-        self.calls = {"prefill": 0, "decode": 0}
+        self.seconds = {kind: 0.0 for kind in STEP_KINDS}
+        self.calls = {kind: 0 for kind in STEP_KINDS}
 
     def _wrap(self, kind: str, fn):
         def timed(*args, **kwargs):
@@ -473,9 +477,9 @@ class NinferBackend:
                          "cached": int(o.num_cached_tokens), "prompt_len": len(p)})
         t = self.timer
         return {"wall": wall, "requests": reqs, "concurrency": concurrency,
-                "step_s": t.seconds["prefill"] + t.seconds["decode"],
-                "prefill_step_s": t.seconds["prefill"], "decode_step_s": t.seconds["decode"],
-                "prefill_steps": t.calls["prefill"], "decode_steps": t.calls["decode"],
+                "step_s": sum(t.seconds.values()),
+                **{f"{kind}_step_s": t.seconds[kind] for kind in STEP_KINDS},
+                **{f"{kind}_steps": t.calls[kind] for kind in STEP_KINDS},
                 "compiles": self.compiles.count, "compile_s": self.compiles.seconds,
                 "compiled": sorted(set(self.compiles.names)),
                 "prefix_jobs": eng.stats.prefix_jobs - stats0["prefix_jobs"],
@@ -545,9 +549,9 @@ def _side_by_side_rows(s: dict, v: dict | None) -> list[list]:
 def _engine_rows(s: dict) -> list[list]:
     """The rows only ours has: where its wall time goes."""
     return [["max requests running at once", s["concurrency"]],
-            ["model step time (prefill + decode)",
-             f"{s['step_s']:.2f} s ({s['prefill_steps']} + {s['decode_steps']} steps: "
-             f"{s['prefill_step_s']:.2f} + {s['decode_step_s']:.2f} s)"],
+            ["model step time (prefill + ragged + decode)",
+             f"{s['step_s']:.2f} s ({' + '.join(str(s[f'{k}_steps']) for k in STEP_KINDS)} steps: "
+             f"{' + '.join(format(s[f'{k}_step_s'], '.2f') for k in STEP_KINDS)} s)"],
             ["engine host time (wall - steps)", f"{s['host_s']:.3f} s = {100 * s['host_share']:.2f}% of wall"],
             ["engine rounds (step() calls), host per round",
              f"{s['rounds']}, {1e3 * s['host_s'] / s['rounds']:.2f} ms"],
@@ -639,6 +643,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--uniform-tokens", type=int, default=512, help="prompt length of the uniform workload")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm-runs", type=int, default=1, metavar="N",
+                    help="untimed runs of each workload before the timed one (they compile the ragged rounds' "
+                         "shapes; default 1)")
     ap.add_argument("--vllm-python", default=None, help="python of a virtual environment with vLLM's CPU build")
     ap.add_argument("--json", type=Path, default=None, help="also write the summaries here")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
@@ -691,6 +698,9 @@ def main() -> None:
           f"KV pool {plan.capacity_tokens:,} tokens ({kv_bytes / 2**30:.2f} GiB)", flush=True)
     ours = {}
     for name in workloads:
+        for _ in range(args.warm_runs):
+            backend.reset()
+            run_workload(backend, name, data[name], args.max_new_tokens)
         backend.reset()
         print(f"running {name} ...", flush=True)
         if args.cprofile:

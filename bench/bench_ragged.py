@@ -1,6 +1,6 @@
 """A ragged round against its rectangular parts, side by side in one run.
 
-Qwen3-0.6B shapes (random bfloat16 weights), the FFI ops: ``D`` sequences decoding at ``--context``
+Qwen3-0.6B shapes (random bfloat16 weights, packed once as the engine packs them), the FFI ops: ``D`` sequences decoding at ``--context``
 tokens and one new prompt of ``--chunk`` tokens.  Times (median of ``--iters`` after a warm-up):
 
 * the decodes alone (the decode step, a batch of ``D``);
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     bucket = bucket_for(tokens_total, ladder)
     exact = tuple(sorted({bucket, tokens_total}))
     steps = make_steps(StepConfig(model=cfg, impl="ffi", prefill_chunk=chunk, batch_buckets=batch, token_buckets=exact))
-    params = init_params(cfg, seed=0)
+    params = steps.prepare_params(init_params(cfg, seed=0))  # as the engine runs them (packed weights)
     blocks = -(-(ctx + 1) // 64) + -(-chunk // 64)
     tables = jnp.asarray(np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks))
     planes = allocate_planes(steps.config.main_layout, rows * blocks)
@@ -91,12 +91,16 @@ def main(argv=None) -> int:
                         token_bucket=token_bucket)
         return (i32(pk.tokens), i32(pk.positions), i32(pk.query_starts), i32(pk.table_rows))
 
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(steps.ragged, *ragged_args(bucket)))
+    t_compile = time.perf_counter() - t0
     t_dec = median_time(lambda: run(steps.decode, *dec_args), args.iters)
     t_pre = median_time(lambda: run(steps.prefill, *pre_args), args.iters)
     t_pk = median_time(lambda: run(steps.ragged, *ragged_args(bucket)), args.iters)
     t_exact = median_time(lambda: run(steps.ragged, *ragged_args(tokens_total)), args.iters) \
         if tokens_total != bucket else t_pk
     parts = t_dec + t_pre
+    print(f"  (the ragged step's first call at a new shape, its compile included: {t_compile:.1f} s)")
     print(f"Qwen3-0.6B shapes, FFI ops, {jax.devices()[0].device_kind}; {d} decodes at {ctx} tokens + one "
           f"{chunk}-token prompt ({rows} rows, batch bucket {bucket_for(rows, batch)})")
     print(f"  decodes alone (decode step, batch {b_dec}):        {t_dec * 1e3:8.1f} ms")

@@ -45,12 +45,16 @@ def _row0_logits(steps, params, batch: int, length: int) -> np.ndarray:
     return np.concatenate([np.asarray(first.logits)[:1], logits[0]], 0)
 
 
+@pytest.mark.parametrize("mode, packed", [("batch_invariant", False), ("auto", True)],
+                         ids=["batch_invariant", "auto-packed-weights"])
 @pytest.mark.parametrize("batches, length", [((1, 2, 4), 70), ((1, 8, 16), 70), ((1, 16), 600)])
-def test_a_rows_logits_are_bit_identical_whatever_the_batch(batches, length):
-    """600 tokens: at batch 1 the FFI attention would split the context over threads, at 16 not."""
-    mode = "batch_invariant"
+def test_a_rows_logits_are_bit_identical_whatever_the_batch(batches, length, mode, packed):
+    """600 tokens: at batch 1 the FFI attention would split the context over threads, at 16 not.
+    The default products over packed weights (what the engine and the generator run) are invariant."""
     steps = make_steps(StepConfig(model=_CFG, impl="ffi", products=mode, batch_buckets=(1, 2, 4, 8, 16)))
     params = init_params(_CFG, seed=3)
+    if packed:
+        params = steps.prepare_params(params)
     first = _row0_logits(steps, params, batches[0], length)
     assert np.isfinite(first).all()
     for b in batches[1:]:

@@ -39,9 +39,9 @@ def bucket_ladder(largest: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(ladder_rungs(1, factor, largest))
 
 
-def token_ladder(largest: int, steps_per_octave: int = 4) -> tuple[int, ...]:
+def token_ladder(largest: int, steps_per_octave: int = 8) -> tuple[int, ...]:
     """Token buckets of the ragged step up to ``largest``: 16, 32, 64, 128, then ``steps_per_octave``
-    evenly spaced sizes per doubling (160, 192, 224, 256, 320, ... with 4), then ``largest``.
+    evenly spaced sizes per doubling (144, 160, ..., 256, 288, ... with 8), then ``largest``.
 
     Padding tokens cost what real ones cost in the products, so above 128 tokens the ladder is
     finer than doubling: at most ``1 / steps_per_octave`` of a round is padding, while the number

@@ -52,7 +52,9 @@ class Products(str, enum.Enum):
     * ``AUTO`` (CPU with the FFI library, bfloat16 ``x`` and ``w``): the FFI row kernel
       (:func:`ninfer_kv.ffi_ops.matmul_bf16`) for single-row products (a decode step at batch 1: it
       reads each weight once, front to back, faster than XLA's matrix-vector kernel), XLA's dots
-      for more rows (compute-bound there, where XLA's use the CPU's BF16 dot products).
+      for more rows (compute-bound there, where XLA's use the CPU's BF16 dot products).  A step
+      traced over packed weights runs ``AUTO`` as ``BATCH_INVARIANT`` (it costs nothing there; see
+      :meth:`~ninfer_kv.models.decoder.steps.ModelSteps.prepare_params`).
     * ``BATCH_INVARIANT`` (CPU with the FFI library): every computation of a row depends on that
       row alone: bfloat16 weight products through the FFI row kernel
       (:func:`ninfer_kv.ffi_ops.matmul_bf16`), :func:`rms_norm`'s sum of squares as a fixed pairwise

@@ -82,6 +82,7 @@ from ...kinds import PoolKind
 from ...device.state import KVDeviceState
 from ...device.work import apply_work
 from ...ops.ragged import effective_starts
+from ...packed_weight import PackedWeight
 from ...ops.registry import resolve_impl
 from .config import StepConfig
 from .layers import Products, products
@@ -593,22 +594,32 @@ def _in_products(cfg: StepConfig) -> Callable[[Callable], Callable]:
     """A decorator running a step body under the weight-product mode of ``cfg`` (read when traced).
 
     ``cfg.products`` applies when the ops resolve to the FFI implementation (a CPU with the
-    library); every other implementation traces XLA's dots.
+    library); every other implementation traces XLA's dots.  ``"auto"`` over packed weights
+    (:meth:`ModelSteps.prepare_params`) is batch invariant: the packed products are by
+    construction, so the norms and the attention follow (:attr:`Products.BATCH_INVARIANT`, which
+    costs nothing more there).
     """
 
-    def mode() -> Products:
-        if cfg.products == Products.XLA.value:
+    def mode(params) -> Products:
+        if cfg.products == Products.XLA.value or resolve_impl(cfg.impl).name != "ffi":
             return Products.XLA
-        return Products(cfg.products) if resolve_impl(cfg.impl).name == "ffi" else Products.XLA
+        if cfg.products == Products.AUTO.value and _has_packed_weights(params):
+            return Products.BATCH_INVARIANT
+        return Products(cfg.products)
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
-        def body(*args, **kwargs):
-            with products(mode()):
-                return fn(*args, **kwargs)
+        def body(params, *args, **kwargs):
+            with products(mode(params)):
+                return fn(params, *args, **kwargs)
         return body
 
     return wrap
+
+
+def _has_packed_weights(params) -> bool:
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, PackedWeight))
+    return any(isinstance(x, PackedWeight) for x in leaves)
 
 
 def make_steps(step_config: StepConfig) -> ModelSteps:
