@@ -402,7 +402,8 @@ class NinferBackend:
         self.SamplingParams = SamplingParams
         start = time.perf_counter()
         self.llm = LLM(str(checkpoint), dtype=args.dtype, max_model_len=args.max_model_len,
-                       max_num_seqs=args.max_num_seqs, kv_capacity=kv_capacity)
+                       max_num_seqs=args.max_num_seqs, kv_capacity=kv_capacity,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
         self.load_s = time.perf_counter() - start
         self.engine = self.llm.engine
         self.compiles = _CompileWatch()
@@ -643,6 +644,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--uniform-tokens", type=int, default=512, help="prompt length of the uniform workload")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                    help="ninfer_kv's round budget (default: the engine's)")
     ap.add_argument("--warm-runs", type=int, default=1, metavar="N",
                     help="untimed runs of each workload before the timed one (they compile the ragged rounds' "
                          "shapes; default 1)")

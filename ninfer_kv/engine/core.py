@@ -59,8 +59,10 @@ from .speculative import HiddenStates, pending_pairs
 
 __all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "request_seed"]
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-"""Tokens one ragged round feeds at most (decodes first, then prompt tokens in arrival order)."""
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+"""Tokens one ragged round feeds at most (decodes first, then prompt tokens in arrival order).  Larger
+rounds do not make the products faster on a CPU (their rate falls past about 512 rows) and hold
+every decode back for longer; docs/PERFORMANCE.md has the figures."""
 
 MIN_SHARED_TOKENS = PAGE_SIZE
 """Tokens that waiting requests must share beyond the cached prefix before a prefix job computes

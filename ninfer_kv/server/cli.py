@@ -71,7 +71,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="sequences served at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=None, metavar="N",
                    help="tokens one round feeds at most: the decodes' tokens, then prompt tokens in arrival order "
-                        "(default 2048, or --max-num-seqs when more)")
+                        "(default 1024, or --max-num-seqs when more)")
     p.add_argument("--kv-cache-dtype", dest="profile", type=PROFILE, default="bf16", help="KV profile (default bf16)")
     p.add_argument("--kv-capacity", type=_capacity, default="auto", metavar="TOKENS|auto",
                    help="Main pool tokens (default auto: from the memory left after the weights)")
