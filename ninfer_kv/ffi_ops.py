@@ -70,7 +70,7 @@ from . import ffi_library
 from .ffi_library import REBUILD_HINT, FFILibraryPathError, FFIUnavailableError
 from .geometry import PlaneOrder
 from .layout import word_dtype
-from .packed_weight import PackedWeight, pack_bf16_weight
+from .packed_weight import PackedWeight
 from .profiles import KVCodec, KVProfile
 from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 
@@ -354,25 +354,33 @@ def _append_call(target: str, planes: list, n_fixed: int):
 # -- ops -------------------------------------------------------------------------------------------
 
 
-def paged_append(
-    view: PagedKVBatchLayerView, table_rows, positions, k, v, valid
-) -> PagedKVBatchLayerView:
-    """Quantize ``k, v (B, T, H, D)`` and write tokens ``t < valid[b]`` at ``positions[b] + t``.
+def _paged_attention_call(target: str, q_in: jax.Array, view: PagedKVBatchLayerView, vectors, sm_scale):
+    """One paged attention handler: q, the tables, the layer, the int32 ``vectors``, the planes."""
+    lay = view.layout
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential")
+    return call(
+        q_in,
+        _i32(view.block_tables),
+        _layer(view.layer),
+        *(_i32(x) for x in vectors),
+        *_plane_list(view.planes, lay.profile),
+        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
+        sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
+        no_splits=np.int32(_NO_SPLITS.get()),
+        **_codec_attrs(lay.profile),
+    )
 
-    Returns the view with the updated planes; the planes are written in place when the caller's
-    ``jax.jit`` donates them (otherwise XLA copies them first).
-    """
-    _require()
+
+def _paged_append_call(target: str, view: PagedKVBatchLayerView, vectors, k, v) -> PagedKVBatchLayerView:
+    """One paged append handler: the tables, the layer, the int32 ``vectors``, k, v, the planes (aliased)."""
     lay = view.layout
     planes = _plane_list(view.planes, lay.profile)
     kk, vv = _kv_inputs(k, v)
-    call = _append_call("ninfer_kv_paged_append", planes, n_fixed=7)
+    call = _append_call(target, planes, n_fixed=4 + len(vectors))
     out = call(
         _i32(view.block_tables),
         _layer(view.layer),
-        _i32(table_rows),
-        _i32(positions),
-        _i32(valid),
+        *(_i32(x) for x in vectors),
         kk,
         vv,
         *planes,
@@ -382,6 +390,18 @@ def paged_append(
     return view.replace(planes=dict(zip(lay.profile.plane_names(), out)))
 
 
+def paged_append(
+    view: PagedKVBatchLayerView, table_rows, positions, k, v, valid
+) -> PagedKVBatchLayerView:
+    """Quantize ``k, v (B, T, H, D)`` and write tokens ``t < valid[b]`` at ``positions[b] + t``.
+
+    Returns the view with the updated planes; the planes are written in place when the caller's
+    ``jax.jit`` donates them (otherwise XLA copies them first).
+    """
+    _require()
+    return _paged_append_call("ninfer_kv_paged_append", view, (table_rows, positions, valid), k, v)
+
+
 def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, *, sm_scale=None) -> jax.Array:
     """Causal GQA attention of ``q (B, T, Hq, D)`` over the paged view; ``(B, T, Hq, D)`` in q's dtype.
 
@@ -389,24 +409,8 @@ def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_le
     custom call.
     """
     _require()
-    lay = view.layout
-    q_in = _query(q)
-    call = jax.ffi.ffi_call(
-        "ninfer_kv_paged_attention", jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential"
-    )
-    out = call(
-        q_in,
-        _i32(view.block_tables),
-        _layer(view.layer),
-        _i32(table_rows),
-        _i32(positions),
-        _i32(kv_lens),
-        *_plane_list(view.planes, lay.profile),
-        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
-        sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
-        no_splits=np.int32(_NO_SPLITS.get()),
-        **_codec_attrs(lay.profile),
-    )
+    out = _paged_attention_call("ninfer_kv_paged_attention", _query(q), view, (table_rows, positions, kv_lens),
+                                sm_scale)
     return out.astype(jnp.asarray(q).dtype)
 
 
@@ -415,23 +419,9 @@ def paged_append_ragged(view: PagedKVBatchLayerView, table_rows, positions, k, v
     after another, row ``r`` tokens ``[query_starts[r], query_starts[r + 1])`` (``ninfer_kv.ops``
     has the rules); one pass over the tokens, no padding to a rectangle."""
     _require()
-    lay = view.layout
-    planes = _plane_list(view.planes, lay.profile)
-    kk, vv = _kv_inputs(k, v)
-    call = _append_call("ninfer_kv_paged_append_ragged", planes, n_fixed=7)
-    out = call(
-        _i32(view.block_tables),
-        _layer(view.layer),
-        _i32(table_rows),
-        _i32(positions),
-        _i32(query_starts),
-        kk[None],
-        vv[None],
-        *planes,
-        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
-        **_codec_attrs(lay.profile),
-    )
-    return view.replace(planes=dict(zip(lay.profile.plane_names(), out)))
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    return _paged_append_call("ninfer_kv_paged_append_ragged", view, (table_rows, positions, query_starts),
+                              k[None], v[None])
 
 
 def paged_attention_ragged(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, query_starts, *,
@@ -440,25 +430,8 @@ def paged_attention_ragged(q, view: PagedKVBatchLayerView, table_rows, positions
     after another (see :func:`paged_append_ragged`); ``(N, Hq, D)`` in q's dtype, zeros for tokens
     of no row.  Each row's queries are blocked as the rectangular form blocks a row of that length."""
     _require()
-    lay = view.layout
-    q_in = _query(q)[None]
-    call = jax.ffi.ffi_call(
-        "ninfer_kv_paged_attention_ragged", jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential"
-    )
-    out = call(
-        q_in,
-        _i32(view.block_tables),
-        _layer(view.layer),
-        _i32(table_rows),
-        _i32(positions),
-        _i32(kv_lens),
-        _i32(query_starts),
-        *_plane_list(view.planes, lay.profile),
-        head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
-        sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
-        no_splits=np.int32(_NO_SPLITS.get()),
-        **_codec_attrs(lay.profile),
-    )
+    out = _paged_attention_call("ninfer_kv_paged_attention_ragged", _query(q)[None], view,
+                                (table_rows, positions, kv_lens, query_starts), sm_scale)
     return out[0].astype(jnp.asarray(q).dtype)
 
 

@@ -258,48 +258,39 @@ ffi::Error PagedAttentionRaggedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> b
 
 }  // namespace
 
+// The operands every paged handler takes after q (attention) and before its last vector:
+// block_tables, layer, table_rows, positions.
+template <class Binding>
+auto BindPagedRows(Binding binding) {
+  return std::move(binding)
+      .template Arg<S32Matrix>()   // block_tables
+      .template Arg<S32Scalar>()   // layer
+      .template Arg<S32Vector>()   // table_rows
+      .template Arg<S32Vector>();  // positions
+}
+
+template <class Binding>
+auto BindAttentionAttrs(Binding binding) {
+  return std::move(binding).template Attr<int32_t>("head_major").template Attr<float>("sm_scale").template Attr<int32_t>(
+      "no_splits");
+}
+
 XLA_FFI_DEFINE_HANDLER(kPagedAppendHandler, PagedAppendImpl,
-                       BindAppendTail(ffi::Ffi::Bind()
-                                          .Arg<S32Matrix>()   // block_tables
-                                          .Arg<S32Scalar>()   // layer
-                                          .Arg<S32Vector>()   // table_rows
-                                          .Arg<S32Vector>()   // positions
-                                          .Arg<S32Vector>())  // valid
+                       BindAppendTail(BindPagedRows(ffi::Ffi::Bind()).Arg<S32Vector>())  // valid
                            .Attr<int32_t>("head_major"));
 
 XLA_FFI_DEFINE_HANDLER(kPagedAttentionHandler, PagedAttentionImpl,
-                       BindAttentionTail(ffi::Ffi::Bind()
-                                             .Arg<ffi::AnyBuffer>()  // q
-                                             .Arg<S32Matrix>()       // block_tables
-                                             .Arg<S32Scalar>()       // layer
-                                             .Arg<S32Vector>()       // table_rows
-                                             .Arg<S32Vector>()       // positions
-                                             .Arg<S32Vector>())      // kv_lens
-                           .Attr<int32_t>("head_major")
-                           .Attr<float>("sm_scale")
-                           .Attr<int32_t>("no_splits"));
+                       BindAttentionAttrs(BindAttentionTail(
+                           BindPagedRows(ffi::Ffi::Bind().Arg<ffi::AnyBuffer>()).Arg<S32Vector>())));  // q; kv_lens
 
 XLA_FFI_DEFINE_HANDLER(kPagedAppendRaggedHandler, PagedAppendRaggedImpl,
-                       BindAppendTail(ffi::Ffi::Bind()
-                                          .Arg<S32Matrix>()   // block_tables
-                                          .Arg<S32Scalar>()   // layer
-                                          .Arg<S32Vector>()   // table_rows
-                                          .Arg<S32Vector>()   // positions
-                                          .Arg<S32Vector>())  // query_starts
+                       BindAppendTail(BindPagedRows(ffi::Ffi::Bind()).Arg<S32Vector>())  // query_starts
                            .Attr<int32_t>("head_major"));
 
 XLA_FFI_DEFINE_HANDLER(kPagedAttentionRaggedHandler, PagedAttentionRaggedImpl,
-                       BindAttentionTail(ffi::Ffi::Bind()
-                                             .Arg<ffi::AnyBuffer>()  // q
-                                             .Arg<S32Matrix>()       // block_tables
-                                             .Arg<S32Scalar>()       // layer
-                                             .Arg<S32Vector>()       // table_rows
-                                             .Arg<S32Vector>()       // positions
-                                             .Arg<S32Vector>()       // kv_lens
-                                             .Arg<S32Vector>())      // query_starts
-                           .Attr<int32_t>("head_major")
-                           .Attr<float>("sm_scale")
-                           .Attr<int32_t>("no_splits"));
+                       BindAttentionAttrs(BindAttentionTail(BindPagedRows(ffi::Ffi::Bind().Arg<ffi::AnyBuffer>())
+                                                                .Arg<S32Vector>()      // kv_lens
+                                                                .Arg<S32Vector>())));  // query_starts
 
 XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendHandler(call_frame); }
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAttentionHandler(call_frame); }

@@ -42,18 +42,23 @@ def _i32(x):
     return jnp.asarray(np.asarray(x, np.int32))
 
 
+def _attention_rows(profile, seed: int):
+    """The profile's attention geometry, a pool whose four rows hold 70, 0, 41 and L*P keys, the
+    rows' positions (each row's queries end at its last key), query_starts and the queries."""
+    g = attention_geometry(profile)
+    kv_lens = np.array([70, 0, 41, g.logical_pages * PAGE])
+    case = attention_case(g, kv_lens, seed=seed)
+    starts = _starts(_LENGTHS)
+    n = int(starts[-1]) + _TAIL
+    q = np.random.default_rng(seed).standard_normal((n, g.heads * g.group, g.head_dim)).astype(np.float32)
+    return g, case, kv_lens - _LENGTHS, kv_lens, starts, q.astype(jnp.dtype(g.q_dtype))
+
+
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
 def test_ragged_attention_is_each_rows_attention(backend, profile):
     backends.require(backend)
-    g = attention_geometry(profile)
-    cap = g.logical_pages * PAGE
-    kv_lens = np.array([70, 0, 41, cap])
-    positions = kv_lens - _LENGTHS
-    case = attention_case(g, kv_lens, seed=3)
-    rng = np.random.default_rng(3)
-    starts = _starts(_LENGTHS)
-    n = int(starts[-1]) + _TAIL
-    q = rng.standard_normal((n, g.heads * g.group, g.head_dim)).astype(np.float32).astype(jnp.dtype(g.q_dtype))
+    g, case, positions, kv_lens, starts, q = _attention_rows(profile, seed=3)
+    n = q.shape[0]
     got = np.asarray(_jitted(backend, "paged_attention_ragged")(
         jnp.asarray(q), case.view(), _i32(case.table_rows), _i32(positions), _i32(kv_lens), _i32(starts),
         sm_scale=g.sm_scale))
@@ -120,15 +125,7 @@ def test_ragged_starts_out_of_order_under_jit_are_clamped(backend):
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
 def test_ffi_ragged_rows_are_bit_identical_to_rectangular_rows(profile):
     """Without context splits, a ragged row walks the blocks a rectangular row of its length walks."""
-    g = attention_geometry(profile)
-    cap = g.logical_pages * PAGE
-    kv_lens = np.array([70, 0, 41, cap])
-    positions = kv_lens - _LENGTHS
-    case = attention_case(g, kv_lens, seed=6)
-    rng = np.random.default_rng(6)
-    starts = _starts(_LENGTHS)
-    n = int(starts[-1]) + _TAIL
-    q = rng.standard_normal((n, g.heads * g.group, g.head_dim)).astype(np.float32).astype(jnp.dtype(g.q_dtype))
+    g, case, positions, kv_lens, starts, q = _attention_rows(profile, seed=6)
     view = case.view()
     with ffi_ops.fixed_splits():
         ragged = np.asarray(jax.jit(lambda q: ffi_ops.paged_attention_ragged(

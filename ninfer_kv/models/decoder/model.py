@@ -152,16 +152,24 @@ def forward_paged(
       ``(hidden (B, T, d_model), planes)``: final hidden states before the final norm, and the
       updated planes.
     """
-    if layout.num_layers != config.num_layers:
-        raise ValueError(f"layout has {layout.num_layers} layers, the model has {config.num_layers}")
     positions = jnp.asarray(positions, jnp.int32)
     valid = jnp.asarray(valid, jnp.int32)
     table_rows = jnp.asarray(table_rows, jnp.int32)
     token_pos = token_positions(positions, tokens.shape[1])
+    return _run_layers(params, config, layout, planes, block_tables, tokens, token_pos,
+                       lambda view: paged_attend(view, table_rows, positions, valid, impl))
+
+
+def _run_layers(params, config: ModelConfig, layout: PagedKVStorageLayout, planes: dict, block_tables, tokens,
+                token_pos, attend_of: Callable[[PagedKVBatchLayerView], Attend]) -> tuple[jax.Array, dict]:
+    """Every decoder layer over ``tokens`` at ``token_pos``, layer ``l`` attending through
+    ``attend_of(its view of the Main pool)``; returns the final hidden states and the planes."""
+    if layout.num_layers != config.num_layers:
+        raise ValueError(f"layout has {layout.num_layers} layers, the model has {config.num_layers}")
     h = embed_tokens(params, tokens)
     for layer, lp in enumerate(params["layers"]):
         view = PagedKVBatchLayerView(planes, block_tables, layer, layout)
-        h, view = decoder_layer(lp, config, h, token_pos, paged_attend(view, table_rows, positions, valid, impl))
+        h, view = decoder_layer(lp, config, h, token_pos, attend_of(view))
         planes = view.planes
     return h, planes
 
@@ -207,8 +215,6 @@ def forward_ragged(
       ``(hidden (N, d_model), last (R,), planes)``: the final hidden states before the final norm,
       the index of each row's last token (0 for an empty row) and the updated planes.
     """
-    if layout.num_layers != config.num_layers:
-        raise ValueError(f"layout has {layout.num_layers} layers, the model has {config.num_layers}")
     n = tokens.shape[0]
     positions = jnp.asarray(positions, jnp.int32)
     query_starts = jnp.asarray(query_starts, jnp.int32)
@@ -216,10 +222,6 @@ def forward_ragged(
     tok = token_rows(table_rows, positions, query_starts, n)
     e = effective_starts(query_starts, n)
     kv_lens = positions + (e[1:] - e[:-1])
-    h = embed_tokens(params, tokens[None])
-    for layer, lp in enumerate(params["layers"]):
-        view = PagedKVBatchLayerView(planes, block_tables, layer, layout)
-        attend = ragged_attend(view, table_rows, positions, query_starts, kv_lens, impl)
-        h, view = decoder_layer(lp, config, h, tok.positions[None], attend)
-        planes = view.planes
+    h, planes = _run_layers(params, config, layout, planes, block_tables, tokens[None], tok.positions[None],
+                            lambda view: ragged_attend(view, table_rows, positions, query_starts, kv_lens, impl))
     return h[0], jnp.maximum(e[1:] - 1, 0), planes
