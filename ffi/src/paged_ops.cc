@@ -70,6 +70,8 @@ struct PagedGeometry {
 struct BlockTables {
   const int32_t* data;
   int64_t rows, blocks;  // C, L
+
+  static BlockTables Of(const ffi::Buffer<ffi::S32, 2>& t) { return {t.typed_data(), t.dimensions()[0], t.dimensions()[1]}; }
 };
 
 class PagedSource {
@@ -126,6 +128,9 @@ struct TokenWriter {
   const int32_t* rows;
   const int32_t* pos;
 
+  // False when nothing can be written: the layer is outside [0, layers) or the tables are empty.
+  bool active() const { return layer >= 0 && layer < geo.layers && bt.rows > 0 && bt.blocks > 0; }
+
   void operator()(int64_t b, int64_t t, int64_t kb, int64_t kt) const {
     const int64_t p = static_cast<int64_t>(pos[b]) + t;
     if (p < 0) return;
@@ -155,13 +160,11 @@ ffi::Error PagedAppendImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ff
       err.failure()) {
     return err;
   }
-  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
-  const int64_t lay = layer.typed_data()[0];
-  if (lay < 0 || lay >= geo.layers || bt.rows == 0 || bt.blocks == 0) return ffi::Error::Success();
-
+  const TokenWriter write{in, planes, geo, BlockTables::Of(block_tables), layer.typed_data()[0],
+                         table_rows.typed_data(), positions.typed_data()};
+  if (!write.active()) return ffi::Error::Success();
   const int32_t* val = valid.typed_data();
   const int64_t T = in.queries;
-  const TokenWriter write{in, planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data()};
   ForEachItem(in.batch * T, in.heads * in.head_dim, [&](int64_t item) {
     const int64_t b = item / T, t = item % T;
     if (t < val[b]) write(b, t, b, t);
@@ -186,13 +189,11 @@ ffi::Error PagedAppendRaggedImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buf
       err.failure()) {
     return err;
   }
-  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
-  const int64_t lay = layer.typed_data()[0];
-  if (lay < 0 || lay >= geo.layers || bt.rows == 0 || bt.blocks == 0) return ffi::Error::Success();
-
+  const TokenWriter write{in, planes, geo, BlockTables::Of(block_tables), layer.typed_data()[0],
+                         table_rows.typed_data(), positions.typed_data()};
+  if (!write.active()) return ffi::Error::Success();
   const int64_t R = table_rows.dimensions()[0], T = in.queries;
   const std::vector<int64_t> e = RaggedStarts(query_starts.typed_data(), R, T);
-  const TokenWriter write{in, planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data()};
   ForEachItem(e[R] - e[0], in.heads * in.head_dim, [&](int64_t item) {
     const int64_t i = e[0] + item;
     const int64_t b = std::upper_bound(e.begin() + 1, e.end(), i) - (e.begin() + 1);  // e[b] <= i < e[b + 1]
@@ -216,7 +217,7 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
       err.failure()) {
     return err;
   }
-  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
+  const BlockTables bt = BlockTables::Of(block_tables);
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
   PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
   RunAttention(QueryShape(q, *out, geo.heads, sm_scale, no_splits), src);
@@ -244,7 +245,7 @@ ffi::Error PagedAttentionRaggedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> b
       err.failure()) {
     return err;
   }
-  const BlockTables bt{block_tables.typed_data(), block_tables.dimensions()[0], block_tables.dimensions()[1]};
+  const BlockTables bt = BlockTables::Of(block_tables);
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
   const int64_t R = table_rows.dimensions()[0];
   AttentionShape shape = QueryShape(q, *out, geo.heads, sm_scale, no_splits);

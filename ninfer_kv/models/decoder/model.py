@@ -212,8 +212,9 @@ def forward_ragged(
         (see the module docstring; padding tokens write nothing).
       Others as :func:`forward_paged`.
     Returns:
-      ``(hidden (N, d_model), last (R,), planes)``: the final hidden states before the final norm,
-      the index of each row's last token (0 for an empty row) and the updated planes.
+      ``(hidden (N, d_model), starts (R + 1,), planes)``: the final hidden states before the final
+      norm, the effective row starts (:func:`~ninfer_kv.ops.ragged.effective_starts`: row ``r`` ran
+      tokens ``[starts[r], starts[r + 1])``) and the updated planes.
     """
     n = tokens.shape[0]
     positions = jnp.asarray(positions, jnp.int32)
@@ -224,4 +225,4 @@ def forward_ragged(
     kv_lens = positions + (e[1:] - e[:-1])
     h, planes = _run_layers(params, config, layout, planes, block_tables, tokens[None], tok.positions[None],
                             lambda view: ragged_attend(view, table_rows, positions, query_starts, kv_lens, impl))
-    return h[0], jnp.maximum(e[1:] - 1, 0), planes
+    return h[0], e, planes

@@ -81,7 +81,6 @@ from jax import monitoring
 from ...kinds import PoolKind
 from ...device.state import KVDeviceState
 from ...device.work import apply_work
-from ...ops.ragged import effective_starts
 from ...packed_weight import PackedWeight
 from ...ops.registry import resolve_impl
 from .config import StepConfig
@@ -491,10 +490,9 @@ class ModelSteps:
 
         @in_products
         def ragged(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None):
-            hidden, last, planes = forward_ragged(params, model, main_layout, planes, block_tables, tokens, positions,
-                                                  query_starts, table_rows, impl=impl)
-            logits = logits_from_hidden(params, model, hidden[last])
-            e = effective_starts(query_starts, tokens.shape[0])
+            hidden, e, planes = forward_ragged(params, model, main_layout, planes, block_tables, tokens, positions,
+                                               query_starts, table_rows, impl=impl)
+            logits = logits_from_hidden(params, model, hidden[jnp.maximum(e[1:] - 1, 0)])  # each row's last token
             lengths = e[1:] - e[:-1]
             chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + lengths)
             return RaggedOutput(planes, block_tables, logits, chosen)
