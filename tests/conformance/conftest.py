@@ -18,6 +18,11 @@ INTERPRETED_DEFAULT = {
 }
 """Per interpreted backend: the tests that run for it by default (a test id may name one parametrization)."""
 
+RAGGED_GENERIC_DEFAULT = {"pallas": "k8v4", "reference": "k8v4"}
+"""Backends whose ragged ops are the generic form (``ninfer_kv.ops.ragged``) over kernels the
+rectangular tests already cover per profile: their ragged cases run one profile by default, the rest
+under ``-m slow`` (the FFI's native ragged kernels run every profile)."""
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
@@ -26,6 +31,10 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(getattr(item, "callspec", None), "params", {})
         keep = INTERPRETED_DEFAULT.get(params.get("backend"))
         if keep is not None and item.originalname not in keep and item.name not in keep:
+            item.add_marker(pytest.mark.slow)
+        profile = RAGGED_GENERIC_DEFAULT.get(params.get("backend"))
+        if (profile is not None and item.module.__name__.endswith("test_ragged") and "profile" in params
+                and params["profile"].value != profile):
             item.add_marker(pytest.mark.slow)
 
 

@@ -185,7 +185,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(
-    max_examples=15,
+    max_examples=10,
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
