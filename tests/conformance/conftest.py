@@ -18,6 +18,10 @@ INTERPRETED_DEFAULT = {
 }
 """Per interpreted backend: the tests that run for it by default (a test id may name one parametrization)."""
 
+INTERPRETED_PROFILES = {"pallas": ("k8v4", "nvfp4-g16")}
+"""Per interpreted backend: the profiles its profile-parametrized cases run with by default (the two
+with scale planes and the most lane bookkeeping); the others under ``-m slow``."""
+
 RAGGED_GENERIC_DEFAULT = {"pallas": "k8v4", "reference": "k8v4"}
 """Backends whose ragged ops are the generic form (``ninfer_kv.ops.ragged``) over kernels the
 rectangular tests already cover per profile: their ragged cases run one profile by default, the rest
@@ -31,6 +35,9 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(getattr(item, "callspec", None), "params", {})
         keep = INTERPRETED_DEFAULT.get(params.get("backend"))
         if keep is not None and item.originalname not in keep and item.name not in keep:
+            item.add_marker(pytest.mark.slow)
+        default_profiles = INTERPRETED_PROFILES.get(params.get("backend"))
+        if default_profiles is not None and "profile" in params and params["profile"].value not in default_profiles:
             item.add_marker(pytest.mark.slow)
         profile = RAGGED_GENERIC_DEFAULT.get(params.get("backend"))
         if (profile is not None and item.module.__name__.endswith("test_ragged") and "profile" in params
