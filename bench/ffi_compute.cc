@@ -12,13 +12,18 @@
 // dot-product kernels chain them), and on levels with AVX-512 VNNI `vnni16` vpdpwssd and `vnni8`
 // vpdpbusd (the product and the add in one instruction); `int8x2` is half the vnni8 rate: the
 // multiply-adds of the kernels' int8x2 arithmetic, two byte products each (int_scores.h).
+// `bf16` is VDPBF16PS (bfloat16 pair products into float32: the packed weight products' form on
+// AVX512_BF16) and `amx` TDPBF16PS on 16 x 32 by 32 x 16 tiles (CPUs with AMX-BF16): the BF16
+// matrix peaks, measured where the CPU has the instruction, at any AVX-512 level.
 // Times are the thread's CPU time (a share of the machine taken by other work does not count).
 //
 // Usage: ffi_compute <k codec> <v codec> [rows] [repeats]    (codecs: 0 BF16, 1 INT8-G64,
-//        ffi_compute peak [float32 | int16 | int8 | vnni16 | vnni8 | int8x2]   2 FP8-row, 3 NVFP4-G16)
+//        ffi_compute peak [float32 | int16 | int8 | vnni16 | vnni8 | int8x2 | bf16 | amx]
+//                                                                       (2 FP8-row, 3 NVFP4-G16)
 #include <immintrin.h>
-
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -122,6 +127,68 @@ double PeakVnniLanesPerSecond() {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Multiply-adds per second of one thread through VDPBF16PS (32 bfloat16 pair products per step).
+// (Ten independent chains, as ChainStepsPerSecond; written out, since the instruction needs the
+// target attribute, which a lambda does not inherit.)
+__attribute__((target("avx512bf16"))) double PeakBf16MacsPerSecond() {
+  const __m512bh m = (__m512bh)_mm512_set1_epi32(0x3F803F80);  // (1.0, 1.0)
+  __m512 a[10];
+  for (auto& v : a) v = _mm512_set1_ps(1.0f);
+  const long steps = 20000000;
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = Seconds();
+    for (long s = 0; s < steps; ++s) {
+      for (auto& v : a) v = _mm512_dpbf16_ps(v, m, m);
+      for (auto& v : a) __asm__ volatile("" : : "v"(v));  // each step's results used (an in-out operand halves the rate)
+    }
+    best = std::min(best, Seconds() - t0);
+  }
+  float keep = 0;
+  for (auto& v : a) keep += _mm512_reduce_add_ps(v);
+  if (keep == 12345.0f) std::puts("");  // keeps the chains alive
+  return 32.0 * 10.0 * steps / best;
+}
+
+// Multiply-adds per second of one thread through TDPBF16PS on full tiles (16 x 16 x 32 each): four
+// independent accumulators over two A and two B tiles held in the tile registers.
+__attribute__((target("amx-tile,amx-bf16"))) double PeakAmxMacsPerSecond() {
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0.0;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+  alignas(64) uint8_t cfg[64] = {1};
+  for (int t = 0; t < 8; ++t) {
+    const uint16_t colsb = 64;
+    std::memcpy(cfg + 16 + 2 * t, &colsb, 2);
+    cfg[48 + t] = 16;
+  }
+  _tile_loadconfig(cfg);
+  alignas(64) static uint16_t ones[16 * 32];
+  for (auto& v : ones) v = 0x3F80;
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  const long steps = 2000000;
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const double t0 = Seconds();
+    for (long s = 0; s < steps; ++s) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    best = std::min(best, Seconds() - t0);
+  }
+  _tile_release();
+  return 4.0 * 16 * 16 * 32 * steps / best;
+}
+#endif
+
 // Random valid codes and scales of `pages` pages of 64 tokens for codec c (head dim d).
 RowSource MakePlane(int c, int d, int pages, std::mt19937& rng, std::vector<uint8_t>* data, std::vector<uint8_t>* sc) {
   const CodecPlanes cp = PlanesOf(static_cast<Codec>(c), d);
@@ -168,9 +235,15 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(kind, "int8x2") == 0) {
       std::printf("%.4g\n", 0.5 * PeakVnniLanesPerSecond<8>());
 #endif
+#if defined(__AVX512F__)
+    } else if (std::strcmp(kind, "bf16") == 0 && __builtin_cpu_supports("avx512bf16")) {
+      std::printf("%.4g\n", PeakBf16MacsPerSecond());
+    } else if (std::strcmp(kind, "amx") == 0 && __builtin_cpu_supports("amx-bf16")) {
+      std::printf("%.4g\n", PeakAmxMacsPerSecond());
+#endif
     } else {
-      std::fprintf(stderr, "peak kind %s: not measured at this level (float32, int16, int8; vnni16, vnni8, int8x2 "
-                   "with AVX-512 VNNI)\n", kind);
+      std::fprintf(stderr, "peak kind %s: not measured at this level or on this CPU (float32, int16, int8; "
+                   "vnni16, vnni8, int8x2 with AVX-512 VNNI; bf16 with AVX512_BF16, amx with AMX-BF16)\n", kind);
       return 2;
     }
     return 0;

@@ -85,7 +85,10 @@ __all__ = [
     "matmul_bf16_many",
     "matmul_bf16_packed",
     "matmul_bf16_packed_many",
-    "packed_uses_bf16",
+    "PACKED_KERNELS",
+    "packed_kernel",
+    "packed_amx_status",
+    "packed_amx_reference",
     "fixed_splits",
     "apply_tables",
     "write_pages",
@@ -519,13 +522,62 @@ def matmul_bf16_many(x, weights) -> tuple[jax.Array, ...]:
     return tuple(o.reshape(*lead, w.shape[0]) for o, w in zip(outs, weights))
 
 
-def packed_uses_bf16() -> bool:
-    """Whether :func:`matmul_bf16_packed` runs VDPBF16PS here (an AVX-512 level on a CPU with
-    AVX512_BF16, and ``$NINFER_KV_FFI_BF16`` not ``0``) rather than float32 FMAs; the results are
-    the same either way."""
+PACKED_KERNELS = ("amx-chunks", "amx-pairs", "vdpbf16ps", "fma")
+"""The forms of :func:`matmul_bf16_packed`, by :func:`packed_kernel`:
+
+* ``amx-chunks``, ``amx-pairs``: AMX tiles (TDPBF16PS, CPUs with AMX-BF16), in that order of
+  ``ffi/src/packed_order.h`` (which one the CPU computes is checked once per process, bit for bit,
+  before AMX is used; neither matching means no AMX);
+* ``vdpbf16ps``: AVX512_BF16's pair products, in the pairs order;
+* ``fma``: float32 FMAs emulating VDPBF16PS bit for bit (every other CPU, or
+  ``$NINFER_KV_FFI_BF16=0``).
+"""
+
+
+def packed_kernel() -> str:
+    """The form :func:`matmul_bf16_packed` runs here, one of :data:`PACKED_KERNELS`.  The AMX forms
+    give other bits than the other two (their own order); each form is batch invariant on its own.
+    ``$NINFER_KV_FFI_AMX=0`` keeps the machine off AMX, ``$NINFER_KV_FFI_BF16=0`` off every BF16
+    instruction (both read once per process)."""
     lib = _require()
-    lib.NinferKvFfiPackedBf16.restype = ctypes.c_int
-    return int(lib.NinferKvFfiPackedBf16()) == 1
+    lib.NinferKvFfiPackedKernel.restype = ctypes.c_char_p
+    return lib.NinferKvFfiPackedKernel().decode()
+
+
+def packed_amx_status() -> str:
+    """Why :func:`matmul_bf16_packed` does not use AMX here (``""`` when it does): no AMX-BF16,
+    ``$NINFER_KV_FFI_AMX=0``, the OS refused the tile state, or the hardware matched neither AMX
+    order (the first differing element named)."""
+    lib = _require()
+    lib.NinferKvFfiPackedAmxStatus.restype = ctypes.c_char_p
+    return lib.NinferKvFfiPackedAmxStatus().decode()
+
+
+def packed_amx_reference(x: np.ndarray, w: np.ndarray, order: str) -> np.ndarray:
+    """The AMX forms' definition in the library's scalar code (what the once-per-process check holds
+    the hardware to): ``x (M, K) @ w (N, K).T`` in float32 for bfloat16 numpy arrays, in ``order``
+    ``"amx-chunks"`` or ``"amx-pairs"``.  Runs on every CPU (for tests and comparisons).
+
+    Raises ``ValueError`` naming a bad order, dtype or shape.
+    """
+    lib = _require()
+    orders = ("amx-chunks", "amx-pairs")
+    if order not in orders:
+        raise ValueError(f"packed_amx_reference: order must be one of {orders}, got {order!r}")
+    x, w = np.ascontiguousarray(x), np.ascontiguousarray(w)
+    for name, a in (("x", x), ("w", w)):
+        if a.dtype != jnp.bfloat16 or a.ndim != 2:
+            raise ValueError(f"packed_amx_reference: {name} must be a bfloat16 matrix, got {a.dtype} {a.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"packed_amx_reference: x {x.shape} and w {w.shape} are not (M, K) and (N, K)")
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    fn = lib.NinferKvFfiPackedAmxReference
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
+    rc = fn(x.ctypes.data, w.ctypes.data, out.ctypes.data, x.shape[0], w.shape[0], x.shape[1], orders.index(order))
+    if rc != 0:
+        raise ValueError(f"packed_amx_reference: the library refused x {x.shape}, w {w.shape}")
+    return out
 
 
 def matmul_bf16_packed(x, packed: PackedWeight) -> jax.Array:
@@ -535,10 +587,12 @@ def matmul_bf16_packed(x, packed: PackedWeight) -> jax.Array:
     Output ``(m, n)`` is one fixed sequence over the pairs of K: for p = 0, 1, ... a fused
     multiply-add of the odd elements ``x[m, 2p+1] * w[n, 2p+1]``, then of the even ones, from +0,
     denormal inputs read as zero and tiny results flushed to zero (VDPBF16PS's arithmetic, which
-    the levels without it emulate bit for bit).  So a row's result never depends on the other rows,
-    their number, the thread split or the instruction-set level (batch invariance), and the weight
-    tiles are reused across rows in registers: several times the row kernel's
-    (:func:`matmul_bf16`) speed from 8 rows on, and the same stream at one row.
+    the levels without it emulate bit for bit).  On a CPU with AMX-BF16 the products run on AMX
+    tiles in TDPBF16PS's own order instead (:func:`packed_kernel` says which form and order).  So a
+    row's result never depends on the other rows, their number or the thread split (batch
+    invariance), nor, off AMX, on the instruction-set level; the weight tiles are reused across
+    rows: several times the row kernel's (:func:`matmul_bf16`) speed from 8 rows on, and the same
+    stream at one row.
 
     Raises ``ValueError`` naming the operand for a dtype other than bfloat16, a weight that is not
     a :class:`PackedWeight` or a K that differs from the weight's.

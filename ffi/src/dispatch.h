@@ -35,6 +35,11 @@ struct Selection {
 // arithmetic, for tests and comparisons).
 bool PackedBf16Enabled();
 
+// Why the packed products may not use AMX tiles here ("" when they may): the CPU lacks AMX-BF16
+// (or the OS its tile state), NINFER_KV_FFI_AMX or NINFER_KV_FFI_BF16 is "0", or the kernel refused
+// the tile data permission (Linux's arch_prctl, requested once, here).  Read once.
+const char* AmxTileDataRefusal();
+
 // The selection of this process (made on the first call; thread safe).
 const Selection& Selected();
 

@@ -23,7 +23,17 @@
 //     FMA, adds the exact double product in double precision (exactly rounded sums of two 24-bit
 //     significands: no double-rounding error) and flushes tiny results explicitly.
 // Every row's result is therefore bit-identical whatever the batch (batch invariance), and the
-// same at every level on every x86 machine.  (AArch64's flush-to-zero detects tininess before
+// same at every level on every x86 machine without AMX.
+//
+// AMX (CPUs with AMX-BF16, the AVX-512 levels): the form "amx" multiplies 16-row tiles of x by
+// 16-pair x 16-column tiles of the packed weight with TDPBF16PS, whose arithmetic is its own:
+// one of the two orders of packed_order.h (K padded with zeros to a multiple of 32, per chunk of
+// 32 either two chains and a sum, or one chain).  It is used only after a check, once per process,
+// that the hardware reproduces one of them bit for bit (on data with denormals and underflowing
+// products); that order then holds for every M on this machine, single rows included (batch
+// invariance), and differs from the pairs order above in the last bits.  Otherwise, or with
+// NINFER_KV_FFI_AMX=0, the machine runs VDPBF16PS or the FMA form as above.  The weights need no
+// other packing: a pair step of a tile holds four B tiles' rows side by side (stride 256 bytes).  (AArch64's flush-to-zero detects tininess before
 // rounding: a result that rounds up to the smallest normal float is flushed there.)
 //
 // Blocking: the work is split over the thread pool by tiles (64 columns of one weight).  A task
@@ -36,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -45,12 +56,16 @@
 #include "dispatch.h"
 #include "handler_args.h"
 #include "kernel_table.h"
+#include "packed_order.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
 #include <immintrin.h>
 #define NINFER_KV_PACKED_BF16 1
+#if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
+#define NINFER_KV_PACKED_AMX 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #elif defined(__aarch64__) && defined(__ARM_NEON)
@@ -247,12 +262,239 @@ void Bf16Tile(const uint32_t* xw, int64_t m_len, int64_t pairs, const uint16_t* 
 }
 #endif
 
-bool UseBf16() {
-#if defined(NINFER_KV_PACKED_BF16)
-  return PackedBf16Enabled();
-#else
-  return false;
+
+// ---- the AMX path: x as 32-bit pair words, x_w[m * P16 + p], P16 = P rounded up to 16 (zeros) ----
+
+#if defined(NINFER_KV_PACKED_AMX)
+constexpr int64_t kChunkPairs = packed_order::kAmxChunk / 2;  // pairs per TDPBF16PS (one A tile row)
+
+// The 64-byte tile configuration (palette 1): tiles 0-3 accumulate 16 columns each of `rows` rows,
+// tile 4 holds `rows` rows of x (16 pairs), tiles 5 and 6 take turns with 16 pairs x 16 columns of
+// the weight.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64, "the AMX tile configuration is 64 bytes");
+
+TileConfig MakeTileConfig(int rows) {
+  TileConfig c;
+  for (int t = 0; t < 7; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = static_cast<uint8_t>(t < 5 ? rows : static_cast<int>(kChunkPairs));
+  }
+  return c;
+}
+
+// One tile (64 columns) for all rows: row blocks of 16 (the last one shorter, its own
+// configuration), each over every chunk of 16 pairs, the accumulators kept in tiles 0-3 from +0.
+// `b_tail` is a scratch chunk for a tile whose pairs are not a multiple of 16.
+__attribute__((target("amx-tile,amx-bf16"))) void AmxTile(const uint32_t* xw, int64_t m_len, int64_t pairs,
+                                                         const uint16_t* tile, uint16_t* b_tail, Dest d) {
+  const int64_t chunks = (pairs + kChunkPairs - 1) / kChunkPairs, full = pairs / kChunkPairs;
+  const int64_t x_stride = chunks * kChunkPairs * 4;                  // bytes per row of x_w
+  const int64_t b_stride = kTileWords * 4;                            // bytes per pair step of the tile
+  if (full != chunks) {
+    const int64_t tail = pairs - full * kChunkPairs;
+    std::memset(b_tail, 0, static_cast<size_t>(kChunkPairs * b_stride));
+    std::memcpy(b_tail, tile + full * kChunkPairs * kTileWords * 2, static_cast<size_t>(tail * b_stride));
+  }
+  int loaded = 0;
+  for (int64_t m0 = 0; m0 < m_len; m0 += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, m_len - m0));
+    if (rows != loaded) {
+      const TileConfig cfg = MakeTileConfig(rows);
+      _tile_loadconfig(&cfg);
+      loaded = rows;
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint32_t* a = xw + m0 * (x_stride / 4);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint16_t* b = c < full ? tile + c * kChunkPairs * kTileWords * 2 : b_tail;
+      _tile_loadd(4, a + c * kChunkPairs, x_stride);
+      _tile_loadd(5, b, b_stride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + 32, b_stride);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, b + 64, b_stride);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, b + 96, b_stride);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    float* out = d.data + m0 * d.ld;
+    const int64_t ld = d.ld * 4;
+    _tile_stored(0, out, ld);
+    _tile_stored(1, out + 16, ld);
+    _tile_stored(2, out + 32, ld);
+    _tile_stored(3, out + 48, ld);
+  }
+  _tile_release();
+}
 #endif
+
+// The three forms of the packed products (see the header).
+enum class Form { kFma, kBf16, kAmx };
+
+const char* FormName(Form f) { return f == Form::kBf16 ? "vdpbf16ps" : "fma"; }  // AMX: by its order
+
+// Per-thread scratch (reused across calls; grown, never shrunk).
+template <typename T>
+T* Scratch(std::vector<T>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
+  return buffer.data();
+}
+
+// out_i = x @ w_i.T for x bfloat16 (M, K), M, K >= 1, in form `form`.
+void PackedProducts(const uint16_t* xp, int64_t m_len, int64_t k_len, const std::vector<Product>& products, Form form) {
+  const int64_t pairs = (k_len + 1) / 2;
+  // x once per call: 32-bit pair words (VDPBF16PS, AMX: rows padded to whole chunks with zeros) or
+  // (odd, even) float32 pairs, denormals flushed, the pair past an odd K zero.
+  const bool words = form != Form::kFma;
+  const int64_t x_pairs = form == Form::kAmx ? (pairs + 15) / 16 * 16 : pairs;
+  thread_local std::vector<uint32_t> x_words;
+  thread_local std::vector<float> x_floats;
+  uint32_t* xw = words ? Scratch(x_words, m_len * x_pairs) : nullptr;
+  float* xf = words ? nullptr : Scratch(x_floats, m_len * pairs * 2);
+  ParallelFor(m_len, [&](int64_t m) {
+    const uint16_t* row = xp + m * k_len;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint32_t even = FlushBf16(row[2 * p]);
+      const uint32_t odd = 2 * p + 1 < k_len ? FlushBf16(row[2 * p + 1]) : 0u;
+      if (words) {
+        xw[m * x_pairs + p] = even | (odd << 16);
+      } else {
+        const uint32_t bits[2] = {odd << 16, even << 16};
+        std::memcpy(xf + (m * pairs + p) * 2, bits, sizeof bits);
+      }
+    }
+    if (words) std::fill(xw + m * x_pairs + pairs, xw + (m + 1) * x_pairs, 0u);
+  });
+  std::vector<std::pair<int, int64_t>> tasks;  // (product, tile)
+  for (size_t i = 0; i < products.size(); ++i) {
+    for (int64_t t = 0; t < products[i].tiles; ++t) tasks.emplace_back(static_cast<int>(i), t);
+  }
+  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t task) {
+    ScopedFlushDenormal flush;
+    const Product& p = products[tasks[task].first];
+    const int64_t t = tasks[task].second;
+    const uint16_t* tile = p.packed + t * pairs * kTileWords * 2;
+    const int64_t n0 = t * kTileCols, cols = std::min(kTileCols, p.n_len - n0);
+    thread_local std::vector<float> partial;
+    const Dest d = cols == kTileCols ? Dest{p.out + n0, p.n_len} : Dest{Scratch(partial, m_len * kTileCols), kTileCols};
+    switch (form) {
+#if defined(NINFER_KV_PACKED_AMX)
+      case Form::kAmx: {
+        thread_local std::vector<uint16_t> b_tail;
+        AmxTile(xw, m_len, pairs, tile, Scratch(b_tail, 16 * kTileWords * 2), d);
+        break;
+      }
+#endif
+#if defined(NINFER_KV_PACKED_BF16)
+      case Form::kBf16: Bf16Tile(xw, m_len, pairs, tile, d); break;
+#endif
+      default: FmaTile(xf, m_len, pairs, tile, d); break;
+    }
+    if (cols != kTileCols) {
+      for (int64_t m = 0; m < m_len; ++m) std::memcpy(p.out + m * p.n_len + n0, d.data + m * kTileCols, cols * sizeof(float));
+    }
+  });
+}
+
+// w (N, K) bfloat16 bits in the packed layout (ninfer_kv/packed_weight.py's, for the AMX check).
+std::vector<uint16_t> PackWeight(const std::vector<uint16_t>& w, int64_t n_len, int64_t k_len) {
+  const int64_t tiles = (n_len + kTileCols - 1) / kTileCols, pairs = (k_len + 1) / 2;
+  std::vector<uint16_t> packed(static_cast<size_t>(tiles * pairs * kTileWords * 2), 0);
+  for (int64_t n = 0; n < n_len; ++n) {
+    for (int64_t k = 0; k < k_len; ++k) {
+      packed[static_cast<size_t>(((n / kTileCols * pairs + k / 2) * kTileCols + n % kTileCols) * 2 + k % 2)] =
+          FlushBf16(w[static_cast<size_t>(n * k_len + k)]);
+    }
+  }
+  return packed;
+}
+
+// Whether AMX is in use here, in which order, and why not.
+struct AmxChoice {
+  bool use = false;
+  int order = packed_order::kAmxChunks;
+  std::string why;
+};
+
+#if defined(NINFER_KV_PACKED_AMX)
+// The AMX form against both orders of packed_order.h on data that tells them apart: products
+// across 17 rows (a full row block and a short one), 80 columns (a full tile and a partial one)
+// and K = 93 (a partial chunk, an odd K), with signed zeros, denormal inputs, magnitudes from 1e-20
+// to 1e15 and underflowing products.
+AmxChoice CheckAmx() {
+  AmxChoice choice;
+  constexpr int64_t m_len = 17, n_len = 80, k_len = 93;
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto value = [&state]() -> uint16_t {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const uint32_t r = static_cast<uint32_t>(state >> 33);
+    static const float kScales[] = {1.0f, 1.0f, 1e-20f, 1e-39f, 1e15f, 1e-19f, 0.0f, -0.0f};
+    const float unit = static_cast<float>(r & 0xFFFFu) / 32768.0f - 1.0f;
+    const float v = kScales[(r >> 16) & 7u] * unit;
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return static_cast<uint16_t>(bits >> 16);
+  };
+  std::vector<uint16_t> x(m_len * k_len), w(n_len * k_len);
+  for (auto& v : x) v = value();
+  for (auto& v : w) v = value();
+  const std::vector<uint16_t> packed = PackWeight(w, n_len, k_len);
+  std::vector<float> got(m_len * n_len), want(m_len * n_len);
+  PackedProducts(x.data(), m_len, k_len, {Product{packed.data(), got.data(), n_len, (n_len + kTileCols - 1) / kTileCols}},
+                 Form::kAmx);
+  for (int order : {packed_order::kAmxChunks, packed_order::kAmxPairs}) {
+    packed_order::AmxReference(x.data(), w.data(), want.data(), m_len, n_len, k_len, order);
+    if (std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0) {
+      choice.use = true;
+      choice.order = order;
+      return choice;
+    }
+  }
+  for (int64_t i = 0; i < m_len * n_len; ++i) {
+    uint32_t g, e;
+    std::memcpy(&g, &got[i], 4);
+    std::memcpy(&e, &want[i], 4);  // the last order tried
+    if (g != e) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "TDPBF16PS matches neither AMX order (row %lld, column %lld: 0x%08x, amx-pairs 0x%08x)",
+                    static_cast<long long>(i / n_len), static_cast<long long>(i % n_len), g, e);
+      choice.why = buf;
+      break;
+    }
+  }
+  return choice;
+}
+#endif
+
+const AmxChoice& Amx() {
+  static const AmxChoice choice = []() {
+    AmxChoice c;
+#if defined(NINFER_KV_PACKED_AMX)
+    c.why = AmxTileDataRefusal();
+    if (c.why.empty()) c = CheckAmx();
+#else
+    c.why = "the instruction-set level in use has no AMX code";
+#endif
+    return c;
+  }();
+  return choice;
+}
+
+Form UseForm() {
+#if defined(NINFER_KV_PACKED_BF16)
+  if (Amx().use) return Form::kAmx;
+  if (PackedBf16Enabled()) return Form::kBf16;
+#endif
+  return Form::kFma;
 }
 
 ffi::Error CheckPacked(const ffi::AnyBuffer& x, const std::vector<ffi::AnyBuffer>& ws,
@@ -283,13 +525,6 @@ ffi::Error CheckPacked(const ffi::AnyBuffer& x, const std::vector<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// Per-thread scratch (reused across calls; grown, never shrunk).
-template <typename T>
-T* Scratch(std::vector<T>& buffer, int64_t n) {
-  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(static_cast<size_t>(n));
-  return buffer.data();
-}
-
 ffi::Error MatmulBf16PackedImpl(ffi::AnyBuffer x, ffi::RemainingArgs ws_in, ffi::RemainingRets outs_in) {
   std::vector<ffi::AnyBuffer> ws, outs;
   if (auto err = CollectArgs(ws_in, &ws); err.failure()) return err;
@@ -303,52 +538,7 @@ ffi::Error MatmulBf16PackedImpl(ffi::AnyBuffer x, ffi::RemainingArgs ws_in, ffi:
     for (const Product& p : products) std::fill(p.out, p.out + m_len * p.n_len, 0.0f);
     return ffi::Error::Success();
   }
-  const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
-  const bool bf16 = UseBf16();
-  // x once per call: 32-bit pair words (VDPBF16PS) or (odd, even) float32 pairs, denormals flushed,
-  // the pair past an odd K zero.
-  thread_local std::vector<uint32_t> x_words;
-  thread_local std::vector<float> x_floats;
-  uint32_t* xw = bf16 ? Scratch(x_words, m_len * pairs) : nullptr;
-  float* xf = bf16 ? nullptr : Scratch(x_floats, m_len * pairs * 2);
-  ParallelFor(m_len, [&](int64_t m) {
-    const uint16_t* row = xp + m * k_len;
-    for (int64_t p = 0; p < pairs; ++p) {
-      const uint32_t even = FlushBf16(row[2 * p]);
-      const uint32_t odd = 2 * p + 1 < k_len ? FlushBf16(row[2 * p + 1]) : 0u;
-      if (bf16) {
-        xw[m * pairs + p] = even | (odd << 16);
-      } else {
-        const uint32_t bits[2] = {odd << 16, even << 16};
-        std::memcpy(xf + (m * pairs + p) * 2, bits, sizeof bits);
-      }
-    }
-  });
-  std::vector<std::pair<int, int64_t>> tasks;  // (product, tile)
-  for (size_t i = 0; i < products.size(); ++i) {
-    for (int64_t t = 0; t < products[i].tiles; ++t) tasks.emplace_back(static_cast<int>(i), t);
-  }
-  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t task) {
-    ScopedFlushDenormal flush;
-    const Product& p = products[tasks[task].first];
-    const int64_t t = tasks[task].second;
-    const uint16_t* tile = p.packed + t * pairs * kTileWords * 2;
-    const int64_t n0 = t * kTileCols, cols = std::min(kTileCols, p.n_len - n0);
-    thread_local std::vector<float> partial;
-    const Dest d = cols == kTileCols ? Dest{p.out + n0, p.n_len} : Dest{Scratch(partial, m_len * kTileCols), kTileCols};
-#if defined(NINFER_KV_PACKED_BF16)
-    if (bf16) {
-      Bf16Tile(xw, m_len, pairs, tile, d);
-    } else {
-      FmaTile(xf, m_len, pairs, tile, d);
-    }
-#else
-    FmaTile(xf, m_len, pairs, tile, d);
-#endif
-    if (cols != kTileCols) {
-      for (int64_t m = 0; m < m_len; ++m) std::memcpy(p.out + m * p.n_len + n0, d.data + m * kTileCols, cols * sizeof(float));
-    }
-  });
+  PackedProducts(static_cast<const uint16_t*>(x.untyped_data()), m_len, k_len, products, UseForm());
   return ffi::Error::Success();
 }
 
@@ -360,7 +550,13 @@ XLA_FFI_DEFINE_HANDLER(kMatmulBf16PackedHandler, packed_products::MatmulBf16Pack
 
 XLA_FFI_Error* MatmulBf16PackedHandler(XLA_FFI_CallFrame* call_frame) { return kMatmulBf16PackedHandler(call_frame); }
 
-// Whether this level's packed products use VDPBF16PS on this CPU.
-bool PackedUsesBf16() { return packed_products::UseBf16(); }
+// The form this level's packed products run on this CPU ("amx-chunks" or "amx-pairs": AMX in that
+// order; "vdpbf16ps"; "fma"), and why it is not AMX.
+const char* PackedKernel() {
+  const packed_products::Form form = packed_products::UseForm();
+  return form == packed_products::Form::kAmx ? packed_order::AmxOrderName(packed_products::Amx().order)
+                                             : packed_products::FormName(form);
+}
+const char* PackedAmxStatus() { return packed_products::Amx().why.c_str(); }
 
 NINFER_KV_NAMESPACE_END

@@ -47,7 +47,8 @@ enum Feature : uint64_t {
   kNeon = 1ull << 20,
   kAvx512vnni = 1ull << 21,
   kAvx512bf16 = 1ull << 22,  // detected only: the packed products choose VDPBF16PS at run time
-  kNumFeatures = 23,
+  kAmxBf16 = 1ull << 23,     // detected only (AMX-TILE, AMX-BF16 and the OS's tile state): the packed products' AMX form
+  kNumFeatures = 24,
 };
 
 struct KernelTable {
@@ -58,7 +59,8 @@ struct KernelTable {
   HandlerFn cyclic_append, cyclic_attention, matmul_bf16, matmul_bf16_packed;
   ArithmeticFn arithmetic;
   ReadWordsFn read_words;
-  bool (*packed_uses_bf16)();  // whether matmul_bf16_packed runs VDPBF16PS on this CPU
+  const char* (*packed_kernel)();  // the form matmul_bf16_packed runs here: "amx-chunks", "amx-pairs", "vdpbf16ps", "fma"
+  const char* (*packed_amx_status)();  // why the AMX form is not in use ("" when it is)
 };
 
 // The CPU features a translation unit is compiled to use, from the predefined macros.
@@ -148,7 +150,8 @@ XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MatmulBf16Handler(XLA_FFI_CallFrame* call_frame);  // matmul.cc
 XLA_FFI_Error* MatmulBf16PackedHandler(XLA_FFI_CallFrame* call_frame);  // gemm_packed.cc
-bool PackedUsesBf16();                                                // gemm_packed.cc
+const char* PackedKernel();                                           // gemm_packed.cc
+const char* PackedAmxStatus();                                        // gemm_packed.cc
 int32_t AttentionArithmetic(int32_t k_codec, int32_t v_codec, int32_t head_dim);
 NINFER_KV_NAMESPACE_END
 

@@ -50,6 +50,7 @@ const ninfer_kv_ffi::KernelTable NINFER_KV_KERNEL_TABLE(NINFER_KV_ISA_ID) = {
     &ninfer_kv_ffi::MatmulBf16PackedHandler,
     &ninfer_kv_ffi::AttentionArithmetic,
     &ninfer_kv_ffi::ReadWords,
-    &ninfer_kv_ffi::PackedUsesBf16,
+    &ninfer_kv_ffi::PackedKernel,
+    &ninfer_kv_ffi::PackedAmxStatus,
 };
 }  // extern "C"

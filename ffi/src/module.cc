@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "dispatch.h"
+#include "packed_order.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -77,11 +78,27 @@ NINFER_KV_EXPORT int32_t NinferKvFfiArithmetic(int32_t k_codec, int32_t v_codec,
   return t ? t->arithmetic(k_codec, v_codec, head_dim) : -1;
 }
 
-// 1 when the packed weight products of the level in use run VDPBF16PS on this CPU, 0 when they
-// take float32 FMAs (the same results), -1 when no level is in use.
-NINFER_KV_EXPORT int NinferKvFfiPackedBf16() {
+// The form the packed weight products of the level in use run on this CPU: "amx-chunks" or
+// "amx-pairs" (AMX tiles, in that order of packed_order.h), "vdpbf16ps" (AVX512_BF16) or "fma"
+// (float32 FMAs, VDPBF16PS's arithmetic); "" when no level is in use.
+NINFER_KV_EXPORT const char* NinferKvFfiPackedKernel() {
   const auto* t = Table();
-  return t ? (t->packed_uses_bf16() ? 1 : 0) : -1;
+  return t ? t->packed_kernel() : "";
+}
+
+// Why the packed products do not use AMX tiles here ("" when they do, or when no level is in use).
+NINFER_KV_EXPORT const char* NinferKvFfiPackedAmxStatus() {
+  const auto* t = Table();
+  return t ? t->packed_amx_status() : "";
+}
+
+// The AMX orders of packed_order.h in scalar code, for the tests: out (M, N) = x (M, K) @ w (N, K).T
+// over bfloat16 bits; order 0 "amx-chunks", 1 "amx-pairs".  Returns 0, or -1 for a bad argument.
+NINFER_KV_EXPORT int NinferKvFfiPackedAmxReference(const uint16_t* x, const uint16_t* w, float* out, int64_t m,
+                                                   int64_t n, int64_t k, int32_t order) {
+  if (x == nullptr || w == nullptr || out == nullptr || m < 0 || n < 0 || k < 0 || (order != 0 && order != 1)) return -1;
+  ninfer_kv_ffi::packed_order::AmxReference(x, w, out, m, n, k, order);
+  return 0;
 }
 
 // Float lanes per SIMD vector of the level in use (0 when none is).

@@ -1,10 +1,13 @@
 """The packed weight products (ffi_ops.matmul_bf16_packed, ffi/src/gemm_packed.cc).
 
-Checked bit for bit against a numpy emulation of the defined order (per pair of K: a fused
-multiply-add of the odd elements, then of the even ones, denormal inputs as zero, tiny results
+Checked bit for bit against a numpy emulation of the defined order of the form in use (the pairs
+order: per pair of K a fused multiply-add of the odd elements, then of the even ones; the AMX
+orders: per chunk of 32 two chains and a sum, or one chain; denormal inputs as zero, tiny results
 flushed after rounding), across row counts and row positions (batch invariance), across the
-instruction-set levels and the VDPBF16PS / float32-FMA forms (one subprocess each), on data with
-denormals, signed zeros and magnitudes from 1e-20 to 1e15.
+instruction-set levels and the AMX / VDPBF16PS / float32-FMA forms (one subprocess each), on data
+with denormals, signed zeros and magnitudes from 1e-20 to 1e15.  The AMX forms run where the CPU
+has AMX-BF16; everywhere, their numpy emulation is held to the library's scalar definition (the one
+the library holds the hardware to before it uses AMX).
 """
 
 from __future__ import annotations
@@ -35,19 +38,46 @@ def _daz(a: np.ndarray) -> np.ndarray:
     return np.where(np.abs(a) < TINY, np.copysign(np.float32(0), a), a).astype(np.float32)
 
 
-def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The defined order in numpy: a product of bfloat16 values is exact in float64, and the float64
-    sum of it and a float32 rounds to the float32 fused result (no double-rounding error)."""
+def _fma(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """acc + a * b rounded once to float32, tiny results flushed: a product of bfloat16 values is exact
+    in float64, and the float64 sum of it and a float32 rounds to the float32 fused result."""
+    return _ftz(acc.astype(np.float64) + a.astype(np.float64) * b.astype(np.float64))
+
+
+def _ftz(d: np.ndarray) -> np.ndarray:
+    f = d.astype(np.float32)
+    return np.where(np.abs(d) < FLUSH_BELOW, np.copysign(np.float32(0), f), f).astype(np.float32)
+
+
+def reference(x: np.ndarray, w: np.ndarray, order: str = "pairs") -> np.ndarray:
+    """The defined order of a form in numpy: ``"pairs"`` (VDPBF16PS, FMA) or an AMX order
+    (``"amx-chunks"``, ``"amx-pairs"``: K padded to a multiple of 32)."""
     xf, wf = _daz(x.astype(np.float32)), _daz(w.astype(np.float32))
-    if x.shape[1] % 2:
-        xf, wf = np.pad(xf, ((0, 0), (0, 1))), np.pad(wf, ((0, 0), (0, 1)))
+    chunk = 2 if order == "pairs" else 32
+    pad = -x.shape[1] % chunk
+    xf, wf = np.pad(xf, ((0, 0), (0, pad))), np.pad(wf, ((0, 0), (0, pad)))
     acc = np.zeros((x.shape[0], w.shape[0]), np.float32)
-    for p in range(xf.shape[1] // 2):
-        for e in (1, 0):
-            d = acc.astype(np.float64) + np.outer(xf[:, 2 * p + e], wf[:, 2 * p + e]).astype(np.float64)
-            f = d.astype(np.float32)
-            acc = np.where(np.abs(d) < FLUSH_BELOW, np.copysign(np.float32(0), f), f).astype(np.float32)
+    outer = lambda k: (xf[:, k][:, None], wf[:, k][None, :])  # noqa: E731
+    for c in range(0, xf.shape[1], chunk):
+        if order == "pairs":
+            acc = _fma(acc, *outer(c + 1))
+            acc = _fma(acc, *outer(c))
+        elif order == "amx-pairs":
+            for k in range(c, c + chunk):
+                acc = _fma(acc, *outer(k))
+        elif order == "amx-chunks":
+            even = odd = np.zeros_like(acc)
+            for k in range(c, c + chunk, 2):
+                even, odd = _fma(even, *outer(k)), _fma(odd, *outer(k + 1))
+            acc = _ftz(acc.astype(np.float64) + _ftz(even.astype(np.float64) + odd.astype(np.float64)))
+        else:
+            raise ValueError(order)
     return acc
+
+
+def order_of(kernel: str) -> str:
+    """The defined order of a form of ffi_ops.PACKED_KERNELS."""
+    return kernel if kernel.startswith("amx") else "pairs"
 
 
 def hard_values(rng, shape) -> np.ndarray:
@@ -69,7 +99,43 @@ def test_matches_defined_order(m, n, k):
     x, w = hard_values(rng, (m, k)), hard_values(rng, (n, k))
     out = ffi_ops.matmul_bf16_packed(jnp.asarray(x), pack_bf16_weight(jnp.asarray(w)))
     assert out.shape == (m, n) and out.dtype == jnp.float32
-    np.testing.assert_array_equal(bits(out), bits(reference(x, w)))
+    np.testing.assert_array_equal(bits(out), bits(reference(x, w, order_of(ffi_ops.packed_kernel()))))
+
+
+@pytest.mark.parametrize("order", ["amx-chunks", "amx-pairs"])
+@pytest.mark.parametrize("m,n,k", [(17, 80, 93), (2, 3, 64), (1, 5, 1)])
+def test_amx_orders_numpy_equals_library_definition(order, m, n, k):
+    """The numpy AMX orders equal the library's scalar definition of them (packed_order.h) on every CPU,
+    and differ from the pairs order on hard data."""
+    rng = np.random.default_rng(m + n + k)
+    x, w = hard_values(rng, (m, k)), hard_values(rng, (n, k))
+    want = reference(x, w, order)
+    np.testing.assert_array_equal(bits(ffi_ops.packed_amx_reference(x, w, order)), bits(want))
+    # on model-like data the orders round differently
+    x, w = (rng.standard_normal((s, 256)).astype(ml_dtypes.bfloat16) for s in (8, 64))
+    assert not np.array_equal(bits(reference(x, w, order)), bits(reference(x, w)))
+
+
+def test_amx_form_where_the_cpu_has_it():
+    """A CPU with AMX-BF16 runs the AMX form (its order checked once, bit for bit, by the library);
+    every other CPU says why not."""
+    kernel, why = ffi_ops.packed_kernel(), ffi_ops.packed_amx_status()
+    assert kernel in ffi_ops.PACKED_KERNELS
+    if "amx-bf16" not in ffi_ops.info().cpu_features:
+        assert not kernel.startswith("amx") and why
+        pytest.skip(f"no AMX form here ({why}); it runs on CPUs with AMX-BF16")
+    assert kernel.startswith("amx"), f"AMX-BF16 present but not used: {why}"
+    assert why == ""
+
+
+def test_amx_reference_rejects_bad_arguments():
+    x = np.zeros((2, 4), ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match=r"order must be one of .* got 'pairs'"):
+        ffi_ops.packed_amx_reference(x, x, "pairs")
+    with pytest.raises(ValueError, match=r"w must be a bfloat16 matrix, got float32"):
+        ffi_ops.packed_amx_reference(x, np.zeros((2, 4), np.float32), "amx-chunks")
+    with pytest.raises(ValueError, match=r"x \(2, 4\) and w \(2, 3\)"):
+        ffi_ops.packed_amx_reference(x, np.zeros((2, 3), ml_dtypes.bfloat16), "amx-chunks")
 
 
 def test_row_alone_equals_row_in_any_batch():
@@ -145,17 +211,17 @@ from ninfer_kv import ffi_ops
 from ninfer_kv.packed_weight import pack_bf16_weight
 d = {k: v.view(ml_dtypes.bfloat16) for k, v in np.load(sys.argv[1]).items()}
 outs = ffi_ops.matmul_bf16_packed_many(jnp.asarray(d["x"]), [pack_bf16_weight(jnp.asarray(d["w"]))])
-np.savez(sys.argv[2], out=np.asarray(outs[0]), isa=ffi_ops.info().isa, bf16=ffi_ops.packed_uses_bf16())
+np.savez(sys.argv[2], out=np.asarray(outs[0]), isa=ffi_ops.info().isa, kernel=ffi_ops.packed_kernel())
 """
 
 
 @pytest.mark.parametrize("matrix", ["each-level", pytest.param("every-pair", marks=pytest.mark.slow)])
 def test_levels_and_bf16_form_bit_identical(tmp_path, matrix):
-    """Every supported level with float32 FMAs, and the best level with VDPBF16PS where the CPU has it,
-    give the reference's bits (``-m slow``: every level with both forms)."""
+    """Every supported level with float32 FMAs, and the best level with its BF16 form (AMX or VDPBF16PS)
+    where the CPU has one, give the bits of their form's order (``-m slow``: every level with both)."""
     rng = np.random.default_rng(21)
     x, w = hard_values(rng, (11, 301)), hard_values(rng, (150, 301))
-    want = reference(x, w)
+    wants = {}
     inp = tmp_path / "in.npz"
     np.savez(inp, x=x.view(np.uint16), w=w.view(np.uint16))
     supported = ffi_ops.info().supported
@@ -174,12 +240,17 @@ def test_levels_and_bf16_form_bit_identical(tmp_path, matrix):
         log = proc.communicate(timeout=240)[0]
         assert proc.returncode == 0, f"{key}: {log[-2000:]}"
         got = np.load(out)
+        kernel = str(got["kernel"])
         assert str(got["isa"]) == key[0]
-        forms.add(bool(got["bf16"]))
+        forms.add(kernel)
         if key[1] == "0":
-            assert not bool(got["bf16"])
-        np.testing.assert_array_equal(bits(got["out"]), bits(want), err_msg=f"level {key[0]}, BF16={key[1]}")
-    assert False in forms
+            assert kernel == "fma"
+        order = order_of(kernel)
+        if order not in wants:
+            wants[order] = reference(x, w, order)
+        np.testing.assert_array_equal(bits(got["out"]), bits(wants[order]),
+                                      err_msg=f"level {key[0]}, BF16={key[1]}, {kernel}")
+    assert "fma" in forms
 
 
 def test_compiles_for_aarch64(tmp_path):
