@@ -11,7 +11,9 @@ One checkpoint (default: Qwen3-0.6B's ``config.json`` with random bf16 weights, 
 3. ``chat``: 16 conversations of 4 turns; turn k+1's prompt is turn k's prompt, its output and a new
    user message of 20-60 tokens.  Each turn of every conversation is submitted together, turn by turn;
 4. ``uniform``: 8 prompts of exactly ``--uniform-tokens`` (512) tokens, nothing shared (with
-   ``--requests uniform=1``: one request, the batch-1 decode figure).
+   ``--requests uniform=1``: one request, the batch-1 decode figure);
+5. ``long``: 2 prompts of exactly ``--long-tokens`` (6000) tokens, nothing shared: long-context
+   prefill and decode (``--max-model-len`` must hold them: 8192 for the default).
 
 Every prompt starts with a different token (the questions and user messages too), so the only
 prefixes two prompts share are the ones a workload is built with.
@@ -46,6 +48,7 @@ tokens are also compared with the shared prefixes rounded down to whole blocks. 
     PYTHONPATH=. python bench/bench_engine.py --requests 0.125 --max-new-tokens 16   # a quick check
     PYTHONPATH=. python bench/bench_engine.py --requests offline=8,shared=16,chat=4 --workloads shared,chat
     PYTHONPATH=. python bench/bench_engine.py --vllm-python /path/to/vllm-venv/bin/python   # and vLLM
+    PYTHONPATH=. python bench/bench_engine.py --workloads long --max-model-len 8192 --max-num-seqs 8
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_COUNTS = {"offline": 64, "shared": 64, "chat": 16, "uniform": 8}
-WORKLOADS = ("offline", "shared", "chat", "uniform")
+DEFAULT_COUNTS = {"offline": 64, "shared": 64, "chat": 16, "uniform": 8, "long": 2}
+WORKLOADS = ("offline", "shared", "chat", "uniform", "long")
+PROMPT_WORKLOADS = ("offline", "shared", "uniform", "long")  # those given as prompts (chat: as messages)
 PAGE = 64
 
 
@@ -87,8 +91,8 @@ class _Tokens:
 
 
 def build_workloads(vocab: int, counts: dict, *, seed: int, system_tokens: int, turns: int,
-                    uniform_tokens: int = 512) -> dict:
-    """Each workload's prompts (``offline``, ``shared``, ``uniform``) or messages (``chat``), from ``seed``."""
+                    uniform_tokens: int = 512, long_tokens: int = 6000) -> dict:
+    """Each workload's prompts (:data:`PROMPT_WORKLOADS`) or messages (``chat``), from ``seed``."""
     out = {}
     t = _Tokens(vocab, seed)
     out["offline"] = {"prompts": [t.seq(t.length(128, 1024)) for _ in range(counts["offline"])]}
@@ -100,6 +104,8 @@ def build_workloads(vocab: int, counts: dict, *, seed: int, system_tokens: int, 
     out["chat"] = {"messages": [[t.seq(t.length(20, 60)) for _ in range(turns)] for _ in range(counts["chat"])]}
     t = _Tokens(vocab, seed + 3)
     out["uniform"] = {"prompts": [t.seq(uniform_tokens) for _ in range(counts["uniform"])]}
+    t = _Tokens(vocab, seed + 4)
+    out["long"] = {"prompts": [t.seq(long_tokens) for _ in range(counts["long"])]}
     return out
 
 
@@ -107,7 +113,7 @@ def run_workload(backend, name: str, wl: dict, max_new: int) -> dict:
     """Run one workload through ``backend``; returns its per-request records and the shared-prefix
     references: ``exact_each`` (each request's exact shared prefix) and ``alt_each`` (the variant named
     ``alt_name``), one entry per request in submission order."""
-    if name in ("offline", "shared", "uniform"):
+    if name in PROMPT_WORKLOADS:
         batch = backend.run_batch(name, wl["prompts"], max_new)
         n = len(wl["prompts"])
         if name != "shared":
@@ -643,6 +649,7 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--uniform-tokens", type=int, default=512, help="prompt length of the uniform workload")
+    ap.add_argument("--long-tokens", type=int, default=6000, help="prompt length of the long workload")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                     help="ninfer_kv's round budget (default: the engine's)")
@@ -668,8 +675,8 @@ def main() -> None:
     checkpoint = ensure_checkpoint(args)
     config = json.loads((checkpoint / "config.json").read_text())
     data = build_workloads(int(config["vocab_size"]), counts, seed=args.seed, system_tokens=args.system_tokens,
-                           turns=args.turns, uniform_tokens=args.uniform_tokens)
-    longest = max([len(p) for w in ("offline", "shared", "uniform") if w in workloads for p in data[w]["prompts"]] +
+                           turns=args.turns, uniform_tokens=args.uniform_tokens, long_tokens=args.long_tokens)
+    longest = max([len(p) for w in PROMPT_WORKLOADS if w in workloads for p in data[w]["prompts"]] +
                   [sum(len(m) for m in c) + (len(c) - 1) * args.max_new_tokens
                    for c in data["chat"]["messages"] if "chat" in workloads] + [1])
     if args.max_model_len < longest + args.max_new_tokens:

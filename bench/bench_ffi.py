@@ -64,6 +64,7 @@ import numpy as np  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import ffi_peaks  # noqa: E402  (bench/ is the script's directory)
+from machine import read_bandwidth  # noqa: E402
 
 from ninfer_kv import ffi_ops  # noqa: E402
 from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
@@ -97,17 +98,6 @@ def memory_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
             t.join()
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
-
-
-def read_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
-    """Best bytes/s of reading nbytes once: the FFI threads (one slice each) or one Python thread."""
-    buf = np.ones(nbytes // 8, np.uint64)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        ffi_ops._stream_read(buf, threads)
-        best = min(best, time.perf_counter() - t0)
-    return buf.nbytes / best
 
 
 def _anon_huge_kib() -> int:

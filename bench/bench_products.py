@@ -3,20 +3,26 @@
 For each weight shape of a Qwen3-0.6B layer and its LM head (bfloat16, ``x @ w.T``) and each row
 count M, prints the median time of :func:`ninfer_kv.ffi_ops.matmul_bf16` (the row kernel), of
 :func:`ninfer_kv.ffi_ops.matmul_bf16_packed` (weights packed once) and of XLA's two spellings, the
-packed kernel's rate (GMAC/s, and GB/s of weights) and the ratios.  Run:
-``python bench/bench_products.py [--rows 1 8 32 128 512] [--repeats 5]``.
+packed kernel's rate (GMAC/s, its fraction of the machine's BF16 matrix peak measured in the same
+run, and GB/s of weights and their fraction of the read bandwidth measured in the same run) and the
+ratios.  Run: ``python bench/bench_products.py [--rows 1 8 32 128 512] [--repeats 5]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv import ffi_ops
-from ninfer_kv.packed_weight import pack_bf16_weight
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
+
+from ninfer_kv import ffi_ops  # noqa: E402
+from ninfer_kv.packed_weight import pack_bf16_weight  # noqa: E402
 
 SHAPES = {"q/k/v (4096 x 1024)": (4096, 1024), "o (1024 x 2048)": (1024, 2048),
           "gate+up (6144 x 1024)": (6144, 1024), "down (1024 x 3072)": (1024, 3072),
@@ -92,6 +98,69 @@ def steps_section(batches, iters: int, context: int = 512) -> None:
               + f"{med['xla'] / med['auto, packed']:.2f} |")
 
 
+def layer_weights(cfg) -> int:
+    """Weight elements of one decoder layer's projections (q, k, v, o, gate, up, down)."""
+    d, q, kv, mlp = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.mlp_dim
+    return d * q + 2 * d * kv + q * d + 3 * d * mlp
+
+
+def roofline_section(prefill_tokens, iters: int, read_bw: float, peak) -> None:
+    """The engine's own steps against the machine: a decode step at batch 1 (512 tokens of context)
+    against the read bandwidth (every weight byte read once, the LM head included), and a ragged step
+    holding one prompt of T tokens against the BF16 matrix peak (the products' and the causal
+    attention's multiply-adds)."""
+    import statistics
+
+    import numpy as np
+
+    from ninfer_kv.models.decoder import StepConfig, init_params, make_steps
+    from ninfer_kv.models.decoder.buckets import pad_ragged
+    from ninfer_kv.views import allocate_planes
+
+    cfg = qwen3_0_6b()
+    longest = max(prefill_tokens)
+    steps = make_steps(StepConfig(model=cfg, impl="ffi", batch_buckets=(1, 2), token_buckets=tuple(sorted(set(prefill_tokens)))))
+    params = steps.prepare_params(init_params(cfg, seed=0))  # as the engine runs them
+    weight_bytes = 2 * (cfg.num_layers * layer_weights(cfg) + cfg.vocab_size * cfg.d_model)
+    blocks = -(-(longest + 512 + 1) // 64)
+    state = {"planes": allocate_planes(steps.config.main_layout, blocks),
+             "tables": jnp.asarray(np.arange(blocks, dtype=np.int32)[None])}
+    i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
+
+    def run(step, *a):  # planes and tables are donated: each call takes the previous call's
+        out = step(params, state["planes"], state["tables"], *a)
+        state["planes"], state["tables"] = out.planes, out.block_tables
+        return out.next_tokens
+
+    def median(fn) -> float:
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    from ninfer_kv.packed_weight import PackedWeight
+
+    packed = isinstance(params.get("lm_head"), PackedWeight)
+    print(f"\nthe engine's steps (Qwen3-0.6B shapes, params as the engine prepares them: "
+          f"{'packed' if packed else 'plain'}), median of {iters}")
+    t = median(lambda: run(steps.decode, i32([[1]]), i32([512]), i32([1]), i32([0])))
+    print(f"| decode, batch 1, 512 tokens of context | {t * 1e3:.1f} ms | {weight_bytes / t / 1e9:.1f} GB/s of weights "
+          f"| {weight_bytes / t / read_bw:.2f} of the read bandwidth |")
+    rng = np.random.default_rng(0)
+    for n in prefill_tokens:
+        pk = pad_ragged(rng.integers(0, cfg.vocab_size, n).astype(np.int32), [n], [0], [0], bucket=1, token_bucket=n)
+        args = (i32(pk.tokens), i32(pk.positions), i32(pk.query_starts), i32(pk.table_rows))
+        t = median(lambda: run(steps.ragged, *args))
+        macs = (n * cfg.num_layers * layer_weights(cfg) + cfg.vocab_size * cfg.d_model
+                + cfg.num_layers * 2 * (n * (n + 1) // 2) * cfg.num_heads * cfg.head_dim)
+        share = f"{macs / t / peak[1]:.2f} of the BF16 peak ({peak[0]})" if peak else "no peak measured"
+        print(f"| prefill, one prompt of {n} tokens (ragged step) | {t * 1e3:.1f} ms | {macs / t / 1e9:.1f} GMAC/s "
+              f"| {share} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 512])
@@ -99,16 +168,27 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--steps", action="store_true", help="time whole decode steps instead of the products")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--roofline", type=int, nargs="*", default=None, metavar="T",
+                   help="time the engine's decode step (batch 1) against the read bandwidth and ragged prefill "
+                        "steps of T tokens (default 512) against the BF16 peak, both measured in this run")
     args = p.parse_args(argv)
     if args.steps:
         steps_section(args.batches, args.iters)
+        return 0
+    if args.roofline is not None:
+        read_bw, peak = machine.read_bandwidth(), machine.bf16_peak()
+        print(f"machine: {machine.describe(read_bw)}")
+        print(f"BF16 matrix peak: {f'{peak[1] / 1e9:.0f} GMAC/s ({peak[0]}, every FFI thread)' if peak else 'not measured'}")
+        roofline_section(args.roofline or [512], args.iters, read_bw, peak)
         return 0
     row = jax.jit(ffi_ops.matmul_bf16)
     packed = jax.jit(ffi_ops.matmul_bf16_packed)
     mm = jax.jit(lambda x, w: jnp.matmul(x, w.T, preferred_element_type=jnp.float32))
     dg = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
-    print(f"FFI threads: {ffi_ops.num_threads()}, ISA: {ffi_ops.info().isa}, packed products with "
-          f"{'VDPBF16PS' if ffi_ops.packed_uses_bf16() else 'float32 FMAs'}")
+    read_bw = machine.read_bandwidth()
+    peak = machine.bf16_peak()
+    print(f"machine: {machine.describe(read_bw)}")
+    print(f"BF16 matrix peak: {f'{peak[1] / 1e9:.0f} GMAC/s ({peak[0]}, every FFI thread)' if peak else 'not measured'}")
     print("(each implementation timed over every case before the next one runs: XLA's CPU thread pool keeps "
           "spinning after its own calls and would slow a kernel timed right after them)")
     cases = [(name, n, k, m) for name, (n, k) in SHAPES.items() for m in args.rows]
@@ -119,13 +199,15 @@ def main(argv=None) -> int:
     times = {label: [timed(f, xs[(k, m)], operands[label][name], iters=args.iters, repeats=args.repeats)
                      for name, n, k, m in cases]
              for label, f in (("row", row), ("packed", packed), ("mm", mm), ("dg", dg))}
-    print("| weight | M | row kernel (us) | packed (us) | packed GMAC/s | packed GB/s of weights | XLA x @ w.T (us) "
-          "| XLA dot_general (us) | XLA best / packed | row kernel / packed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| weight | M | row kernel (us) | packed (us) | packed GMAC/s | of BF16 peak | packed GB/s of weights "
+          "| of read BW | XLA x @ w.T (us) | XLA dot_general (us) | XLA best / packed | row kernel / packed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for i, (name, n, k, m) in enumerate(cases):
         a, q, b, c = times["row"][i], times["packed"][i], times["mm"][i], times["dg"][i]
-        print(f"| {name} | {m} | {a * 1e6:.0f} | {q * 1e6:.0f} | {m * n * k / q / 1e9:.1f} | {n * k * 2 / q / 1e9:.1f} "
-              f"| {b * 1e6:.0f} | {c * 1e6:.0f} | {min(b, c) / q:.2f} | {a / q:.2f} |")
+        rate, gbs = m * n * k / q, n * k * 2 / q
+        of_peak = f"{rate / peak[1]:.2f}" if peak else "-"
+        print(f"| {name} | {m} | {a * 1e6:.0f} | {q * 1e6:.0f} | {rate / 1e9:.1f} | {of_peak} | {gbs / 1e9:.1f} "
+              f"| {gbs / read_bw:.2f} | {b * 1e6:.0f} | {c * 1e6:.0f} | {min(b, c) / q:.2f} | {a / q:.2f} |")
     return 0
 
 

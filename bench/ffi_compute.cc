@@ -38,6 +38,12 @@
 
 using namespace ninfer_kv_ffi;
 
+namespace ninfer_kv_ffi {
+// The library decides this once in dispatch.cc (CPU and NINFER_KV_FFI_BF16); this harness builds the
+// attention sources without the dispatcher and asks the CPU.
+bool Bf16DotsEnabled() { return __builtin_cpu_supports("avx512bf16"); }
+}  // namespace ninfer_kv_ffi
+
 namespace {
 
 double Seconds() {

@@ -9,6 +9,14 @@
 #include "row_decoders.h"
 #include "simd.h"
 
+#if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
+#include <immintrin.h>
+#define NINFER_KV_BF16_SCORES 1
+namespace ninfer_kv_ffi {
+bool Bf16DotsEnabled();  // dispatch.h (not included: these sources build without the XLA headers)
+}  // namespace ninfer_kv_ffi
+#endif
+
 NINFER_KV_NAMESPACE_BEGIN
 
 // Software prefetch of the next run, spread over the work of the current one so that the fill
@@ -136,6 +144,66 @@ void Scores(const float* q, int rows, int ld, const PreparedRows& k, int cnt, fl
   }
 }
 
+#if defined(NINFER_KV_BF16_SCORES)
+// The scores of BF16 keys against bfloat16-exact queries with VDPBF16PS: q as 32-bit pair words
+// (qw, ldw words per row), the keys' codes as they are stored.  Each accumulator holds one
+// (row, key) pair: lane l sums dims 2l and 2l + 1 of each 32-dim chunk (exact products, float32
+// sums), then one transposed reduction tree, as ScoreTile.  Key slots past cnt repeat the last key.
+template <int MB, int JB>
+__attribute__((target("avx512bf16"))) NINFER_KV_ALWAYS_INLINE void ScoreTileBf16(const uint32_t* qw, int ldw,
+                                                                                  const PreparedRows& k, int j0,
+                                                                                  int cnt, int nchunks, float* s,
+                                                                                  int lds) {
+  static_assert(MB * JB == kVL, "a score tile has exactly kVL accumulators");
+  const uint8_t* krow[JB];
+  for (int jj = 0; jj < JB; ++jj) krow[jj] = k.data + std::min(j0 + jj, cnt - 1) * k.stride;
+  __m512 acc[MB * JB];
+  for (int i = 0; i < MB * JB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int c = 0; c < nchunks; ++c) {  // chunks of 32 dims
+    __m512i kv[JB];
+    for (int jj = 0; jj < JB; ++jj) kv[jj] = _mm512_loadu_si512(krow[jj] + c * 64);
+    for (int mm = 0; mm < MB; ++mm) {
+      const __m512i qv = _mm512_loadu_si512(qw + mm * ldw + c * 16);
+      for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] = _mm512_dpbf16_ps(acc[mm * JB + jj], (__m512bh)qv, (__m512bh)kv[jj]);
+    }
+  }
+  VFloat a[MB * JB];
+  std::memcpy(a, acc, sizeof a);
+  const VFloat r = ReduceTranspose(a);
+  for (int mm = 0; mm < MB; ++mm) {
+    for (int jj = 0; jj < JB; ++jj) s[mm * lds + jj] = r[mm * JB + jj];
+  }
+}
+
+template <int MB, int JB>
+__attribute__((target("avx512bf16"))) void ScoreRunBf16(const uint32_t* qw, int rows, int ldw, const PreparedRows& k,
+                                                       int cnt, int nchunks, float* s, int lds, Prefetcher* pf) {
+  const int64_t tiles = (cnt + JB - 1) / JB;
+  const int64_t per_tile = (pf->total_lines() + tiles - 1) / std::max<int64_t>(tiles, 1);
+  for (int j0 = 0; j0 < cnt; j0 += JB) {
+    pf->Issue(per_tile);
+    for (int m0 = 0; m0 < rows; m0 += MB) {
+      ScoreTileBf16<MB, JB>(qw + static_cast<int64_t>(m0) * ldw, ldw, k, j0, cnt, nchunks,
+                            s + static_cast<int64_t>(m0) * lds + j0, lds);
+    }
+  }
+}
+
+void ScoresBf16(const uint32_t* qw, int rows, int ldw, int d, const PreparedRows& k, int cnt, float* s, int lds,
+                Prefetcher* pf) {
+  const int nchunks = d / 32;
+  if (rows >= 8) {
+    ScoreRunBf16<8, kVL / 8>(qw, rows, ldw, k, cnt, nchunks, s, lds, pf);
+  } else if (rows >= 3) {
+    ScoreRunBf16<4, kVL / 4>(qw, rows, ldw, k, cnt, nchunks, s, lds, pf);
+  } else if (rows == 2) {
+    ScoreRunBf16<2, kVL / 2>(qw, rows, ldw, k, cnt, nchunks, s, lds, pf);
+  } else {
+    ScoreRunBf16<1, kVL>(qw, rows, ldw, k, cnt, nchunks, s, lds, pf);
+  }
+}
+#endif
+
 // o_r[chunks c0 .. c0 + W) += sum_{j in [a, b)} p_r[j] * v_j for R rows sharing each decoded V row.
 // kSkipZero: skip keys whose probability is zero in every row (needed when the rows' visible
 // ranges differ, so that a key one row sees never meets another row's zero probability
@@ -262,6 +330,8 @@ void AttentionAccumulator::Begin(int rows, int d, int run_capacity, float sm_sca
   qscale_.assign(rows_, 1.0f);
   qbytes_ready_ = false;
   qbytes_ok_ = false;
+  qpairs_ready_ = false;
+  qpairs_ok_ = false;
 }
 
 void AttentionAccumulator::SetVisible(int m, int64_t lo, int64_t hi) {
@@ -504,6 +574,47 @@ ArithmeticChoice ArithmeticOf(Codec k, Codec v, int d) {
 }
 
 template <class VDec>
+void AttentionAccumulator::FoldRunBf16Scores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt,
+                                             Prefetcher* pf) {
+#if defined(NINFER_KV_BF16_SCORES)
+  for (int m = 0; m < rows_; ++m) srow_[m] = sm_scale_;
+  ScoresBf16(qw_, rows_, ld_ / 2, d_, k, cnt, s_, sld_, pf);
+  pf->IssueAll();
+  if (!UpdateSoftmax(ja, cnt)) return;
+  ValuesFloat<VDec>(v, cnt);
+#endif
+}
+
+bool AttentionAccumulator::PrepareQueryPairs() {
+  if (qpairs_ready_) return qpairs_ok_;
+  qpairs_ready_ = true;
+  qpairs_ok_ = false;
+#if defined(NINFER_KV_BF16_SCORES)
+  if (d_ % 32 != 0 || !Bf16DotsEnabled()) return false;
+  qw_ = reinterpret_cast<uint32_t*>(qpairs_.Get(static_cast<size_t>(rows_padded_) * ld_ / 2));
+  for (int m = 0; m < rows_padded_; ++m) {
+    const float* q = q_ + static_cast<int64_t>(m) * ld_;
+    uint32_t low = 0;
+    for (int i = 0; i < ld_; ++i) {
+      uint32_t b;
+      std::memcpy(&b, q + i, 4);
+      low |= b & 0xFFFFu;
+    }
+    if (low != 0) return false;  // not bfloat16 values: the float32 scores
+    uint32_t* w = qw_ + static_cast<int64_t>(m) * ld_ / 2;
+    for (int i = 0; i < ld_; i += 2) {
+      uint32_t even, odd;
+      std::memcpy(&even, q + i, 4);
+      std::memcpy(&odd, q + i + 1, 4);
+      w[i / 2] = (even >> 16) | (odd & 0xFFFF0000u);
+    }
+  }
+  qpairs_ok_ = true;
+#endif
+  return qpairs_ok_;
+}
+
+template <class VDec>
 void AttentionAccumulator::FoldRunIntScores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt,
                                             Prefetcher* pf) {
   ScoresNvfp4Int(k, cnt, pf);
@@ -549,6 +660,12 @@ void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const
       PrepareQueryBytes()) {
     VisitValueDecoder(v.codec, vp, [&](auto vdec) {
       FoldRunIntScores<typename decltype(vdec)::type>(kp, vp, ja, cnt, &pf);
+    });
+    return;
+  }
+  if (k.codec == Codec::kBF16 && PrepareQueryPairs()) {
+    VisitValueDecoder(v.codec, vp, [&](auto vdec) {
+      FoldRunBf16Scores<typename decltype(vdec)::type>(kp, vp, ja, cnt, &pf);
     });
     return;
   }

@@ -12,7 +12,9 @@
 //
 // Arithmetic (ArithmeticOf below): float32 throughout, except NVFP4 keys on the levels with
 // AVX-512 VNNI, whose scores are exact integer sums against the query rounded to 15 bits
-// (int_scores.h).  Runs whose K scales are not all finite, and query rows that are not finite,
+// (int_scores.h).  BF16 keys against queries that are bfloat16 values (a model's, in bfloat16)
+// take VDPBF16PS on CPUs with AVX512_BF16 (the AVX-512 levels, unless NINFER_KV_FFI_BF16=0):
+// the same exact products and float32 sums, half the instructions.  Runs whose K scales are not all finite, and query rows that are not finite,
 // take the float32 path.  Scores sm_scale * (q . k); per row the running maximum, the running
 // denominator and the unnormalized output are rescaled when the maximum grows.  A row with no
 // visible key produces zeros.
@@ -83,6 +85,12 @@ class AttentionAccumulator {
   template <class VDec>
   void ValuesFloat(const PreparedRows& v, int cnt);
   template <class VDec>
+  void FoldRunBf16Scores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
+  // The query rows as bfloat16 pair words (qw_), once per task; false when a row holds a value
+  // that is not a bfloat16 value, the head dim is not a multiple of 32, or the CPU (or
+  // NINFER_KV_FFI_BF16=0) rules VDPBF16PS out (the task's scores then stay float32).
+  bool PrepareQueryPairs();
+  template <class VDec>
   void FoldRunIntScores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
   void ScoresNvfp4Int(const PreparedRows& k, int cnt, Prefetcher* pf);
   // Rounds the query rows to 15 bits and splits them into bytes (int_scores.h), once per task;
@@ -107,10 +115,13 @@ class AttentionAccumulator {
   std::vector<float> qscale_;   // per row: the step of the rounded query (q ~ q16 * qscale)
   bool qbytes_ready_ = false;   // whether PrepareQueryBytes ran for this task
   bool qbytes_ok_ = false;      // its result
+  bool qpairs_ready_ = false;   // whether PrepareQueryPairs ran for this task
+  bool qpairs_ok_ = false;      // its result
+  uint32_t* qw_ = nullptr;      // rows_padded_ x ld_ / 2: the queries' bfloat16 pairs
   uint8_t* qhi_ = nullptr;      // rows_padded_ x ld_: the high bytes of the rounded queries
   uint8_t* qlo_ = nullptr;      // rows_padded_ x ld_: the low bytes
   std::vector<int32_t> qcorr_;  // per row and 16-dim group: the sums' starting values (int_scores.h)
-  AlignedFloats qbuf_, sbuf_, obuf_, kbuf_, vbuf_, kscale_, vscale_, wbuf_, fold_scale_, facbuf_, qbytes_;
+  AlignedFloats qbuf_, sbuf_, obuf_, kbuf_, vbuf_, kscale_, vscale_, wbuf_, fold_scale_, facbuf_, qbytes_, qpairs_;
 };
 
 // Combines `parts` partial states (each d + 2 floats, as ExportPartial writes them) into the

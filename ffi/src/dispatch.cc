@@ -1,5 +1,6 @@
 #include "dispatch.h"
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -152,7 +153,7 @@ std::string FeatureNames(uint64_t bits) {
   return s;
 }
 
-bool PackedBf16Enabled() {
+bool Bf16DotsEnabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("NINFER_KV_FFI_BF16");
     return (CpuFeatures() & kAvx512bf16) != 0 && !(env != nullptr && std::strcmp(env, "0") == 0);
@@ -170,8 +171,11 @@ const char* AmxTileDataRefusal() {
 #if defined(__linux__) && defined(__x86_64__)
     // Linux grants the tile data state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
     constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    // (Refused, for one, while a thread's alternate signal stack is too small for the tile state:
+    // ENOSPC.  Python's faulthandler installs one.)
     if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
-      return "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)";
+      return "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: " + std::string(std::strerror(errno)) +
+             ")";
     }
     unsigned long granted = 0;
     if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 || ((granted >> kXfeatureXtiledata) & 1u) == 0) {

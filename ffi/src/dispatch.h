@@ -30,10 +30,10 @@ struct Selection {
   std::string cpu_features;            // FeatureNames(CpuFeatures())
 };
 
-// Whether the packed weight products (gemm_packed.cc) may use VDPBF16PS: the CPU has AVX512_BF16
-// and NINFER_KV_FFI_BF16 is not "0" (read once; "0" keeps the float32 FMA form of the same
-// arithmetic, for tests and comparisons).
-bool PackedBf16Enabled();
+// Whether the kernels may use VDPBF16PS (the packed weight products, gemm_packed.cc; the scores of
+// BF16 keys, attention_core.cc): the CPU has AVX512_BF16 and NINFER_KV_FFI_BF16 is not "0" (read
+// once; "0" keeps the float32 FMA forms, for tests and comparisons).
+bool Bf16DotsEnabled();
 
 // Why the packed products may not use AMX tiles here ("" when they may): the CPU lacks AMX-BF16
 // (or the OS its tile state), NINFER_KV_FFI_AMX or NINFER_KV_FFI_BF16 is "0", or the kernel refused

@@ -36,8 +36,8 @@
 // other packing: a pair step of a tile holds four B tiles' rows side by side (stride 256 bytes).  (AArch64's flush-to-zero detects tininess before
 // rounding: a result that rounds up to the smallest normal float is flushed there.)
 //
-// Blocking: the work is split over the thread pool by tiles (64 columns of one weight).  A task
-// runs its tile over K blocks of kPairsPerBlock pairs (64 KiB of the tile, kept in L1/L2 while
+// Blocking: the work is split over the thread pool by row blocks (about 512 KiB of x, kept in L2;
+// outermost) and tiles (64 columns of one weight).  A task runs its tile over K blocks of kPairsPerBlock pairs (64 KiB of the tile, kept in L1/L2 while
 // the rows pass), each K block over register blocks of MR rows x NG groups of 16 columns (6 x 4
 // with VDPBF16PS: 24 accumulators, four weight vectors loaded per pair step and one broadcast
 // pair of x per row); partial sums go to the float32 output between K blocks (which keeps the
@@ -87,6 +87,8 @@ constexpr int64_t kTileCols = 64;         // output columns per tile
 constexpr int64_t kTileWords = kTileCols;  // 32-bit words (bfloat16 pairs) per pair step of a tile
 constexpr int kGroups = 4;                 // vectors of 16 columns per tile
 constexpr int64_t kPairsPerBlock = 256;    // pairs of K per block (64 KiB of a tile)
+constexpr int64_t kRowBlockBytes = 512 << 10;  // bytes of prepared x per row block (kept in L2)
+constexpr int64_t kRowBlockUnit = 48;          // row blocks are a multiple of this (6-row and 16-row blocks)
 
 #if defined(__AVX512F__)
 constexpr int kFmaRows = 4, kFmaGroups = 4;
@@ -374,33 +376,49 @@ void PackedProducts(const uint16_t* xp, int64_t m_len, int64_t k_len, const std:
     }
     if (words) std::fill(xw + m * x_pairs + pairs, xw + (m + 1) * x_pairs, 0u);
   });
-  std::vector<std::pair<int, int64_t>> tasks;  // (product, tile)
-  for (size_t i = 0; i < products.size(); ++i) {
-    for (int64_t t = 0; t < products[i].tiles; ++t) tasks.emplace_back(static_cast<int>(i), t);
+  // Tasks: (row block, product, tile), row blocks outermost.  A row block's x (about kRowBlockBytes)
+  // stays in L2 while the tiles stream past it; each tile is read once per row block.
+  const int64_t x_row_bytes = words ? x_pairs * 4 : pairs * 8;
+  const int64_t block_rows = std::max<int64_t>(kRowBlockUnit, kRowBlockBytes / x_row_bytes / kRowBlockUnit * kRowBlockUnit);
+  struct Task {
+    int product;
+    int64_t tile, m0, m1;
+  };
+  std::vector<Task> tasks;
+  for (int64_t m0 = 0; m0 < m_len; m0 += block_rows) {
+    for (size_t i = 0; i < products.size(); ++i) {
+      for (int64_t t = 0; t < products[i].tiles; ++t) {
+        tasks.push_back({static_cast<int>(i), t, m0, std::min(m_len, m0 + block_rows)});
+      }
+    }
   }
   ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t task) {
     ScopedFlushDenormal flush;
-    const Product& p = products[tasks[task].first];
-    const int64_t t = tasks[task].second;
-    const uint16_t* tile = p.packed + t * pairs * kTileWords * 2;
-    const int64_t n0 = t * kTileCols, cols = std::min(kTileCols, p.n_len - n0);
+    const Task& job = tasks[static_cast<size_t>(task)];
+    const Product& p = products[job.product];
+    const int64_t rows = job.m1 - job.m0;
+    const uint16_t* tile = p.packed + job.tile * pairs * kTileWords * 2;
+    const int64_t n0 = job.tile * kTileCols, cols = std::min(kTileCols, p.n_len - n0);
     thread_local std::vector<float> partial;
-    const Dest d = cols == kTileCols ? Dest{p.out + n0, p.n_len} : Dest{Scratch(partial, m_len * kTileCols), kTileCols};
+    const Dest d = cols == kTileCols ? Dest{p.out + job.m0 * p.n_len + n0, p.n_len}
+                                     : Dest{Scratch(partial, rows * kTileCols), kTileCols};
     switch (form) {
 #if defined(NINFER_KV_PACKED_AMX)
       case Form::kAmx: {
         thread_local std::vector<uint16_t> b_tail;
-        AmxTile(xw, m_len, pairs, tile, Scratch(b_tail, 16 * kTileWords * 2), d);
+        AmxTile(xw + job.m0 * x_pairs, rows, pairs, tile, Scratch(b_tail, 16 * kTileWords * 2), d);
         break;
       }
 #endif
 #if defined(NINFER_KV_PACKED_BF16)
-      case Form::kBf16: Bf16Tile(xw, m_len, pairs, tile, d); break;
+      case Form::kBf16: Bf16Tile(xw + job.m0 * x_pairs, rows, pairs, tile, d); break;
 #endif
-      default: FmaTile(xf, m_len, pairs, tile, d); break;
+      default: FmaTile(xf + job.m0 * pairs * 2, rows, pairs, tile, d); break;
     }
     if (cols != kTileCols) {
-      for (int64_t m = 0; m < m_len; ++m) std::memcpy(p.out + m * p.n_len + n0, d.data + m * kTileCols, cols * sizeof(float));
+      for (int64_t m = 0; m < rows; ++m) {
+        std::memcpy(p.out + (job.m0 + m) * p.n_len + n0, d.data + m * kTileCols, cols * sizeof(float));
+      }
     }
   });
 }
@@ -492,7 +510,7 @@ const AmxChoice& Amx() {
 Form UseForm() {
 #if defined(NINFER_KV_PACKED_BF16)
   if (Amx().use) return Form::kAmx;
-  if (PackedBf16Enabled()) return Form::kBf16;
+  if (Bf16DotsEnabled()) return Form::kBf16;
 #endif
   return Form::kFma;
 }

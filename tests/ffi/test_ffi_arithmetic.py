@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -84,12 +85,13 @@ def _oracle(q, k, v, positions, kv_lens, sm_scale):
     return out
 
 
-def _run(profile: str, *, batch=2, context=200, heads=2, group=4, t=1, head_dim=64, seed=0, scale_q=1.0):
+def _run(profile: str, *, batch=2, context=200, heads=2, group=4, t=1, head_dim=64, seed=0, scale_q=1.0,
+         q_dtype=np.float32):
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((batch, context, heads, head_dim)).astype(np.float32)
     v = rng.standard_normal((batch, context, heads, head_dim)).astype(np.float32)
     view, kq, vq = _cache(profile, k, v, rng)
-    q = (scale_q * rng.standard_normal((batch, t, heads * group, head_dim))).astype(np.float32)
+    q = (scale_q * rng.standard_normal((batch, t, heads * group, head_dim))).astype(q_dtype).astype(np.float32)
     positions = np.array([context - t - 3 * i for i in range(batch)], np.int32)
     kv_lens = np.full((batch,), context, np.int32)
     sm_scale = 1.0 / np.sqrt(head_dim)
@@ -151,6 +153,16 @@ def test_each_profile_reports_its_arithmetic():
 def test_attention_within_the_tolerance_of_its_arithmetic(profile):
     r = _run(profile, t=3, seed=1)
     _check_tolerance(profile, r, 64)
+
+
+@pytest.mark.parametrize(("head_dim", "group", "t"), [(64, 4, 1), (128, 2, 9), (128, 1, 2), (256, 8, 3), (48, 2, 4)])
+def test_bfloat16_queries_on_bf16_keys_keep_the_float32_tolerance(head_dim, group, t):
+    """Queries holding bfloat16 values (a model's) against BF16 keys take VDPBF16PS where the CPU has
+    AVX512_BF16 (head dims a multiple of 32): exact products and float32 sums, so the float32
+    tolerance; 1 to 18 query rows per task, and a head dim that keeps the float32 path."""
+    r = _run("bf16", batch=2, context=131, heads=2, group=group, t=t, head_dim=head_dim, seed=head_dim + t,
+             q_dtype=ml_dtypes.bfloat16)
+    _check_tolerance("bf16", r, head_dim)
 
 
 @pytest.mark.parametrize(("head_dim", "group", "t"), [(16, 1, 1), (48, 3, 2), (128, 8, 1), (256, 2, 5)])

@@ -91,7 +91,7 @@ def test_source_tree_on_pythonpath_still_finds_the_library():
 @pytest.mark.parametrize("words", [0, 1, 7, 31, 32, 33, 1000, 4099])
 @pytest.mark.parametrize("threads", [0, 1, 3])
 def test_the_read_probe_sums_every_word_once(words, threads):
-    """The read-bandwidth probe of bench_ffi.py reads every word exactly once, whatever the split."""
+    """The read-bandwidth probe of bench/machine.py reads every word exactly once, whatever the split."""
     if not ffi_ops.is_available():
         pytest.skip(ffi_ops.load_error())
     rng = np.random.default_rng(words)

@@ -12,6 +12,7 @@ the library holds the hardware to before it uses AMX).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -118,10 +119,17 @@ def test_amx_orders_numpy_equals_library_definition(order, m, n, k):
 
 def test_amx_form_where_the_cpu_has_it():
     """A CPU with AMX-BF16 runs the AMX form (its order checked once, bit for bit, by the library);
-    every other CPU says why not."""
-    kernel, why = ffi_ops.packed_kernel(), ffi_ops.packed_amx_status()
+    every other CPU says why not.  Asked in a fresh process: Linux refuses the tile state to a process
+    whose alternate signal stacks are too small for it, and pytest's faulthandler installs one."""
+    probe = ("from ninfer_kv import ffi_ops; import json; "
+             "print(json.dumps([ffi_ops.packed_kernel(), ffi_ops.packed_amx_status(), ffi_ops.info().cpu_features]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "NINFER_KV_FFI_AMX", "NINFER_KV_FFI_BF16")}
+    r = subprocess.run([sys.executable, "-c", probe], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    kernel, why, features = json.loads(r.stdout.strip().splitlines()[-1])
     assert kernel in ffi_ops.PACKED_KERNELS
-    if "amx-bf16" not in ffi_ops.info().cpu_features:
+    if "amx-bf16" not in features:
         assert not kernel.startswith("amx") and why
         pytest.skip(f"no AMX form here ({why}); it runs on CPUs with AMX-BF16")
     assert kernel.startswith("amx"), f"AMX-BF16 present but not used: {why}"

@@ -250,7 +250,9 @@ class StepConfig:
       token_buckets: the token counts ``N`` the ragged step accepts (strictly increasing); pad a
         ragged batch with :func:`ninfer_kv.models.decoder.buckets.pad_ragged`.
       products: how the weight products run when the ops are the FFI's (a CPU): ``"auto"``
-        (default: the FFI row kernel for single-row products, XLA's dots for more), ``"xla"``
+        (default: this CPU's fastest per row count: the packed products where they use AMX or
+        AVX512_BF16, batch invariant there; elsewhere the FFI row kernel for single-row products
+        and XLA's dots for more), ``"xla"``
         (XLA's dots only) or ``"batch_invariant"`` (a row's logits never depend on the batch); see
         :class:`ninfer_kv.models.decoder.layers.Products` and docs/MODELS.md.  Other
         implementations always use XLA's dots.

@@ -30,6 +30,8 @@ __all__ = [
     "rms_norm",
     "Products",
     "products",
+    "PACKED_FASTEST_FORMS",
+    "packed_products_fastest",
     "matmul_t",
     "matmul_t_many",
     "rope_frequencies",
@@ -49,29 +51,56 @@ class Products(str, enum.Enum):
     """How :func:`matmul_t` computes the weight products of a traced step.
 
     * ``XLA``: XLA's own dots (every platform; see :func:`matmul_t` for the two spellings).
-    * ``AUTO`` (CPU with the FFI library, bfloat16 ``x`` and ``w``): the FFI row kernel
-      (:func:`ninfer_kv.ffi_ops.matmul_bf16`) for single-row products (a decode step at batch 1: it
-      reads each weight once, front to back, faster than XLA's matrix-vector kernel), XLA's dots
-      for more rows (compute-bound there, where XLA's use the CPU's BF16 dot products).  A step
-      traced over packed weights runs ``AUTO`` as ``BATCH_INVARIANT`` (it costs nothing there; see
-      :meth:`~ninfer_kv.models.decoder.steps.ModelSteps.prepare_params`).
+    * ``AUTO`` (CPU with the FFI library, bfloat16 ``x`` and ``w``): this CPU's fastest product per
+      row count, from the table of :func:`packed_products_fastest`: where the FFI packed products
+      are (AMX tiles or AVX512_BF16), the weights are packed once
+      (:meth:`~ninfer_kv.models.decoder.steps.ModelSteps.prepare_params`) and a step traced over
+      them runs ``AUTO`` as ``BATCH_INVARIANT`` (it costs nothing there); elsewhere the weights
+      stay plain, the FFI row kernel (:func:`ninfer_kv.ffi_ops.matmul_bf16`) takes single-row
+      products (a decode step at batch 1: it reads each weight once, front to back, faster than
+      XLA's matrix-vector kernel) and XLA's dots take more rows.
     * ``BATCH_INVARIANT`` (CPU with the FFI library): every computation of a row depends on that
-      row alone: bfloat16 weight products through the FFI row kernel
-      (:func:`ninfer_kv.ffi_ops.matmul_bf16`), :func:`rms_norm`'s sum of squares as a fixed pairwise
-      tree (XLA's CPU reductions change their order with the number of rows), and the FFI
-      attention's context splits at fixed key offsets (:func:`ninfer_kv.ffi_ops.fixed_splits`).
+      row alone: bfloat16 weight products through the FFI packed products (packed weights) or row
+      kernel (plain ones), :func:`rms_norm`'s sum of squares as a fixed pairwise tree (XLA's CPU
+      reductions change their order with the number of rows), and the FFI attention's context
+      splits at fixed key offsets (:func:`ninfer_kv.ffi_ops.fixed_splits`).
 
     Weights packed once (:func:`ninfer_kv.models.decoder.weights.pack_params`, a
     :class:`~ninfer_kv.packed_weight.PackedWeight` in place of the array) take the FFI packed
     products (:func:`ninfer_kv.ffi_ops.matmul_bf16_packed`) under ``AUTO`` and ``BATCH_INVARIANT``
-    at every row count: batch invariant by construction and faster than both the row kernel and
-    XLA's dots from one row to hundreds.  Under ``XLA`` a packed weight is unpacked in the step and
-    multiplied by XLA's dot.
+    at every row count.  Under ``XLA`` a packed weight is unpacked in the step and multiplied by
+    XLA's dot.
     """
 
     AUTO = "auto"
     XLA = "xla"
     BATCH_INVARIANT = "batch_invariant"
+
+
+PACKED_FASTEST_FORMS = ("amx-chunks", "amx-pairs", "vdpbf16ps")
+"""The forms of the FFI packed products (:func:`ninfer_kv.ffi_ops.packed_kernel`) that are the
+CPU's fastest weight products at every row count (see :func:`packed_products_fastest`)."""
+
+
+def packed_products_fastest() -> bool:
+    """Whether the FFI packed products are this CPU's fastest weight products at every row count,
+    by the documented table (``bench/bench_products.py`` measures it on a machine; docs/MODELS.md
+    gives the figures):
+
+    ==========================  ===============  =================
+    packed form                 one row          two rows and more
+    ==========================  ===============  =================
+    ``amx-*`` (AMX-BF16)        packed products  packed products
+    ``vdpbf16ps`` (AVX512_BF16) packed products  packed products
+    ``fma`` (every other CPU)   FFI row kernel   XLA's dots
+    ==========================  ===============  =================
+
+    ``False`` without the FFI library.  ``"auto"`` products follow it; ``"batch_invariant"`` takes
+    the packed products everywhere (batch invariance at the ``fma`` form's speed)."""
+    from ninfer_kv import ffi_ops
+
+    return ffi_ops.is_available() and ffi_ops.packed_kernel() in PACKED_FASTEST_FORMS
+
 
 _PRODUCTS: contextvars.ContextVar[Products] = contextvars.ContextVar("ninfer_kv_products", default=Products.XLA)
 

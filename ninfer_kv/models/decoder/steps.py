@@ -84,7 +84,7 @@ from ...device.work import apply_work
 from ...packed_weight import PackedWeight
 from ...ops.registry import resolve_impl
 from .config import StepConfig
-from .layers import Products, products
+from .layers import Products, packed_products_fastest, products
 from .model import forward_ragged, forward_paged, logits_from_hidden
 from .mtp import mtp_draft_paged, mtp_forward_paged
 from .sampling import SamplingRows, greedy_tokens, sample_tokens
@@ -555,9 +555,13 @@ class ModelSteps:
     def prepare_params(self, params: dict) -> dict:
         """``params`` as these steps run them fastest: with the bfloat16 projections and the LM head
         packed once (:func:`~ninfer_kv.models.decoder.weights.pack_params`) when the ops resolve to
-        the FFI and the products are not ``"xla"``, else ``params`` itself.  Call it once, after
-        loading, and pass the result to every step; the steps also take plain params."""
+        the FFI and the products are ``"batch_invariant"``, or ``"auto"`` on a CPU where the packed
+        products are the fastest (:func:`~ninfer_kv.models.decoder.layers.packed_products_fastest`),
+        else ``params`` itself.  Call it once, after loading, and pass the result to every step; the
+        steps also take plain params."""
         if self.config.products == Products.XLA.value or resolve_impl(self.config.impl).name != "ffi":
+            return params
+        if self.config.products == Products.AUTO.value and not packed_products_fastest():
             return params
         return pack_params(params, self.config.model)
 
