@@ -48,6 +48,19 @@ def timed(fn, *args, iters: int, repeats: int = 1, budget_s: float = 0.2) -> flo
     return statistics.median(means)
 
 
+def median_time(fn, iters: int) -> float:
+    """Median wall time of ``iters`` calls of ``fn()`` (each waited for), after one untimed call."""
+    import statistics
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def qwen3_0_6b():
     from ninfer_kv.models.decoder import ModelConfig
 
@@ -104,7 +117,7 @@ def layer_weights(cfg) -> int:
     return d * q + 2 * d * kv + q * d + 3 * d * mlp
 
 
-def roofline_section(prefill_tokens, iters: int, read_bw: float, peak) -> None:
+def roofline_section(prefill_tokens, iters: int, peak) -> None:
     """The engine's own steps against the machine: a decode step at batch 1 (512 tokens of context)
     against the read bandwidth (every weight byte read once, the LM head included), and a ragged step
     holding one prompt of T tokens against the BF16 matrix peak (the products' and the causal
@@ -133,27 +146,32 @@ def roofline_section(prefill_tokens, iters: int, read_bw: float, peak) -> None:
         return out.next_tokens
 
     def median(fn) -> float:
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_time(fn, iters)
 
     from ninfer_kv.packed_weight import PackedWeight
 
     packed = isinstance(params.get("lm_head"), PackedWeight)
     print(f"\nthe engine's steps (Qwen3-0.6B shapes, params as the engine prepares them: "
           f"{'packed' if packed else 'plain'}), median of {iters}")
-    t = median(lambda: run(steps.decode, i32([[1]]), i32([512]), i32([1]), i32([0])))
+    # The read bandwidth of a shared machine moves from minute to minute: each decode step is timed
+    # right after a read-bandwidth sample, and the step's rate is compared with the samples' median.
+    dec = (i32([[1]]), i32([512]), i32([1]), i32([0]))
+    jax.block_until_ready(run(steps.decode, *dec))
+    steps_s, samples = [], []
+    for _ in range(max(iters, 5)):
+        samples.append(machine.read_bandwidth(repeats=1))
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(steps.decode, *dec))
+        steps_s.append(time.perf_counter() - t0)
+    t, bw = statistics.median(steps_s), statistics.median(samples)
     print(f"| decode, batch 1, 512 tokens of context | {t * 1e3:.1f} ms | {weight_bytes / t / 1e9:.1f} GB/s of weights "
-          f"| {weight_bytes / t / read_bw:.2f} of the read bandwidth |")
+          f"| {weight_bytes / t / bw:.2f} of the read bandwidth ({bw / 1e9:.1f} GB/s, median of samples taken "
+          f"between the steps) |")
     rng = np.random.default_rng(0)
     for n in prefill_tokens:
         pk = pad_ragged(rng.integers(0, cfg.vocab_size, n).astype(np.int32), [n], [0], [0], bucket=1, token_bucket=n)
         args = (i32(pk.tokens), i32(pk.positions), i32(pk.query_starts), i32(pk.table_rows))
-        t = median(lambda: run(steps.ragged, *args))
+        t = median(lambda a=args: run(steps.ragged, *a))
         macs = (n * cfg.num_layers * layer_weights(cfg) + cfg.vocab_size * cfg.d_model
                 + cfg.num_layers * 2 * (n * (n + 1) // 2) * cfg.num_heads * cfg.head_dim)
         share = f"{macs / t / peak[1]:.2f} of the BF16 peak ({peak[0]})" if peak else "no peak measured"
@@ -179,7 +197,7 @@ def main(argv=None) -> int:
         read_bw, peak = machine.read_bandwidth(), machine.bf16_peak()
         print(f"machine: {machine.describe(read_bw)}")
         print(f"BF16 matrix peak: {f'{peak[1] / 1e9:.0f} GMAC/s ({peak[0]}, every FFI thread)' if peak else 'not measured'}")
-        roofline_section(args.roofline or [512], args.iters, read_bw, peak)
+        roofline_section(args.roofline or [512], args.iters, peak)
         return 0
     row = jax.jit(ffi_ops.matmul_bf16)
     packed = jax.jit(ffi_ops.matmul_bf16_packed)

@@ -17,7 +17,6 @@ and the ratio of the ragged round to (decodes alone + chunk alone).  Run:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,21 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_products import qwen3_0_6b  # noqa: E402
+from bench_products import median_time, qwen3_0_6b  # noqa: E402
 
 from ninfer_kv.models.decoder import StepConfig, init_params, make_steps  # noqa: E402
 from ninfer_kv.models.decoder.buckets import bucket_for, bucket_ladder, pad_ragged, token_ladder  # noqa: E402
 from ninfer_kv.views import allocate_planes  # noqa: E402
-
-
-def median_time(fn, iters: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
