@@ -423,6 +423,14 @@ void PackedProducts(const uint16_t* xp, int64_t m_len, int64_t k_len, const std:
   });
 }
 
+// Whether AMX is in use here, in which order, and why not.
+struct AmxChoice {
+  bool use = false;
+  int order = packed_order::kAmxChunks;
+  std::string why;
+};
+
+#if defined(NINFER_KV_PACKED_AMX)
 // w (N, K) bfloat16 bits in the packed layout (ninfer_kv/packed_weight.py's, for the AMX check).
 std::vector<uint16_t> PackWeight(const std::vector<uint16_t>& w, int64_t n_len, int64_t k_len) {
   const int64_t tiles = (n_len + kTileCols - 1) / kTileCols, pairs = (k_len + 1) / 2;
@@ -436,14 +444,6 @@ std::vector<uint16_t> PackWeight(const std::vector<uint16_t>& w, int64_t n_len, 
   return packed;
 }
 
-// Whether AMX is in use here, in which order, and why not.
-struct AmxChoice {
-  bool use = false;
-  int order = packed_order::kAmxChunks;
-  std::string why;
-};
-
-#if defined(NINFER_KV_PACKED_AMX)
 // The AMX form against both orders of packed_order.h on data that tells them apart: products
 // across 17 rows (a full row block and a short one), 80 columns (a full tile and a partial one)
 // and K = 93 (a partial chunk, an odd K), with signed zeros, denormal inputs, magnitudes from 1e-20
@@ -550,7 +550,6 @@ ffi::Error MatmulBf16PackedImpl(ffi::AnyBuffer x, ffi::RemainingArgs ws_in, ffi:
   std::vector<Product> products;
   if (auto err = CheckPacked(x, ws, outs, &products); err.failure()) return err;
   const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
-  const int64_t pairs = (k_len + 1) / 2;
   if (m_len == 0) return ffi::Error::Success();
   if (k_len == 0) {
     for (const Product& p : products) std::fill(p.out, p.out + m_len * p.n_len, 0.0f);
