@@ -23,30 +23,32 @@
 //     FMA, adds the exact double product in double precision (exactly rounded sums of two 24-bit
 //     significands: no double-rounding error) and flushes tiny results explicitly.
 // Every row's result is therefore bit-identical whatever the batch (batch invariance), and the
-// same at every level on every x86 machine without AMX.
+// same at every level on every x86 machine without AMX.  (AArch64's flush-to-zero detects tininess
+// before rounding: a result that rounds up to the smallest normal float is flushed there.)
 //
-// AMX (CPUs with AMX-BF16, the AVX-512 levels): the form "amx" multiplies 16-row tiles of x by
-// 16-pair x 16-column tiles of the packed weight with TDPBF16PS, whose arithmetic is its own:
-// one of the two orders of packed_order.h (K padded with zeros to a multiple of 32, per chunk of
-// 32 either two chains and a sum, or one chain).  It is used only after a check, once per process,
-// that the hardware reproduces one of them bit for bit (on data with denormals and underflowing
-// products); that order then holds for every M on this machine, single rows included (batch
-// invariance), and differs from the pairs order above in the last bits.  Otherwise, or with
-// NINFER_KV_FFI_AMX=0, the machine runs VDPBF16PS or the FMA form as above.  The weights need no
-// other packing: a pair step of a tile holds four B tiles' rows side by side (stride 256 bytes).  (AArch64's flush-to-zero detects tininess before
-// rounding: a result that rounds up to the smallest normal float is flushed there.)
+// AMX (CPUs with AMX-BF16, the AVX-512 levels): the AMX form multiplies 16-row tiles of x by
+// 16-pair x 16-column tiles of the packed weight with TDPBF16PS, whose arithmetic is its own: one
+// of the two orders of packed_order.h ("amx-chunks", "amx-pairs"; K padded with zeros to a
+// multiple of 32).  It is used only after a check, once per process, that the hardware reproduces
+// one of them bit for bit (on data with denormals and underflowing products); that order then
+// holds for every M on this machine, single rows included (batch invariance), and differs from the
+// pairs order above in the last bits.  Otherwise, or with NINFER_KV_FFI_AMX=0, the machine runs
+// VDPBF16PS or the FMA form as above.  The weights need no other packing: a pair step of a tile
+// holds four B tiles' rows side by side (stride 256 bytes).
 //
 // Blocking: the work is split over the thread pool by row blocks (about 512 KiB of x, kept in L2;
-// outermost) and tiles (64 columns of one weight).  A task runs its tile over K blocks of kPairsPerBlock pairs (64 KiB of the tile, kept in L1/L2 while
-// the rows pass), each K block over register blocks of MR rows x NG groups of 16 columns (6 x 4
-// with VDPBF16PS: 24 accumulators, four weight vectors loaded per pair step and one broadcast
-// pair of x per row); partial sums go to the float32 output between K blocks (which keeps the
-// order).  One row of x reads each tile front to back: one sequential stream per tile.
+// outermost) and tiles (64 columns of one weight).  A task runs its tile over K blocks of
+// kPairsPerBlock pairs (64 KiB of the tile, kept in L1/L2 while the rows pass), each K block over
+// register blocks of MR rows x NG groups of 16 columns (6 x 4 with VDPBF16PS: 24 accumulators,
+// four weight vectors loaded per pair step and one broadcast pair of x per row); partial sums go
+// to the float32 output between K blocks (which keeps the order).  One row of x reads each tile
+// front to back: one sequential stream per tile.  (The AMX form keeps its accumulators in tiles
+// across all of K.)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -263,7 +265,6 @@ void Bf16Tile(const uint32_t* xw, int64_t m_len, int64_t pairs, const uint16_t* 
   }
 }
 #endif
-
 
 // ---- the AMX path: x as 32-bit pair words, x_w[m * P16 + p], P16 = P rounded up to 16 (zeros) ----
 
