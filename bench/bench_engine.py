@@ -508,19 +508,6 @@ def table(rows: list[list], headers: list[str]) -> str:
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-    return f"{model}, {os.cpu_count()} cores ({platform.machine()}), load average {load}"
-
-
 def _time(x: float) -> str:
     return f"{x * 1e3:,.0f} ms" if x < 10 else f"{x:,.1f} s"
 
@@ -689,7 +676,10 @@ def main() -> None:
     else:
         kv_capacity = int(args.kv_capacity)
 
-    print(f"machine: {machine()}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import machine  # bench/machine.py (imports the FFI library: after JAX_PLATFORMS is set)
+
+    print(f"machine: {machine.describe()}")
     print(f"JAX {jax.__version__} ({jax.devices()[0].platform}), numpy {np.__version__}, "
           f"Python {platform.python_version()}")
     print(f"checkpoint: {checkpoint} ({config.get('architectures', ['?'])[0]}, "

@@ -561,7 +561,7 @@ def packed_amx_reference(x: np.ndarray, w: np.ndarray, order: str) -> np.ndarray
     Raises ``ValueError`` naming a bad order, dtype or shape.
     """
     lib = _require()
-    orders = ("amx-chunks", "amx-pairs")
+    orders = PACKED_KERNELS[:2]  # the AMX forms, by their order
     if order not in orders:
         raise ValueError(f"packed_amx_reference: order must be one of {orders}, got {order!r}")
     x, w = np.ascontiguousarray(x), np.ascontiguousarray(w)

@@ -438,10 +438,15 @@ void AttentionAccumulator::FoldScales(const PreparedRows& v, int cnt) {
   }
 }
 
-template <class KDec, class VDec>
-void AttentionAccumulator::FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf) {
+template <class KDec>
+void AttentionAccumulator::FloatScores(const PreparedRows& k, int cnt, Prefetcher* pf) {
   for (int m = 0; m < rows_; ++m) srow_[m] = sm_scale_;
   Scores<KDec>(q_, rows_, ld_, k, cnt, s_, sld_, pf);
+}
+
+template <class VDec, class ScoresFn>
+void AttentionAccumulator::FoldRun(ScoresFn scores, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf) {
+  scores();
   pf->IssueAll();
   if (!UpdateSoftmax(ja, cnt)) return;
   ValuesFloat<VDec>(v, cnt);
@@ -573,18 +578,6 @@ ArithmeticChoice ArithmeticOf(Codec k, Codec v, int d) {
   return a;
 }
 
-template <class VDec>
-void AttentionAccumulator::FoldRunBf16Scores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt,
-                                             Prefetcher* pf) {
-#if defined(NINFER_KV_BF16_SCORES)
-  for (int m = 0; m < rows_; ++m) srow_[m] = sm_scale_;
-  ScoresBf16(qw_, rows_, ld_ / 2, d_, k, cnt, s_, sld_, pf);
-  pf->IssueAll();
-  if (!UpdateSoftmax(ja, cnt)) return;
-  ValuesFloat<VDec>(v, cnt);
-#endif
-}
-
 bool AttentionAccumulator::PrepareQueryPairs() {
   if (qpairs_ready_) return qpairs_ok_;
   qpairs_ready_ = true;
@@ -612,15 +605,6 @@ bool AttentionAccumulator::PrepareQueryPairs() {
   qpairs_ok_ = true;
 #endif
   return qpairs_ok_;
-}
-
-template <class VDec>
-void AttentionAccumulator::FoldRunIntScores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt,
-                                            Prefetcher* pf) {
-  ScoresNvfp4Int(k, cnt, pf);
-  pf->IssueAll();
-  if (!UpdateSoftmax(ja, cnt)) return;
-  ValuesFloat<VDec>(v, cnt);
 }
 
 void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const KVRunSource* prefetch) {
@@ -651,7 +635,7 @@ void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const
     kt.data = reinterpret_cast<const uint8_t*>(kf_);
     vt.data = reinterpret_cast<const uint8_t*>(vf_);
     kt.stride = vt.stride = static_cast<int64_t>(ld_) * sizeof(float);
-    FoldRun<F32Decoder, F32Decoder>(kt, vt, ja, cnt, &pf);
+    FoldRun<F32Decoder>([&] { FloatScores<F32Decoder>(kt, cnt, &pf); }, vt, ja, cnt, &pf);
     return;
   }
   const PreparedRows kp = PrepareRows(k, cnt, d_, &kscale_, &knan_);
@@ -659,19 +643,27 @@ void AttentionAccumulator::Fold(const KVRunSource& src, int64_t j0, int n, const
   if (ArithmeticOf(k.codec, v.codec, d_).scores == Arithmetic::kInt8x2 && ScalesFinite(kp, cnt) &&
       PrepareQueryBytes()) {
     VisitValueDecoder(v.codec, vp, [&](auto vdec) {
-      FoldRunIntScores<typename decltype(vdec)::type>(kp, vp, ja, cnt, &pf);
+      FoldRun<typename decltype(vdec)::type>([&] { ScoresNvfp4Int(kp, cnt, &pf); }, vp, ja, cnt, &pf);
     });
     return;
   }
+#if defined(NINFER_KV_BF16_SCORES)
   if (k.codec == Codec::kBF16 && PrepareQueryPairs()) {
     VisitValueDecoder(v.codec, vp, [&](auto vdec) {
-      FoldRunBf16Scores<typename decltype(vdec)::type>(kp, vp, ja, cnt, &pf);
+      FoldRun<typename decltype(vdec)::type>(
+          [&] {
+            for (int m = 0; m < rows_; ++m) srow_[m] = sm_scale_;
+            ScoresBf16(qw_, rows_, ld_ / 2, d_, kp, cnt, s_, sld_, &pf);
+          },
+          vp, ja, cnt, &pf);
     });
     return;
   }
+#endif
   VisitCodec(k.codec, [&](auto codec) {
     VisitValueDecoder(v.codec, vp, [&](auto vdec) {
-      FoldRun<Decoder<decltype(codec)::value>, typename decltype(vdec)::type>(kp, vp, ja, cnt, &pf);
+      FoldRun<typename decltype(vdec)::type>([&] { FloatScores<Decoder<decltype(codec)::value>>(kp, cnt, &pf); },
+                                             vp, ja, cnt, &pf);
     });
   });
 }

@@ -80,18 +80,18 @@ class AttentionAccumulator {
  private:
   template <class VDec>
   void FoldScales(const PreparedRows& v, int cnt);
-  template <class KDec, class VDec>
-  void FoldRun(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
+  // The float32 scores of keys KDec (s_, srow_ = sm_scale_).
+  template <class KDec>
+  void FloatScores(const PreparedRows& k, int cnt, Prefetcher* pf);
+  // One run: `scores()` fills s_ (and srow_), then the softmax update and the value sums of VDec.
+  template <class VDec, class ScoresFn>
+  void FoldRun(ScoresFn scores, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
   template <class VDec>
   void ValuesFloat(const PreparedRows& v, int cnt);
-  template <class VDec>
-  void FoldRunBf16Scores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
   // The query rows as bfloat16 pair words (qw_), once per task; false when a row holds a value
   // that is not a bfloat16 value, the head dim is not a multiple of 32, or the CPU (or
   // NINFER_KV_FFI_BF16=0) rules VDPBF16PS out (the task's scores then stay float32).
   bool PrepareQueryPairs();
-  template <class VDec>
-  void FoldRunIntScores(const PreparedRows& k, const PreparedRows& v, int64_t ja, int cnt, Prefetcher* pf);
   void ScoresNvfp4Int(const PreparedRows& k, int cnt, Prefetcher* pf);
   // Rounds the query rows to 15 bits and splits them into bytes (int_scores.h), once per task;
   // false when a row is not finite (the task's scores then stay float32).

@@ -153,21 +153,22 @@ std::string FeatureNames(uint64_t bits) {
   return s;
 }
 
+// Whether the environment variable `name` is "0" (a switch turned off).
+static bool SwitchedOff(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, "0") == 0;
+}
+
 bool Bf16DotsEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("NINFER_KV_FFI_BF16");
-    return (CpuFeatures() & kAvx512bf16) != 0 && !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+  static const bool enabled = (CpuFeatures() & kAvx512bf16) != 0 && !SwitchedOff("NINFER_KV_FFI_BF16");
   return enabled;
 }
 
 const char* AmxTileDataRefusal() {
   static const std::string why = []() -> std::string {
     if ((CpuFeatures() & kAmxBf16) == 0) return "this CPU (or its OS) has no AMX-BF16";
-    const char* env = std::getenv("NINFER_KV_FFI_AMX");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return "NINFER_KV_FFI_AMX=0";
-    const char* bf16 = std::getenv("NINFER_KV_FFI_BF16");
-    if (bf16 != nullptr && std::strcmp(bf16, "0") == 0) return "NINFER_KV_FFI_BF16=0";
+    if (SwitchedOff("NINFER_KV_FFI_AMX")) return "NINFER_KV_FFI_AMX=0";
+    if (SwitchedOff("NINFER_KV_FFI_BF16")) return "NINFER_KV_FFI_BF16=0";
 #if defined(__linux__) && defined(__x86_64__)
     // Linux grants the tile data state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
     constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;

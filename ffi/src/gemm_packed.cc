@@ -128,9 +128,7 @@ inline V16 Fma(V16 a, V16 b, V16 acc) {
   return r;
 #else
   // The product of two bfloat16 values is exact in double, and so is the double sum rounded to
-  // float (53 >= 2 * 24 + 2); x86's FTZ detects tininess after rounding: below the midpoint
-  // between the largest denormal and the smallest normal float.
-  const double kTiny = 1.1754942106924411e-38;  // 2^-126 - 2^-151
+  // float (53 >= 2 * 24 + 2); tiny results flushed as x86's FTZ does (packed_order.h).
   V16 r;
   for (int h = 0; h < 2; ++h) {
     F8 x, y, z;
@@ -138,10 +136,7 @@ inline V16 Fma(V16 a, V16 b, V16 acc) {
     std::memcpy(&y, reinterpret_cast<const float*>(&b) + 8 * h, 32);
     std::memcpy(&z, reinterpret_cast<const float*>(&acc) + 8 * h, 32);
     const D8 d = __builtin_convertvector(z, D8) + __builtin_convertvector(x, D8) * __builtin_convertvector(y, D8);
-    for (int i = 0; i < 8; ++i) {
-      const double v = d[i];
-      r[8 * h + i] = std::fabs(v) < kTiny ? std::copysign(0.0f, static_cast<float>(v)) : static_cast<float>(v);
-    }
+    for (int i = 0; i < 8; ++i) r[8 * h + i] = packed_order::RoundFtz(d[i]);
   }
   return r;
 #endif
@@ -167,8 +162,7 @@ struct Dest {
   int64_t ld;
 };
 
-// bfloat16 bit pattern with a denormal flushed to a zero of its sign.
-inline uint16_t FlushBf16(uint16_t b) { return (b & 0x7F80u) == 0 ? static_cast<uint16_t>(b & 0x8000u) : b; }
+using packed_order::FlushBf16;
 
 // ---- the float32 FMA path: x as (odd, even) float32 per pair, x_f[(m * P + p) * 2 + {0, 1}] ----
 

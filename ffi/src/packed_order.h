@@ -24,7 +24,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "isa.h"
+#include "common.h"
 
 NINFER_KV_NAMESPACE_BEGIN
 namespace packed_order {
@@ -33,14 +33,13 @@ constexpr int64_t kAmxChunk = 32;  // elements of K per TDPBF16PS (16 pairs)
 enum AmxOrder : int { kAmxChunks = 0, kAmxPairs = 1 };
 inline const char* AmxOrderName(int order) { return order == kAmxPairs ? "amx-pairs" : "amx-chunks"; }
 
-inline float Bf16Value(uint16_t bits) {
-  const uint32_t w = (bits & 0x7F80u) == 0 ? static_cast<uint32_t>(bits & 0x8000u) << 16 : static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
+// bfloat16 bit pattern with a denormal flushed to a zero of its sign (what every form reads).
+inline uint16_t FlushBf16(uint16_t b) { return (b & 0x7F80u) == 0 ? static_cast<uint16_t>(b & 0x8000u) : b; }
 
-// `d` rounded to float32, flushed to a signed zero when tiny after rounding.
+inline float Bf16Value(uint16_t bits) { return Bf16ToFloat(FlushBf16(bits)); }
+
+// `d` rounded to float32, flushed to a signed zero when tiny after rounding (x86's FTZ detects
+// tininess after rounding: below the midpoint between the largest denormal and the smallest normal).
 inline float RoundFtz(double d) {
   const double kTiny = 1.1754942106924411e-38;  // 2^-126 - 2^-151
   const float f = static_cast<float>(d);
