@@ -6,6 +6,10 @@ count M, prints the median time of :func:`ninfer_kv.ffi_ops.matmul_bf16` (the ro
 packed kernel's rate (GMAC/s, its fraction of the machine's BF16 matrix peak measured in the same
 run, and GB/s of weights and their fraction of the read bandwidth measured in the same run) and the
 ratios.  Run: ``python bench/bench_products.py [--rows 1 8 32 128 512] [--repeats 5]``.
+
+``--roofline [T ...]`` times the engine's own steps against the machine instead (decode against the
+read bandwidth, ragged prefill against the BF16 peak); ``--breakdown`` adds where each prefill
+step's time goes.
 """
 
 from __future__ import annotations
@@ -117,7 +121,53 @@ def layer_weights(cfg) -> int:
     return d * q + 2 * d * kv + q * d + 3 * d * mlp
 
 
-def roofline_section(prefill_tokens, iters: int, peak) -> None:
+def step_breakdown(lowered, call) -> None:
+    """Where one call of a jitted step spends its time, from JAX's profiler trace: each FFI call
+    target (the packed products by their operand and result shapes, with their multiply-add rate)
+    and XLA's own operations between them.  ``lowered``: the step's ``jax.jit(...).lower(...)``;
+    ``call()`` runs the step once and blocks."""
+    import collections
+    import glob
+    import gzip
+    import json
+    import math
+    import re
+    import tempfile
+
+    calls = {}  # HLO instruction name -> (target, result shapes, operand shapes)
+    dims = lambda text: [tuple(int(v) for v in d.split(",") if v) for d in re.findall(r"\w+\[([\d,]*)\]", text)]  # noqa: E731
+    for line in lowered.compile().as_text().splitlines():
+        m = re.match(r'\s*%(ffi_call[.\w]*) = (.*?) custom-call\(.*custom_call_target="(\w+)"(.*)', line)
+        if m:
+            operands = re.search(r"operand_layout_constraints=\{(.*?)\}[,}]", m.group(4))
+            calls[m.group(1)] = (m.group(3).removeprefix("ninfer_kv_"), dims(m.group(2)), dims(operands.group(1)) if operands else [])
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        call()
+        jax.profiler.stop_trace()
+        with gzip.open(glob.glob(f"{d}/plugins/profile/*/*.trace.json.gz")[0]) as f:
+            trace = json.load(f)
+    busy, count, macs = collections.Counter(), collections.Counter(), collections.Counter()
+    skip = ("ThunkExecutor", "$", "end:", "Pjit", "Common", "Parse", "Handle")
+    for e in trace["traceEvents"]:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or name.startswith(skip):
+            continue
+        target, results, operands = calls.get(name, ("XLA's own operations", [], []))
+        key = target if target != "matmul_bf16_packed" else f"{target} {operands[0]} -> {', '.join(map(str, results))}"
+        busy[key] += e["dur"] / 1e6
+        count[key] += 1
+        if target == "matmul_bf16_packed":
+            macs[key] += math.prod(operands[0]) * sum(r[-1] for r in results)
+    total = sum(busy.values())
+    print("| part | calls | ms | share | GMAC/s |")
+    print("|---|---:|---:|---:|---:|")
+    for key, t in busy.most_common():
+        rate = f"{macs[key] / t / 1e9:.0f}" if macs[key] else ""
+        print(f"| {key} | {count[key]} | {t * 1e3:.1f} | {t / total:.2f} | {rate} |")
+
+
+def roofline_section(prefill_tokens, iters: int, peak, breakdown: bool = False) -> None:
     """The engine's own steps against the machine: a decode step at batch 1 (512 tokens of context)
     against the read bandwidth (every weight byte read once, the LM head included), and a ragged step
     holding one prompt of T tokens against the BF16 matrix peak (the products' and the causal
@@ -177,6 +227,10 @@ def roofline_section(prefill_tokens, iters: int, peak) -> None:
         share = f"{macs / t / peak[1]:.2f} of the BF16 peak ({peak[0]})" if peak else "no peak measured"
         print(f"| prefill, one prompt of {n} tokens (ragged step) | {t * 1e3:.1f} ms | {macs / t / 1e9:.1f} GMAC/s "
               f"| {share} |")
+        if breakdown:
+            print(f"\nwhere the {n}-token prefill step's time goes (one step under JAX's profiler):")
+            step_breakdown(steps.ragged.lower(params, state["planes"], state["tables"], *args),
+                           lambda a=args: jax.block_until_ready(run(steps.ragged, *a)))
 
 
 def main(argv=None) -> int:
@@ -189,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--roofline", type=int, nargs="*", default=None, metavar="T",
                    help="time the engine's decode step (batch 1) against the read bandwidth and ragged prefill "
                         "steps of T tokens (default 512) against the BF16 peak, both measured in this run")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --roofline: where each prefill step's time goes (JAX's profiler, one step)")
     args = p.parse_args(argv)
     if args.steps:
         steps_section(args.batches, args.iters)
@@ -197,7 +253,7 @@ def main(argv=None) -> int:
         read_bw, peak = machine.read_bandwidth(), machine.bf16_peak()
         print(f"machine: {machine.describe(read_bw)}")
         print(f"BF16 matrix peak: {f'{peak[1] / 1e9:.0f} GMAC/s ({peak[0]}, every FFI thread)' if peak else 'not measured'}")
-        roofline_section(args.roofline or [512], args.iters, peak)
+        roofline_section(args.roofline or [512], args.iters, peak, args.breakdown)
         return 0
     row = jax.jit(ffi_ops.matmul_bf16)
     packed = jax.jit(ffi_ops.matmul_bf16_packed)

@@ -580,9 +580,12 @@ def packed_amx_reference(x: np.ndarray, w: np.ndarray, order: str) -> np.ndarray
     return out
 
 
-def matmul_bf16_packed(x, packed: PackedWeight) -> jax.Array:
+def matmul_bf16_packed(x, packed: PackedWeight, out_dtype=jnp.float32) -> jax.Array:
     """``x @ w.T`` in float32 for bfloat16 ``x (..., K)`` and a weight packed once by
-    :func:`pack_bf16_weight` (``ffi/src/gemm_packed.cc``).
+    :func:`pack_bf16_weight` (``ffi/src/gemm_packed.cc``); with ``out_dtype=jnp.bfloat16`` the
+    float32 result rounded once to bfloat16 (to nearest even) as the kernel writes it: the bits of
+    ``.astype(jnp.bfloat16)`` on the float32 result (every NaN the canonical ``0x7FC0``), without
+    the float32 array.
 
     Output ``(m, n)`` is one fixed sequence over the pairs of K: for p = 0, 1, ... a fused
     multiply-add of the odd elements ``x[m, 2p+1] * w[n, 2p+1]``, then of the even ones, from +0,
@@ -595,17 +598,21 @@ def matmul_bf16_packed(x, packed: PackedWeight) -> jax.Array:
     stream at one row.
 
     Raises ``ValueError`` naming the operand for a dtype other than bfloat16, a weight that is not
-    a :class:`PackedWeight` or a K that differs from the weight's.
+    a :class:`PackedWeight`, a K that differs from the weight's or an ``out_dtype`` other than
+    float32 and bfloat16.
     """
-    return matmul_bf16_packed_many(x, (packed,))[0]
+    return matmul_bf16_packed_many(x, (packed,), out_dtype)[0]
 
 
-def matmul_bf16_packed_many(x, weights: Sequence[PackedWeight]) -> tuple[jax.Array, ...]:
+def matmul_bf16_packed_many(x, weights: Sequence[PackedWeight], out_dtype=jnp.float32) -> tuple[jax.Array, ...]:
     """:func:`matmul_bf16_packed` of one ``x`` with each of ``weights`` (the same K) in one call
-    (q, k and v; gate and up); bit-identical to one call per weight."""
+    (q, k and v; gate and up), every result in ``out_dtype``; bit-identical to one call per weight."""
     _require()
     x = jnp.asarray(x)
     weights = tuple(weights)
+    out_dtype = np.dtype(out_dtype)
+    if out_dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        raise ValueError(f"matmul_bf16_packed: out_dtype must be float32 or bfloat16, got {out_dtype}")
     if not weights:
         raise ValueError("matmul_bf16_packed: at least one weight is needed")
     if x.dtype != jnp.bfloat16:
@@ -620,7 +627,7 @@ def matmul_bf16_packed_many(x, weights: Sequence[PackedWeight]) -> tuple[jax.Arr
     lead = x.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
     outs = jax.ffi.ffi_call("ninfer_kv_matmul_bf16_packed",
-                            tuple(jax.ShapeDtypeStruct((rows, w.n), jnp.float32) for w in weights),
+                            tuple(jax.ShapeDtypeStruct((rows, w.n), out_dtype) for w in weights),
                             vmap_method="sequential")(x.reshape(rows, x.shape[-1]), *(w.data for w in weights))
     return tuple(o.reshape(*lead, w.n) for o, w in zip(outs, weights))
 

@@ -1,8 +1,9 @@
 // XLA FFI handler of the model's weight products on weights packed once at load:
-// out = x @ w.T for bfloat16 x and w, float32 out.
+// out = x @ w.T for bfloat16 x and w, float32 out (or bfloat16: the float32 result rounded once,
+// to nearest even, as the tile is written; each result chooses by its dtype).
 //
 //   NinferKvMatmulBf16Packed(x bf16 (M, K), packed_0 bf16 (T_0, P, 128), packed_1, ...)
-//       -> out_0 f32 (M, N_0), out_1, ...      with P = ceil(K / 2), T_i = ceil(N_i / 64)
+//       -> out_0 f32|bf16 (M, N_0), out_1, ...      with P = ceil(K / 2), T_i = ceil(N_i / 64)
 //
 // Packed layout (ninfer_kv/packed_weight.py writes it): tiles of 64 output columns, each tile one
 // contiguous run over K, the bfloat16 pairs of a column side by side:
@@ -59,6 +60,7 @@
 #include "handler_args.h"
 #include "kernel_table.h"
 #include "packed_order.h"
+#include "scalar_codec.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -148,12 +150,30 @@ inline V16 AsFloat(U16 u) {
   return f;
 }
 
-// One weight and its result.
+// One weight and its result: float32, or bfloat16 (the float32 sums rounded once, to nearest even).
 struct Product {
   const uint16_t* packed;  // (T, P, 128)
-  float* out;              // (M, N)
+  float* out;              // (M, N) float32, or nullptr
+  uint16_t* out_bf16;      // (M, N) bfloat16, or nullptr
   int64_t n_len, tiles;
 };
+
+typedef uint16_t H16 __attribute__((vector_size(32)));
+
+// dst[i] = src[i] rounded to bfloat16 (to nearest even; every NaN the canonical 0x7FC0), as
+// scalar_codec.h's FloatToBf16 and XLA's float32 -> bfloat16 conversion (but for NaN signs).
+void StoreBf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    U16 u;
+    std::memcpy(&u, src + i, sizeof u);
+    const U16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const U16 bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? U16{} + kBf16CanonicalNan : rounded;
+    const H16 h = __builtin_convertvector(bits, H16);
+    std::memcpy(dst + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+}
 
 // Where a task's register blocks write: the output itself, or a tile-wide scratch for the last,
 // partial tile (copied out at the end).
@@ -394,9 +414,9 @@ void PackedProducts(const uint16_t* xp, int64_t m_len, int64_t k_len, const std:
     const int64_t rows = job.m1 - job.m0;
     const uint16_t* tile = p.packed + job.tile * pairs * kTileWords * 2;
     const int64_t n0 = job.tile * kTileCols, cols = std::min(kTileCols, p.n_len - n0);
-    thread_local std::vector<float> partial;
-    const Dest d = cols == kTileCols ? Dest{p.out + job.m0 * p.n_len + n0, p.n_len}
-                                     : Dest{Scratch(partial, rows * kTileCols), kTileCols};
+    thread_local std::vector<float> partial;  // a partial tile, or a tile for a bfloat16 result
+    const bool direct = cols == kTileCols && p.out != nullptr;
+    const Dest d = direct ? Dest{p.out + job.m0 * p.n_len + n0, p.n_len} : Dest{Scratch(partial, rows * kTileCols), kTileCols};
     switch (form) {
 #if defined(NINFER_KV_PACKED_AMX)
       case Form::kAmx: {
@@ -410,9 +430,14 @@ void PackedProducts(const uint16_t* xp, int64_t m_len, int64_t k_len, const std:
 #endif
       default: FmaTile(xf + job.m0 * pairs * 2, rows, pairs, tile, d); break;
     }
-    if (cols != kTileCols) {
+    if (!direct) {
       for (int64_t m = 0; m < rows; ++m) {
-        std::memcpy(p.out + (job.m0 + m) * p.n_len + n0, d.data + m * kTileCols, cols * sizeof(float));
+        const int64_t at = (job.m0 + m) * p.n_len + n0;
+        if (p.out != nullptr) {
+          std::memcpy(p.out + at, d.data + m * kTileCols, cols * sizeof(float));
+        } else {
+          StoreBf16(d.data + m * kTileCols, p.out_bf16 + at, cols);
+        }
       }
     }
   });
@@ -462,7 +487,8 @@ AmxChoice CheckAmx() {
   for (auto& v : w) v = value();
   const std::vector<uint16_t> packed = PackWeight(w, n_len, k_len);
   std::vector<float> got(m_len * n_len), want(m_len * n_len);
-  PackedProducts(x.data(), m_len, k_len, {Product{packed.data(), got.data(), n_len, (n_len + kTileCols - 1) / kTileCols}},
+  PackedProducts(x.data(), m_len, k_len,
+                 {Product{packed.data(), got.data(), nullptr, n_len, (n_len + kTileCols - 1) / kTileCols}},
                  Form::kAmx);
   for (int order : {packed_order::kAmxChunks, packed_order::kAmxPairs}) {
     packed_order::AmxReference(x.data(), w.data(), want.data(), m_len, n_len, k_len, order);
@@ -524,16 +550,20 @@ ffi::Error CheckPacked(const ffi::AnyBuffer& x, const std::vector<ffi::AnyBuffer
   for (size_t i = 0; i < ws.size(); ++i) {
     const auto wd = ws[i].dimensions();
     const auto od = outs[i].dimensions();
-    const bool ok = ws[i].element_type() == ffi::DataType::BF16 && outs[i].element_type() == ffi::DataType::F32 &&
+    const ffi::DataType ot = outs[i].element_type();
+    const bool ok = ws[i].element_type() == ffi::DataType::BF16 && (ot == ffi::DataType::F32 || ot == ffi::DataType::BF16) &&
                     wd.size() == 3 && od.size() == 2 && od[0] == xd[0] && wd[0] == (od[1] + kTileCols - 1) / kTileCols &&
                     wd[1] == pairs && wd[2] == 2 * kTileCols;
     if (!ok) {
       return ffi::Error::InvalidArgument(
           "matmul_bf16_packed: packed weight " + std::to_string(i) + " " + DimsString(wd) + " and its result " +
-          DimsString(od) + " are not bfloat16 (ceil(N/64), ceil(K/2), 128) and float32 (M, N) for x " + DimsString(xd));
+          DimsString(od) + " are not bfloat16 (ceil(N/64), ceil(K/2), 128) and float32 or bfloat16 (M, N) for x " +
+          DimsString(xd));
     }
-    products->push_back({static_cast<const uint16_t*>(ws[i].untyped_data()),
-                         static_cast<float*>(outs[i].untyped_data()), od[1], wd[0]});
+    const bool f32 = ot == ffi::DataType::F32;
+    void* out = outs[i].untyped_data();
+    products->push_back({static_cast<const uint16_t*>(ws[i].untyped_data()), f32 ? static_cast<float*>(out) : nullptr,
+                         f32 ? nullptr : static_cast<uint16_t*>(out), od[1], wd[0]});
   }
   return ffi::Error::Success();
 }
@@ -547,7 +577,10 @@ ffi::Error MatmulBf16PackedImpl(ffi::AnyBuffer x, ffi::RemainingArgs ws_in, ffi:
   const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
   if (m_len == 0) return ffi::Error::Success();
   if (k_len == 0) {
-    for (const Product& p : products) std::fill(p.out, p.out + m_len * p.n_len, 0.0f);
+    for (const Product& p : products) {  // +0 in either dtype
+      if (p.out != nullptr) std::fill(p.out, p.out + m_len * p.n_len, 0.0f);
+      if (p.out_bf16 != nullptr) std::fill(p.out_bf16, p.out_bf16 + m_len * p.n_len, uint16_t{0});
+    }
     return ffi::Error::Success();
   }
   PackedProducts(static_cast<const uint16_t*>(x.untyped_data()), m_len, k_len, products, UseForm());

@@ -170,6 +170,33 @@ def test_many_equals_one_call_per_weight_and_leading_dims():
         np.testing.assert_array_equal(bits(got), bits(ffi_ops.matmul_bf16_packed(jnp.asarray(x), w)))
 
 
+def bf16_bits(a) -> np.ndarray:
+    """float32 -> bfloat16 bits, to nearest even, every NaN 0x7FC0 (the library's rounding)."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, np.uint16(0x7FC0), rounded)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 70, 33), (13, 200, 300), (300, 130, 64)])
+def test_bfloat16_results_are_the_float32_results_rounded(m, n, k):
+    """``out_dtype=bfloat16``: each result the float32 one rounded once (whole and partial tiles, row
+    blocks, the hard values' infinities and NaNs), bit for bit, and XLA's rounding of finite values."""
+    rng = np.random.default_rng(m + 7 * n + k)
+    x, w = hard_values(rng, (m, k)), hard_values(rng, (n, k))
+    x[0, : min(k, 3)] = [np.inf, -np.inf, np.nan][: min(k, 3)]
+    ws = [pack_bf16_weight(jnp.asarray(w)), pack_bf16_weight(jnp.asarray(w[: max(1, n // 3)]))]
+    wide = ffi_ops.matmul_bf16_packed_many(jnp.asarray(x), ws)
+    narrow = ffi_ops.matmul_bf16_packed_many(jnp.asarray(x), ws, out_dtype=jnp.bfloat16)
+    for f, b in zip(wide, narrow):
+        assert b.dtype == jnp.bfloat16 and b.shape == f.shape
+        got = np.asarray(b).view(np.uint16)
+        np.testing.assert_array_equal(got, bf16_bits(f))
+        finite = np.isfinite(np.asarray(f))
+        np.testing.assert_array_equal(got[finite], np.asarray(f.astype(jnp.bfloat16)).view(np.uint16)[finite])
+    with pytest.raises(ValueError, match=r"out_dtype must be float32 or bfloat16, got float16"):
+        ffi_ops.matmul_bf16_packed(jnp.asarray(x), ws[0], out_dtype=jnp.float16)
+
+
 def test_close_to_xla_on_model_like_data():
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((9, 256)), jnp.bfloat16)
@@ -218,8 +245,11 @@ import ml_dtypes, numpy as np, jax.numpy as jnp
 from ninfer_kv import ffi_ops
 from ninfer_kv.packed_weight import pack_bf16_weight
 d = {k: v.view(ml_dtypes.bfloat16) for k, v in np.load(sys.argv[1]).items()}
-outs = ffi_ops.matmul_bf16_packed_many(jnp.asarray(d["x"]), [pack_bf16_weight(jnp.asarray(d["w"]))])
-np.savez(sys.argv[2], out=np.asarray(outs[0]), isa=ffi_ops.info().isa, kernel=ffi_ops.packed_kernel())
+x, w = jnp.asarray(d["x"]), [pack_bf16_weight(jnp.asarray(d["w"]))]
+outs = ffi_ops.matmul_bf16_packed_many(x, w)
+rounded = ffi_ops.matmul_bf16_packed_many(x, w, out_dtype=jnp.bfloat16)
+np.savez(sys.argv[2], out=np.asarray(outs[0]), out_bf16=np.asarray(rounded[0]).view(np.uint16), isa=ffi_ops.info().isa,
+         kernel=ffi_ops.packed_kernel())
 """
 
 
@@ -258,6 +288,8 @@ def test_levels_and_bf16_form_bit_identical(tmp_path, matrix):
             wants[order] = reference(x, w, order)
         np.testing.assert_array_equal(bits(got["out"]), bits(wants[order]),
                                       err_msg=f"level {key[0]}, BF16={key[1]}, {kernel}")
+        np.testing.assert_array_equal(got["out_bf16"], bf16_bits(wants[order]),
+                                      err_msg=f"bfloat16 results, level {key[0]}, BF16={key[1]}, {kernel}")
     assert "fma" in forms
 
 

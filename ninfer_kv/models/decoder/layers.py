@@ -228,10 +228,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float, scaling: "RopeS
     sin = jnp.sin(ang)
     if scale != 1.0:
         cos, sin = cos * _F32(scale), sin * _F32(scale)
-    cos = cos.astype(x.dtype)[:, :, None, :]
-    sin = sin.astype(x.dtype)[:, :, None, :]
+    # transformers' form, x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1): the
+    # concatenation is of the input, so XLA's CPU backend (which fuses no concatenation) makes one
+    # pass for the rotation instead of one per half and a concatenation of the results
+    cos = jnp.concatenate([cos, cos], axis=-1).astype(x.dtype)[:, :, None, :]
+    sin = jnp.concatenate([sin, sin], axis=-1).astype(x.dtype)[:, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
 def matmul_t(x: jax.Array, w) -> jax.Array:
@@ -298,7 +301,12 @@ _MATVEC_FORM_FROM_ROWS = 256
 
 def linear_many(x: jax.Array, weights, biases) -> tuple[jax.Array, ...]:
     """:func:`linear` of one ``x`` with each ``(w, b)`` (``b`` may be ``None``), the products in one
-    :func:`matmul_t_many` call."""
+    :func:`matmul_t_many` call.  Without biases the packed products round to ``x.dtype`` as they
+    write (the same bits, without the float32 results)."""
+    if _packed_kernel(x, *weights) and all(b is None for b in biases):
+        from ninfer_kv import ffi_ops
+
+        return ffi_ops.matmul_bf16_packed_many(x, weights, out_dtype=x.dtype)
     out = []
     for y, b in zip(matmul_t_many(x, weights), biases):
         if b is not None:
