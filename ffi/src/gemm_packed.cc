@@ -60,8 +60,8 @@
 #include "handler_args.h"
 #include "kernel_table.h"
 #include "packed_order.h"
-#include "scalar_codec.h"
 #include "thread_pool.h"
+#include "vector_codec.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
@@ -157,23 +157,6 @@ struct Product {
   uint16_t* out_bf16;      // (M, N) bfloat16, or nullptr
   int64_t n_len, tiles;
 };
-
-typedef uint16_t H16 __attribute__((vector_size(32)));
-
-// dst[i] = src[i] rounded to bfloat16 (to nearest even; every NaN the canonical 0x7FC0), as
-// scalar_codec.h's FloatToBf16 and XLA's float32 -> bfloat16 conversion (but for NaN signs).
-void StoreBf16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    U16 u;
-    std::memcpy(&u, src + i, sizeof u);
-    const U16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    const U16 bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? U16{} + kBf16CanonicalNan : rounded;
-    const H16 h = __builtin_convertvector(bits, H16);
-    std::memcpy(dst + i, &h, sizeof h);
-  }
-  for (; i < n; ++i) dst[i] = FloatToBf16(src[i]);
-}
 
 // Where a task's register blocks write: the output itself, or a tile-wide scratch for the last,
 // partial tile (copied out at the end).
@@ -436,7 +419,7 @@ void PackedProducts(const uint16_t* xp, int64_t m_len, int64_t k_len, const std:
         if (p.out != nullptr) {
           std::memcpy(p.out + at, d.data + m * kTileCols, cols * sizeof(float));
         } else {
-          StoreBf16(d.data + m * kTileCols, p.out_bf16 + at, cols);
+          FloatsToBf16(d.data + m * kTileCols, cols, reinterpret_cast<uint8_t*>(p.out_bf16 + at));
         }
       }
     }

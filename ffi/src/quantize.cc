@@ -35,14 +35,7 @@ struct Encoder;
 
 template <>
 struct Encoder<Codec::kBF16> : EncoderOps<Encoder<Codec::kBF16>> {
-  static void Row(const float* x, int d, uint8_t* code, uint8_t*) {
-    int i = 0;
-    for (; i + kVL <= d; i += kVL) StoreLanesU16(code + 2 * i, FloatToBf16V(Load(x + i)));
-    for (; i < d; ++i) {
-      const uint16_t b = FloatToBf16(x[i]);
-      std::memcpy(code + 2 * i, &b, 2);
-    }
-  }
+  static void Row(const float* x, int d, uint8_t* code, uint8_t*) { FloatsToBf16(x, d, code); }
   // bfloat16 inputs are their own codes: a copy of the bits, NaNs as 0x7FC0.
   static void RowBf16(const uint16_t* x, int d, uint8_t* code, uint8_t*) {
     for (int i = 0; i < d; ++i) {

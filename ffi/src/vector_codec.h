@@ -121,6 +121,17 @@ inline void StoreLanesU16(uint8_t* p, VUInt v) {
 #endif
 }
 
+// dst[0, n) = x[0, n) rounded to bfloat16 bits (FloatToBf16: to nearest even, every NaN 0x7FC0);
+// dst need not be aligned.
+inline void FloatsToBf16(const float* x, int64_t n, uint8_t* dst) {
+  int64_t i = 0;
+  for (; i + kVL <= n; i += kVL) StoreLanesU16(dst + 2 * i, FloatToBf16V(Load(x + i)));
+  for (; i < n; ++i) {
+    const uint16_t b = FloatToBf16(x[i]);
+    std::memcpy(dst + 2 * i, &b, 2);
+  }
+}
+
 NINFER_KV_NAMESPACE_END
 
 #endif  // NINFER_KV_FFI_VECTOR_CODEC_H_
