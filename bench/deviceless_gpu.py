@@ -35,12 +35,14 @@ Two compilers for step 2 (``--compiler``):
 
 Kernels: for every profile, both plane orders and head dims 64 / 128 / 256: paged decode attention
 (T = 1, default config: the context split over programs), paged chunk attention (T = 256), paged
-append for decode (T = 1) and chunk (T = 256); cyclic attention (T = 1 and T = 16) and cyclic
-append (T = 1 and T = 16), order ``-``.  Shapes as on an H200 pool (B = 64 rows, H = 8 KV heads,
+append for decode (T = 1) and chunk (T = 256); the ragged attention and append of a 1024-token round
+of 64 rows (each two kernels: the decode rows' and the chunk rows'; the decode rows' kernels are
+held to the decode rule); cyclic attention (T = 1 and T = 16) and cyclic append (T = 1 and T = 16),
+order ``-``.  Shapes as on an H200 pool (B = 64 rows, H = 8 KV heads,
 Hq = 32, 32K context, 16384 pages in 2 layers: planes past 2**31 elements, 64-bit offsets).
 
 Exit status: 1 on a lowering / compile / ptxas error, a spill in a decode kernel (T = 1 attention
-or append; spills elsewhere are printed as warnings) or shared memory above 227 KiB per block; 2
+or append, or a ragged op's decode rows' kernel; spills elsewhere are printed as warnings) or shared memory above 227 KiB per block; 2
 when triton or ptxas is missing.
 
 Usage::
@@ -85,8 +87,14 @@ KINDS = {
     "cyclic-chunk": ("cyclic_attention", 16),
     "cyclic-append-decode": ("cyclic_append", 1),
     "cyclic-append-chunk": ("cyclic_append", 16),
+    "ragged": ("paged_attention_ragged", 1024),
+    "append-ragged": ("paged_append_ragged", 1024),
 }
 DECODE_KINDS = {k for k, (_, t) in KINDS.items() if t == 1}
+RAGGED_KINDS = {k for k, (op, _) in KINDS.items() if op.endswith("ragged")}
+# A ragged op lowers to two kernels, its decode rows' and its chunk rows' (pallas_kernels/triton/ragged.py):
+# the decode rows' kernel is held to the decode kinds' rule.
+_RAGGED_DECODE_NAME = "_ragged_decode_"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +138,7 @@ class Kernel:
 
     @property
     def decode(self) -> bool:
-        return self.kind in DECODE_KINDS
+        return self.kind in DECODE_KINDS or (self.kind in RAGGED_KINDS and _RAGGED_DECODE_NAME in self.name)
 
     @property
     def spill(self) -> int:
@@ -229,6 +237,8 @@ def _problem(kind: str, profile: str, order: str, head_dim: int, pool: Pool):
     from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
 
     op, t = KINDS[kind]
+    if op.endswith("ragged"):
+        return _ragged_problem(op, t, profile, order, head_dim, pool)
     bsz = pool.batch if t == 1 else pool.chunk_batch
     i32 = jax.ShapeDtypeStruct((bsz,), jnp.int32)
     h, d = pool.kv_heads, head_dim
@@ -248,6 +258,31 @@ def _problem(kind: str, profile: str, order: str, head_dim: int, pool: Pool):
     q = jax.ShapeDtypeStruct((bsz, t, pool.q_heads, d), jnp.bfloat16)
     fn = getattr(pk, op)
     return (lambda q, v, r, p, n: fn(q, v, r, p, n, interpret=False)), (q, view, i32, i32, i32)
+
+
+def _ragged_problem(op: str, num_tokens: int, profile: str, order: str, head_dim: int, pool: Pool):
+    """``(fn, args)`` of a ragged round: ``num_tokens`` tokens of ``pool.batch`` rows (decodes and chunks)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from ninfer_kv.layout import PagedKVStorageLayout
+    from ninfer_kv.views import PagedKVBatchLayerView
+
+    rows = jax.ShapeDtypeStruct((pool.batch,), jnp.int32)
+    starts = jax.ShapeDtypeStruct((pool.batch + 1,), jnp.int32)
+    h, d = pool.kv_heads, head_dim
+    lay = PagedKVStorageLayout(profile, pool.num_layers, h, d, order)
+    planes = {n: jax.ShapeDtypeStruct(s, lay.plane_dtypes()[n]) for n, s in lay.plane_shapes(pool.num_pages).items()}
+    table = jax.ShapeDtypeStruct((pool.batch + 1, pool.context // 64), jnp.int32)
+    view = PagedKVBatchLayerView(planes, table, jax.ShapeDtypeStruct((), jnp.int32), lay, validate=False)
+    fn = getattr(pk, op)
+    if op == "paged_append_ragged":
+        kv = jax.ShapeDtypeStruct((num_tokens, h, d), jnp.bfloat16)
+        return (lambda v, r, p, k, vv, s: fn(v, r, p, k, vv, s, interpret=False)), (view, rows, rows, kv, kv, starts)
+    q = jax.ShapeDtypeStruct((num_tokens, pool.q_heads, d), jnp.bfloat16)
+    return ((lambda q, v, r, p, n, s: fn(q, v, r, p, n, s, interpret=False)),
+            (q, view, rows, rows, rows, starts))
 
 
 def lower_kernels(kind: str, profile: str, order: str, head_dim: int, pool: Pool = Pool()) -> list[Kernel]:

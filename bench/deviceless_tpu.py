@@ -13,12 +13,21 @@ says it needs.  Programs, per topology (default ``v5e:2x2`` and ``v6e:2x2``):
     ``impl="pallas_tpu"`` when :func:`ninfer_kv.ops.registry.registered_impls` lists it (the Mosaic
     TPU Pallas kernels of ``pallas_kernels/mosaic_tpu``), else ``impl="reference"`` (said so in the
     output).  Small shapes: B = 4 rows, H = 2 KV heads, Hq = 8, D = 128, 32 pages of 64 tokens.
+    Then the ragged ops' kernels, one class each (the ragged op runs both classes' kernels one after
+    the other): ``paged_append_ragged`` and ``paged_attention_ragged`` over a round of B rows of one
+    token (``decode``, N = 4) and of 64 tokens (``chunk``, N = 256), each program the one Mosaic
+    kernel of :func:`pallas_kernels.mosaic_tpu.ragged.append_class` /
+    :func:`~pallas_kernels.mosaic_tpu.ragged.attention_class` (planes donated for the append); with
+    ``impl="reference"`` the whole ragged op through ``ninfer_kv.ops``.
 ``steps``
-    The decoder's ``prefill`` (a 128-token chunk) and ``decode`` steps of a small Qwen3-like model
+    The decoder's ``prefill`` (a 128-token chunk), ``decode`` and ``ragged`` (a round of 128 tokens over
+    B rows: :meth:`ninfer_kv.models.decoder.steps.ModelSteps.ragged`, the ragged ops' native forms)
+    steps of a small Qwen3-like model
     (its ``config.json`` made by :func:`ninfer_kv.models.hf.hf_config_dict` and mapped back by
     :func:`ninfer_kv.models.hf.model_config_from_hf`; bfloat16, 2 layers, d_model 256, 4 query heads
     over 2 KV heads of 128, tied embeddings), for the bf16 and k8v4 pools, batch bucket 4, with the
-    same ``impl`` as the ops (so the steps' paged append and attention are the Mosaic kernels).  The
+    same ``impl`` as the ops (so the steps' paged append and attention, ragged or not, are the Mosaic
+    kernels).  The
     steps are the jitted functions of :class:`ninfer_kv.models.decoder.steps.ModelSteps`; the
     parameters are shapes only (random weights would be the same program).
 
@@ -68,8 +77,8 @@ STEP_PROFILES = ("bf16", "k8v4")
 
 # Op shapes: B rows (one spare table row), H KV heads, Hq query heads, head dim D, N pages, table width.
 B, H, HQ, D, N_PAGES, WIDTH, LAYERS = 4, 2, 8, 128, 32, 8, 2
-OP_SHAPES = (("decode", 1), ("chunk", 64))
-STEP_BATCH, STEP_PAGES, STEP_WIDTH, PREFILL_CHUNK = 4, 64, 16, 128
+OP_SHAPES = (("decode", 1), ("chunk", 64))  # also the ragged rounds: B rows of this many tokens each
+STEP_BATCH, STEP_PAGES, STEP_WIDTH, PREFILL_CHUNK, RAGGED_TOKENS = 4, 64, 16, 128, 128
 
 
 def libtpu_unavailable_reason() -> str | None:
@@ -144,6 +153,9 @@ def mosaic_compiled(impl: str, vmem_limit: int | None = None):
     base = registry.load_impl(TPU_IMPL)
 
     def compiled(fn, config_type):
+        if fn is None:
+            return None
+
         def call(*args, **kwargs):
             kwargs.setdefault("interpret", False)
             if vmem_limit is not None:
@@ -152,12 +164,36 @@ def mosaic_compiled(impl: str, vmem_limit: int | None = None):
         return call
 
     def loader():
-        return registry.OpImpl(name=base.name, paged_append=compiled(base.paged_append, PagedAppendConfig),
-                               paged_attention=compiled(base.paged_attention, PagedAttentionConfig),
-                               cyclic_append=base.cyclic_append, cyclic_attention=base.cyclic_attention)
+        return registry.OpImpl(
+            name=base.name, paged_append=compiled(base.paged_append, PagedAppendConfig),
+            paged_attention=compiled(base.paged_attention, PagedAttentionConfig),
+            cyclic_append=base.cyclic_append, cyclic_attention=base.cyclic_attention,
+            paged_append_ragged=compiled(base.paged_append_ragged, PagedAppendConfig),
+            paged_attention_ragged=compiled(base.paged_attention_ragged, PagedAttentionConfig))
 
-    with registry.override_impls({TPU_IMPL: loader}):
-        yield
+    outer = _MOSAIC_LIMIT[0]
+    _MOSAIC_LIMIT[0] = vmem_limit
+    try:
+        with registry.override_impls({TPU_IMPL: loader}):
+            yield
+    finally:
+        _MOSAIC_LIMIT[0] = outer
+
+
+_MOSAIC_LIMIT: list = [None]
+"""The scoped-VMEM limit of the innermost :func:`mosaic_compiled` block (read when a ragged class
+program is traced, which happens inside the block)."""
+
+
+def _mosaic_kwargs(config_type) -> dict:
+    """``interpret=False`` and, inside a probe, the probe's VMEM limit: how :func:`mosaic_compiled` binds
+    the Mosaic kernels, for programs that call them directly."""
+    from pallas_kernels.mosaic_tpu.backend import MosaicConfig
+
+    kwargs = {"interpret": False}
+    if _MOSAIC_LIMIT[0] is not None:
+        kwargs["config"] = config_type(compiler=MosaicConfig(vmem_limit_bytes=_MOSAIC_LIMIT[0]))
+    return kwargs
 
 
 # -- programs --------------------------------------------------------------------------------------
@@ -205,12 +241,53 @@ def op_programs(impl: str, profiles=PROFILES, order: str = "page-major") -> list
             return fn, (spec((B, t, HQ, D), jnp.bfloat16), _paged_view(spec, profile, order), vec, vec, vec)
         return build
 
+    def ragged_append_build(profile, label, n):
+        def build(spec):
+            if impl == TPU_IMPL:
+                from pallas_kernels.common.config import PagedAppendConfig
+                from pallas_kernels.mosaic_tpu import ragged
+
+                def fn(view, r, p, k, v, s):
+                    return ragged.append_class(label, view, r, p, k, v, s, **_mosaic_kwargs(PagedAppendConfig))
+            else:
+                def fn(view, r, p, k, v, s):
+                    return ops.paged_append_ragged(view, r, p, k, v, s, impl=impl)
+            kv = spec((n, H, D), jnp.bfloat16)
+            vec = spec((B,), jnp.int32)
+            starts = spec((B + 1,), jnp.int32)
+            return jax.jit(fn, donate_argnums=0), (_paged_view(spec, profile, order), vec, vec, kv, kv, starts)
+        return build
+
+    def ragged_attention_build(profile, label, n):
+        def build(spec):
+            if impl == TPU_IMPL:
+                from pallas_kernels.common.config import PagedAttentionConfig
+                from pallas_kernels.mosaic_tpu import ragged
+
+                def fn(q, view, r, p, kv_lens, s):
+                    return ragged.attention_class(label, q, view, r, p, kv_lens, s,
+                                                  **_mosaic_kwargs(PagedAttentionConfig))
+            else:
+                def fn(q, view, r, p, kv_lens, s):
+                    return ops.paged_attention_ragged(q, view, r, p, kv_lens, s, impl=impl)
+            vec = spec((B,), jnp.int32)
+            return jax.jit(fn), (spec((n, HQ, D), jnp.bfloat16), _paged_view(spec, profile, order), vec, vec, vec,
+                                 spec((B + 1,), jnp.int32))
+        return build
+
     out = []
     for profile in profiles:
         for label, t in OP_SHAPES:
             shape = f"B{B} T{t} H{H} Hq{HQ} D{D} N{N_PAGES} {order}"
             out.append(Program("ops", f"paged_append {label}", profile, shape, impl, append_build(profile, t)))
             out.append(Program("ops", f"paged_attention {label}", profile, shape, impl, attention_build(profile, t)))
+        for label, t in OP_SHAPES:
+            n = B * t
+            shape = f"R{B} N{n} H{H} Hq{HQ} D{D} N{N_PAGES} {order}"
+            out.append(Program("ops", f"paged_append_ragged {label}", profile, shape, impl,
+                               ragged_append_build(profile, label, n)))
+            out.append(Program("ops", f"paged_attention_ragged {label}", profile, shape, impl,
+                               ragged_attention_build(profile, label, n)))
     return out
 
 
@@ -227,7 +304,7 @@ def qwen3_like_config():
 
 
 def step_programs(impl: str, profiles=STEP_PROFILES) -> list[Program]:
-    """The decoder's prefill and decode steps (shapes only) for each pool profile."""
+    """The decoder's prefill, decode and ragged steps (shapes only) for each pool profile."""
     from ninfer_kv.models.decoder.config import StepConfig
     from ninfer_kv.models.decoder.steps import make_steps
     from ninfer_kv.models.decoder.weights import param_shapes
@@ -236,7 +313,7 @@ def step_programs(impl: str, profiles=STEP_PROFILES) -> list[Program]:
     out = []
     for profile in profiles:
         cfg = StepConfig(model=model, profile=profile, impl=impl, prefill_chunk=PREFILL_CHUNK,
-                         batch_buckets=(STEP_BATCH,))
+                         batch_buckets=(STEP_BATCH,), token_buckets=(RAGGED_TOKENS,))
 
         def build_for(step_name, t, cfg=cfg):
             def build(spec):
@@ -247,6 +324,9 @@ def step_programs(impl: str, profiles=STEP_PROFILES) -> list[Program]:
                 tables = spec((STEP_BATCH + 1, STEP_WIDTH), jnp.int32)
                 vec = spec((STEP_BATCH,), jnp.int32)
                 step = getattr(steps, step_name)
+                if step_name == "ragged":  # tokens (N,), positions (R,), query_starts (R + 1,), table_rows (R,)
+                    return step, (params, planes, tables, spec((t,), jnp.int32), vec,
+                                  spec((STEP_BATCH + 1,), jnp.int32), vec)
                 return step, (params, planes, tables, spec((STEP_BATCH, t), jnp.int32), vec, vec, vec)
             return build
 
@@ -255,6 +335,8 @@ def step_programs(impl: str, profiles=STEP_PROFILES) -> list[Program]:
         out.append(Program("steps", f"prefill T={PREFILL_CHUNK}", profile, shape, impl,
                            build_for("prefill", PREFILL_CHUNK)))
         out.append(Program("steps", "decode T=1", profile, shape, impl, build_for("decode", 1)))
+        out.append(Program("steps", f"ragged N={RAGGED_TOKENS}", profile, shape, impl,
+                           build_for("ragged", RAGGED_TOKENS)))
     return out
 
 

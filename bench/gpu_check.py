@@ -32,6 +32,23 @@ when its budget is spent, so one slow section cannot starve the next.  Sections,
     Decode (B = 64, T = 1) and chunk (B = 8, T = 256) appends, bfloat16 and float32 K/V, planes
     donated: N back-to-back calls timed with one wait; the written tokens checked after the run;
     donation must keep the plane buffers (same device pointers before and after).
+``ragged``
+    Mixed rounds through ``ninfer_kv.ops.paged_append_ragged`` / ``paged_attention_ragged`` with
+    ``impl="pallas"`` (:data:`RAGGED_ROUNDS`: 8 decodes at 4K beside one 1024-token prefill chunk;
+    64 decodes at 2K), BF16 and K8V4, page-major (the engine's Main pool), pages in random physical
+    order with hashed bytes, H = 8, Hq = 32, D = 128.  First the append (written tokens against the
+    reference encoding, every other byte unchanged) and the attention (against the float32
+    reference ragged op, ``impl="reference"``, on the first and last decode rows and the first,
+    middle and last queries of every chunk), then the median time of single calls (after a
+    warm-up, each waited for) against the HBM roofline: the bytes of each row's live pages read
+    once per KV head per query block (:func:`ragged_ideal_bytes`, the kernel's ``block_q``).
+``engine``
+    A small random bf16 decoder (:data:`ENGINE_MODEL`) served by ``ninfer_kv.LLM`` with
+    ``impl="pallas"``: a warm-up pass of the workload (compiles every shape), then a workload of
+    the same shape timed (16 new prompts of 512 tokens, 256 greedy tokens each, ``ignore_eos``,
+    prefix caching off); prints generated tokens/s, prompt tokens/s, the units run by kind and
+    whether the rounds were ragged, which must be exactly when the model's ops have native ragged
+    kernels (:attr:`~ninfer_kv.engine.model.DecoderModel.runs_ragged_natively`).
 
 Attention outputs are compared with ``max |out - ref| / (1 + |ref|) <= 2e-2`` (bfloat16 products
 and outputs).  The exit status is 1 when any check failed.
@@ -50,6 +67,7 @@ Usage::
     PYTHONPATH=. python bench/gpu_check.py                      # CUDA device
     PYTHONPATH=. python bench/gpu_check.py --cpu-smoke          # CPU rehearsal of every section
     PYTHONPATH=. python bench/gpu_check.py --sections decode peer --budget decode=60
+    PYTHONPATH=. python bench/gpu_check.py --sections ragged engine     # the ragged rounds and the engine
     PYTHONPATH=. python bench/gpu_check.py --predicted predicted.json   # with bench/deviceless_gpu.py's figures
 """
 
@@ -72,6 +90,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from pallas_kernels.triton.config import query_rows  # noqa: E402
 from ninfer_kv import codecs  # noqa: E402
 from ninfer_kv.geometry import PlaneOrder  # noqa: E402
 from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
@@ -88,8 +107,9 @@ from ninfer_kv.views import allocate_planes
 PAGE = 64
 PROFILES = [p.value for p in KVProfile]
 ORDERS = ["page-major", "head-major"]
-SECTIONS = ("setup", "decode", "peer", "large", "correctness", "append")
-DEFAULT_BUDGET = {"setup": 20, "decode": 150, "peer": 60, "large": 60, "correctness": 90, "append": 60}
+SECTIONS = ("setup", "decode", "peer", "large", "correctness", "append", "ragged", "engine")
+DEFAULT_BUDGET = {"setup": 20, "decode": 150, "peer": 60, "large": 60, "correctness": 90, "append": 60, "ragged": 90,
+                  "engine": 120}
 ATTN_TOL = 2e-2
 
 
@@ -126,7 +146,67 @@ class Shapes:
     small_head_dim: int = 128
     small_gqa: tuple = ((8, 64), (8, 256))  # (G, D) extra correctness cases
     gqa_q_dtypes: tuple = ("bfloat16", "float32")
+    ragged_rounds: tuple = ()  # RaggedRound; default RAGGED_ROUNDS
+    ragged_profiles: tuple = ("bf16", "k8v4")
+    ragged_iters: int = 20  # timed single calls per median
+    ragged_warmup: int = 2  # untimed calls first
+    ragged_check_queries: int = 16  # queries of each chunk slice the reference recomputes
+    engine_model: dict | None = None  # ModelConfig fields; default ENGINE_MODEL
+    engine_workload: tuple = (16, 512, 256)  # (requests, prompt tokens, generated tokens each)
+    engine_max_model_len: int = 1024
     smoke: bool = False
+
+    def rounds(self) -> tuple:
+        """The ragged section's rounds."""
+        return self.ragged_rounds or RAGGED_ROUNDS
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedRound:
+    """One ragged round: row ``r`` holds ``kv_lens[r]`` tokens after the round, of which it feeds the
+    last ``q_lens[r]`` (1: a decode; more: a prefill chunk), all rows' tokens on one token axis."""
+
+    name: str
+    kv_lens: tuple
+    q_lens: tuple
+
+    def __post_init__(self):
+        if len(self.kv_lens) != len(self.q_lens) or not self.kv_lens:
+            raise ValueError(f"round {self.name!r}: kv_lens ({len(self.kv_lens)} rows) and q_lens "
+                             f"({len(self.q_lens)} rows) must be non-empty and of one length")
+        for r, (kv, q) in enumerate(zip(self.kv_lens, self.q_lens)):
+            if not 1 <= q <= kv:
+                raise ValueError(f"round {self.name!r}, row {r}: q_lens={q} must be in [1, kv_lens={kv}]")
+
+    @property
+    def rows(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.q_lens))
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int32 ``(R,)``: the position of each row's first token this round."""
+        return (np.asarray(self.kv_lens) - np.asarray(self.q_lens)).astype(np.int32)
+
+    @property
+    def query_starts(self) -> np.ndarray:
+        """int32 ``(R + 1,)``: row ``r`` owns tokens ``[query_starts[r], query_starts[r + 1])``."""
+        return np.concatenate([[0], np.cumsum(self.q_lens)]).astype(np.int32)
+
+
+RAGGED_ROUNDS = (
+    # the chunk's last token sits at position 3999 and the last decode's frontier inside a page
+    RaggedRound("8 decodes at 4K + a 1024-token chunk", (4096,) * 7 + (4096 - 37, 4000), (1,) * 8 + (1024,)),
+    RaggedRound("64 decodes at 2K", (2048,) * 63 + (2048 - 37,), (1,) * 64),
+)
+"""The ragged section's rounds on a device."""
+
+ENGINE_MODEL = dict(vocab_size=32000, d_model=1024, num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128,
+                    mlp_dim=3072, dtype="bfloat16")
+"""The engine section's model on a device (random weights, about 0.14 B parameters)."""
 
 
 # The CPU rehearsal runs every code path once with the fewest distinct kernels (each one costs an
@@ -137,7 +217,12 @@ SMOKE = Shapes(
     decode_cases=(("bf16", "head-major"),), decode_variants=False, peer_sweep=((1, 2), (2, 1)), large_pages=24,
     large_batch=2, large_context=256, append_shapes=((2, 3),),
     append_cases=(("bf16", "page-major", "bfloat16"), ("bf16", "page-major", "float32")), append_context=256,
-    iters=2, small_head_dim=64, small_gqa=((8, 64),), gqa_q_dtypes=("float32",), smoke=True,
+    iters=2, small_head_dim=64, small_gqa=((8, 64),), gqa_q_dtypes=("float32",),
+    ragged_rounds=(RaggedRound("2 decodes at 192 + a 40-token chunk", (192, 192 - 37, 150), (1, 1, 40)),),
+    ragged_profiles=("bf16",), ragged_iters=1, ragged_warmup=1, ragged_check_queries=4,
+    engine_model=dict(vocab_size=256, d_model=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                      mlp_dim=128, dtype="float32"),
+    engine_workload=(3, 40, 3), engine_max_model_len=128, smoke=True,
 )
 
 
@@ -570,7 +655,8 @@ def section_decode(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                     err = check_attention_rows(out, q, view, rows, pos, lens, sel)
                     ok = err <= ATTN_TOL
                     checks.failures += 0 if ok else 1
-                    warps = ((cfg and cfg.compiler) or pk.TritonConfig()).for_attention(d).num_warps
+                    warps = ((cfg and cfg.compiler) or pk.TritonConfig()).for_attention(
+                        d, query_rows(r.block_q, hq // h)).num_warps
                     desc = f"{label} (q{r.block_q} k{r.block_k} s{r.k_splits} w{warps})"
                     log(f"| ours | {profile} | {order} | {ctx} | {desc} | {_bw_cols(nbytes, seconds, state)} | "
                         f"{err:.1e} | {'PASS' if ok else 'FAIL'} |"
@@ -840,6 +926,299 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                 checks.failed_row([profile, order, f"{bsz} x {t}", dt], 4, exc)
 
 
+# -- ragged rounds -----------------------------------------------------------------------------------
+
+
+def ragged_ideal_bytes(rnd: RaggedRound, profile: str, kv_heads: int, head_dim: int, block_q: int) -> int:
+    """The HBM roofline's bytes of one ragged attention call: each row's queries in blocks of
+    ``block_q`` (a decode row: one block of one token), each block reading once, for its whole GQA
+    group, every page of each KV head below its last query's frontier (whole pages)."""
+    if block_q < 1:
+        raise ValueError(f"block_q={block_q} must be >= 1")
+    page_bytes = PAGE * kv_heads * KVProfile.parse(profile).token_head_bytes(head_dim)
+    total = 0
+    for kv, q, pos in zip(rnd.kv_lens, rnd.q_lens, rnd.positions):
+        for start in range(0, q, block_q):
+            frontier = min(kv, int(pos) + min(start + block_q, q))  # keys [0, frontier) are visible
+            total += -(-frontier // PAGE) * page_bytes
+    return total
+
+
+def kernel_block_q(rnd: RaggedRound, impl: str, group: int, head_dim: int, kv_heads: int, max_keys: int) -> int:
+    """The query block the native ragged kernels of ``impl`` use for a round's chunk rows
+    (``pallas_kernels.common.ragged.chunk_block_q`` with the backend's default rows)."""
+    from pallas_kernels.common.ragged import chunk_block_q
+
+    if impl == "pallas_tpu":
+        from pallas_kernels.mosaic_tpu.ragged import CHUNK_ROWS as rows
+    else:
+        from pallas_kernels.triton.ragged import chunk_rows
+
+        rows = chunk_rows(head_dim)
+    return chunk_block_q(pk.PagedAttentionConfig(), rows=rows, num_tokens=rnd.num_tokens, group=group,
+                         head_dim=head_dim, kv_heads=kv_heads, max_keys=max_keys)
+
+
+@dataclasses.dataclass
+class RaggedProblem:
+    """A round on a pool with hashed bytes and pages in random physical order (page-major)."""
+
+    rnd: RaggedRound
+    profile: str
+    view: PagedKVBatchLayerView
+    table: np.ndarray
+    rows: np.ndarray  # int32 (R,): each row's table row
+    k: jax.Array  # bfloat16 (N, H, D): the tokens the round appends
+    v: jax.Array
+    q: jax.Array  # bfloat16 (N, Hq, D)
+
+    def args(self) -> tuple:
+        """``(table_rows, positions, kv_lens, query_starts)`` as device int32 arrays."""
+        return (jnp.asarray(self.rows), jnp.asarray(self.rnd.positions), jnp.asarray(self.rnd.kv_lens, jnp.int32),
+                jnp.asarray(self.rnd.query_starts))
+
+    def rect(self, x: jax.Array) -> jax.Array:
+        """The ragged ``(N, ...)`` tokens as ``(R, max q_len, ...)`` rows (zeros past each row's tokens)."""
+        starts, q_lens = self.rnd.query_starts, self.rnd.q_lens
+        t_max = max(q_lens)
+        idx = np.zeros((self.rnd.rows, t_max), np.int32)
+        real = np.zeros((self.rnd.rows, t_max), bool)
+        for r, (s0, q) in enumerate(zip(starts, q_lens)):
+            idx[r, :q], real[r, :q] = np.arange(s0, s0 + q), True
+        mask = jnp.asarray(real).reshape(real.shape + (1,) * (x.ndim - 1))
+        return jnp.where(mask, x[jnp.asarray(idx)], jnp.zeros((), x.dtype))
+
+
+def ragged_problem(shapes: Shapes, rnd: RaggedRound, profile: str, seed: int) -> RaggedProblem:
+    """``rnd`` on a fresh pool of ``profile`` (one layer, page-major), random K/V and queries."""
+    h, hq, d = shapes.kv_heads, shapes.q_heads, shapes.head_dim
+    rs = np.random.RandomState(seed)
+    blocks = -(-max(rnd.kv_lens) // PAGE)
+    n_pages = rnd.rows * blocks
+    table, rows = shuffled_tables(rs, rnd.rows, blocks, n_pages)
+    lay = PagedKVStorageLayout(profile, 1, h, d, "page-major")
+    view = PagedKVBatchLayerView(hashed_planes(lay, n_pages, seed), jnp.asarray(table), 0, lay)
+    n = rnd.num_tokens
+    k = jax.random.normal(jax.random.key(seed + 1), (n, h, d), jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(seed + 2), (n, h, d), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(seed + 3), (n, hq, d), jnp.bfloat16)
+    return RaggedProblem(rnd, profile, view, table, rows, k, v, q)
+
+
+def ragged_check_slices(rnd: RaggedRound, queries: int) -> list[tuple[int, int, int]]:
+    """``(row, first query, count)`` the reference recomputes: the first and the last decode row, and
+    the first, middle and last ``queries`` queries of every chunk row."""
+    decodes = [r for r, q in enumerate(rnd.q_lens) if q == 1]
+    out = [(r, 0, 1) for r in dict.fromkeys(decodes[:1] + decodes[-1:])]
+    for r, q in enumerate(rnd.q_lens):
+        if q > 1:
+            m = min(queries, q)
+            out += [(r, t0, m) for t0 in dict.fromkeys((0, (q - m) // 2, q - m))]
+    return out
+
+
+def check_ragged_attention(out: jax.Array, prob: RaggedProblem, view: PagedKVBatchLayerView, queries: int) -> float:
+    """Max relative error of ``out`` against the float32 reference ragged attention
+    (``impl="reference"``) on :func:`ragged_check_slices` of the round, run as a round of its own
+    (a slice of a chunk row is a row from that query's position, with the same visible keys)."""
+    from ninfer_kv import ops
+
+    rnd = prob.rnd
+    slices = ragged_check_slices(rnd, queries)
+    tokens = np.concatenate([rnd.query_starts[r] + t0 + np.arange(m) for r, t0, m in slices]).astype(np.int32)
+    pos = np.array([rnd.positions[r] + t0 for r, t0, _ in slices], np.int32)
+    counts = np.array([m for _, _, m in slices], np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    want = jax.jit(lambda *a: ops.paged_attention_ragged(*a, impl="reference"))(
+        prob.q[jnp.asarray(tokens)], view, jnp.asarray(prob.rows[[r for r, _, _ in slices]]), jnp.asarray(pos),
+        jnp.asarray(pos + counts), jnp.asarray(starts))
+    return max_rel_err(out[jnp.asarray(tokens)], want)
+
+
+def median_time(fn, *args, iters: int, warmup: int = 2):
+    """Median seconds of ``iters`` single calls of ``fn(*args)``, each waited for, after ``warmup``
+    calls; returns ``(seconds, last output)``."""
+    out = None
+    for _ in range(warmup):
+        out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), out
+
+
+def median_time_donated(fn, view, *args, iters: int, warmup: int = 2):
+    """:func:`median_time` of ``view = fn(view, *args)`` (``fn`` donates the view's planes)."""
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        view = fn(view, *args)
+        jax.block_until_ready(view.planes)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)), view
+
+
+RAGGED_HEADER = ("| round | profile | R / N | native | block_q | append (us) | append check | attention (us) | "
+                 "ideal bytes (GB) | GB/s | {roof} | max rel err | result |")
+
+
+def run_ragged_section(sec: Section, shapes: Shapes, checks: Checks, impl: str, roofline, *, roof_header: str,
+                       peer=None) -> None:
+    """The ``ragged`` section for backend ``impl``: per round and profile, correctness first (the
+    append's written tokens, the attention against the float32 reference ragged op), then the
+    median time of the append (planes donated) and the attention against the roofline.
+
+    ``roofline(nbytes, seconds)`` gives the cells ``GB/s | <roof_header>`` (one or more cells);
+    ``peer(prob, view, out, seconds, nbytes)``, when given, times another kernel on the same bf16
+    round (``out``, ``seconds``: ours) and returns ``(table row, note)``; the notes print after the
+    table.
+    """
+    from ninfer_kv import ops
+    from ninfer_kv.ops import registry
+
+    loaded = registry.load_impl(impl)
+    native = loaded.paged_append_ragged is not None and loaded.paged_attention_ragged is not None
+    h, hq, d = shapes.kv_heads, shapes.q_heads, shapes.head_dim
+    log(f"impl={impl!r}: native ragged kernels {'yes' if native else 'NO (the generic one-query-per-row form)'}. "
+        f"H={h}, Hq={hq}, D={d}, page-major; bfloat16 K/V and queries; median of {shapes.ragged_iters} single "
+        f"calls after {shapes.ragged_warmup} untimed.  Ideal bytes: each row's live pages once per KV head per "
+        "query block.")
+    log("")
+    header = RAGGED_HEADER.format(roof=roof_header)
+    log(header)
+    log("|" + "---|" * (header.count("|") - 1))
+    notes = []
+    append = jax.jit(lambda *a: ops.paged_append_ragged(*a, impl=impl), donate_argnums=(0,))
+    attention = jax.jit(lambda *a: ops.paged_attention_ragged(*a, impl=impl))
+    for i, rnd in enumerate(shapes.rounds()):
+        for profile in shapes.ragged_profiles:
+            if not sec.has(10, f"{rnd.name} {profile}"):
+                continue
+            cells = [rnd.name, profile, f"{rnd.rows} / {rnd.num_tokens}", "yes" if native else "no"]
+            try:
+                prob = ragged_problem(shapes, rnd, profile, seed=100 + 10 * i)
+                table_rows, positions, kv_lens, starts = prob.args()
+                before = prob.view.replace(planes=jax.tree_util.tree_map(jnp.copy, prob.view.planes))
+                after = append(prob.view, table_rows, positions, prob.k, prob.v, starts)  # donates prob.view
+                ok_append, desc = compare_append(before, after, prob.table, prob.rows, rnd.positions,
+                                                 np.asarray(rnd.q_lens, np.int32), prob.rect(prob.k), prob.rect(prob.v),
+                                                 exact=shapes.smoke)
+                prob.view = before = None  # the pool before the append is no longer needed
+                out = attention(prob.q, after, table_rows, positions, kv_lens, starts)
+                err = check_ragged_attention(out, prob, after, shapes.ragged_check_queries)
+                ok = ok_append and err <= ATTN_TOL
+                block_q = kernel_block_q(rnd, impl, hq // h, d, h, after.logical_pages * PAGE)
+                nbytes = ragged_ideal_bytes(rnd, profile, h, d, block_q)
+                t_attn, out = median_time(attention, prob.q, after, table_rows, positions, kv_lens, starts,
+                                          iters=shapes.ragged_iters, warmup=shapes.ragged_warmup)
+                peer_row = None
+                if peer is not None and profile == "bf16":
+                    peer_row, note = peer(prob, after, out, t_attn, nbytes)
+                    notes.append(note)
+                t_append, after = median_time_donated(append, after, table_rows, positions, prob.k, prob.v, starts,
+                                                      iters=shapes.ragged_iters, warmup=shapes.ragged_warmup)
+                checks.failures += 0 if ok else 1
+                checks.passed += 1 if ok else 0
+                log("| " + " | ".join(cells) + f" | {block_q} | {t_append * 1e6:.0f} | "
+                    f"{'ok' if ok_append else 'WRONG'}: {desc} | {t_attn * 1e6:.0f} | {nbytes / 1e9:.3g} | "
+                    f"{roofline(nbytes, t_attn)} | {err:.1e} | {'PASS' if ok else 'FAIL'} |")
+                if peer_row is not None:
+                    log(peer_row)
+                del prob, after, out
+            except Exception as exc:
+                checks.failed_row(cells, header.count("|") - len(cells) - 3, exc)
+    if notes:
+        log("")
+    for note in notes:
+        log(note)
+
+
+def section_ragged(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    def roofline(nbytes: int, seconds: float) -> str:
+        gbs = nbytes / seconds
+        return f"{gbs / 1e9:.0f} | {100 * gbs / state['read_bw']:.0f}%"
+
+    run_ragged_section(sec, shapes, checks, "pallas", roofline, roof_header="% of read BW")
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+
+def run_engine_section(sec: Section, shapes: Shapes, checks: Checks, impl: str) -> None:
+    """The ``engine`` section for backend ``impl``: a random decoder served by ``ninfer_kv.LLM``, the
+    workload run once to compile and once timed; checks that every request produced its tokens and
+    that the rounds were ragged exactly when the model runs ragged natively."""
+    from ninfer_kv.engine import LLM, DecoderModel, SamplingParams
+    from ninfer_kv.models.decoder import ModelConfig, init_params
+    from ninfer_kv.ops import registry
+
+    fields = shapes.engine_model or ENGINE_MODEL
+    config = ModelConfig(**fields)
+    requests, prompt_len, max_tokens = shapes.engine_workload
+    context = shapes.engine_max_model_len
+    if prompt_len + max_tokens > context:
+        raise ValueError(f"engine workload: prompts of {prompt_len} + {max_tokens} tokens exceed "
+                         f"max_model_len={context}")
+    model = DecoderModel(init_params(config, seed=0), config, impl=impl)
+    llm = LLM(model, max_model_len=context, max_num_seqs=requests, kv_capacity=requests * context,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    resolved = registry.resolve_impl(impl).name
+    log(f"Model: {config.num_layers} layers, d_model {config.d_model}, {config.num_heads} / {config.num_kv_heads} "
+        f"heads of {config.head_dim}, vocabulary {config.vocab_size}, {config.dtype}, random weights; impl={impl!r} "
+        f"({resolved}); {requests} requests of {prompt_len} prompt tokens, {max_tokens} greedy tokens each "
+        f"(ignore_eos), prefix caching off, max_num_batched_tokens {engine.max_num_batched_tokens}.")
+    log("")
+    checks.header()
+    native = model.runs_ragged_natively
+    checks.row("ragged rounds iff native ragged ops", "-", "-", "native / engine ragged rounds",
+               f"{native} / {engine.ragged_rounds}", engine.ragged_rounds == native)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def workload(seed: int):
+        rs = np.random.RandomState(seed)
+        before = dataclasses.replace(engine.stats)
+        for j in range(requests):
+            engine.add_request(f"w{seed}-{j}", rs.randint(0, config.vocab_size, prompt_len).tolist(), params)
+        done, t0 = {}, time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        return time.perf_counter() - t0, done, before
+
+    compile_s, _, _ = workload(1)
+    if not sec.has(compile_s, "the timed pass"):
+        log(f"(the warm-up pass took {compile_s:.0f} s; no budget left for the timed pass)")
+        return
+    seconds, done, before = workload(2)
+    stats = engine.stats
+    units = {kind: getattr(stats, f"{kind}_units") - getattr(before, f"{kind}_units")
+             for kind in ("prefill", "decode", "ragged")}
+    counts = sorted({len(t) for t in done.values()})
+    ok = len(done) == requests and counts == [max_tokens]
+    checks.row("every request generated", "-", "-", "requests / token counts", f"{len(done)} / {counts}", ok)
+    if engine.ragged_rounds:  # prompts in ragged units, never in prefill units
+        ragged_ok = units["ragged"] > 0 and units["prefill"] == 0
+    else:
+        ragged_ok = units["ragged"] == 0 and units["prefill"] > 0 and units["decode"] > 0
+    checks.row("units run", "-", "-", "prefill / decode / ragged",
+               f"{units['prefill']} / {units['decode']} / {units['ragged']}", ragged_ok)
+    generated = requests * max_tokens
+    log("")
+    log(f"Engine on {impl!r}: rounds {'RAGGED' if engine.ragged_rounds else 'rectangular (prefill + decode units)'}; "
+        f"{generated} tokens generated in {seconds:.2f} s = {generated / seconds:.1f} tokens/s; "
+        f"{requests * prompt_len / seconds:.0f} prompt tokens/s over the run; "
+        f"{stats.rounds - before.rounds} rounds (warm-up pass with compiles: {compile_s:.1f} s)")
+
+
+def section_engine(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    run_engine_section(sec, shapes, checks, "pallas")
+
+
 _TITLES = {
     "setup": "Setup: implementation choice and HBM bandwidth",
     "decode": "Decode attention",
@@ -847,6 +1226,8 @@ _TITLES = {
     "large": "A 1-byte plane of 2-4 GiB (offsets past 2**31 elements)",
     "correctness": "Correctness against the reference, small shapes",
     "append": "Append",
+    "ragged": "Ragged rounds: decodes beside a prefill chunk",
+    "engine": "The engine: a small model through ninfer_kv.LLM",
 }
 
 
@@ -919,7 +1300,7 @@ def main(argv=None) -> int:
         log("")
         log_predictions(shapes, state)
     order = [s for s in SECTIONS if s in args.sections]
-    if "setup" not in order and ("decode" in order or "peer" in order):
+    if "setup" not in order and ("decode" in order or "peer" in order or "ragged" in order):
         order.insert(0, "setup")  # the bandwidth baselines are the denominators
     if "peer" in order and "decode" not in order:
         order.insert(order.index("peer"), "decode")  # the peer reuses decode's pools
@@ -930,6 +1311,8 @@ def main(argv=None) -> int:
         "large": lambda sec: section_large(sec, shapes, checks, state),
         "correctness": lambda sec: section_correctness(sec, shapes, checks, state, args.profiles, args.orders),
         "append": lambda sec: section_append(sec, shapes, checks, state),
+        "ragged": lambda sec: section_ragged(sec, shapes, checks, state),
+        "engine": lambda sec: section_engine(sec, shapes, checks, state),
     }
     run_sections(order, budget, _TITLES, sections, checks)
     for note in state.get("notes", []):

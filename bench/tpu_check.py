@@ -25,6 +25,23 @@ Sections, in order:
 ``append``
     Decode (B = 32, T = 1) and chunk (B = 8, T = 256) appends, bfloat16 K/V, planes donated, timed
     the same way; the written tokens checked after the run.
+``ragged``
+    The mixed rounds of ``bench/gpu_check.py``'s ``ragged`` section (8 decodes at 4K beside one
+    1024-token prefill chunk; 64 decodes at 2K; H = 8, Hq = 32, D = 128, BF16 and K8V4,
+    page-major) through ``ninfer_kv.ops.paged_append_ragged`` / ``paged_attention_ragged`` with
+    ``impl="pallas_tpu"`` (whether its ragged kernels are native is printed: without them the ops
+    run one query per row): correctness against the float32 reference ragged ops first, then the
+    median single-call time against the roofline (each row's live pages once per KV head per query
+    block) as a fraction of the measured read bandwidth and of the nominal HBM bandwidth.  On the
+    BF16 rounds JAX's own ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` runs beside
+    it on the same pages (:func:`peer_kv_pages`: K and V interleaved per head, its tuned block
+    sizes), its output compared with ours, and the time ratio printed.  (On the CPU rehearsal
+    JAX's kernel does not run in TPU interpret mode; its jnp reference
+    ``ref_ragged_paged_attention`` stands in, which still checks the layout translation.)
+``engine``
+    A small random bf16 decoder served by ``ninfer_kv.LLM`` with ``impl="pallas_tpu"``
+    (``bench/gpu_check.py``'s ``engine`` section): generated tokens/s, prompt tokens/s, the units
+    run and whether the rounds were ragged (exactly when ``pallas_tpu`` has native ragged kernels).
 
 Attention outputs are compared with ``max |out - ref| / (1 + |ref|) <= 2e-2``.  The exit status is
 1 when any check failed, 2 when there is no TPU (without ``--cpu-smoke``) or no ``pallas_tpu``.
@@ -37,6 +54,7 @@ Usage::
     PYTHONPATH=. python bench/tpu_check.py                      # on a TPU VM
     PYTHONPATH=. python bench/tpu_check.py --cpu-smoke          # CPU rehearsal of every section
     PYTHONPATH=. python bench/tpu_check.py --sections decode --budget decode=60
+    PYTHONPATH=. python bench/tpu_check.py --sections ragged engine     # the ragged rounds and the engine
 """
 
 from __future__ import annotations
@@ -49,6 +67,7 @@ import os
 import pathlib
 import sys
 import time
+import traceback
 
 if "--cpu-smoke" in sys.argv:
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -78,8 +97,8 @@ log, short_error, Checks, Section = gc.log, gc.short_error, gc.Checks, gc.Sectio
 PAGE, ATTN_TOL, ORDERS = gc.PAGE, gc.ATTN_TOL, gc.ORDERS
 PROFILES = [p.value for p in KVProfile]
 IMPL = "pallas_tpu"
-SECTIONS = ("setup", "correctness", "decode", "append")
-DEFAULT_BUDGET = {"setup": 30, "correctness": 150, "decode": 150, "append": 60}
+SECTIONS = ("setup", "correctness", "decode", "append", "ragged", "engine")
+DEFAULT_BUDGET = {"setup": 30, "correctness": 150, "decode": 150, "append": 60, "ragged": 120, "engine": 150}
 
 # Nominal HBM bandwidth per chip, GB/s (1e9 bytes/s), from Google Cloud's TPU documentation
 # (cloud.google.com/tpu/docs: "TPU v4", "TPU v5e", "TPU v5p", "TPU v6e" system-architecture pages,
@@ -124,13 +143,29 @@ class Shapes:
     iters: int = 50
     small_head_dim: int = 128
     small_gqa: tuple = ((8, 64), (8, 256))
+    ragged_rounds: tuple = ()  # gpu_check.RaggedRound; default gpu_check.RAGGED_ROUNDS
+    ragged_profiles: tuple = ("bf16", "k8v4")
+    ragged_iters: int = 20
+    ragged_warmup: int = 2
+    ragged_check_queries: int = 16
+    engine_model: dict | None = None  # default gpu_check.ENGINE_MODEL
+    engine_workload: tuple = (16, 512, 256)  # (requests, prompt tokens, generated tokens each)
+    engine_max_model_len: int = 1024
     smoke: bool = False
+
+    def rounds(self) -> tuple:
+        """The ragged section's rounds."""
+        return self.ragged_rounds or gc.RAGGED_ROUNDS
 
 
 SMOKE = Shapes(
     bandwidth_elems=1 << 12, batch=2, kv_heads=2, q_heads=8, head_dim=64, contexts=(256,),
     decode_cases=(("bf16", "page-major"),), append_shapes=((2, 3),), append_cases=(("bf16", "page-major"),),
-    append_context=256, iters=2, small_head_dim=64, small_gqa=((8, 64),), smoke=True,
+    append_context=256, iters=2, small_head_dim=64, small_gqa=((8, 64),),
+    ragged_rounds=gc.SMOKE.ragged_rounds, ragged_profiles=("bf16",), ragged_iters=1, ragged_warmup=1,
+    ragged_check_queries=4,
+    engine_model=gc.SMOKE.engine_model, engine_workload=gc.SMOKE.engine_workload,
+    engine_max_model_len=gc.SMOKE.engine_max_model_len, smoke=True,
 )
 
 
@@ -284,11 +319,89 @@ def section_append(sec: Section, shapes: Shapes, checks: Checks, state: dict) ->
                 checks.failed_row([profile, order, f"{bsz} x {t}"], 4, exc)
 
 
+def peer_kv_pages(view) -> jax.Array:
+    """The ``kv_pages (P, 64, 2H, D)`` of ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``
+    from a BF16 page-major view's layer: K of head ``h`` at ``2h``, its V at ``2h + 1``."""
+    if view.layout.profile is not KVProfile.BF16 or view.layout.order.value != "page-major":
+        raise ValueError(f"the JAX kernel's pages need a bf16 page-major view, got {view.layout.profile.value} "
+                         f"{view.layout.order.value}")
+    k = jnp.swapaxes(view.planes["k"][view.layer], 1, 2)  # (P, 64, H, D)
+    v = jnp.swapaxes(view.planes["v"][view.layer], 1, 2)
+    p, page, h, d = k.shape
+    return jnp.stack([k, v], axis=3).reshape(p, page, 2 * h, d)
+
+
+def jax_ragged_peer(shapes: Shapes, checks: Checks, state: dict):
+    """The ``peer`` of :func:`gpu_check.run_ragged_section`: JAX's ``ragged_paged_attention`` on the
+    same round (its tuned block sizes; on the CPU rehearsal its jnp reference), its output against
+    ours, its time against the same roofline."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    def peer(prob, view, ours, ours_seconds: float, nbytes: int):
+        rnd = prob.rnd
+        d = view.layout.head_dim
+        kv_lens, pages = np.asarray(rnd.kv_lens, np.int32), prob.table[prob.rows].astype(np.int32)
+        num_seqs = np.array([rnd.rows], np.int32)
+        if shapes.smoke:  # the kernel does not run in TPU interpret mode; its reference loops over concrete rows
+            fn = jax.jit(lambda q, kv: rpa.ref_ragged_paged_attention(q, kv, kv_lens, pages, rnd.query_starts,
+                                                                      num_seqs, sm_scale=d**-0.5))
+            args, what = (prob.q, peer_kv_pages(view)), "JAX reference (CPU)"
+        else:
+            fn = jax.jit(lambda *a: rpa.ragged_paged_attention(*a, sm_scale=d**-0.5))
+            args = (prob.q, peer_kv_pages(view), jnp.asarray(kv_lens), jnp.asarray(pages),
+                    jnp.asarray(rnd.query_starts), jnp.asarray(num_seqs))
+            what = "JAX ragged_paged_attention"
+        cells = [what, "bf16", f"{rnd.rows} / {rnd.num_tokens}", "-", "-" if shapes.smoke else "tuned", "-", "-"]
+        try:
+            seconds, out = gc.median_time(fn, *args, iters=shapes.ragged_iters, warmup=shapes.ragged_warmup)
+        except Exception as exc:  # counted: the JAX kernel is the yardstick of this section
+            checks.failures += 1
+            traceback.print_exc(file=sys.stdout)
+            return ("| " + " | ".join(cells) + f" | {short_error(exc)} |" + "  |" * 5 + " FAIL |",
+                    f"{rnd.name}: JAX's kernel failed ({short_error(exc)})")
+        err = gc.max_rel_err(out[: rnd.num_tokens], ours)
+        ok = err <= ATTN_TOL
+        checks.failures += 0 if ok else 1
+        checks.passed += 1 if ok else 0
+        row = ("| " + " | ".join(cells) + f" | {seconds * 1e6:.0f} | {nbytes / 1e9:.3g} | "
+               f"{_roofline(nbytes, seconds, state)} | {err:.1e} vs ours | {'PASS' if ok else 'FAIL'} |")
+        note = (f"{rnd.name}, BF16: ours {ours_seconds * 1e6:.0f} us, {what} {seconds * 1e6:.0f} us: "
+                f"ours / JAX = {ours_seconds / seconds:.2f}")
+        return row, note
+
+    return peer
+
+
+def _roofline(nbytes: int, seconds: float, state: dict) -> str:
+    """``GB/s | % of measured read BW | % of nominal HBM BW`` of ``nbytes`` in ``seconds``."""
+    bw = nbytes / seconds
+    nominal = state.get("nominal_bw", float("nan"))
+    return (f"{bw / 1e9:.0f} | {100 * bw / state['read_bw']:.0f}% | "
+            + (f"{100 * bw / nominal:.0f}%" if math.isfinite(nominal) else "n/a"))
+
+
+def section_ragged(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    peer = None
+    try:
+        peer = jax_ragged_peer(shapes, checks, state)
+    except Exception as exc:  # a JAX without the kernel: ours still runs
+        log(f"(JAX ragged_paged_attention unavailable: {short_error(exc)})")
+        log("")
+    gc.run_ragged_section(sec, shapes, checks, IMPL, lambda nbytes, seconds: _roofline(nbytes, seconds, state),
+                          roof_header="% of measured read BW | % of nominal HBM BW", peer=peer)
+
+
+def section_engine(sec: Section, shapes: Shapes, checks: Checks, state: dict) -> None:
+    gc.run_engine_section(sec, shapes, checks, IMPL)
+
+
 _TITLES = {
     "setup": "Setup: implementation and HBM bandwidth",
     "correctness": "Correctness against the float32 reference, small shapes",
     "decode": "Decode attention",
     "append": "Append",
+    "ragged": "Ragged rounds: decodes beside a prefill chunk",
+    "engine": "The engine: a small model through ninfer_kv.LLM",
 }
 
 
@@ -313,13 +426,15 @@ def main(argv=None) -> int:
     checks = Checks()
     state: dict = {"copy_bw": float("nan"), "read_bw": float("nan"), "nominal_bw": float("nan")}
     order = [s for s in SECTIONS if s in args.sections]
-    if "setup" not in order and "decode" in order:
+    if "setup" not in order and ("decode" in order or "ragged" in order):
         order.insert(0, "setup")  # the bandwidth baselines are the denominators
     gc.run_sections(order, budget, _TITLES, {
         "setup": lambda sec: section_setup(sec, shapes, checks, state),
         "correctness": lambda sec: section_correctness(sec, shapes, checks, state, args.profiles, args.orders),
         "decode": lambda sec: section_decode(sec, shapes, checks, state),
         "append": lambda sec: section_append(sec, shapes, checks, state),
+        "ragged": lambda sec: section_ragged(sec, shapes, checks, state),
+        "engine": lambda sec: section_engine(sec, shapes, checks, state),
     }, checks)
     log("")
     log(f"{checks.failures} failing checks, {checks.passed} passing table checks "

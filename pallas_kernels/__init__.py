@@ -11,6 +11,8 @@ the CPU).  Inputs are assumed validated by :mod:`ninfer_kv.ops`.
 
 * :func:`paged_append` / :func:`cyclic_append` quantize in the kernel and write in place (the planes
   are aliased input -> output; donate them in the calling ``jax.jit``).
+* :func:`paged_append_ragged` / :func:`paged_attention_ragged`: the ragged forms, natively (a static
+  grid over the round's row blocks, :mod:`pallas_kernels.triton.ragged`).
 * :func:`paged_attention` / :func:`cyclic_attention` read pages through the block table inside the
   kernel, dequantize in the kernel and run an online softmax in float32; decode splits the context
   over several programs (flash decoding) and merges them with a small combine step.
@@ -50,10 +52,13 @@ from .triton.config import TritonConfig
 from .triton.cyclic import cyclic_append, cyclic_attention
 from .triton.paged_append import paged_append
 from .triton.paged_attention import paged_attention
+from .triton.ragged import paged_append_ragged, paged_attention_ragged
 
 __all__ = [
     "paged_append",
     "paged_attention",
+    "paged_append_ragged",
+    "paged_attention_ragged",
     "cyclic_append",
     "cyclic_attention",
     "PagedAppendConfig",

@@ -12,12 +12,14 @@ Each :meth:`EngineCore.step` is one round:
    Before that, a prefix that waiting requests share beyond what the cache holds (at least
    :data:`MIN_SHARED_TOKENS` tokens more), and the prompt of an ``n > 1`` request, is first
    prefilled once by a *prefix job* and retained, and the requests then fork it;
-3. **prefill and decode in one ragged batch** (a model with a ``ragged`` call on a runner that runs
-   it, no speculation): every decoding sequence feeds its one token and the sequences still in
+3. **prefill and decode in one ragged batch** (a model with a ``ragged`` call whose ops have native
+   ragged kernels, no speculation — :func:`~ninfer_kv.engine.model.feeds_ragged_rounds` — on a
+   runner that runs it): every decoding sequence feeds its one token and the sequences still in
    their prompts, in arrival order, as many prompt tokens as the round's budget
    ``max_num_batched_tokens`` leaves, all in one model call where each row pays for its own tokens
    only; a round with no prompt work is a plain decode step.  Otherwise (speculative models,
-   data-parallel engines) **prefill**: every sequence still in its prompt gets one chunk of
+   data-parallel engines, an ``impl`` without native ragged kernels, which would read a row's keys
+   once per prompt token) **prefill**: every sequence still in its prompt gets one chunk of
    ``prefill_chunk`` tokens (batched, padded to a bucket), then **decode**.  A sequence whose
    prompt completes produces its first token;
 4. **decode**: every other running sequence produces one token (batched); with lease growth
@@ -48,7 +50,7 @@ from ..models.decoder.buckets import bucket_ladder, token_ladder
 from ..models.request_checks import token_ids
 from ..kinds import PoolKind
 from ..store import KVStore
-from .model import EngineModel, draft_window_of
+from .model import EngineModel, draft_window_of, feeds_ragged_rounds
 from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
 from .prefix_cache import PrefixCache
 from .prefix_index import PrefixIndex
@@ -117,8 +119,12 @@ class EngineCore:
       runner: what runs the units (default: a :class:`~ninfer_kv.engine.runner.DeviceRunner` on one
         device; a data-parallel engine passes its shard's).
       max_num_batched_tokens: tokens a ragged round feeds at most (>= the store's rows; default
-        :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`, or the rows when more); ragged rounds need a model with a ``ragged``
-        call, no speculation and a runner that runs them.
+        :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`, or the rows when more); ragged rounds need a model that
+        :func:`~ninfer_kv.engine.model.feeds_ragged_rounds` accepts (a ``ragged`` call on native ragged
+        kernels, no speculation) and a runner that runs them.
+
+    Attributes:
+      ragged_rounds: whether rounds run as one ragged unit (else rectangular prefill and decode units).
 
     A model with a ``draft_window`` (an MTP head; :mod:`ninfer_kv.engine.speculative`) over a store
     with an MTP pool decodes in speculative rounds.
@@ -156,7 +162,10 @@ class EngineCore:
             raise ValueError(f"lease growth with draft_window={self.draft_window} needs cushion_tokens >= "
                              f"{self.draft_window + 1} (a round writes up to K + 1 tokens); got "
                              f"{store.policy.cushion_tokens}")
-        ragged = callable(getattr(model, "ragged", None)) and not self.draft_window
+        # Ragged rounds need both sides: a model that runs them natively (feeds_ragged_rounds: a
+        # ragged call, no speculation, native ragged kernels under its impl) and a runner that runs
+        # ragged units (a mesh runner does not).  Otherwise rounds are rectangular units.
+        ragged = feeds_ragged_rounds(model)
         if runner is None:
             tokens = token_ladder(self.max_num_batched_tokens) if ragged else None
             runner = DeviceRunner(model, store, self.buckets, token_buckets=tokens)

@@ -33,7 +33,11 @@ chunks as one ragged batch (``DecoderModel`` has it)::
 ``[query_starts[r], query_starts[r + 1])`` (``query_starts`` int32 ``(B + 1,)``) from position
 ``positions[r]``; ``N`` is a token bucket (``prepare``'s ``token_buckets``), padding rows own no
 token; ``out`` is as for decode, at each row's last token.  The engine prepares such a model with
-``prepare(layout, batch_buckets, token_buckets=...)``.
+``prepare(layout, batch_buckets, token_buckets=...)``.  The engine feeds ragged rounds only to a model
+that :func:`feeds_ragged_rounds` accepts: a ``ragged`` call, no speculation, and a
+``runs_ragged_natively`` that is not ``False`` (:attr:`DecoderModel.runs_ragged_natively`: its ops
+have native ragged kernels, so a prompt chunk's queries read each page once per query block and not
+once per token); any other model gets rectangular prefill and decode units.
 
 Speculative decoding (optional).  A model with an MTP head sets ``draft_window`` (``K``) and
 ``hidden_size`` (``d``), returns ``out.hidden`` float32 ``(B, T, d)`` (every position's main hidden
@@ -66,12 +70,13 @@ from ..device import KVDeviceState
 from ..models.decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig
 from ..models.decoder.sampling import SamplingRows
 from ..models.decoder.steps import ModelSteps, shared_steps
+from ..ops.registry import resolve_impl
 from ..planning import ModelKVConfig
 from ..layout import PagedKVStorageLayout
 from ..profiles import KVProfile
 from ..work import RoundWork
 
-__all__ = ["StepOutput", "VerifyOutput", "EngineModel", "DecoderModel", "draft_window_of"]
+__all__ = ["StepOutput", "VerifyOutput", "EngineModel", "DecoderModel", "draft_window_of", "feeds_ragged_rounds"]
 
 
 class StepOutput(NamedTuple):
@@ -105,6 +110,21 @@ def draft_window_of(model) -> int:
     if k and not (isinstance(getattr(model, "hidden_size", None), int) and model.hidden_size > 0):
         raise ValueError("a speculative model (draft_window > 0) must say its hidden_size, a positive int")
     return k
+
+
+def feeds_ragged_rounds(model) -> bool:
+    """Whether the engine may feed ``model`` a round as one ragged unit (decodes beside prompt
+    tokens) rather than as rectangular prefill and decode units: the model has a callable
+    ``ragged``, is not speculative (:func:`draft_window_of` is 0), and does not say
+    ``runs_ragged_natively = False``.  The engine's runner must also run ragged units
+    (:attr:`~ninfer_kv.engine.runner.DeviceRunner.runs_ragged`; a data-parallel mesh runner does
+    not).  ``TypeError`` when ``runs_ragged_natively`` is not a bool."""
+    if not callable(getattr(model, "ragged", None)) or draft_window_of(model):
+        return False
+    native = getattr(model, "runs_ragged_natively", True)
+    if not isinstance(native, bool):
+        raise TypeError(f"the model's runs_ragged_natively={native!r} must be True or False")
+    return native
 
 
 @runtime_checkable
@@ -150,6 +170,9 @@ class DecoderModel:
         speculative rounds of ``K`` drafts (0: plain decoding).
       mesh: a :class:`~ninfer_kv.device.mesh.KVMesh` to run the steps on a sharded state (main model only;
         :class:`~ninfer_kv.engine.data_parallel.DataParallelEngine`), or ``None``.
+
+    The engine feeds it ragged rounds only when :attr:`runs_ragged_natively` (its ``impl`` has
+    native ragged kernels); otherwise rectangular prefill and decode units.
     """
 
     def __init__(self, params: dict, config: ModelConfig, *, impl: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
@@ -195,6 +218,25 @@ class DecoderModel:
             from ..models.decoder.mesh_steps import MeshSteps
 
             self._steps = MeshSteps(step_config, self.mesh, layout)
+
+    @property
+    def runs_ragged_natively(self) -> bool:
+        """Whether :meth:`ragged` runs on native ragged kernels, so the engine feeds this model
+        ragged rounds (:func:`feeds_ragged_rounds`).
+
+        True when the model runs on one device (a mesh has no ragged step) and the implementation
+        its steps use — ``impl``, or for ``"auto"`` what :func:`~ninfer_kv.ops.registry.resolve_impl`
+        picks on the current default backend — has both ``paged_append_ragged`` and
+        ``paged_attention_ragged``.  A backend without them (``None`` in its
+        :class:`~ninfer_kv.ops.registry.OpImpl`) would run a ragged round one query per row
+        (:mod:`ninfer_kv.ops.ragged`), reading a row's keys once per prompt token; the engine then
+        runs rectangular prefill and decode units instead.  Resolved on each read (``impl`` must
+        load here: :class:`~ninfer_kv.ops.registry.ImplUnavailableError` otherwise).
+        """
+        if self.mesh is not None:
+            return False
+        ops = resolve_impl(self.impl)
+        return ops.paged_append_ragged is not None and ops.paged_attention_ragged is not None
 
     @property
     def steps(self) -> ModelSteps:

@@ -9,11 +9,11 @@ Built-in names:
 
 * ``"reference"`` — :mod:`ninfer_kv.ops.reference` (gather-based jnp, for tests).
 * ``"pallas"`` — the top-level ``pallas_kernels`` package (Pallas kernels on the Triton backend;
-  interpret mode on a CPU backend).
+  interpret mode on a CPU backend).  With native ragged forms.
 * ``"ffi"`` — :mod:`ninfer_kv.ffi_ops` (C++ XLA FFI CPU kernels); available when its native library
-  loaded (:func:`ninfer_kv.ffi_ops.unavailable_reason`).  With native ragged (ragged) forms.
+  loaded (:func:`ninfer_kv.ffi_ops.unavailable_reason`).  With native ragged forms.
 * ``"pallas_tpu"`` — :mod:`pallas_kernels.mosaic_tpu` (Pallas kernels on Mosaic TPU: the two paged
-  ops; TPU interpret mode on a CPU).
+  ops; TPU interpret mode on a CPU).  With native ragged forms.
 
 ``impl="auto"`` walks the preference list of the default backend's platform
 (:data:`AUTO_PREFERENCE`): Pallas on GPU; FFI on CPU, falling back to the reference with a
@@ -42,7 +42,7 @@ REBUILD_HINT = (
 register_backend("reference", {op: f"ninfer_kv.ops.reference:{op}_reference" for op in OP_NAMES + RAGGED_OP_NAMES})
 register_backend(
     "pallas",
-    {op: f"pallas_kernels:{op}" for op in OP_NAMES},
+    {op: f"pallas_kernels:{op}" for op in OP_NAMES + RAGGED_OP_NAMES},
     hint="install the package with its pallas_kernels directory",
 )
 register_backend(
@@ -56,6 +56,8 @@ register_backend(
     {
         "paged_append": "pallas_kernels.mosaic_tpu.paged_append:paged_append",
         "paged_attention": "pallas_kernels.mosaic_tpu.paged_attention:paged_attention",
+        "paged_append_ragged": "pallas_kernels.mosaic_tpu.ragged:paged_append_ragged",
+        "paged_attention_ragged": "pallas_kernels.mosaic_tpu.ragged:paged_attention_ragged",
     },
     hint="install the package with its pallas_kernels directory and a JAX with Pallas TPU support",
 )

@@ -13,4 +13,7 @@ values a kernel has already loaded, and the rules every backend obeys.
   values) in the table :data:`~pallas_kernels.common.codec_tiles.CODEC_TILES`.
 * :mod:`~pallas_kernels.common.softmax`: the online-softmax arithmetic of attention and the merge of
   context splits.
+* :mod:`~pallas_kernels.common.ragged`: the cut of a ragged call into the blocks the native ragged
+  kernels' programs handle (decode rows, chunk rows in query blocks or page blocks), the chunk
+  block size rule, and the gather of per-block outputs back to tokens.
 """

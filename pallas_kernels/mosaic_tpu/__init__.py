@@ -1,7 +1,9 @@
 """The Mosaic TPU backend of the paged ops (registered as ``impl="pallas_tpu"``).
 
-:func:`~pallas_kernels.mosaic_tpu.paged_append.paged_append` and
-:func:`~pallas_kernels.mosaic_tpu.paged_attention.paged_attention` take exactly the arguments of
+:func:`~pallas_kernels.mosaic_tpu.paged_append.paged_append`,
+:func:`~pallas_kernels.mosaic_tpu.paged_attention.paged_attention` and their native ragged forms
+:func:`~pallas_kernels.mosaic_tpu.ragged.paged_append_ragged` and
+:func:`~pallas_kernels.mosaic_tpu.ragged.paged_attention_ragged` take exactly the arguments of
 the reference ops (:mod:`ninfer_kv.ops.reference`) plus keyword-only ``config`` (the common
 block-size configs; their ``compiler`` field a :class:`~pallas_kernels.mosaic_tpu.backend.MosaicConfig`
 or ``None``) and ``interpret`` (``None``: TPU interpret mode, ``pltpu.InterpretParams()``, unless
@@ -23,11 +25,16 @@ Design (details in each module):
 * every VMEM tile's last two dims are a whole ``(64, X)`` page tile or a whole ``(rows, D)``
   block, so they satisfy the TPU (8, 128) tiling rule by being full extents (64 is a multiple of
   the sublane tile of 32-, 16- and 8-bit dtypes); the small scale planes are their own ``(64,
-  X)`` DMAs, lane-padded to 128 in VMEM only.
+  X)`` DMAs, lane-padded to 128 in VMEM only;
+* the ragged forms (:mod:`pallas_kernels.mosaic_tpu.ragged`) run the same two kernels over the
+  round's row blocks (:mod:`pallas_kernels.common.ragged`: decode rows one token per block, chunk
+  rows in ``block_q``-token blocks for attention and page blocks for the append), the blocks' rows,
+  positions, lengths and counts as scalar-prefetch operands; two ``pallas_call`` s per op.
 """
 
 from .backend import MosaicConfig
 from .paged_append import paged_append
 from .paged_attention import paged_attention
+from .ragged import paged_append_ragged, paged_attention_ragged
 
-__all__ = ["paged_append", "paged_attention", "MosaicConfig"]
+__all__ = ["paged_append", "paged_attention", "paged_append_ragged", "paged_attention_ragged", "MosaicConfig"]

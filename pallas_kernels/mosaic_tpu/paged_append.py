@@ -21,6 +21,9 @@ back whole.  Rows that hold no new token are written back with their old bits.  
 travel bitcast to unsigned integers of their width, so the DMAs move raw bits.  Two programs
 appending to the same (page, head) at once would race on the read-modify-write; the rows of a
 batch map distinct pages (on one-TensorCore chips the programs run one after another anyway).
+The ragged append (:mod:`pallas_kernels.mosaic_tpu.ragged`) runs the same kernel over row blocks
+(:func:`append_blocks`); its page blocks hold the tokens of one logical page, so each program reads
+and rewrites one window and no two programs of a call share a page.
 
 Rules (as :mod:`ninfer_kv.ops.reference`): a ``table_rows[b]`` outside ``[0, C)`` writes
 nothing; tokens at positions outside ``[0, L * 64)`` and tokens whose table entry is outside
@@ -43,7 +46,7 @@ from ..common.tiles import F32
 from .backend import lanes, page_tile, prepare, read_cols
 from .tpu_tiles import tpu_tile, widen
 
-__all__ = ["paged_append"]
+__all__ = ["paged_append", "append_blocks"]
 
 
 def _storage_dtype(dtype):
@@ -85,13 +88,31 @@ def paged_append(
     bsz, t_len, h_len, d = k.shape
     if bsz == 0 or t_len == 0:
         return view
+    return append_blocks(view, table_rows, positions, k, v, valid, compiler=compiler, interpret=interpret,
+                         name=f"mosaic_paged_append_{lay.profile.value}_{lay.order.value}_d{d}")
+
+
+def append_blocks(view: PagedKVBatchLayerView, table_rows: jax.Array, positions: jax.Array, k: jax.Array,
+                  v: jax.Array, valid: jax.Array, *, compiler, interpret, name: str,
+                  one_page: bool = False) -> PagedKVBatchLayerView:
+    """The ``pallas_call`` of :func:`paged_append` over ``k, v (B, T, H, D)``: grid ``(B, H)``.
+
+    ``one_page``: the caller guarantees that the kept tokens of every row lie in one logical page
+    (``positions[b] % 64 + valid[b] <= 64``, as the page blocks of a ragged call,
+    :mod:`pallas_kernels.mosaic_tpu.ragged`), so a program reads and rewrites one window
+    (``T <= 64``) instead of ``ceil((T + 63) / 64)``; tokens past the page would be dropped.
+    """
+    lay = view.layout
+    bsz, t_len, h_len, d = k.shape
     names = list(lay.plane_names)
     dtypes = {n: view.planes[n].dtype for n in names}
     planes = [_as_storage(view.planes[n]) for n in names]
     extents = {n: view.planes[n].shape[-1] for n in names}
     c_len, l_len = view.block_tables.shape
     page = lay.page_size
-    n_windows = -(-(t_len + page - 1) // page)  # pages a program's tokens can touch
+    if one_page and t_len > page:
+        raise ValueError(f"one_page blocks hold at most {page} tokens, got T={t_len}")
+    n_windows = 1 if one_page else -(-(t_len + page - 1) // page)  # pages a program's tokens can touch
     t_pad = n_windows * page
     kernel = functools.partial(
         _kernel, profile=lay.profile, order=lay.order, names=names, dtypes=dtypes, t_len=t_len, d=d,
@@ -114,7 +135,7 @@ def paged_append(
         input_output_aliases={7 + i: i for i in range(len(planes))},
         compiler_params=compiler.params(("parallel", "parallel")),
         interpret=interpret,
-        name=f"mosaic_paged_append_{lay.profile.value}_{lay.order.value}_d{d}",
+        name=name,
     )
     out = call(
         jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),

@@ -5,9 +5,12 @@ row, KV head, query tile).  Its ``block_q * G`` query rows (``G = Hq / H``; row 
 ``qt * block_q + r // G``, query head ``h * G + r % G``) come as one ``(block_q * G, D)`` block of
 the queries rearranged to ``(B, H, Tp * G, D)``, so every page is read once per KV head and
 reused by the whole GQA group.  Scalar-prefetch operands (SMEM): ``layer (1,)``, ``table_rows``,
-``positions``, ``kv_lens`` (``(B,)``) and the block tables flattened to ``(C * L,)``.
+``positions``, ``kv_lens`` (``(B,)``) and the block tables flattened to ``(C * L,)``.  The ragged
+forms (:mod:`pallas_kernels.mosaic_tpu.ragged`) run the same kernel over row blocks
+(:func:`attention_blocks`) with one more operand after ``kv_lens``, ``counts (B,)``: query ``t`` of
+row ``b`` is real iff ``t < counts[b]`` and the row's last real query sets its key frontier.
 
-Keys are visited a page (64 keys) at a time, only the pages below ``min(kv_len, last query
+Keys are visited a page (64 keys) at a time, only the pages below ``min(kv_len, last (real) query
 position + 1)``.  Each plane has a VMEM scratch ``(2, 64, X)`` and two DMA semaphores: before the
 loop the program starts the DMA of page 0 into slot 0; step ``i`` starts page ``i + 1`` into slot
 ``(i + 1) % 2``, waits for page ``i`` and computes on it while the next one is in flight.  A table
@@ -52,7 +55,7 @@ from ..common.tiles import F32
 from .backend import page_tile, prepare
 from .tpu_tiles import tpu_tile, widen
 
-__all__ = ["paged_attention"]
+__all__ = ["paged_attention", "attention_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,7 @@ class _Spec:
     n_blocks: int
     n_pages: int
     page: int
+    counted: bool = False  # a per-row ``counts`` scalar operand follows ``kv_lens``
 
 
 def paged_attention(
@@ -109,18 +113,47 @@ def paged_attention(
     n_qt = -(-t_len // block_q)
     if n_qt == 1:
         block_q = t_len
+    return attention_blocks(q, view, table_rows, positions, kv_lens, None, block_q=block_q, sm_scale=sm_scale,
+                            compiler=compiler, interpret=interpret,
+                            name=f"mosaic_paged_attention_{lay.profile.value}_{lay.order.value}_d{d}")
+
+
+def attention_blocks(q: jax.Array, view: PagedKVBatchLayerView, table_rows: jax.Array, positions: jax.Array,
+                     kv_lens: jax.Array, counts: jax.Array | None, *, block_q: int, sm_scale: float | None,
+                     compiler, interpret, name: str) -> jax.Array:
+    """The ``pallas_call`` of :func:`paged_attention` over ``q (B, T, Hq, D)``: grid ``(B, H, ceil(T / block_q))``.
+
+    ``counts`` (int32 ``(B,)`` or ``None``) is an extra scalar-prefetch operand for blocks of a
+    ragged call (:mod:`pallas_kernels.mosaic_tpu.ragged`): query ``t`` of row ``b`` is real iff
+    ``t < counts[b]`` (clipped to ``[0, T]``), a padded query sees no key and returns zeros, and the
+    row's key frontier is ``min(kv_len, position + counts[b])``.  ``None`` is the rectangular op: all
+    ``T`` queries are real.  ``block_q`` must already be valid for the TPU tiling (``block_q * G`` a
+    multiple of 8, or ``block_q == T``).
+    """
+    lay = view.layout
+    bsz, t_len, hq_len, d = q.shape
+    h_len = lay.num_kv_heads
+    group = hq_len // h_len
+    c_len, l_len = view.block_tables.shape
+    n_qt = -(-t_len // block_q)
     t_pad = n_qt * block_q
     spec = _Spec(lay.profile, lay.order, tuple(lay.plane_names), d, t_len, group, block_q,
-                 float(1.0 / d**0.5 if sm_scale is None else sm_scale), c_len, l_len, view.num_pages, lay.page_size)
+                 float(1.0 / d**0.5 if sm_scale is None else sm_scale), c_len, l_len, view.num_pages, lay.page_size,
+                 counts is not None)
     k_tile, v_tile = tpu_tile(lay.profile.k_codec), tpu_tile(lay.profile.v_codec)
     if k_tile.permutes_lanes:  # queries' lanes as [even | odd] for the NVFP4 key products
         q = jnp.concatenate([q[..., 0::2], q[..., 1::2]], axis=-1)
     qr = jnp.transpose(q.reshape(bsz, t_len, h_len, group, d), (0, 2, 1, 3, 4))
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, t_pad - t_len), (0, 0), (0, 0))).reshape(bsz, h_len, t_pad * group, d)
     planes = [_as_storage(view.planes[n]) for n in spec.names]
+    scalars = [jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)), jnp.asarray(table_rows, jnp.int32),
+               jnp.asarray(positions, jnp.int32), jnp.asarray(kv_lens, jnp.int32)]
+    if counts is not None:
+        scalars.append(jnp.asarray(counts, jnp.int32))
+    scalars.append(jnp.reshape(view.block_tables.astype(jnp.int32), (-1,)))
     q_spec = pl.BlockSpec((None, None, block_q * group, d), lambda b, h, qt, *_: (b, h, qt, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=len(scalars),
         grid=(bsz, h_len, n_qt),
         in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(planes),
         out_specs=q_spec,
@@ -133,16 +166,8 @@ def paged_attention(
         out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
         compiler_params=compiler.params(("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-        name=f"mosaic_paged_attention_{lay.profile.value}_{lay.order.value}_d{d}",
-    )(
-        jnp.reshape(jnp.asarray(view.layer, jnp.int32), (1,)),
-        jnp.asarray(table_rows, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(kv_lens, jnp.int32),
-        jnp.reshape(view.block_tables.astype(jnp.int32), (-1,)),
-        qr,
-        *planes,
-    )
+        name=name,
+    )(*scalars, qr, *planes)
     out = jnp.transpose(out.reshape(bsz, h_len, t_pad, group, d)[:, :, :t_len], (0, 2, 1, 3, 4))
     out = out.reshape(bsz, t_len, hq_len, d)
     if v_tile.permutes_lanes:  # output lanes came as [even | odd]
@@ -157,7 +182,11 @@ def _as_storage(x: jax.Array) -> jax.Array:
     return x
 
 
-def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, spec: _Spec):
+def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, *refs, spec: _Spec):
+    if spec.counted:
+        count_ref, table_ref, q_ref, *refs = refs
+    else:
+        count_ref, (table_ref, q_ref, *refs) = None, refs
     n = len(spec.names)
     plane_refs, bufs, sems = refs[:n], refs[n + 1:2 * n + 1], refs[2 * n + 1]
     o_ref = refs[n]
@@ -172,8 +201,11 @@ def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, sp
     row = jnp.where(row_ok, row, 0)
     layer, pos = layer_ref[0], pos_ref[b]
     kv_len = jnp.clip(kvlen_ref[b], 0, spec.n_blocks * page)
-    t_last = jnp.minimum(spec.num_queries, (qt + 1) * bq) - 1
-    hi = jnp.where(row_ok, jnp.minimum(kv_len, pos + t_last + 1), 0)
+    # the row's real queries: all T, or its first counts[b] (a block of a ragged call)
+    n_real = spec.num_queries if count_ref is None else jnp.clip(count_ref[b], 0, spec.num_queries)
+    t_last = jnp.minimum(n_real, (qt + 1) * bq) - 1
+    live = row_ok if count_ref is None else row_ok & (t_last >= qt * bq)
+    hi = jnp.where(live, jnp.minimum(kv_len, pos + t_last + 1), 0)
     n_steps = jnp.where(hi > 0, jax.lax.div(hi + (page - 1), jnp.int32(page)), 0)
 
     def fetch(i, slot):
@@ -192,7 +224,7 @@ def _kernel(layer_ref, rows_ref, pos_ref, kvlen_ref, table_ref, q_ref, *refs, sp
     # Query rows as a (rows, 1) column: row r is token qt * bq + r // G.
     r = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     tq = qt * bq + jax.lax.div(r, jnp.int32(g_size))
-    qpos = jnp.where(tq < spec.num_queries, pos + tq, -1)
+    qpos = jnp.where(tq < n_real, pos + tq, -1)
     d = spec.head_dim
     qs = [q_ref[:, start:start + width].astype(cdt) for start, width in k_tile.columns(d)]
     out_cols = v_tile.columns(d)

@@ -3,6 +3,8 @@
 * :mod:`~pallas_kernels.triton.paged_append`, :mod:`~pallas_kernels.triton.paged_attention`,
   :mod:`~pallas_kernels.triton.cyclic`: the four ops (the ``"pallas"`` implementation of
   :mod:`ninfer_kv.ops`) and their addressers / key sources (block-table lookups, ring slots);
+* :mod:`~pallas_kernels.triton.ragged`: the native ragged append and attention (a round's decode
+  rows and chunk rows as two grids of row blocks over the same kernel bodies);
 * :mod:`~pallas_kernels.triton.append`, :mod:`~pallas_kernels.triton.attention`: the kernel bodies
   shared by the paged and the cyclic ops (loads, stores and program structure around the codec
   tiles and the online softmax of :mod:`pallas_kernels.common`);

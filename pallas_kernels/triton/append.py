@@ -82,6 +82,8 @@ def quantize_and_store(
     v_ref,
     out_refs: dict,
     address: Addresser,
+    k_row=None,
+    k_shift=0,
 ) -> None:
     """Quantize tokens ``t0 .. t0 + block_t`` of row ``b``, head ``h`` of K and V and store them.
 
@@ -96,6 +98,9 @@ def quantize_and_store(
       out_refs: output plane refs keyed by plane name (in the planes' dtypes or, see
         :func:`storage_planes`, as unsigned integers of the same width).
       address: the addresser (see the module docstring).
+      k_row, k_shift: where token ``t`` of the program's row lies in ``k_ref`` / ``v_ref``: token
+        ``t + k_shift`` of row ``k_row`` (default: token ``t`` of row ``b``; a ragged block of
+        :mod:`pallas_kernels.common.ragged` reads its tokens from the call's one token axis).
     """
     plane_dtypes = {p.name: p.dtype for p in profile.planes(head_dim)}
     t = t0 + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
@@ -117,7 +122,8 @@ def quantize_and_store(
 
         def load(cols: Cols, x_ref=x_ref) -> jax.Array:
             mask = and_masks(write2, cols.mask())
-            tile = backend.load(x_ref.at[b, t_safe[:, None], h, cols.index()], mask=mask, other=0)
+            tile = backend.load(x_ref.at[b if k_row is None else k_row, t_safe[:, None] + k_shift, h, cols.index()],
+                                mask=mask, other=0)
             return tile.astype(jnp.float32)
 
         for put in codec_tile(profile.codec(tensor)).encode(tensor, load, tile_lanes):
@@ -162,6 +168,7 @@ def append_call(
     name: str,
     make_address: AddresserFactory,
     row_limit: int,
+    ragged: tuple | None = None,
 ) -> dict:
     """Quantize ``k, v (B, T, H, D)`` into the view's planes in place; returns the planes by name.
 
@@ -173,14 +180,28 @@ def append_call(
     :func:`quantize_and_store`.  ``k`` and ``v`` must be non-empty.  A row index ``rows[b]``
     outside ``[0, row_limit)`` makes row ``b`` write nothing (its addresser sees row 0, a safe
     address, and no valid token).
+
+    ``ragged=(starts, block_tokens)``: the rows are the blocks of a ragged call
+    (:mod:`pallas_kernels.common.ragged`: ``rows``, ``positions`` and ``valid`` the blocks' table
+    rows, first positions and token counts, ``starts`` their first tokens) holding at most
+    ``block_tokens`` tokens each, and ``k, v`` are the call's ``(N, H, D)`` inputs; ``starts`` is
+    one more scalar operand after ``valid``.
     """
     profile, d = view.layout.profile, view.layout.head_dim
-    bsz, t_len, h_len, _ = k.shape
+    if ragged is None:
+        bsz, t_len, h_len, _ = k.shape
+        extra = ()
+    else:
+        starts, t_len = ragged
+        bsz, h_len = rows.shape[0], k.shape[1]
+        k, v = k[None], v[None]
+        extra = (jnp.asarray(starts, jnp.int32),)
     dtypes = [view.planes[n].dtype for n in names]
     planes = storage_planes([view.planes[n] for n in names], interpret)
     n_tables = len(tables)
 
     def kernel(layer_ref, rows_ref, pos_ref, valid_ref, *refs):
+        starts_ref, refs = (refs[0], refs[1:]) if extra else (None, refs)
         table_refs = refs[:n_tables]
         k_ref, v_ref = refs[n_tables], refs[n_tables + 1]
         out_refs = dict(zip(names, refs[n_tables + 2 + len(names):]))
@@ -195,9 +216,10 @@ def append_call(
         quantize_and_store(
             profile, d, t_len, cfg.block_t, backend, b=b, h=h, t0=tile * cfg.block_t,
             k_ref=k_ref, v_ref=v_ref, out_refs=out_refs, address=address,
+            **({} if starts_ref is None else {"k_row": 0, "k_shift": backend.load_scalar(starts_ref, (b,))}),
         )
 
-    n_in = 4 + n_tables + 2
+    n_in = 4 + len(extra) + n_tables + 2
     call = backend.pallas_call(
         kernel,
         grid=(bsz, -(-t_len // cfg.block_t), h_len),
@@ -212,6 +234,7 @@ def append_call(
         jnp.asarray(rows, jnp.int32),
         jnp.asarray(positions, jnp.int32),
         jnp.asarray(valid, jnp.int32),
+        *extra,
         *tables,
         k,
         v,

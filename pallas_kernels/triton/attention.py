@@ -90,6 +90,8 @@ def attention_program(
     key_source: KeySource,
     out_refs: tuple,
     key_floor=None,
+    q_start=None,
+    count=None,
 ) -> None:
     """Run one attention program (see the module docstring).
 
@@ -108,6 +110,10 @@ def attention_program(
         only the most recent ``slots`` positions).
       out_refs: ``(out,)`` with out ``(B, T, Hq, D)`` when there is one split, else
         ``(acc, m, l)`` with acc ``(S, B, T, Hq, D)`` float32 and m, l ``(S, B, T, Hq)`` float32.
+      q_start, count: a block of a ragged call (:mod:`pallas_kernels.common.ragged`; ``qt`` is 0):
+        its query ``i < count`` is token ``q_start + i`` of ``q_ref (1, N, Hq, D)`` at position
+        ``pos + i``, and its output goes to token ``i`` of block ``b`` (out ``(nb, block_q, Hq, D)``,
+        acc and m, l likewise).  ``None``: the rectangular tile ``qt`` of row ``b``.
     """
     cfg = spec.cfg
     d, g_size, bq, bk, rows = spec.head_dim, spec.group, cfg.block_q, cfg.block_k, spec.rows
@@ -116,21 +122,28 @@ def attention_program(
     k_tile, v_tile = codec_tile(spec.profile.k_codec), codec_tile(spec.profile.v_codec)
 
     r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    tq = qt * bq + jax.lax.div(r, jnp.int32(g_size))
-    row_ok = (r < bq * g_size) & (tq < spec.num_queries)
-    # Padding rows load token 0 (masked) and store to token T: out of range, so a masked store can
-    # never alias a real row (the interpreter's scatter drops it; the GPU store is masked).
-    tq_store = jnp.where(row_ok, tq, spec.num_queries)
+    local = jax.lax.div(r, jnp.int32(g_size))  # the row's query within the tile
+    if count is None:  # tile qt of a rectangular row: tokens qt * bq + local of row b
+        tq = qt * bq + local
+        row_ok = (r < bq * g_size) & (tq < spec.num_queries)
+        first_pos = pos + qt * bq  # the tile's first query position
+        n_queries = jnp.minimum(spec.num_queries - qt * bq, bq)
+        q_row, tq_out, out_len = b, tq, spec.num_queries
+    else:  # a ragged block: tokens q_start + local of the call, output rows local of block b
+        row_ok = (r < bq * g_size) & (local < count)
+        first_pos, n_queries = pos, count
+        q_row, tq, tq_out, out_len = 0, q_start + local, local, bq
+    # Padding rows load token 0 (masked) and store past the output's token axis: out of range, so a
+    # masked store can never alias a real row (the interpreter's scatter drops it; the GPU store is masked).
+    tq_store = jnp.where(row_ok, tq_out, out_len)
     tq = jnp.where(row_ok, tq, 0)
     hq = h * g_size + jax.lax.rem(r, jnp.int32(g_size))
-    qpos = jnp.where(row_ok, pos + tq, -1)
+    qpos = jnp.where(row_ok, first_pos + local, -1)
 
-    t_lo = qt * bq
-    t_hi = jnp.minimum(spec.num_queries, t_lo + bq) - 1
-    hi = jnp.minimum(kv_len, pos + t_hi + 1)
+    hi = jnp.minimum(kv_len, first_pos + n_queries)
     lo = jnp.int32(0)
     if spec.window is not None:
-        lo = jnp.maximum(lo, pos + t_lo - spec.window + 1)
+        lo = jnp.maximum(lo, first_pos - spec.window + 1)
     if key_floor is not None:
         lo = jnp.maximum(lo, key_floor)
     step_lo = jax.lax.div(lo, jnp.int32(bk))
@@ -142,7 +155,7 @@ def attention_program(
     row_ok2 = row_ok[:, None]
     qs = [
         backend.load(
-            q_ref.at[b, tq[:, None], hq[:, None], cols.index()], mask=and_masks(row_ok2, cols.mask()), other=0
+            q_ref.at[q_row, tq[:, None], hq[:, None], cols.index()], mask=and_masks(row_ok2, cols.mask()), other=0
         ).astype(cdt)
         for cols in k_tile.columns(tile_lanes)
     ]
@@ -216,7 +229,7 @@ def run_attention(
         num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
         max_keys=max_keys,
     )
-    compiler = triton_config(config).for_attention(d)
+    compiler = triton_config(config).for_attention(d, query_rows(cfg.block_q, hq // lay.num_kv_heads))
     sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
     return kernel(TRITON, q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, compiler=compiler,
                   interpret=interpret)
@@ -242,6 +255,8 @@ def attention_call(
     row_limit: int,
     key_limit: int | None = None,
     key_floor_offset: int | None = None,
+    starts: jax.Array | None = None,
+    counts: jax.Array | None = None,
 ) -> jax.Array:
     """Run :func:`attention_program` over the grid ``(B, H, ceil(T / block_q), k_splits)``.
 
@@ -255,11 +270,24 @@ def attention_call(
     0, a safe address); ``kv_lens[b]`` is clipped to ``[0, key_limit]``.
     Several splits are merged with :func:`~pallas_kernels.common.softmax.combine_splits`.  ``q``
     must be non-empty.
+
+    With ``starts`` and ``counts`` the rows are the ``nb`` blocks of a ragged call
+    (:mod:`pallas_kernels.common.ragged`; ``rows``, ``positions``, ``kv_lens`` per block), ``q`` is
+    the call's ``(N, Hq, D)``, the grid ``(nb, H, 1, k_splits)`` and the result the blocks' outputs
+    ``(nb, block_q, Hq, D)`` (rows past a block's count unspecified); ``starts`` and ``counts`` are
+    two more scalar operands after ``kv_lens``.
     """
     cfg, splits = spec.cfg, spec.cfg.k_splits
     n_tables, n_planes = len(tables), len(names)
+    ragged = starts is not None
+    if ragged:
+        extra = (jnp.asarray(starts, jnp.int32), jnp.asarray(counts, jnp.int32))
+        out_dims, q_tiles, q = (jnp.shape(rows)[0], cfg.block_q, *q.shape[1:]), 1, q[None]
+    else:
+        extra, out_dims, q_tiles = (), q.shape, -(-q.shape[1] // cfg.block_q)
 
     def kernel(layer_ref, rows_ref, pos_ref, lens_ref, *refs):
+        block_refs, refs = refs[:len(extra)], refs[len(extra):]
         table_refs = refs[:n_tables]
         q_ref = refs[n_tables]
         plane_refs = dict(zip(names, refs[n_tables + 1:n_tables + 1 + n_planes]))
@@ -276,19 +304,21 @@ def attention_call(
         attention_program(
             spec, backend, b=b, h=h, qt=qt, sp=sp, pos=pos, kv_len=kv_len, q_ref=q_ref, key_source=key_source,
             out_refs=out_refs, key_floor=None if key_floor_offset is None else pos + key_floor_offset,
+            **({"q_start": backend.load_scalar(block_refs[0], (b,)), "count": backend.load_scalar(block_refs[1], (b,))}
+               if ragged else {}),
         )
 
     if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct(out_dims, q.dtype)]
     else:
         out_shape = [
-            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
-            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
-            jax.ShapeDtypeStruct((splits, *q.shape[:-1]), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *out_dims), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *out_dims[:-1]), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *out_dims[:-1]), jnp.float32),
         ]
     call = backend.pallas_call(
         kernel,
-        grid=(q.shape[0], view.layout.num_kv_heads, -(-q.shape[1] // cfg.block_q), splits),
+        grid=(out_dims[0], view.layout.num_kv_heads, q_tiles, splits),
         out_shape=out_shape,
         compiler=spec.compiler,
         interpret=interpret,
@@ -299,6 +329,7 @@ def attention_call(
         jnp.asarray(rows, jnp.int32),
         jnp.asarray(positions, jnp.int32),
         jnp.asarray(kv_lens, jnp.int32),
+        *extra,
         *tables,
         q,
         *[view.planes[n] for n in names],

@@ -25,8 +25,12 @@ class TritonConfig:
 
     Attributes:
       num_warps: warps per program (power of two, 1..32); ``None``: appends 4, attention 4 for
-        head dim <= 128, else 8.
-      num_stages: software-pipelining depth (1..8); ``None``: appends 1, attention 2 (the key loop).
+        head dim <= 128 and at most 64 query rows, else 8.
+      num_stages: software-pipelining depth (1..8); ``None``: appends 1, attention 2 (the key loop),
+        3 for a decode tile (at most 16 query rows: one token's GQA group) of head dim > 128.  A
+        decode program is memory-bound and holds a small query tile, so it affords a third stage of
+        K/V tiles in flight; at two stages ptxas 13 caps the bf16 head-major D 256 decode kernel at
+        128 registers and spills (bench/deviceless_gpu.py), at three no decode kernel spills.
     """
 
     num_warps: int | None = None
@@ -44,9 +48,12 @@ class TritonConfig:
         """Every field set, with the append kernels' defaults."""
         return self._with_defaults(4, 1)
 
-    def for_attention(self, head_dim: int) -> "TritonConfig":
-        """Every field set, with the attention kernels' defaults for head dim ``head_dim``."""
-        return self._with_defaults(4 if head_dim <= 128 else 8, 2)
+    def for_attention(self, head_dim: int, rows: int) -> "TritonConfig":
+        """Every field set, with the attention kernels' defaults for head dim ``head_dim`` and
+        ``rows`` query rows per program (:func:`query_rows`)."""
+        decode_tile = rows <= MIN_DOT
+        return self._with_defaults(4 if head_dim <= 128 and rows <= 64 else 8,
+                                   3 if decode_tile and head_dim > 128 else 2)
 
 
 def triton_config(config) -> TritonConfig:

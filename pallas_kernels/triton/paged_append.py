@@ -28,7 +28,7 @@ from ..common.config import PagedAppendConfig
 from .append import append_call, run_append
 from .backend import TritonBackend
 
-__all__ = ["paged_append"]
+__all__ = ["paged_append", "paged_addresser"]
 
 
 def paged_append(
@@ -59,10 +59,22 @@ def paged_append(
 def _paged_append_planes(backend: TritonBackend, view, table_rows, positions, k, v, valid, *, config, compiler,
                          interpret) -> dict:
     lay = view.layout
-    order = lay.order
     bsz, t_len = k.shape[:2]
     if bsz == 0 or t_len == 0:
         return dict(view.planes)
+    return append_call(
+        backend, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions, valid=valid,
+        tables=(view.block_tables,), k=k, v=v, cfg=config.for_tokens(t_len), compiler=compiler, interpret=interpret,
+        name=f"paged_append_{lay.profile.value}_{lay.order.value}_d{lay.head_dim}",
+        make_address=paged_addresser(backend, view, interpret), row_limit=view.block_tables.shape[0],
+    )
+
+
+def paged_addresser(backend: TritonBackend, view: PagedKVBatchLayerView, interpret: bool):
+    """The addresser factory of the paged append (:func:`~pallas_kernels.triton.append.append_call`):
+    block-table lookups, tokens past the table or with an entry outside ``[0, N)`` dropped."""
+    lay = view.layout
+    order = lay.order
     n_pages = view.num_pages
     n_blocks = view.logical_pages
     page = lay.page_size
@@ -95,9 +107,4 @@ def _paged_append_planes(backend: TritonBackend, view, table_rows, positions, k,
 
         return address
 
-    return append_call(
-        backend, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions, valid=valid,
-        tables=(view.block_tables,), k=k, v=v, cfg=config.for_tokens(t_len), compiler=compiler, interpret=interpret,
-        name=f"paged_append_{lay.profile.value}_{order.value}_d{lay.head_dim}", make_address=make_address,
-        row_limit=view.block_tables.shape[0],
-    )
+    return make_address

@@ -33,7 +33,7 @@ from ..common.softmax import compute_dtype_for
 from .attention import AttentionSpec, attention_call, masked_tile_load, run_attention
 from .backend import TritonBackend
 
-__all__ = ["paged_attention"]
+__all__ = ["paged_attention", "paged_key_source"]
 
 
 def paged_attention(
@@ -67,7 +67,6 @@ def _paged_attention_kernel(backend: TritonBackend, q, view, table_rows, positio
                             compiler, interpret):
     lay = view.layout
     order, page = lay.order, lay.page_size
-    shift = page.bit_length() - 1
     bsz, t_len, hq_len, d = q.shape
     if bsz == 0 or t_len == 0:
         return jnp.zeros(q.shape, q.dtype)
@@ -75,8 +74,21 @@ def _paged_attention_kernel(backend: TritonBackend, q, view, table_rows, positio
         profile=lay.profile, head_dim=d, num_queries=t_len, group=hq_len // lay.num_kv_heads, cfg=cfg,
         compiler=compiler, sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype),
     )
-    bk = cfg.block_k
+    return attention_call(
+        backend, q=q, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions,
+        kv_lens=kv_lens, tables=(view.block_tables,), spec=spec, interpret=interpret,
+        name=f"paged_attention_{lay.profile.value}_{order.value}_d{d}_q{cfg.block_q}_k{cfg.block_k}_s{cfg.k_splits}",
+        make_key_source=paged_key_source(backend, view, cfg.block_k), row_limit=view.block_tables.shape[0],
+        key_limit=view.logical_pages * page,
+    )
 
+
+def paged_key_source(backend: TritonBackend, view: PagedKVBatchLayerView, bk: int):
+    """The key-source factory of paged attention (:func:`~pallas_kernels.triton.attention.attention_call`):
+    steps of ``bk`` keys through the block table, entries outside ``[0, N)`` hiding their keys."""
+    lay = view.layout
+    order, page = lay.order, lay.page_size
+    shift = page.bit_length() - 1
     n_pages = view.num_pages
 
     def make_key_source(layer, row, h, plane_refs, bt_ref):
@@ -105,9 +117,4 @@ def _paged_attention_kernel(backend: TritonBackend, q, view, table_rows, positio
 
         return key_source
 
-    return attention_call(
-        backend, q=q, view=view, names=list(lay.plane_names), rows=table_rows, positions=positions,
-        kv_lens=kv_lens, tables=(view.block_tables,), spec=spec, interpret=interpret,
-        name=f"paged_attention_{lay.profile.value}_{order.value}_d{d}_q{cfg.block_q}_k{bk}_s{cfg.k_splits}",
-        make_key_source=make_key_source, row_limit=view.block_tables.shape[0], key_limit=view.logical_pages * page,
-    )
+    return make_key_source

@@ -70,6 +70,15 @@ def paged_writes(block_tables, table_rows, positions, valid, t: int, num_pages: 
     return out
 
 
+def ragged_rows(x: np.ndarray, starts, lengths) -> np.ndarray:
+    """The ragged tokens ``x (N, ...)`` as rectangular rows ``(R, max(lengths), ...)``: row ``r`` holds
+    tokens ``[starts[r], starts[r] + lengths[r])``, zeros past its length."""
+    out = np.zeros((len(lengths), max(1, int(np.max(lengths, initial=0)))) + x.shape[1:], x.dtype)
+    for r, length in enumerate(lengths):
+        out[r, :length] = x[starts[r]:starts[r] + length]
+    return out
+
+
 def paged_append(planes: dict, layout, layer: int, block_tables, table_rows, positions, k, v, valid) -> dict:
     """The planes after ``paged_append`` (the inputs are not modified)."""
     out = {name: np.array(x, copy=True) for name, x in planes.items()}

@@ -91,12 +91,7 @@ def test_ragged_append_is_each_rows_append(backend, profile):
     out = _jitted(backend, "paged_append_ragged")(case.view(), _i32(case.table_rows), _i32(positions),
                                                   jnp.asarray(k), jnp.asarray(v), _i32(starts))
     got = {name: np.asarray(x) for name, x in out.planes.items()}
-    t = int(lengths.max())
-    kr = np.zeros((g.batch, t, g.heads, g.head_dim), k.dtype)
-    vr = np.zeros_like(kr)
-    for r, length in enumerate(lengths):
-        kr[r, :length] = k[starts[r]:starts[r + 1]]
-        vr[r, :length] = v[starts[r]:starts[r + 1]]
+    kr, vr = np_ops.ragged_rows(k, starts, lengths), np_ops.ragged_rows(v, starts, lengths)
     want = np_ops.paged_append(case.planes, case.layout, case.layer, case.block_tables, case.table_rows, positions,
                                kr, vr, lengths)
     assert_same_planes(got, want, f"{backend} {profile.value} ragged append")

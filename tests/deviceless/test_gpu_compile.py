@@ -49,6 +49,9 @@ SUBSET = [
     ("cyclic-chunk", "k8v4", "-", 64),
     ("cyclic-append-decode", "fp8-e4m3fn-row256", "-", 128),
     ("cyclic-append-chunk", "bf16", "-", 256),
+    ("ragged", "bf16", "head-major", 256),
+    ("ragged", "k8v4", "page-major", 128),
+    ("append-ragged", "nvfp4-g16", "head-major", 128),
 ]
 
 
@@ -69,16 +72,8 @@ def compiled(dg, tmp_path_factory):
     return kernels
 
 
-# A known failure of the check (see docs/PERFORMANCE.md): bf16 head-major D = 256 decode attention
-# (8 warps) is given 128 registers by ptxas 13.0 (and 13.4) and spills 4 bytes.  Strict: when the
-# kernel stops spilling this test fails and the mark must go.
-_KNOWN_SPILL = ("decode", "bf16", "head-major", 256)
-
-
 def _case(c):
-    known = pytest.mark.xfail(strict=True, reason="4-byte spill at 128 registers (ptxas 13.x)")
-    marks = [known] if c == _KNOWN_SPILL else []
-    return pytest.param(c, marks=marks, id="-".join(map(str, c)))
+    return pytest.param(c, id="-".join(map(str, c)))
 
 
 def test_the_subset_covers_every_kind_and_profile(dg, compiled):
@@ -98,6 +93,16 @@ def test_kernel_compiles_for_sm90a_within_budget(dg, compiled, case):
         assert k.num_warps in (4, 8), k
         if "attention" in k.name:
             assert k.smem_dynamic > 0  # the pipelined key loop stages K/V tiles in shared memory
+
+
+def test_a_ragged_op_lowers_to_its_decode_and_chunk_kernels(compiled):
+    """The ragged attention and append are two kernels each (decode rows, chunk rows); the decode
+    rows' kernel is held to the decode rule (no spill) like a T = 1 kernel."""
+    for kind in ("ragged", "append-ragged"):
+        names = sorted(k.name for k in compiled if k.kind == kind and k.profile in ("bf16", "nvfp4-g16"))
+        assert any("_ragged_decode_" in n for n in names) and any("_ragged_chunk_" in n for n in names), names
+    decode = [k for k in compiled if k.kind == "ragged" and "_ragged_decode_" in k.name]
+    assert decode and all(k.decode and not k.spill for k in decode), decode
 
 
 def test_the_checks_fail_on_what_they_guard(dg, tmp_path):

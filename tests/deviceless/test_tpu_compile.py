@@ -1,4 +1,4 @@
-"""bench/deviceless_tpu.py: the paged ops and a decoder step compile for TPU chips without a TPU.
+"""bench/deviceless_tpu.py: the paged ops, their ragged forms and decoder steps compile for TPU chips without a TPU.
 
 Needs ``libtpu`` (the ``tpu-deviceless`` extra): ``jax.experimental.topologies`` then describes a
 TPU slice whose first chip XLA's TPU compiler targets from this CPU-only machine.  Without libtpu
@@ -80,6 +80,60 @@ def test_ops_compile_for_tpu(dl, topology, profile, which):
         assert dl.VMEM_PROBE_LIMIT < append["vmem_bytes"] <= 16 << 20, append
     else:
         assert attn["vmem_bytes"] is None and append["vmem_bytes"] is None
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+@pytest.mark.parametrize("profile", ["bf16", "k8v4"])
+def test_ragged_ops_compile_for_tpu(dl, topology, profile):
+    """The ragged append and attention, decode and chunk classes: with impl='pallas_tpu' each program is
+    one class's Mosaic kernel (the scoped VMEM is that kernel's); without it, the reference's whole op."""
+    impl, _ = dl.choose_impl("auto")
+    device = dl.topology_device(topology)
+    planes = _planes_bytes(profile, dl.LAYERS, dl.H, dl.D, dl.N_PAGES)
+    progs = {p.name: p for p in dl.op_programs(impl, [profile]) if "ragged" in p.name}
+    assert sorted(progs) == sorted(f"{op}_ragged {label}" for op in ("paged_append", "paged_attention")
+                                   for label, _ in dl.OP_SHAPES)
+    rows = {name: dl.compile_program(prog, topology, device) for name, prog in progs.items()}
+    for label, t in dl.OP_SHAPES:
+        n = dl.B * t
+        append, attn = rows[f"paged_append_ragged {label}"], rows[f"paged_attention_ragged {label}"]
+        for row in (append, attn):
+            _check_row(row, impl)
+            if impl == "pallas_tpu":  # one class: exactly one kernel
+                assert row["mosaic_kernels"] == 1, row
+        assert planes <= append["alias_bytes"] <= 2 * planes, append  # planes donated: in place
+        # per-block outputs: every token's (Hq, D) row, plus the blocks' padding (at most as much again)
+        out = n * dl.HQ * dl.D * 2
+        assert out <= attn["output_bytes"] <= 2 * out and attn["alias_bytes"] == 0, attn
+        if impl == "pallas_tpu":
+            lay = PagedKVStorageLayout(profile, dl.LAYERS, dl.H, dl.D)
+            slots = sum(2 * 64 * max(128, s[-1]) * lay.plane_dtypes()[n].itemsize
+                        for n, s in lay.plane_shapes(1).items())
+            assert slots <= attn["vmem_bytes"] <= 16 << 20, (slots, attn)
+            assert dl.VMEM_PROBE_LIMIT < append["vmem_bytes"] <= 16 << 20, append
+        else:
+            assert attn["vmem_bytes"] is None and append["vmem_bytes"] is None
+    if impl == "pallas_tpu":  # page blocks lie in one page: the chunk class reads one window, as a decode
+        assert rows["paged_append_ragged chunk"]["vmem_bytes"] == rows["paged_append_ragged decode"]["vmem_bytes"]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_decoder_ragged_step_compiles_for_tpu(dl, topology):
+    """``ModelSteps.ragged`` with impl='pallas_tpu': the native ragged kernels (two classes of append and
+    attention per layer), not the generic one-token-per-row form over the rectangular kernels."""
+    s_impl, _ = dl.choose_impl("auto")
+    device = dl.topology_device(topology)
+    prog = next(p for p in dl.step_programs(s_impl, ["k8v4"]) if p.name.startswith("ragged"))
+    row = dl.compile_program(prog, topology, device)
+    _check_row(row, s_impl)
+    model = dl.qwen3_like_config()
+    planes = _planes_bytes("k8v4", model.num_layers, model.num_kv_heads, model.head_dim, dl.STEP_PAGES)
+    assert row["alias_bytes"] >= planes, row  # planes (and tables) donated
+    assert row["output_bytes"] >= planes + dl.STEP_BATCH * model.vocab_size * 4, row  # logits (R, V) float32
+    if s_impl == "pallas_tpu":
+        assert row["mosaic_kernels"] == 4 * model.num_layers, row
 
 
 @needs_libtpu

@@ -39,11 +39,16 @@ def test_configs_are_frozen_and_hashable():
 def test_resolve_decode_and_chunk():
     # Decode: one query token, GQA 4 padded to 16 rows; a small batch gets context splits.
     r = pk.PagedAttentionConfig().resolve(num_queries=1, group=4, head_dim=128, batch=2, kv_heads=2, max_keys=64 * 512)
-    assert (r.block_q, query_rows(r.block_q, 4), pk.TritonConfig().for_attention(128)) == (1, 16, pk.TritonConfig(4, 2))
+    assert (r.block_q, query_rows(r.block_q, 4), pk.TritonConfig().for_attention(128, 16)) == (1, 16, pk.TritonConfig(4, 2))
     assert r.k_splits > 1
     # A big batch needs no split.
     r = pk.PagedAttentionConfig().resolve(num_queries=1, group=4, head_dim=256, batch=64, kv_heads=8, max_keys=64 * 128)
-    assert (r.k_splits, pk.TritonConfig(num_stages=3).for_attention(256)) == (1, pk.TritonConfig(8, 3))
+    assert (r.k_splits, pk.TritonConfig(num_stages=4).for_attention(256, 16)) == (1, pk.TritonConfig(8, 4))
+    # A decode tile of head dim > 128 pipelines three key steps; a chunk tile two.
+    assert pk.TritonConfig().for_attention(256, 16) == pk.TritonConfig(8, 3)
+    assert pk.TritonConfig().for_attention(256, 64) == pk.TritonConfig(8, 2)
+    assert pk.TritonConfig().for_attention(128, 16) == pk.TritonConfig(4, 2)
+    assert pk.TritonConfig().for_attention(128, 128) == pk.TritonConfig(8, 2)  # a 128-row chunk tile
     # Chunk: 64 rows per program; explicit splits are capped by the number of key steps.
     r = pk.PagedAttentionConfig(k_splits=100).resolve(
         num_queries=128, group=4, head_dim=128, batch=1, kv_heads=1, max_keys=256
@@ -94,7 +99,8 @@ def test_every_op_has_a_triton_implementation():
     from ninfer_kv.ops import registry
 
     ops = {op for op, backend in registry.registered_ops() if backend == "pallas"}
-    assert ops == {"paged_append", "paged_attention", "cyclic_append", "cyclic_attention"}
+    assert ops == {"paged_append", "paged_attention", "cyclic_append", "cyclic_attention", "paged_append_ragged",
+                   "paged_attention_ragged"}
 
 
 def test_empty_batches_and_chunks_run_no_kernel():

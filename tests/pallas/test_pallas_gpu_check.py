@@ -73,3 +73,73 @@ def test_append_comparison_catches_wrong_and_stray_bytes(gpu_check):
     one_step[1, page, 0, col, 3] += 1 if one_step[1, page, 0, col, 3] < 127 else -1
     bad = after.replace(planes={**after.planes, "k": jnp.asarray(one_step)})
     assert gpu_check.compare_append(view, bad, table, rows, pos, valid, k, k, exact=False)[0]
+
+
+def test_ragged_ideal_bytes_count_live_pages_once_per_query_block(gpu_check):
+    from ninfer_kv.profiles import KVProfile
+
+    page_bytes = 64 * 2 * KVProfile.BF16.token_head_bytes(128)  # a page of both KV heads
+    # a decode at 100 keys: 2 pages; a chunk of 100 queries ending at 200 keys in blocks of 64: its
+    # first block sees 164 keys (3 pages), its second 200 (4 pages)
+    rnd = gpu_check.RaggedRound("mixed", (100, 200), (1, 100))
+    assert gpu_check.ragged_ideal_bytes(rnd, "bf16", 2, 128, 64) == (2 + 3 + 4) * page_bytes
+    assert gpu_check.ragged_ideal_bytes(rnd, "bf16", 2, 128, 128) == (2 + 4) * page_bytes
+    assert rnd.positions.tolist() == [99, 100] and rnd.query_starts.tolist() == [0, 1, 101]
+    assert gpu_check.ragged_check_slices(rnd, 16) == [(0, 0, 1), (1, 0, 16), (1, 42, 16), (1, 84, 16)]
+    with pytest.raises(ValueError, match="row 1: q_lens=300"):
+        gpu_check.RaggedRound("bad", (100, 200), (1, 300))
+    with pytest.raises(ValueError, match="block_q=0"):
+        gpu_check.ragged_ideal_bytes(rnd, "bf16", 2, 128, 0)
+
+
+def test_cpu_smoke_ragged_section_checks_then_times_the_native_kernels(gpu_check, capsys):
+    rc = gpu_check.main(["--cpu-smoke", "--sections", "ragged"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "impl='pallas': native ragged kernels yes" in out
+    assert "| 2 decodes at 192 + a 40-token chunk | bf16 | 3 / 42 | yes | 32 |" in out  # 128 query rows: 32 tokens at GQA 4
+    assert "| ok: 42 tokens; codes exact 1.000000" in out and "| PASS |" in out
+    assert "0 failing checks" in out and "Traceback" not in out and "ERROR" not in out, out
+
+
+def test_ragged_section_fails_on_wrong_kernels(gpu_check, capsys):
+    import dataclasses
+    import math
+
+    from ninfer_kv.ops import registry
+
+    broken = dataclasses.replace(
+        registry.load_impl("reference"), name="broken",
+        paged_append_ragged=lambda view, *args: view,  # writes nothing
+        paged_attention_ragged=lambda q, *args, **kwargs: jnp.zeros_like(q))
+    checks = gpu_check.Checks()
+    with registry.override_impls({"broken": lambda: broken}):
+        gpu_check.run_ragged_section(gpu_check.Section("ragged", math.inf), gpu_check.SMOKE, checks, "broken",
+                                     lambda nbytes, seconds: "0 | 0%", roof_header="% of read BW")
+    out = capsys.readouterr().out
+    assert checks.failures == 1 and checks.passed == 0, out
+    assert "| WRONG: 42 tokens;" in out and "| FAIL |" in out, out
+
+
+def test_cpu_smoke_engine_section_serves_in_ragged_rounds(gpu_check, capsys):
+    rc = gpu_check.main(["--cpu-smoke", "--sections", "engine"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| ragged rounds iff native ragged ops | - | - | native / engine ragged rounds | True / True | PASS |" in out
+    assert "| every request generated | - | - | requests / token counts | 3 / [3] | PASS |" in out
+    assert "Engine on 'pallas': rounds RAGGED; 9 tokens generated in" in out and "tokens/s" in out
+    assert "0 failing checks" in out and "Traceback" not in out, out
+
+
+def test_engine_section_fails_when_the_rounds_ignore_native_kernels(gpu_check, capsys, monkeypatch):
+    import math
+
+    from ninfer_kv.engine import core
+
+    monkeypatch.setattr(core, "feeds_ragged_rounds", lambda model: False)
+    checks = gpu_check.Checks()
+    gpu_check.run_engine_section(gpu_check.Section("engine", math.inf), gpu_check.SMOKE, checks, "reference")
+    out = capsys.readouterr().out
+    assert checks.failures == 1, out
+    assert "| native / engine ragged rounds | True / False | FAIL |" in out
+    assert "rounds rectangular (prefill + decode units)" in out
