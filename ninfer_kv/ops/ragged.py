@@ -11,8 +11,8 @@ Every ragged op equals its rectangular op over ``N`` rows of one token each
 its row's ``kv_lens`` (attention) and ``valid = 1`` (append; padding tokens get an out-of-range
 table row, which the op contract makes inert).  That is how backends without a native ragged
 kernel run the ragged ops, and with the reference backend it is the ragged ops' float32
-reference.  A native kernel (the FFI's) instead walks each row's queries in blocks, as the
-rectangular form walks a row of that many queries.
+reference.  A native kernel (the FFI's, the Pallas and the Mosaic TPU ones) instead walks each
+row's queries in blocks, as the rectangular form walks a row of that many queries.
 """
 
 from __future__ import annotations

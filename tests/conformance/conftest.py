@@ -25,10 +25,11 @@ INTERPRETED_PROFILES = {"pallas": ("k8v4", "nvfp4-g16")}
 """Per interpreted backend: the profiles its profile-parametrized cases run with by default (the two
 with scale planes and the most lane bookkeeping); the others under ``-m slow``."""
 
-RAGGED_GENERIC_DEFAULT = {"reference": "k8v4"}
-"""Backends whose ragged ops are the generic form (``ninfer_kv.ops.ragged``) over kernels the
-rectangular tests already cover per profile: their ragged cases run one profile by default, the rest
-under ``-m slow`` (native ragged kernels run the profiles their backend runs by default)."""
+RAGGED_ONE_PROFILE = {"pallas": "k8v4", "reference": "k8v4"}
+"""Backends whose ragged cases run one profile by default, the rest under ``-m slow``: the reference
+(its ragged ops are the generic form over kernels the rectangular tests cover per profile) and the
+interpreted Pallas backend (its ragged kernels run the rectangular kernels' bodies, which the
+rectangular cases cover per profile; ``tests/pallas/test_pallas_ragged.py`` runs NVFP4 appends)."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -42,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
         default_profiles = INTERPRETED_PROFILES.get(params.get("backend"))
         if default_profiles is not None and "profile" in params and params["profile"].value not in default_profiles:
             item.add_marker(pytest.mark.slow)
-        profile = RAGGED_GENERIC_DEFAULT.get(params.get("backend"))
+        profile = RAGGED_ONE_PROFILE.get(params.get("backend"))
         if (profile is not None and item.module.__name__.endswith("test_ragged") and "profile" in params
                 and params["profile"].value != profile):
             item.add_marker(pytest.mark.slow)

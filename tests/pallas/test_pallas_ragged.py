@@ -58,7 +58,7 @@ def test_ragged_attention_over_many_blocks_and_splits(order, config):
     assert not got[np.r_[0:_LEAD, n - _TAIL:n]].any(), "padding tokens must return exact zeros"
 
 
-@pytest.mark.parametrize("order", ["page-major", "head-major"])
+@pytest.mark.parametrize("order", [pytest.param("page-major", marks=pytest.mark.slow), "head-major"])
 def test_ragged_append_in_page_blocks_is_each_rows_append(order):
     # a chunk of 130 tokens from mid-page (three page blocks), a decode at a page's last column, an
     # empty row, a decode at a page's first column, a two-token chunk crossing a page boundary

@@ -57,6 +57,7 @@ def test_cpu_smoke_ragged_section_runs_beside_jax_and_checks_both(tpu_check, cap
     assert "ours / JAX = " in out and "Traceback" not in out and "ERROR" not in out, out
 
 
+@pytest.mark.slow  # the engine section's code is gpu_check's (tests/pallas/test_pallas_gpu_check.py runs it)
 def test_cpu_smoke_engine_section_through_main(tpu_check, capsys):
     rc = tpu_check.main(["--cpu-smoke", "--sections", "engine"])
     out = capsys.readouterr().out
