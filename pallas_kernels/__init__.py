@@ -26,24 +26,27 @@ Layout
 ------
 * ``pallas_kernels/common/``: what every kernel backend shares and nothing backend-specific: the
   codec tiles (one tile object per codec in ``CODEC_TILES``: encode, decode keys, decode values),
-  tile math, the online softmax, the block-size configs and the head-dim limit.  It imports no
-  Pallas module.
-* ``pallas_kernels/triton/``: the Triton backend: its kernel bodies (masked gathers and scatters
-  over whole operands), its Pallas surface, its compiler knobs and tile rules, its 64-bit
-  addressing.
+  tile math, the online softmax, the block-size configs, the head-dim limit and the cut of a ragged
+  round into blocks.  It imports no Pallas module.
+* ``pallas_kernels/triton/``: the Triton backend (``impl="pallas"``): its kernel bodies (masked
+  gathers and scatters over whole operands), its Pallas surface, its compiler knobs and tile rules,
+  its 64-bit addressing.
+* ``pallas_kernels/mosaic_tpu/``: the Mosaic TPU backend (``impl="pallas_tpu"``): the paged ops and
+  their ragged forms, pages moved by DMA into VMEM (its own package docstring).
 
-A backend is chosen in one place, the op registry: an ``impl=`` name maps to a backend's four
-ops.  A new backend (e.g. Mosaic TPU) is a side-by-side subpackage ``pallas_kernels/<backend>/``
-holding its four ops (the signatures above), its kernel bodies (its own memory access and grid
-around ``common.codec_tiles`` and ``common.softmax``), its compiler knobs (a frozen dataclass for
-the configs' ``compiler`` field) and its tile rule (a ``common.tiles.Lanes``), plus one
-registration, beside the built-in ones in :mod:`ninfer_kv.ops.dispatch` (or in the caller's code)::
+A backend is chosen in one place, the op registry: an ``impl=`` name maps to a backend's ops.  A
+new backend (e.g. Mosaic GPU) is a side-by-side subpackage ``pallas_kernels/<backend>/`` holding its
+ops (the signatures above), its kernel bodies (its own memory access and grid around
+``common.codec_tiles`` and ``common.softmax``), its compiler knobs (a frozen dataclass for the
+configs' ``compiler`` field) and its tile rule (a ``common.tiles.Lanes``), plus one registration,
+beside the built-in ones in :mod:`ninfer_kv.ops.dispatch` (or in the caller's code), as the Mosaic
+TPU backend is registered::
 
     register_backend("pallas_tpu", {
-        "paged_append": "pallas_kernels.mosaic_tpu.paged:paged_append", ...})
+        "paged_append": "pallas_kernels.mosaic_tpu.paged_append:paged_append", ...})
 
-and the name in ``AUTO_PREFERENCE["tpu"]`` of :mod:`ninfer_kv.ops.registry` for ``impl="auto"``
-to pick it.  Nothing in ``common/`` or ``triton/`` changes.
+and the name in ``AUTO_PREFERENCE[platform]`` of :mod:`ninfer_kv.ops.registry` for
+``impl="auto"`` to pick it.  Nothing in ``common/`` or the other backends changes.
 """
 
 from .common.config import CyclicAppendConfig, CyclicAttentionConfig, PagedAppendConfig, PagedAttentionConfig

@@ -26,8 +26,8 @@ when it had to skip or complete one.
 experiments); it also scopes the loaded backends and the warn-once memory to the block.
 
 This table is the one place a backend is chosen, Pallas kernel backends included: each of them
-(Triton today; Mosaic GPU or TPU later) is a subpackage ``pallas_kernels/<backend>/`` whose four
-ops run on that backend only (no config field or module-name lookup picks a backend), and an
+(Triton and Mosaic TPU today) is a subpackage ``pallas_kernels/<backend>/`` whose ops run on that
+backend only (no config field or module-name lookup picks a backend), and an
 ``impl=`` name registered here maps to them, e.g.
 ``register_backend("pallas_tpu", {op: "pallas_kernels.<backend>.<module>:<op>", ...})`` plus the
 name in :data:`AUTO_PREFERENCE` for ``impl="auto"`` to try it.

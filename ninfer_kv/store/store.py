@@ -65,7 +65,8 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, WorkVerbs, InspectionVerbs):
       entitlement: the :class:`EntitlementPolicy` (default: full prompt + output budget).
       requires_state_image: the model needs a state image to resume from a frontier (e.g. it has
         recurrent state).  Then ``finish(retain=True)`` must be given one; KV alone is not a hit.
-      device: default device of :meth:`allocate_state` and of a Host arena made from ``host_bytes``.
+      device: default device of :func:`~ninfer_kv.device.allocate_state` and of a Host arena made from
+        ``host_bytes``.
       fault_injector: test hook ``f(stage, pool)`` called before each activation stage and each
         Host transfer stage (``OFFLOAD_STAGES``, ``RESTORE_STAGES``).
       host_arena: a :class:`~ninfer_kv.host.HostKVArena` for the Host replica tier (shared by every
@@ -137,7 +138,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, WorkVerbs, InspectionVerbs):
     policy = _core_attribute("policy", "The :class:`EntitlementPolicy`.")
     requires_state_image = _core_attribute("requires_state_image", "Whether a retained checkpoint needs a state image.")
     device = _core_attribute(
-        "device", "Default device of :meth:`allocate_state` and of an arena made from ``host_bytes``."
+        "device", "Default device of :func:`~ninfer_kv.device.allocate_state` and of an arena made from ``host_bytes``."
     )
     identity = _core_attribute(
         "identity", "Identity carried by this store's works, states and offload payloads (>= 1)."
