@@ -30,11 +30,9 @@ import jax.numpy as jnp
 from ninfer_kv.profiles import KVProfile
 
 from ..common.codec_tiles import codec_tile
-from ..common.config import op_config, resolve_interpret
-from ..common.limits import check_head_dim
 from ..common.tiles import Cols, and_masks
-from .backend import TRITON, TritonBackend
-from .config import lanes, triton_config
+from .backend import TRITON, TritonBackend, prepare
+from .config import lanes
 
 __all__ = ["quantize_and_store", "storage_planes", "logical_planes", "run_append", "append_call"]
 
@@ -139,11 +137,8 @@ def run_append(op: str, config_type: type, kernel: Callable, view, rows, positio
     ``kernel(backend, view, rows, positions, k, v, valid, config=, compiler=, interpret=)`` returns
     the new planes and the result is ``view.replace(planes=...)``.
     """
-    config = op_config(config, config_type)
-    compiler = triton_config(config).for_append()
-    check_head_dim(view.layout.profile, view.layout.head_dim)
-    interpret = resolve_interpret(interpret)
-    TRITON.check_planes(view.planes, interpret=interpret)
+    config, compiler, interpret = prepare(config, config_type, view, interpret)
+    compiler = compiler.for_append()
     planes = kernel(TRITON, view, rows, positions, k, v, valid, config=config, compiler=compiler, interpret=interpret)
     return view.replace(planes=planes)
 

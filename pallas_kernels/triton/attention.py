@@ -37,12 +37,11 @@ import jax.numpy as jnp
 from ninfer_kv.profiles import KVProfile
 
 from ..common.codec_tiles import TileLoader, codec_tile
-from ..common.config import ResolvedAttention, op_config, resolve_interpret
-from ..common.limits import check_head_dim
+from ..common.config import ResolvedAttention
 from ..common.softmax import combine_splits, compute_dtype_for, initial_state, normaliser, softmax_step, visible_keys
 from ..common.tiles import F32, and_masks
-from .backend import TRITON, TritonBackend
-from .config import TritonConfig, lanes, query_rows, triton_config
+from .backend import TRITON, TritonBackend, prepare
+from .config import TritonConfig, lanes, query_rows
 
 __all__ = [
     "AttentionSpec",
@@ -219,17 +218,14 @@ def run_attention(
     row can see).  ``sm_scale`` defaults to ``1 / sqrt(D)``.  ``kernel(backend, q, view, rows,
     positions, kv_lens, sm_scale=, cfg=, compiler=, interpret=)`` computes the output.
     """
-    config = op_config(config, config_type)
+    config, compiler, interpret = prepare(config, config_type, view, interpret)
     lay = view.layout
-    check_head_dim(lay.profile, lay.head_dim)
-    interpret = resolve_interpret(interpret)
-    TRITON.check_planes(view.planes, interpret=interpret)
     b, t, hq, d = q.shape
     cfg = config.resolve(
         num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
         max_keys=max_keys,
     )
-    compiler = triton_config(config).for_attention(d, query_rows(cfg.block_q, hq // lay.num_kv_heads))
+    compiler = compiler.for_attention(d, query_rows(cfg.block_q, hq // lay.num_kv_heads))
     sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
     return kernel(TRITON, q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, compiler=compiler,
                   interpret=interpret)

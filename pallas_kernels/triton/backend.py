@@ -25,10 +25,12 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from ..common.config import op_config, resolve_interpret
+from ..common.limits import check_head_dim
 from . import addressing
-from .config import TritonConfig
+from .config import TritonConfig, triton_config
 
-__all__ = ["TritonBackend", "TRITON"]
+__all__ = ["TritonBackend", "TRITON", "prepare"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +89,15 @@ class TritonBackend:
 
 TRITON = TritonBackend()
 """The backend object the Triton kernels run on."""
+
+
+def prepare(config, config_type: type, view, interpret) -> tuple:
+    """The public ops' prologue: ``(config, TritonConfig, interpret)`` resolved (``config`` ``None``:
+    a default ``config_type()``; its ``compiler`` a :class:`TritonConfig` or ``None``), the head dim
+    and the planes' addressing checked."""
+    config = op_config(config, config_type)
+    compiler = triton_config(config)
+    check_head_dim(view.layout.profile, view.layout.head_dim)
+    interpret = resolve_interpret(interpret)
+    TRITON.check_planes(view.planes, interpret=interpret)
+    return config, compiler, interpret

@@ -38,18 +38,12 @@ import jax.numpy as jnp
 from ninfer_kv.views import PagedKVBatchLayerView
 
 from ..common import ragged
-from ..common.config import (
-    PagedAppendConfig,
-    PagedAttentionConfig,
-    op_config,
-    resolve_interpret,
-)
-from ..common.limits import check_head_dim
+from ..common.config import PagedAppendConfig, PagedAttentionConfig
 from ..common.softmax import compute_dtype_for
 from .append import append_call
 from .attention import AttentionSpec, attention_call
-from .backend import TRITON
-from .config import query_rows, triton_config
+from .backend import TRITON, prepare
+from .config import query_rows
 from .paged_append import paged_addresser
 from .paged_attention import paged_key_source
 
@@ -82,11 +76,8 @@ def paged_attention_ragged(
     ``config`` (a :class:`PagedAttentionConfig`) sets the chunk rows' ``block_q`` and both classes'
     ``block_k``, ``k_splits`` and Triton knobs; decode rows always take one token per block.
     """
-    config = op_config(config, PagedAttentionConfig)
+    config, knobs, interpret = prepare(config, PagedAttentionConfig, view, interpret)
     lay = view.layout
-    check_head_dim(lay.profile, lay.head_dim)
-    interpret = resolve_interpret(interpret)
-    TRITON.check_planes(view.planes, interpret=interpret)
     n, hq_len, d = q.shape
     r = jnp.shape(table_rows)[0]
     if n == 0 or r == 0:
@@ -96,10 +87,10 @@ def paged_attention_ragged(
     max_keys = view.logical_pages * lay.page_size
     sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
 
-    def run(blocks: ragged.Blocks, num_queries: int, batch: int, cls: str, block_q: int | None = None) -> jax.Array:
+    def run(blocks: ragged.Blocks, num_queries: int, batch: int, cls: str, block_q: int) -> jax.Array:
         cfg = dataclasses.replace(config, block_q=block_q).resolve(
             num_queries=num_queries, group=group, head_dim=d, batch=batch, kv_heads=h_len, max_keys=max_keys)
-        compiler = triton_config(config).for_attention(d, query_rows(cfg.block_q, group))
+        compiler = knobs.for_attention(d, query_rows(cfg.block_q, group))
         spec = AttentionSpec(profile=lay.profile, head_dim=d, num_queries=num_queries, group=group, cfg=cfg,
                              compiler=compiler, sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype))
         return attention_call(
@@ -135,12 +126,9 @@ def paged_append_ragged(
     ``config`` (a :class:`PagedAppendConfig`) sets ``block_t`` of the chunk rows' page blocks and the
     Triton knobs.
     """
-    config = op_config(config, PagedAppendConfig)
-    compiler = triton_config(config).for_append()
+    config, compiler, interpret = prepare(config, PagedAppendConfig, view, interpret)
+    compiler = compiler.for_append()
     lay = view.layout
-    check_head_dim(lay.profile, lay.head_dim)
-    interpret = resolve_interpret(interpret)
-    TRITON.check_planes(view.planes, interpret=interpret)
     n = k.shape[0]
     r = jnp.shape(table_rows)[0]
     if n == 0 or r == 0:

@@ -31,8 +31,15 @@ def _starts(lengths):
     return (_LEAD + np.concatenate([[0], np.cumsum(lengths)])).astype(np.int32)
 
 
-@pytest.mark.parametrize("order", ["page-major", "head-major"])
-@pytest.mark.parametrize("config", [pk.PagedAttentionConfig(block_q=4, k_splits=3), None], ids=["q4-s3", "default"])
+_SPLIT = pk.PagedAttentionConfig(block_q=4, k_splits=3)
+
+
+@pytest.mark.parametrize("order, config", [
+    pytest.param("page-major", _SPLIT, id="q4-s3-page-major"),
+    pytest.param("head-major", None, id="default-head-major"),
+    pytest.param("head-major", _SPLIT, id="q4-s3-head-major", marks=pytest.mark.slow),
+    pytest.param("page-major", None, id="default-page-major", marks=pytest.mark.slow),
+])
 def test_ragged_attention_over_many_blocks_and_splits(order, config):
     # rows: a 20-token chunk crossing pages (5 blocks of 4), an empty row, a decode, a 9-token chunk
     # whose row holds keys past its last query (they stay invisible), a decode at a page's first key
