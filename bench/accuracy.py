@@ -16,7 +16,7 @@ The per-tensor codec errors ``||k' - k|| / ||k||`` and ``||v' - v|| / ||v||`` ar
 them.  The table is Markdown, ready for docs/ACCURACY.md.
 
 With ``--impl ffi`` (or ``auto`` on a CPU) a further table reports the error the kernel's own
-arithmetic adds (``ninfer_kv.ffi_ops.arithmetic``: float32, or the ``int8x2`` products of NVFP4 keys
+arithmetic adds (``ninfer_kv.ops.ffi.runtime.arithmetic``: float32, or the ``int8x2`` products of NVFP4 keys
 at the ``avx512vnni`` level): the relative L2 of the FFI output against a float64 oracle over the
 same quantized cache, next to the codec's own error (that oracle against float64 attention over the
 unquantized k and v) and their ratio, which the kernels keep at or below 0.1.
@@ -51,11 +51,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ninfer_kv import ops  # noqa: E402
-from ninfer_kv.profiles import KVProfile  # noqa: E402
-from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
+from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
+from ninfer_kv.schema.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops.reference import attention_over_keys  # noqa: E402
-from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.ops.views import allocate_planes
 
 P = 64
 
@@ -110,7 +110,7 @@ def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk
 
     out = {}
     if added:  # the exactly dequantized cache (the planes' values), for the float64 oracles
-        from ninfer_kv import codecs
+        from ninfer_kv.ops import codecs
 
         kq64, vq64 = (np.asarray(x, np.float64) for x in
                       jax.jit(lambda a, b: codecs.codec_roundtrip(profile, a, b))(jnp.asarray(k), jnp.asarray(v)))
@@ -137,7 +137,7 @@ def measure(profile: KVProfile, head_dim: int, *, impl: str, context: int, chunk
             out[f"{case}/q{bits}/tol"] = tolerance_units(rounded, got)
 
     # codec error of the stored K and V (read back through the reference's dequantization)
-    from ninfer_kv import codecs
+    from ninfer_kv.ops import codecs
 
     kq, vq = jax.jit(lambda a, b: codecs.codec_roundtrip(profile, a, b))(jnp.asarray(k), jnp.asarray(v))
     out["k"], out["v"] = _rel(kq, k), _rel(vq, v)
@@ -186,16 +186,16 @@ def main() -> None:
                 print(f"| {profile.value} | {d} | {b} | {r[f'decode/q{b}']:.2e} | {r[f'decode/q{b}/tol']:.1f} "
                       f"| {r[f'chunk/q{b}']:.2e} | {r[f'chunk/q{b}/tol']:.1f} | {r['decode']:.2e} |")
     if added:
-        from ninfer_kv import ffi_ops
+        from ninfer_kv.ops.ffi import runtime as ffi_runtime
 
-        print(f"\nerror the FFI kernel's arithmetic adds ({ffi_ops.info().summary()}): relative L2 against a "
+        print(f"\nerror the FFI kernel's arithmetic adds ({ffi_runtime.info().summary()}): relative L2 against a "
               "float64 oracle over the same quantized cache, and the codec's own error (that oracle against "
               "float64 attention over the unquantized k, v):\n")
         print("| profile | D | arithmetic (scores / values) | decode added | chunk added | codec decode rel L2 "
               "| codec chunk rel L2 | added / codec (worst) |")
         print("|---|---:|---|---:|---:|---:|---:|---:|")
         for profile, d, r in results:
-            ar = ffi_ops.arithmetic(profile, d)
+            ar = ffi_runtime.arithmetic(profile, d)
             worst = max(r["decode/added"] / r["decode/codec64"], r["chunk/added"] / r["chunk/codec64"])
             print(f"| {profile.value} | {d} | {ar.scores} / {ar.values} | {r['decode/added']:.2e} | {r['chunk/added']:.2e} "
                   f"| {r['decode/codec64']:.2e} | {r['chunk/codec64']:.2e} | {worst:.1e} |")

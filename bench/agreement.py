@@ -30,7 +30,7 @@ from ninfer_kv.cli import render_table  # noqa: E402
 from ninfer_kv.demo import DemoConfig, WorkloadSpec, run_demo  # noqa: E402
 from ninfer_kv.demo.dense_check import dense_generation_logits  # noqa: E402
 from ninfer_kv.demo.drafter import demo_params as _params  # noqa: E402
-from ninfer_kv.profiles import KVProfile  # noqa: E402
+from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
 
 
 def teacher_forced(config: DemoConfig, records, profile: KVProfile):

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ninfer_kv.geometry import PAGE_SIZE, ceil_div  # noqa: E402
+from ninfer_kv.schema.geometry import PAGE_SIZE, ceil_div  # noqa: E402
 from ninfer_kv.models.decoder import (  # noqa: E402
     ModelConfig,
     StepConfig,
@@ -41,7 +41,7 @@ from ninfer_kv.models.decoder import (  # noqa: E402
     prompt_chunks,
 )
 from ninfer_kv.ops import resolve_impl  # noqa: E402
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 
 def _i32(x) -> np.ndarray:

@@ -19,7 +19,7 @@ Decode attention (one layer, B rows of one context length, pages in random physi
 * the instruction-set level in use (``NINFER_KV_FFI_ISA`` forces one, e.g. ``avx2`` on an
   AVX-512 machine) is printed in the header;
 * the roofline (``bench/ffi_peaks.py``): the arithmetic the kernel uses for each profile
-  (``ninfer_kv.ffi_ops.arithmetic``: ``float32`` FMAs, or ``int8x2`` byte products), its multiply-add
+  (``ninfer_kv.ops.ffi.runtime.arithmetic``: ``float32`` FMAs, or ``int8x2`` byte products), its multiply-add
   peak measured in this run by ``bench/ffi_compute.cc`` built for the level in use (on every FFI
   thread at once, each timing its own CPU time), the compute ceiling (the K/V bytes per second
   those peaks allow: ``cores * bytes per key-head / (G * D / peak_scores + G * D / peak_values)``),
@@ -66,11 +66,12 @@ from tabulate import tabulate  # noqa: E402
 import ffi_peaks  # noqa: E402  (bench/ is the script's directory)
 from machine import read_bandwidth  # noqa: E402
 
-from ninfer_kv import ffi_ops  # noqa: E402
-from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
+from ninfer_kv.ops.ffi import kv as ffi_kv  # noqa: E402
+from ninfer_kv.ops.ffi import runtime as ffi_runtime  # noqa: E402
+from ninfer_kv.schema.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops import reference  # noqa: E402
-from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.ops.views import allocate_planes
 
 PAGE = 64
 
@@ -198,7 +199,7 @@ def bench_attention(profile: str, context: int, args, rng, bandwidth: float, rea
         return jax.jit(step)
 
     call_args = (q, planes, table, rows, pos, lens)
-    ffi_step = make(ffi_ops.paged_attention)
+    ffi_step = make(ffi_kv.paged_attention)
     t_ffi, cores = timed(ffi_step, call_args, args.repeats)
     t_ref = None
     if not args.skip_reference:
@@ -246,7 +247,7 @@ def bench_append(profile: str, args, rng) -> dict:
         return jax.jit(step, donate_argnums=0)
 
     out = {"profile": profile, "tokens": b * t}
-    for name, fn in (("ffi", ffi_ops.paged_append), ("ref", reference.paged_append_reference)):
+    for name, fn in (("ffi", ffi_kv.paged_append), ("ref", reference.paged_append_reference)):
         if name == "ref" and args.skip_reference:
             out["ref_tps"] = None
             continue
@@ -279,18 +280,18 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.repeats, args.copy_mib = 3, 512
-    if not ffi_ops.is_available():
-        raise SystemExit(f"FFI library unavailable: {ffi_ops.load_error()}")
+    if not ffi_runtime.is_available():
+        raise SystemExit(f"FFI library unavailable: {ffi_runtime.load_error()}")
     rng = np.random.default_rng(0)
-    threads = ffi_ops.num_threads()
+    threads = ffi_runtime.num_threads()
     bw_all = memory_bandwidth(args.copy_mib << 20, 5, threads)
     bw_one = memory_bandwidth(args.copy_mib << 20, 5, 1)
     bandwidth = max(bw_all, bw_one)
     rd_all = read_bandwidth(args.copy_mib << 20, 5, threads)
     rd_one = read_bandwidth(args.copy_mib << 20, 5, 1)
     read_bw = max(rd_all, rd_one)
-    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, FFI threads {threads}, library {ffi_ops.library_path()}")
-    print(ffi_ops.info().summary())
+    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, FFI threads {threads}, library {ffi_runtime.library_path()}")
+    print(ffi_runtime.info().summary())
     print(f"load average before the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(huge_page_note())
     print(
@@ -301,7 +302,7 @@ def main() -> None:
         f"read bandwidth (one pass over {args.copy_mib} MiB): {rd_all / 1e9:.1f} GB/s on {threads} threads, "
         f"{rd_one / 1e9:.1f} GB/s on 1 thread; denominator {read_bw / 1e9:.1f} GB/s"
     )
-    info = ffi_ops.info()
+    info = ffi_runtime.info()
     peaks = None
     if ffi_peaks.measurable(info.isa):
         peaks = ffi_peaks.measure_peaks(info.isa, threads, tuple(sorted(set(ffi_peaks.ARITHMETIC_PEAK.values()) &
@@ -330,7 +331,7 @@ def main() -> None:
 
     table = []
     for prof, ctx, r in measured:
-        ar = ffi_ops.arithmetic(prof, args.head_dim)
+        ar = ffi_runtime.arithmetic(prof, args.head_dim)
         gbps = r["gbps"] * 1e9
         if peaks is not None and ar.scores in ffi_peaks.ARITHMETIC_PEAK and ar.values in ffi_peaks.ARITHMETIC_PEAK:
             sp, vp = peak(ar.scores), peak(ar.values)

@@ -27,8 +27,8 @@ import time
 import jax
 import numpy as np
 
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.geometry import ceil_div
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import ceil_div
 from ninfer_kv.device import offload_pages, restore_pages
 from ninfer_kv.device.staging import staging_of
 from ninfer_kv.host import HostKVArena, HostKVPageLayout

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.geometry import PAGE_SIZE, ceil_div
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import PAGE_SIZE, ceil_div
 from ninfer_kv.host import coalesce_runs
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
 from ninfer_kv.device import apply_work_jit

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 import time
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 
 def main(argv=None) -> None:
@@ -43,14 +43,14 @@ def main(argv=None) -> None:
 
     from ninfer_kv import ops
     from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig
-    from ninfer_kv.views import PagedKVBatchLayerView
+    from ninfer_kv.ops.views import PagedKVBatchLayerView
     from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.device.sharded_ops import sharded_paged_append, sharded_paged_attention
     from ninfer_kv.device.state import KVDeviceState
-    from ninfer_kv.geometry import PAGE_SIZE, ceil_div
-    from ninfer_kv.layout import PagedKVStorageLayout
+    from ninfer_kv.schema.geometry import PAGE_SIZE, ceil_div
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
     from ninfer_kv.planning import plan_kv_cache_mesh
-    from ninfer_kv.kinds import PoolKind
+    from ninfer_kv.schema.kinds import PoolKind
 
     mesh = KVMesh(args.mesh)
     dd, hh = mesh.data, args.kv_heads

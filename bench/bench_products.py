@@ -1,8 +1,8 @@
 """Weight products of a decode step: the FFI kernels against XLA's dots, side by side, one run.
 
 For each weight shape of a Qwen3-0.6B layer and its LM head (bfloat16, ``x @ w.T``) and each row
-count M, prints the median time of :func:`ninfer_kv.ffi_ops.matmul_bf16` (the row kernel), of
-:func:`ninfer_kv.ffi_ops.matmul_bf16_packed` (weights packed once) and of XLA's two spellings, the
+count M, prints the median time of :func:`ninfer_kv.ops.ffi.products.matmul_bf16` (the row kernel), of
+:func:`ninfer_kv.ops.ffi.products.matmul_bf16_packed` (weights packed once) and of XLA's two spellings, the
 packed kernel's rate (GMAC/s, its fraction of the machine's BF16 matrix peak measured in the same
 run, and GB/s of weights and their fraction of the read bandwidth measured in the same run) and the
 ratios.  Run: ``python bench/bench_products.py [--rows 1 8 32 128 512] [--repeats 5]``.
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
 
-from ninfer_kv import ffi_ops  # noqa: E402
-from ninfer_kv.packed_weight import pack_bf16_weight  # noqa: E402
+from ninfer_kv.ops.ffi import products as ffi_products  # noqa: E402
+from ninfer_kv.ops.ffi.packed_weight import pack_bf16_weight  # noqa: E402
 
 SHAPES = {"q/k/v (4096 x 1024)": (4096, 1024), "o (1024 x 2048)": (1024, 2048),
           "gate+up (6144 x 1024)": (6144, 1024), "down (1024 x 3072)": (1024, 3072),
@@ -79,7 +79,7 @@ def steps_section(batches, iters: int, context: int = 512) -> None:
     import numpy as np
 
     from ninfer_kv.models.decoder import StepConfig, init_params, make_steps, pack_params
-    from ninfer_kv.views import allocate_planes
+    from ninfer_kv.ops.views import allocate_planes
 
     cfg = qwen3_0_6b()
     plain = init_params(cfg, seed=0)
@@ -178,7 +178,7 @@ def roofline_section(prefill_tokens, iters: int, peak, breakdown: bool = False) 
 
     from ninfer_kv.models.decoder import StepConfig, init_params, make_steps
     from ninfer_kv.models.decoder.buckets import pad_ragged
-    from ninfer_kv.views import allocate_planes
+    from ninfer_kv.ops.views import allocate_planes
 
     cfg = qwen3_0_6b()
     longest = max(prefill_tokens)
@@ -198,7 +198,7 @@ def roofline_section(prefill_tokens, iters: int, peak, breakdown: bool = False) 
     def median(fn) -> float:
         return median_time(fn, iters)
 
-    from ninfer_kv.packed_weight import PackedWeight
+    from ninfer_kv.ops.ffi.packed_weight import PackedWeight
 
     packed = isinstance(params.get("lm_head"), PackedWeight)
     print(f"\nthe engine's steps (Qwen3-0.6B shapes, params as the engine prepares them: "
@@ -255,8 +255,8 @@ def main(argv=None) -> int:
         print(f"BF16 matrix peak: {f'{peak[1] / 1e9:.0f} GMAC/s ({peak[0]}, every FFI thread)' if peak else 'not measured'}")
         roofline_section(args.roofline or [512], args.iters, peak, args.breakdown)
         return 0
-    row = jax.jit(ffi_ops.matmul_bf16)
-    packed = jax.jit(ffi_ops.matmul_bf16_packed)
+    row = jax.jit(ffi_products.matmul_bf16)
+    packed = jax.jit(ffi_products.matmul_bf16_packed)
     mm = jax.jit(lambda x, w: jnp.matmul(x, w.T, preferred_element_type=jnp.float32))
     dg = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
     read_bw = machine.read_bandwidth()

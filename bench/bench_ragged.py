@@ -30,7 +30,7 @@ from bench_products import median_time, qwen3_0_6b  # noqa: E402
 
 from ninfer_kv.models.decoder import StepConfig, init_params, make_steps  # noqa: E402
 from ninfer_kv.models.decoder.buckets import bucket_for, bucket_ladder, pad_ragged, token_ladder  # noqa: E402
-from ninfer_kv.views import allocate_planes  # noqa: E402
+from ninfer_kv.ops.views import allocate_planes  # noqa: E402
 
 
 def main(argv=None) -> int:

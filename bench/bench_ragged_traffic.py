@@ -136,9 +136,9 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
 )
 
 from ninfer_kv.cli import render_table
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops.ragged import token_rows
-from ninfer_kv.profiles import KVCodec, KVProfile
+from ninfer_kv.schema.profiles import KVCodec, KVProfile
 from pallas_kernels.common import ragged
 from pallas_kernels.common.config import PagedAttentionConfig
 from pallas_kernels.mosaic_tpu.ragged import CHUNK_ROWS as MOSAIC_CHUNK_ROWS

@@ -82,7 +82,7 @@ REPO = BENCH.parent
 sys.path[:0] = [p for p in (str(REPO), str(BENCH)) if p not in sys.path]
 
 from ninfer_kv.cli import render_table  # noqa: E402
-from ninfer_kv.version import __version__ as NINFER_KV_VERSION  # noqa: E402
+from ninfer_kv.schema.version import __version__ as NINFER_KV_VERSION  # noqa: E402
 
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 NAMES = {"ours": "ninfer_kv", "vllm": "vLLM"}

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_store import _lanes, _median_us, build_store  # noqa: E402
 
 from ninfer_kv import ops  # noqa: E402
-from ninfer_kv.kinds import PoolKind  # noqa: E402
+from ninfer_kv.schema.kinds import PoolKind  # noqa: E402
 from ninfer_kv.device import apply_work, apply_work_jit, take_step_work  # noqa: E402
-from ninfer_kv.step_shapes import step_work_shapes  # noqa: E402
-from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.schema.buckets import step_work_shapes  # noqa: E402
+from ninfer_kv.ops.views import PagedKVBatchLayerView  # noqa: E402
 from ninfer_kv.device import allocate_state, offload_checkpoint
 
 MAIN = PoolKind.MAIN

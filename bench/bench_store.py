@@ -36,11 +36,11 @@ import numpy as np
 
 from ninfer_kv import ops
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.device.rounds import _check_step_state
 from ninfer_kv.device import apply_work, apply_work_jit, take_step_work
 from ninfer_kv.store import KVStore
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 from ninfer_kv.device import allocate_state
 
 MAIN = PoolKind.MAIN

@@ -233,8 +233,8 @@ def _problem(kind: str, profile: str, order: str, head_dim: int, pool: Pool):
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
+    from ninfer_kv.ops.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
 
     op, t = KINDS[kind]
     if op.endswith("ragged"):
@@ -266,8 +266,8 @@ def _ragged_problem(op: str, num_tokens: int, profile: str, order: str, head_dim
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.views import PagedKVBatchLayerView
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
+    from ninfer_kv.ops.views import PagedKVBatchLayerView
 
     rows = jax.ShapeDtypeStruct((pool.batch,), jnp.int32)
     starts = jax.ShapeDtypeStruct((pool.batch + 1,), jnp.int32)

@@ -213,8 +213,8 @@ class Program:
 
 
 def _paged_view(spec, profile: str, order: str = "page-major"):
-    from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.views import PagedKVBatchLayerView
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
+    from ninfer_kv.ops.views import PagedKVBatchLayerView
 
     lay = PagedKVStorageLayout(profile, LAYERS, H, D, order)
     planes = {n: spec(s, lay.plane_dtypes()[n]) for n, s in lay.plane_shapes(N_PAGES).items()}

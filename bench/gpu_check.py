@@ -91,18 +91,18 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels.triton.config import query_rows  # noqa: E402
-from ninfer_kv import codecs  # noqa: E402
-from ninfer_kv.geometry import PlaneOrder  # noqa: E402
-from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
+from ninfer_kv.ops import codecs  # noqa: E402
+from ninfer_kv.schema.geometry import PlaneOrder  # noqa: E402
+from ninfer_kv.schema.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops.reference import (  # noqa: E402
     cyclic_append_reference,
     cyclic_attention_reference,
     paged_append_reference,
     paged_attention_reference,
 )
-from ninfer_kv.profiles import KVCodec, KVProfile  # noqa: E402
-from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView  # noqa: E402
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.schema.profiles import KVCodec, KVProfile  # noqa: E402
+from ninfer_kv.ops.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.ops.views import allocate_planes
 
 PAGE = 64
 PROFILES = [p.value for p in KVProfile]

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.device import apply_work_jit
 from ninfer_kv.store import KVStore
-from ninfer_kv.errors import PoolCapacityError
+from ninfer_kv.schema.errors import PoolCapacityError
 from ninfer_kv.device import allocate_state
 
 P = 64

@@ -79,7 +79,7 @@ import numpy as np  # noqa: E402
 from ninfer_kv import ops  # noqa: E402
 from ninfer_kv.ops import registry  # noqa: E402
 from ninfer_kv.ops.reference import paged_attention_reference  # noqa: E402
-from ninfer_kv.profiles import KVProfile  # noqa: E402
+from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
 
 
 def _load_gpu_check():

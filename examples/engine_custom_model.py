@@ -36,14 +36,14 @@ import numpy as np
 
 from ninfer_kv import ops
 from ninfer_kv.device import apply_work
-from ninfer_kv.codecs import codec_roundtrip
+from ninfer_kv.ops.codecs import codec_roundtrip
 from ninfer_kv.engine import LLM, SamplingParams, StepOutput
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.models.decoder.sampling import sample_tokens
 from ninfer_kv.planning import ModelKVConfig
-from ninfer_kv.kinds import PoolKind
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.kinds import PoolKind
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, D_MODEL, MLP_DIM, VOCAB = 2, 2, 4, 64, 128, 256, 256
 MAIN = PoolKind.MAIN

@@ -36,7 +36,7 @@ def main(argv=None) -> str:
     ap.add_argument("--local-devices", type=int, default=None,
                     help="host devices each process forces on a CPU (default: mesh size / --num-processes)")
     args = ap.parse_args(argv)
-    from ninfer_kv.mesh_spec import MeshSpec  # no JAX backend starts here
+    from ninfer_kv.schema.mesh_spec import MeshSpec  # no JAX backend starts here
 
     spec = MeshSpec.parse(args.mesh)
     processes = args.num_processes if args.process_id is not None else 1

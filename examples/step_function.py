@@ -31,11 +31,11 @@ import numpy as np
 
 from ninfer_kv import ops
 from ninfer_kv.device import apply_work, take_step_work
-from ninfer_kv.codecs import codec_roundtrip
+from ninfer_kv.ops.codecs import codec_roundtrip
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import KVStore
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 from ninfer_kv.device import allocate_state
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, D_MODEL, VOCAB, CHUNK = 2, 2, 4, 64, 128, 256, 128

@@ -15,19 +15,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .version import __version__  # noqa: F401  (the package version)
+from .schema.version import __version__  # noqa: F401  (the package version)
 
 if TYPE_CHECKING:  # pragma: no cover  (the same names, for type checkers and readers)
     from . import ops
     from .device import KVDeviceState, allocate_state, apply_work, resync, run_round, take_step_work
-    from .errors import KVStoreError
-    from .geometry import PAGE_SIZE
-    from .kinds import PoolKind
-    from .layout import PagedKVStorageLayout
+    from .schema.errors import KVStoreError
+    from .schema.geometry import PAGE_SIZE
+    from .schema.kinds import PoolKind
+    from .schema.layout import PagedKVStorageLayout
     from .planning import ExplicitCapacity, KVPlan, ModelKVConfig, SpeculativeConfig, plan_kv_cache
-    from .profiles import KVProfile
+    from .schema.profiles import KVProfile
     from .store import CheckpointHandle, KVStore, SequenceHandle
-    from .views import PagedKVBatchLayerView
+    from .ops.views import PagedKVBatchLayerView
 
 _LAZY = {
     # plan
@@ -82,8 +82,8 @@ __all__ = [
 """What a step author needs.  Everything else lives in a named submodule: :mod:`ninfer_kv.planning`
 (plans, pool sets, capacity curves, mesh plans), :mod:`ninfer_kv.store` (the store's verbs, handles
 and reports), :mod:`ninfer_kv.device` (device states, works, Host transfers, meshes),
-:mod:`ninfer_kv.views`, :mod:`ninfer_kv.layout`, :mod:`ninfer_kv.host`, :mod:`ninfer_kv.errors`,
-:mod:`ninfer_kv.work`, :mod:`ninfer_kv.engine`, :mod:`ninfer_kv.models`."""
+:mod:`ninfer_kv.ops.views`, :mod:`ninfer_kv.schema.layout`, :mod:`ninfer_kv.host`, :mod:`ninfer_kv.schema.errors`,
+:mod:`ninfer_kv.schema.round_work`, :mod:`ninfer_kv.engine`, :mod:`ninfer_kv.models`."""
 
 
 def __getattr__(name: str):

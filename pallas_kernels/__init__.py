@@ -20,7 +20,7 @@ the CPU).  Inputs are assumed validated by :mod:`ninfer_kv.ops`.
 Every head dim the profiles accept (up to 512) runs: tiles are padded and masked.  Planes of
 >= 2**31 elements are addressed with 64-bit offsets (:mod:`pallas_kernels.triton.addressing`).
 Out-of-range rows, table entries and positions under ``jit`` and non-finite K/V follow the rules
-of :mod:`ninfer_kv.ops` and :mod:`ninfer_kv.codecs`.
+of :mod:`ninfer_kv.ops` and :mod:`ninfer_kv.ops.codecs`.
 
 Layout
 ------

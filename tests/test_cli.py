@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ninfer_kv
-from ninfer_kv import cli, units
+from ninfer_kv import cli
+from ninfer_kv.schema import sizes as units
 from ninfer_kv.cli import main
-from ninfer_kv.units import parse_bytes
-from ninfer_kv.profiles import PROFILE_ALIASES, KVProfile
+from ninfer_kv.schema.sizes import parse_bytes
+from ninfer_kv.schema.profiles import PROFILE_ALIASES, KVProfile
 
 REALISTIC = (
     "plan --layers 16 --kv-heads 2 --head-dim 256 --profile k8v4 --max-context 32768 "

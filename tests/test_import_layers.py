@@ -27,15 +27,12 @@ PACKAGES = ("ninfer_kv", "pallas_kernels")
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # vocabulary: plain Python and numpy, no JAX
-    ("leaves", ("ninfer_kv.version", "ninfer_kv.errors", "ninfer_kv.integers", "ninfer_kv.geometry",
-                "ninfer_kv.units", "ninfer_kv.kinds", "ninfer_kv.mesh_spec", "ninfer_kv.profiles",
-                "ninfer_kv.layout", "ninfer_kv.ffi_library", "ninfer_kv.work", "ninfer_kv.step_shapes")),
+    ("schema", ("ninfer_kv.schema",)),
     ("planning", ("ninfer_kv.planning",)),
     ("host", ("ninfer_kv.host",)),
     ("store", ("ninfer_kv.store",)),
-    # stateless functions over arrays: codec references, views, the op registry and its kernels
-    ("ops", ("ninfer_kv.int_arrays", "ninfer_kv.codecs", "ninfer_kv.views", "ninfer_kv.packed_weight",
-             "ninfer_kv.ffi_ops", "ninfer_kv.ops", "pallas_kernels")),
+    # stateless functions over arrays: codecs, views, the op registry, its kernels and the FFI's
+    ("ops", ("ninfer_kv.ops", "pallas_kernels")),
     ("device", ("ninfer_kv.device",)),
     ("models", ("ninfer_kv.models",)),
     ("engine", ("ninfer_kv.engine",)),
@@ -195,7 +192,7 @@ def test_no_jax_below_the_ops():
 
 def test_the_rank_check_can_fail():
     assert rank("ninfer_kv.store.pool") < rank("ninfer_kv.device.state")
-    assert rank("ninfer_kv.int_arrays")[1] == "ops" and rank("ninfer_kv.layout")[1] == "leaves"
+    assert rank("ninfer_kv.ops.int_arrays")[1] == "ops" and rank("ninfer_kv.schema.layout")[1] == "schema"
     assert rank("ninfer_kv") > rank("ninfer_kv.server.app")
 
 

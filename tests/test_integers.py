@@ -1,13 +1,13 @@
-"""The shared integer check (:mod:`ninfer_kv.integers`) and the one bucket ladder (:func:`ladder_rungs`)."""
+"""The shared integer check (:mod:`ninfer_kv.schema.integers`) and the one bucket ladder (:func:`ladder_rungs`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ninfer_kv.integers import check_int, int_range, is_int
-from ninfer_kv.step_shapes import ladder_rungs
-from ninfer_kv.store.buckets import ladder
+from ninfer_kv.schema.integers import check_int, int_range, is_int
+from ninfer_kv.schema.buckets import ladder_rungs
+from ninfer_kv.schema.buckets import ladder
 
 
 def test_check_int_accepts_python_and_numpy_integers_in_range():

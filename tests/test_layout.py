@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv.geometry import PAGE_SIZE, KVPageGeometry, PlaneOrder
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.geometry import ceil_div
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.schema.geometry import PAGE_SIZE, KVPageGeometry, PlaneOrder
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import ceil_div
+from ninfer_kv.ops.views import allocate_planes
 
 LAYERS, HEADS, PAGES, D = 2, 3, 5, 64
 

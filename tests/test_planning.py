@@ -7,12 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.planning import MAX_CONTEXT, MAX_PAGES, PlanBoundError, check_pool_bytes
-from ninfer_kv.units import INT64_MAX
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.sizes import INT64_MAX
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.planning import AutomaticCapacity, ExplicitCapacity, KVPoolSetLayout, ModelKVConfig, SequenceCapacityCurve, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.geometry import PlaneOrder
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.schema.geometry import PlaneOrder
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.device.allocation import allocate_pools, allocated_pool_bytes
 
 P = 64

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ninfer_kv.profiles import KVCodec, KVProfile
+from ninfer_kv.schema.profiles import KVCodec, KVProfile
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -27,19 +27,19 @@ PACKAGE = "ninfer_kv"
 ROOTS = (
     "ninfer_kv",
     "ninfer_kv.ops",
-    "ninfer_kv.codecs",
+    "ninfer_kv.ops.codecs",
     "ninfer_kv.planning",
     "ninfer_kv.store",
     "ninfer_kv.store.sharded",
     "ninfer_kv.device",
     "ninfer_kv.device.sharded_ops",
-    "ninfer_kv.views",
-    "ninfer_kv.layout",
+    "ninfer_kv.ops.views",
+    "ninfer_kv.schema.layout",
     "ninfer_kv.host",
-    "ninfer_kv.errors",
-    "ninfer_kv.work",
-    "ninfer_kv.profiles",
-    "ninfer_kv.step_shapes",
+    "ninfer_kv.schema.errors",
+    "ninfer_kv.schema.round_work",
+    "ninfer_kv.schema.profiles",
+    "ninfer_kv.schema.buckets",
 )
 """The root's step-author names and the named submodules that hold the rest of the API."""
 
@@ -135,12 +135,12 @@ def test_the_walk_reaches_the_whole_api():
     """The walk follows __all__ into classes, their package bases and the modules __all__ names."""
     checked, _ = public_api()
     for name in (
-        "ninfer_kv.codecs.quantize_int8_g64",  # a module named in ninfer_kv.__all__
+        "ninfer_kv.ops.codecs.quantize_int8_g64",  # a module named in ninfer_kv.__all__
         "ninfer_kv.ops.paged_attention",
         "ninfer_kv.planning.plan.KVPlan.to_json",  # a method
         "ninfer_kv.planning.plan.KVPlan.device_bytes",  # a property
-        "ninfer_kv.kinds.PoolKind.parse",  # a classmethod
-        "ninfer_kv.views._LayerViewBase.tree_flatten",  # a public method of a private base
+        "ninfer_kv.schema.kinds.PoolKind.parse",  # a classmethod
+        "ninfer_kv.ops.views._LayerViewBase.tree_flatten",  # a public method of a private base
         "ninfer_kv.store.activation.ActivationVerbs.activate",  # a verb of one of the families KVStore unites
     ):
         assert name in checked, f"the walk does not reach {name}"

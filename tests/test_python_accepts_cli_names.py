@@ -1,7 +1,7 @@
 """Python takes what the command line takes: profile short names and byte-size strings.
 
 * Every place that names a profile resolves the CLI's short names (``int8``, ``fp8``, ``nvfp4``, ...)
-  through the one table :data:`ninfer_kv.profiles.PROFILE_ALIASES`, and stores the canonical profile.
+  through the one table :data:`ninfer_kv.schema.profiles.PROFILE_ALIASES`, and stores the canonical profile.
 * Every Python argument that takes a byte count accepts the CLI's byte sizes (``"40GiB"``, ``"1e9"``)
   and refuses the rest with a clear ``TypeError`` / ``ValueError``.
 * Byte counts in planning errors and CLI tables are printed by the one humanizer.
@@ -20,16 +20,24 @@ import numpy as np
 import pytest
 
 from ninfer_kv.planning import AutomaticCapacity, ExplicitCapacity, KVPoolSetLayout, ModelKVConfig, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.views import CyclicKVLayout
+from ninfer_kv.ops.views import CyclicKVLayout
 from ninfer_kv.host import HostKVArena
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.schema.profiles import KVProfile
 from ninfer_kv.store import KVStore
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.kinds import PoolKind
-from ninfer_kv import cli, units
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.kinds import PoolKind
+from ninfer_kv import cli
+from ninfer_kv.schema import sizes as units
 from ninfer_kv.planning import PlanBoundError
-from ninfer_kv.profiles import PROFILE_ALIASES, profile_names
-from ninfer_kv.units import ByteSizeTypeError, byte_count, describe_bytes, format_bytes, parse_bytes, to_byte_count
+from ninfer_kv.schema.profiles import PROFILE_ALIASES, profile_names
+from ninfer_kv.schema.sizes import (
+    ByteSizeTypeError,
+    byte_count,
+    describe_bytes,
+    format_bytes,
+    parse_bytes,
+    to_byte_count,
+)
 
 SHORT_NAMES = {"fp8": KVProfile.FP8_E4M3FN_ROW256, "int8": KVProfile.INT8_G64, "nvfp4": KVProfile.NVFP4_G16}
 ALL_NAMES = [(p.value, p) for p in KVProfile] + list(PROFILE_ALIASES.items())

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ninfer_kv import codecs
+from ninfer_kv.ops import codecs
 from ninfer_kv.demo.dense_check import DENSE_TOLERANCES
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
 from ninfer_kv.planning.pool_specs import POOL_SPECS
-from ninfer_kv.profiles import CODEC_SPECS, KVCodec, KVProfile
+from ninfer_kv.schema.profiles import CODEC_SPECS, KVCodec, KVProfile
 from ninfer_kv.store import KVStore
 
 COMMON_H = Path(__file__).resolve().parents[1] / "ffi" / "src" / "common.h"
@@ -66,7 +66,7 @@ def test_codec_facts_come_from_the_row(codec, monkeypatch):
     d = 64 * spec.head_dim_multiple if spec.head_dim_multiple > 1 else 48
     planes = codec.planes("k", d)
     assert planes[0].extent == d // spec.pack and planes[0].dtype == spec.code_dtype
-    # the reference functions are public functions of ninfer_kv.codecs, and quantize / dequantize
+    # the reference functions are public functions of ninfer_kv.ops.codecs, and quantize / dequantize
     # call the codec's row of CODEC_REFERENCES
     ref = codecs.CODEC_REFERENCES[codec]
     for fn in (ref.quantize, ref.dequantize):

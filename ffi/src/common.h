@@ -5,7 +5,7 @@
 //  * A plane of a paged pool is stacked (num_layers, N, H, P, X) (page-major) or
 //    (num_layers, H, N, P, X) (head-major); one (layer, page, head) tile is P * X contiguous
 //    elements, token-major.  A cyclic plane is (num_layers, rows, H, slots, X).
-//  * Codec ids are the rows of NINFER_KV_CODECS below (ninfer_kv.profiles.CODEC_SPECS' ffi_id).
+//  * Codec ids are the rows of NINFER_KV_CODECS below (ninfer_kv.schema.profiles.CODEC_SPECS' ffi_id).
 //  * All arithmetic runs with denormals flushed to zero (FTZ + DAZ), exactly as XLA's CPU
 //    executables do, so the codes written here are bit-identical to the jnp codecs compiled by XLA.
 #ifndef NINFER_KV_FFI_COMMON_H_
@@ -37,7 +37,7 @@ constexpr int kAbiVersion = 6;
 //   X(enumerator, id, name, label, data dtype, data bytes, pack, scale dtype, scale bytes, group,
 //     head-dim multiple)
 // The id, name (KVCodec value), label and the storage facts are the codec's CodecSpec row in
-// ninfer_kv/profiles.py (CODEC_SPECS; tests/test_spec_tables.py holds the two tables equal).  The
+// ninfer_kv/schema/profiles.py (CODEC_SPECS; tests/test_spec_tables.py holds the two tables equal).  The
 // dtypes name xla::ffi::DataType members (INVALID: no scale plane); pack is the logical elements
 // per data element (2: two e2m1 nibbles a byte); group the elements sharing one scale (0: one
 // scale per row of D); scale bytes 0 means no scale plane.  Ids run 0, 1, ... in row order.

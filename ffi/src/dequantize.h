@@ -26,7 +26,7 @@ struct KVRunSource {
 
 // Writes out[r * ld + i] = dequantized element i of token r, for r in [0, n) and i in [0, d),
 // and zeros in columns [d, ld) (ld is a multiple of kVL >= d).  The values equal
-// float(code) * scale in float32, exactly as ninfer_kv.codecs.decode_kv.  Only the n tokens named
+// float(code) * scale in float32, exactly as ninfer_kv.ops.codecs.decode_kv.  Only the n tokens named
 // are read.  When `prefetch` is non-null, the same byte range of the next run is prefetched.
 void DequantizeRows(const RowSource& src, int n, int d, int ld, float* out, const RowSource* prefetch);
 

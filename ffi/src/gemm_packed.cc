@@ -5,7 +5,7 @@
 //   NinferKvMatmulBf16Packed(x bf16 (M, K), packed_0 bf16 (T_0, P, 128), packed_1, ...)
 //       -> out_0 f32|bf16 (M, N_0), out_1, ...      with P = ceil(K / 2), T_i = ceil(N_i / 64)
 //
-// Packed layout (ninfer_kv/packed_weight.py writes it): tiles of 64 output columns, each tile one
+// Packed layout (ninfer_kv/ops/ffi/packed_weight.py writes it): tiles of 64 output columns, each tile one
 // contiguous run over K, the bfloat16 pairs of a column side by side:
 //   packed[t][p][c][e] = w[64 t + c, 2 p + e]      (t < T, p < P, c < 64, e < 2)
 // zero past N and K, bfloat16 denormals flushed to zero (sign kept).  One pair step of a tile is
@@ -434,7 +434,7 @@ struct AmxChoice {
 };
 
 #if defined(NINFER_KV_PACKED_AMX)
-// w (N, K) bfloat16 bits in the packed layout (ninfer_kv/packed_weight.py's, for the AMX check).
+// w (N, K) bfloat16 bits in the packed layout (ninfer_kv/ops/ffi/packed_weight.py's, for the AMX check).
 std::vector<uint16_t> PackWeight(const std::vector<uint16_t>& w, int64_t n_len, int64_t k_len) {
   const int64_t tiles = (n_len + kTileCols - 1) / kTileCols, pairs = (k_len + 1) / 2;
   std::vector<uint16_t> packed(static_cast<size_t>(tiles * pairs * kTileWords * 2), 0);

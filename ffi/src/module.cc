@@ -1,5 +1,5 @@
 // Library-level entry points: the exported handler symbols (forwarded to the instruction-set
-// level chosen at load, dispatch.h) and the functions ninfer_kv/ffi_ops.py reads through ctypes.
+// level chosen at load, dispatch.h) and the functions ninfer_kv/ops/ffi/ reads through ctypes.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -71,7 +71,7 @@ NINFER_KV_EXPORT const char* NinferKvFfiIsaSupported() { return ninfer_kv_ffi::S
 NINFER_KV_EXPORT const char* NinferKvFfiCpuFeatures() { return ninfer_kv_ffi::Selected().cpu_features.c_str(); }
 
 // The products the level in use takes for attention over codecs (k, v) at head dim d (the codec
-// ids of ninfer_kv.ffi_ops): scores | values << 8, each 0 (float32) or 1 (int8x2: the query rounded
+// ids of ninfer_kv.ops.ffi): scores | values << 8, each 0 (float32) or 1 (int8x2: the query rounded
 // to 15 bits as two signed bytes, vpdpbusd); -1 for invalid arguments or no level in use.
 NINFER_KV_EXPORT int32_t NinferKvFfiArithmetic(int32_t k_codec, int32_t v_codec, int32_t head_dim) {
   const auto* t = Table();

@@ -1,6 +1,6 @@
 // XLA FFI handlers of the paged ops: append (in place) and attention.
 //
-// Operands (in order) and attributes are fixed by ninfer_kv/ffi_ops.py:
+// Operands (in order) and attributes are fixed by ninfer_kv/ops/ffi/:
 //   NinferKvPagedAppend(block_tables s32 (C, L), layer s32 (), table_rows s32 (B,),
 //                       positions s32 (B,), valid s32 (B,), k (B, T, H, D), v (B, T, H, D),
 //                       planes...) -> planes... (each result aliases its plane operand)

@@ -11,7 +11,7 @@ NINFER_KV_NAMESPACE_BEGIN
 // Quantizes x[0, d) (float32) with codec `c` and writes the codes to `code` (the data plane's
 // X elements of this token-head) and, for codecs with scales, the scales to `scale`.
 //
-// Bit-identical to ninfer_kv.codecs on CPU, provided the caller runs under ScopedFlushDenormal:
+// Bit-identical to ninfer_kv.ops.codecs on CPU, provided the caller runs under ScopedFlushDenormal:
 // float32 arithmetic, every division (amax / c and x / s) a correctly rounded IEEE division
 // (codecs.div_rn).  A group (INT8: 64 elements, FP8: the row, NVFP4: 16) holding a NaN stores
 // the NaN scale (bf16 0x7FC0, NVFP4 byte 0x7F) and all codes 0; a scale that is 0 or not finite

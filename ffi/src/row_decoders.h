@@ -3,7 +3,7 @@
 //
 // Decoder<C>::Row: vector decoder of one token row: chunk c is the kVL dequantized float32 values
 // of elements [c * kVL, (c + 1) * kVL), equal to float(code) * scale exactly as
-// ninfer_kv.codecs.decode_kv computes them.  Used directly on page memory (fused decode) when the
+// ninfer_kv.ops.codecs.decode_kv computes them.  Used directly on page memory (fused decode) when the
 // head dim is a multiple of kVL; a row never reads outside its own codes and scales.
 // Decoder<C>::Prepare: decodes a run's scales to float32 for the rows (PrepareRows).
 // Decoder<C>::Dequantize: a run into a float32 tile (DequantizeRows: head dims that are not a

@@ -16,8 +16,8 @@ Output contract:
   a default the user did not type.  No traceback is ever printed: an unexpected failure is one line
   and exit status 1 (``NINFER_KV_TRACEBACK=1`` shows the traceback).
 * ``--kv-cache-dtype`` is an alias of ``--profile``; both accept the profile names and the short
-  names of :data:`ninfer_kv.profiles.PROFILE_ALIASES` (``fp8``, ``int8``, ``nvfp4``, ...), exactly
-  as Python's ``KVProfile.parse`` does.  Byte sizes are read by :func:`ninfer_kv.units.parse_bytes`,
+  names of :data:`ninfer_kv.schema.profiles.PROFILE_ALIASES` (``fp8``, ``int8``, ``nvfp4``, ...), exactly
+  as Python's ``KVProfile.parse`` does.  Byte sizes are read by :func:`ninfer_kv.schema.sizes.parse_bytes`,
   the syntax every Python byte-count argument accepts too.
 
 Subcommands live in a registry.  A module adds one with :func:`register_subcommand` (usually as a

@@ -29,7 +29,7 @@ import sys
 import time
 
 from ..planning.bounds import MAX_CONTEXT
-from ..units import format_bytes
+from ..schema.sizes import format_bytes
 from .registry import CommandOutput, register_subcommand
 from .types import IMPL, IMPL_HELP, PROFILE, PROFILE_HELP, arg_type, bounded_int
 

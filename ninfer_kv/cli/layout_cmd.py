@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..units import describe_bytes
+from ..schema.sizes import describe_bytes
 from .registry import CommandOutput, register_subcommand
 from .tables import render_table
 from .tables import thousands as _n
@@ -26,7 +26,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> CommandOutput:
     """The plane table of one (token, head); with ``--layers`` and ``--kv-heads`` also the pool's planes."""
-    from ..layout import PagedKVStorageLayout
+    from ..schema.layout import PagedKVStorageLayout
     from ..planning import ModelKVConfig, check_pool_bytes
 
     profile, head_dim = args.profile, args.head_dim

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..units import BYTE_SIZE_FORMS
-from ..version import __version__
+from ..schema.sizes import BYTE_SIZE_FORMS
+from ..schema.version import __version__
 from .registry import registered_subcommands
 
 __all__ = ["PROG", "UsageError", "one_line", "build_parser"]

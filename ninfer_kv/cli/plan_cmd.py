@@ -15,7 +15,7 @@ import argparse
 import os
 import re
 
-from ..units import describe_bytes, format_bytes
+from ..schema.sizes import describe_bytes, format_bytes
 from .flags import speak_in_flags
 from .parser import PROG, UsageError
 from .registry import CommandOutput, register_subcommand
@@ -84,7 +84,7 @@ def _flag(attr: str) -> str:
 
 
 def _speculative_from_args(args: argparse.Namespace):
-    from ..kinds import SpeculativeMethod
+    from ..schema.kinds import SpeculativeMethod
     from ..planning import SpeculativeConfig
 
     method = args.speculative
@@ -329,8 +329,8 @@ def _local_policy_json(policy_json: dict, mp) -> dict:
 
 
 def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
-    from ..geometry import PAGE_SIZE as P
-    from ..kinds import PoolKind
+    from ..schema.geometry import PAGE_SIZE as P
+    from ..schema.kinds import PoolKind
 
     b = plan.builder
     method = speculative.method.value

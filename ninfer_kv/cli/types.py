@@ -2,9 +2,9 @@
 
 :func:`arg_type` wraps a converter that raises ``ValueError`` so argparse reports the message
 verbatim (``argument --head-dim: 0 is out of range; it must be an integer >= 1``).  The library's
-own parsers do the work: byte sizes are :func:`ninfer_kv.units.parse_bytes`, profiles
-:meth:`ninfer_kv.profiles.KVProfile.parse` (which accepts the short names of
-:data:`ninfer_kv.profiles.PROFILE_ALIASES`), so the command line and Python accept the same text.
+own parsers do the work: byte sizes are :func:`ninfer_kv.schema.sizes.parse_bytes`, profiles
+:meth:`ninfer_kv.schema.profiles.KVProfile.parse` (which accepts the short names of
+:data:`ninfer_kv.schema.profiles.PROFILE_ALIASES`), so the command line and Python accept the same text.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from ..integers import check_int, int_range
-from ..profiles import PROFILE_ALIASES, KVProfile, profile_names
-from ..units import parse_bytes
+from ..schema.integers import check_int, int_range
+from ..schema.profiles import PROFILE_ALIASES, KVProfile, profile_names
+from ..schema.sizes import parse_bytes
 
 __all__ = [
     "arg_type",
@@ -76,19 +76,19 @@ def bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
 
 
 KV_CACHE_DTYPES = PROFILE_ALIASES
-"""The ``--kv-cache-dtype`` short names: the one table of :data:`ninfer_kv.profiles.PROFILE_ALIASES`."""
+"""The ``--kv-cache-dtype`` short names: the one table of :data:`ninfer_kv.schema.profiles.PROFILE_ALIASES`."""
 
 PROFILE_HELP = f"KV profile: {profile_names()}"
 
 
 def _order(text: str):
-    from ..geometry import PlaneOrder
+    from ..schema.geometry import PlaneOrder
 
     return PlaneOrder.parse(text)
 
 
 def _speculative(text: str):
-    from ..kinds import SpeculativeMethod
+    from ..schema.kinds import SpeculativeMethod
 
     return SpeculativeMethod.parse(text)
 
@@ -107,7 +107,7 @@ IMPL_HELP = ("op implementation: auto (the platform's preference: FFI on CPU, Pa
 
 
 def _mesh(text: str):
-    from ..mesh_spec import MeshSpec
+    from ..schema.mesh_spec import MeshSpec
 
     return MeshSpec.parse(text)
 

@@ -20,7 +20,7 @@ import sys
 from ..cli.types import IMPL, IMPL_HELP
 from ..cli import BYTES, POSITIVE_INT, PROFILE, CommandOutput, bounded_int, register_subcommand
 from ..cli.app import EXIT_CHECK_FAILED
-from ..profiles import KVProfile
+from ..schema.profiles import KVProfile
 
 __all__ = ["configure", "run"]
 
@@ -121,7 +121,7 @@ def _model(text: str) -> str:
 
 
 def _mesh(text: str):
-    from ..mesh_spec import MeshSpec
+    from ..schema.mesh_spec import MeshSpec
 
     try:
         return MeshSpec.parse(text)
@@ -170,7 +170,7 @@ def default_kv_capacity(config) -> int:
     with ``--mesh``; the result is the total over the shards).  Where the plan itself refuses those
     flags, the fixed default is returned and planning reports the flag at fault.
     """
-    from ..geometry import PAGE_SIZE
+    from ..schema.geometry import PAGE_SIZE
     from ..planning import KVPoolSetLayout, ModelKVConfig
 
     model = config.model_config
@@ -187,7 +187,7 @@ def default_kv_capacity(config) -> int:
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`~ninfer_kv.demo.config.DemoConfig` of parsed arguments (``ValueError`` on bad combinations)."""
-    from ..units import parse_bytes
+    from ..schema.sizes import parse_bytes
     from ..planning import AutomaticCapacity, ExplicitCapacity
     from .config import DemoConfig
     from .requests import WorkloadSpec

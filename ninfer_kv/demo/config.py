@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..integers import check_int
-from ..mesh_spec import MeshSpec
+from ..schema.integers import check_int
+from ..schema.mesh_spec import MeshSpec
 from ..models.decoder import ModelConfig
 from ..ops.registry import impl_choices
 from ..planning import AutomaticCapacity, ExplicitCapacity, SpeculativeConfig
-from ..profiles import KVProfile
+from ..schema.profiles import KVProfile
 from .checkpoint_cache import checkpoint_config
 from .mesh import check_mesh
 from .requests import WorkloadSpec

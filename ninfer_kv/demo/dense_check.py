@@ -34,9 +34,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE, ceil_div
+from ..schema.geometry import PAGE_SIZE, ceil_div
 from ..models.decoder import ModelConfig, dense_logits
-from ..profiles import KVProfile
+from ..schema.profiles import KVProfile
 from .serve import RequestRecord
 
 __all__ = ["DenseCheck", "DENSE_TOLERANCES", "DENSE_BATCH", "check_dense", "tolerance_for"]
@@ -45,7 +45,7 @@ DENSE_TOLERANCES: dict[KVProfile, float] = {
     profile: max(profile.k_codec.spec.dense_tolerance, profile.v_codec.spec.dense_tolerance) for profile in KVProfile
 }
 """Max absolute logit difference between served and dense logits, per KV profile (float32 model): the
-largest ``dense_tolerance`` of its codecs' rows in :data:`~ninfer_kv.profiles.CODEC_SPECS`."""
+largest ``dense_tolerance`` of its codecs' rows in :data:`~ninfer_kv.schema.profiles.CODEC_SPECS`."""
 
 DENSE_BATCH = 8
 

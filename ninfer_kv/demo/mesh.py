@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..mesh_spec import MeshSpec
+from ..schema.mesh_spec import MeshSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.decoder import ModelConfig

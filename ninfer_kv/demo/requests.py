@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE
-from ..integers import check_int
+from ..schema.geometry import PAGE_SIZE
+from ..schema.integers import check_int
 
 __all__ = ["WorkloadSpec", "Request", "make_workload", "check_workload_fits"]
 

@@ -15,7 +15,7 @@ import warnings
 import jax
 
 from .. import ops
-from ..geometry import PAGE_SIZE, ceil_div
+from ..schema.geometry import PAGE_SIZE, ceil_div
 from ..planning import ModelKVConfig, plan_kv_cache, plan_kv_cache_mesh
 from .checkpoint_cache import checkpoint_params
 from .config import DemoConfig

@@ -39,7 +39,7 @@ import hashlib
 import json
 
 from ..cli import render_table
-from ..units import format_bytes
+from ..schema.sizes import format_bytes
 
 __all__ = ["DemoResult", "demo_result", "tokens_digest"]
 

@@ -1,7 +1,7 @@
 """The device layer: everything that holds or changes device arrays.
 
 The store (:mod:`ninfer_kv.store`) is host-only bookkeeping; it hands the device plain numpy data
-(:mod:`ninfer_kv.work`).  This package owns what runs on the device, built from the stateless ops
+(:mod:`ninfer_kv.schema.round_work`).  This package owns what runs on the device, built from the stateless ops
 of :mod:`ninfer_kv.ops`:
 
 * :mod:`.state` — :class:`KVDeviceState`, the caller-owned pytree of planes, block tables and the

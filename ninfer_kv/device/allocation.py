@@ -1,9 +1,9 @@
 """Allocating device buffers: a plan's pools, a store's device state.
 
-Planning (:mod:`ninfer_kv.planning`) and layouts (:mod:`ninfer_kv.layout`) are arithmetic: they say
+Planning (:mod:`ninfer_kv.planning`) and layouts (:mod:`ninfer_kv.schema.layout`) are arithmetic: they say
 how many pages each pool has and which shapes and dtypes its planes take.  Turning that into
 ``jax.Array`` buffers is device work: one layout's planes are
-:func:`~ninfer_kv.views.allocate_planes`; a plan's pools and a store's device state live here
+:func:`~ninfer_kv.ops.views.allocate_planes`; a plan's pools and a store's device state live here
 (:func:`allocate_state`): the store is host-only and is taken by duck type (``pool_plans``,
 ``work_serial``, ``identity``, ``device``; a sharded store also ``kv_mesh``).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 
-from ..views import allocate_planes
+from ..ops.views import allocate_planes
 from .sharded_store import _mesh_of
 from .state import KVDeviceState
 

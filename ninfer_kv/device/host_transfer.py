@@ -68,7 +68,7 @@ from ..host.block_copy import copy_blocks
 from ..host.extent_allocator import HostExtent
 from ..host.host_layout import HostKVPageLayout, TransferReport, host_layout_of
 from ..host.runs import check_page_ids, coalesce_runs, max_bucket_pages, split_runs
-from ..layout import PagedKVStorageLayout
+from ..schema.layout import PagedKVStorageLayout
 from .staging import start_to_host, to_device
 
 __all__ = ["offload_pages", "restore_pages", "TRANSFER_PATHS"]

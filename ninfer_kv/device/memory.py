@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from ..planning.config import AutomaticCapacity
-from ..units import ByteSize
+from ..schema.sizes import ByteSize
 
 __all__ = ["free_device_bytes", "devices_of", "capacity_from_device"]
 

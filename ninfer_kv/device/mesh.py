@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..geometry import PlaneOrder
-from ..mesh_spec import MeshSpec
+from ..schema.geometry import PlaneOrder
+from ..schema.mesh_spec import MeshSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import jax
@@ -168,7 +168,7 @@ class KVMesh:
         )
 
     def work_specs(self, work) -> list:
-        """Partition specs of a :class:`~ninfer_kv.work.ShardedRoundWork`'s leaves, in
+        """Partition specs of a :class:`~ninfer_kv.schema.round_work.ShardedRoundWork`'s leaves, in
         ``jax.tree_util.tree_flatten`` order: per-shard arrays over ``data``, the payload's heads
         also over ``model``, the serial and store identity replicated."""
         import jax
@@ -187,7 +187,7 @@ class KVMesh:
         return specs
 
     def put_work(self, work):
-        """A :class:`~ninfer_kv.work.ShardedRoundWork` as global ``jax.Array`` s on the mesh (each
+        """A :class:`~ninfer_kv.schema.round_work.ShardedRoundWork` as global ``jax.Array`` s on the mesh (each
         device gets only its shard's part and its heads of the payload).  Works in a multi-process
         program: every process builds its addressable shards from its own identical host copy."""
         import jax

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import LifecycleError
-from ..work import OffloadPayload
+from ..schema.errors import LifecycleError
+from ..schema.round_work import OffloadPayload
 from .sharded_store import gather_sharded_offload
 from .staging import start_to_host
 from .state import KVDeviceState
@@ -33,7 +33,7 @@ def _host_addressable(state: KVDeviceState) -> bool:
 
 
 def gather_offload(store, plan, state: KVDeviceState, *, shard: int | None = None) -> OffloadPayload:
-    """The :class:`~ninfer_kv.work.OffloadPayload` of ``plan`` (from ``store.plan_offload``)
+    """The :class:`~ninfer_kv.schema.round_work.OffloadPayload` of ``plan`` (from ``store.plan_offload``)
     gathered from ``state``, for ``store.complete_offload``.
 
     Where the state's planes are host memory (one CPU device) the pages are copied straight from

@@ -1,4 +1,4 @@
-"""The pytree structure of the data the store hands the device (:mod:`ninfer_kv.work`).
+"""The pytree structure of the data the store hands the device (:mod:`ninfer_kv.schema.round_work`).
 
 Registered once, when the device layer is imported, so the store's numpy dataclasses pass through
 ``jax.jit``, ``shard_map`` and ``jax.tree_util`` as explicit pytrees: ``RoundWork(stamp, pools)``,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ..work import GatherRequest, OffloadPayload, PoolWork, RoundWork, ShardedRoundWork
+from ..schema.round_work import GatherRequest, OffloadPayload, PoolWork, RoundWork, ShardedRoundWork
 
 __all__: list[str] = []
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from ..work import RoundWork
+from ..schema.round_work import RoundWork
 from .sharded_store import apply_sharded_work_alone
 from .state import KVDeviceState, check_live, sync_record
 from .work import apply_work_jit

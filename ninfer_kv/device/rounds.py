@@ -2,7 +2,7 @@
 
 :func:`run_round` is the whole protocol of one unit for the common case; :func:`take_step_work`
 is its middle part, for loops that drive the store's verbs themselves.  :func:`take_step_work` takes a store's next round work padded to a step's fixed shape
-(:mod:`ninfer_kv.step_shapes`), applying an oversized one alone first, so a serving loop compiles
+(:mod:`ninfer_kv.schema.buckets`), applying an oversized one alone first, so a serving loop compiles
 a bounded number of work-applying programs whatever its rounds do; a
 :class:`~ninfer_kv.store.sharded.ShardedKVStore`'s work is stacked per shard and placed on its mesh.
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-from ..errors import PendingWorkError
-from ..kinds import PoolKind
-from ..step_shapes import StepWorkShapes, step_work_shapes
+from ..schema.errors import PendingWorkError
+from ..schema.kinds import PoolKind
+from ..schema.buckets import StepWorkShapes, step_work_shapes
 from .sharded_store import _mesh_of, apply_sharded_work_alone
 from .state import KVDeviceState, check_live
 from .work import apply_work_jit
@@ -41,7 +41,7 @@ def take_step_work(store, state: KVDeviceState, shapes: "StepWorkShapes | tuple[
 
     The returned state carries the work-pending mark (:attr:`KVDeviceState.work_pending`): a step
     that reads its planes or tables before ``apply_work(state, work)`` fails when it is traced, with
-    :class:`~ninfer_kv.errors.PendingWorkError`.
+    :class:`~ninfer_kv.schema.errors.PendingWorkError`.
 
     Raises (before anything is taken from the store):
       DonatedStateError: ``state`` was donated to a jitted step or deleted (use the state it returned).

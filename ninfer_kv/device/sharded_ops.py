@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .. import ops
-from ..kinds import PoolKind
-from ..views import PagedKVBatchLayerView
-from ..work import RoundWork, ShardedRoundWork
+from ..schema.kinds import PoolKind
+from ..ops.views import PagedKVBatchLayerView
+from ..schema.round_work import RoundWork, ShardedRoundWork
 from .mesh import KVMesh
 from .state import KVDeviceState
 from .work import apply_work

@@ -1,7 +1,7 @@
 """The device programs of a :class:`~ninfer_kv.store.sharded.ShardedKVStore`.
 
 The sharded store is host-only bookkeeping, like every store; what runs on the mesh lives here:
-applying a stacked :class:`~ninfer_kv.work.ShardedRoundWork` outside a step and gathering one
+applying a stacked :class:`~ninfer_kv.schema.round_work.ShardedRoundWork` outside a step and gathering one
 shard's offload payload per device.  :func:`~ninfer_kv.device.allocation.allocate_state`,
 :func:`~ninfer_kv.device.rounds.take_step_work` and :func:`~ninfer_kv.device.offload.gather_offload`
 use them for a sharded store.
@@ -17,8 +17,8 @@ import weakref
 import jax
 import numpy as np
 
-from ..errors import LifecycleError
-from ..work import OffloadPayload
+from ..schema.errors import LifecycleError
+from ..schema.round_work import OffloadPayload
 from .sharded_ops import sharded_apply_work, sharded_gather_pages
 from .state import KVDeviceState
 

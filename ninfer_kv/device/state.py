@@ -3,7 +3,7 @@
 The :class:`~ninfer_kv.store.KVStore` is host-only bookkeeping: it never holds a ``jax.Array``.
 Everything that lives on the device sits in one :class:`KVDeviceState`, a frozen dataclass
 registered as a JAX pytree, which the caller threads through its jitted steps (donated) and hands
-to :func:`~ninfer_kv.apply_work` together with each :class:`~ninfer_kv.work.RoundWork` the store emits.
+to :func:`~ninfer_kv.apply_work` together with each :class:`~ninfer_kv.schema.round_work.RoundWork` the store emits.
 
 Pytree structure (explicit, so a sharded step can name a partition spec per leaf)::
 
@@ -33,14 +33,14 @@ repair needs to know: how far the state got before the slip.  The host compares 
 
 A state whose buffers were donated to a jitted step (or deleted) cannot be used again: flattening
 it (any ``jax.jit`` call, ``jax.tree`` function or ``apply_work``) raises
-:class:`~ninfer_kv.errors.DonatedStateError`, which names the fix: use the state the step
+:class:`~ninfer_kv.schema.errors.DonatedStateError`, which names the fix: use the state the step
 returned.
 
 A state returned by :func:`~ninfer_kv.take_step_work` carries a static **work-pending mark**
 (:attr:`KVDeviceState.work_pending`, part of the pytree's structure, so it costs no device work
 and survives the ``jit`` boundary): its planes and block tables do not yet hold the work just
 taken.  Reading :attr:`~KVDeviceState.planes` or :attr:`~KVDeviceState.tables` of a marked
-state raises :class:`~ninfer_kv.errors.PendingWorkError` naming ``apply_work`` — inside a step
+state raises :class:`~ninfer_kv.schema.errors.PendingWorkError` naming ``apply_work`` — inside a step
 that is at trace time, before anything runs.  :func:`~ninfer_kv.apply_work` clears the mark.
 """
 
@@ -53,12 +53,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import DonatedStateError, PendingWorkError
-from ..geometry import SENTINEL_PAGE
-from ..kinds import PoolKind
-from ..layout import PagedKVStorageLayout
-from ..views import PagedKVBatchLayerView, allocate_planes
-from ..work import BLANK, POISONED, SyncStatus
+from ..schema.errors import DonatedStateError, PendingWorkError
+from ..schema.geometry import SENTINEL_PAGE
+from ..schema.kinds import PoolKind
+from ..schema.layout import PagedKVStorageLayout
+from ..ops.views import PagedKVBatchLayerView, allocate_planes
+from ..schema.round_work import BLANK, POISONED, SyncStatus
 
 __all__ = ["KVDeviceState", "check_live", "sync_record"]
 
@@ -187,7 +187,7 @@ class KVDeviceState:
 
     # -- views ---------------------------------------------------------------------------------------
     def layout(self, pool) -> PagedKVStorageLayout:
-        """The :class:`~ninfer_kv.layout.PagedKVStorageLayout` of ``pool`` (a ``PoolKind`` or its name)."""
+        """The :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout` of ``pool`` (a ``PoolKind`` or its name)."""
         kind = PoolKind.parse(pool)
         for k, layout in self.layouts:
             if k is kind:
@@ -199,7 +199,7 @@ class KVDeviceState:
         return self.layout(pool).order.page_axis
 
     def view(self, pool, layer) -> PagedKVBatchLayerView:
-        """The :class:`~ninfer_kv.views.PagedKVBatchLayerView` of ``pool``'s planes and block tables at
+        """The :class:`~ninfer_kv.ops.views.PagedKVBatchLayerView` of ``pool``'s planes and block tables at
         ``layer`` (a Python int or a traced integer scalar) — what the ops take inside a step.  Put
         the planes a step changed back with :meth:`replace_planes` (``state.replace_planes(pool,
         view.planes)``).  On a mesh, build views inside ``shard_map`` with the store's per-device

@@ -2,12 +2,12 @@
 gather of an offload's pages.
 
 * :func:`apply_work` (pure; inside the caller's jitted step, the state donated) applies one
-  :class:`~ninfer_kv.work.RoundWork`: table updates scattered into each pool's ``(C, L)`` matrix,
+  :class:`~ninfer_kv.schema.round_work.RoundWork`: table updates scattered into each pool's ``(C, L)`` matrix,
   page writes into the planes, the serial advanced — or, for a work out of order or of another
   store, the state poisoned (nothing applied, every table entry the sentinel page).
 * :func:`apply_work_jit` runs it alone (:func:`~ninfer_kv.device.rounds.take_step_work` pads a
   store's work to a step's fixed shape, applying an oversized one alone first with it).
-* :func:`gather_pages` gathers an offload plan's pages (an :class:`~ninfer_kv.work.OffloadPayload`).
+* :func:`gather_pages` gathers an offload plan's pages (an :class:`~ninfer_kv.schema.round_work.OffloadPayload`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ..geometry import SENTINEL_PAGE
-from ..work import POISONED, GatherRequest, OffloadPayload, RoundWork
+from ..schema.geometry import SENTINEL_PAGE
+from ..schema.round_work import POISONED, GatherRequest, OffloadPayload, RoundWork
 from ..ops.page_copy import _words, cpu_float, write_pages, write_pages_donated
 from . import pytrees  # noqa: F401  (the work dataclasses as pytrees)
-from .state import KVDeviceState, check_live, sync_record
+from .state import KVDeviceState, check_live
 
 __all__ = [
     "apply_work",
@@ -92,7 +91,7 @@ def apply_work(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     first mismatch until :func:`resync` repairs the state.
 
     Lowered per platform: on the CPU, when the FFI library is loaded, by two in-place custom calls
-    (:func:`~ninfer_kv.ffi_ops.apply_tables`, and :func:`~ninfer_kv.ffi_ops.write_pages` for a
+    (:func:`~ninfer_kv.ops.ffi.work_ops.apply_tables`, and :func:`~ninfer_kv.ops.ffi.work_ops.write_pages` for a
     pool with page writes), which touch only the entries and pages the work names; elsewhere by
     :func:`apply_work_reference`.  Both give the same bits.
 
@@ -143,16 +142,16 @@ def _apply_work_ffi(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
     """The CPU lowering: the order check and every table's updates in one in-place custom call,
     then each pool's page writes in one in-place custom call (gated by the same check, on the
     record as it was before the work)."""
-    from .. import ffi_ops
+    from ninfer_kv.ops.ffi import work_ops as ffi_work_ops
 
     kinds = list(work.pools)
     updates = [jnp.asarray(work.pools[k].tables, jnp.int32).reshape(3, -1) for k in kinds]
-    sync, tables = ffi_ops.apply_tables(state.sync, work.stamp, [state.tables[k] for k in kinds], updates)
+    sync, tables = ffi_work_ops.apply_tables(state.sync, work.stamp, [state.tables[k] for k in kinds], updates)
     planes = dict(state.planes)
     for kind in kinds:
         pw = work.pools[kind]
         if pw.copies.shape[1] or pw.restores.shape[1]:
-            planes[kind] = ffi_ops.write_pages(
+            planes[kind] = ffi_work_ops.write_pages(
                 state.sync, work.stamp, state.planes[kind], pw.copies, pw.restores, pw.payload,
                 page_axis=state.page_axis(kind),
             )
@@ -162,11 +161,12 @@ def _apply_work_ffi(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
 @functools.cache
 def _ffi_lowering() -> bool:
     """Whether the CPU lowering's custom calls are registered (the FFI library loaded); checked once."""
-    from .. import ffi_ops
+    from ninfer_kv.host import ffi_library
+    from ninfer_kv.ops.ffi import runtime as ffi_runtime
 
     try:
-        return ffi_ops.is_available()
-    except ffi_ops.FFIUnavailableError:  # a bad $NINFER_KV_FFI_LIBRARY: the ops say so; here, jnp
+        return ffi_runtime.is_available()
+    except ffi_library.FFIUnavailableError:  # a bad $NINFER_KV_FFI_LIBRARY: the ops say so; here, jnp
         return False
 
 

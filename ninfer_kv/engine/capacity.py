@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ..device.memory import free_device_bytes
-from ..geometry import PAGE_SIZE
+from ..schema.geometry import PAGE_SIZE
 from ..planning import AutomaticCapacity, ExplicitCapacity, KVPlan, ModelKVConfig, plan_kv_cache
 
 __all__ = ["CPU_KV_BYTES", "engine_plan", "free_memory_bytes"]

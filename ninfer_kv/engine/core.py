@@ -43,12 +43,12 @@ from typing import Callable, Sequence as Seq
 
 import numpy as np
 
-from ..errors import PoolCapacityError
-from ..geometry import PAGE_SIZE
-from ..integers import check_int
+from ..schema.errors import PoolCapacityError
+from ..schema.geometry import PAGE_SIZE
+from ..schema.integers import check_int
 from ..models.decoder.buckets import bucket_ladder, token_ladder
 from ..models.request_checks import token_ids
-from ..kinds import PoolKind
+from ..schema.kinds import PoolKind
 from ..store import KVStore
 from .model import EngineModel, draft_window_of, feeds_ragged_rounds
 from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput

@@ -22,8 +22,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..integers import check_int, int_range, is_int
-from ..profiles import KVProfile
+from ..schema.integers import check_int, int_range, is_int
+from ..schema.profiles import KVProfile
 from ..store import EntitlementPolicy, KVStore
 from .capacity import engine_plan
 from .core import EngineCore
@@ -284,7 +284,7 @@ def _progress(total: int):
 
 
 def _check_int(name: str, value, low: int, high: int) -> None:
-    """:func:`~ninfer_kv.integers.check_int`, with a ``TypeError`` for a value that is no integer."""
+    """:func:`~ninfer_kv.schema.integers.check_int`, with a ``TypeError`` for a value that is no integer."""
     if not is_int(value):
         raise TypeError(f"{name}={value!r} must be {int_range(low, high)}")
     check_int(name, value, low, high)

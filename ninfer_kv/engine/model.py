@@ -2,7 +2,7 @@
 
 The engine owns the store, the device state and the scheduling; a model only runs steps.  A step
 takes the caller's :class:`~ninfer_kv.KVDeviceState` (donated) and the round's
-:class:`~ninfer_kv.work.RoundWork`, applies the work first (:func:`~ninfer_kv.apply_work`), runs the
+:class:`~ninfer_kv.schema.round_work.RoundWork`, applies the work first (:func:`~ninfer_kv.apply_work`), runs the
 model over the batch through the paged ops of the Main pool, and returns the new state with the
 token each row chooses::
 
@@ -72,9 +72,9 @@ from ..models.decoder.sampling import SamplingRows
 from ..models.decoder.steps import ModelSteps, shared_steps
 from ..ops.registry import resolve_impl
 from ..planning import ModelKVConfig
-from ..layout import PagedKVStorageLayout
-from ..profiles import KVProfile
-from ..work import RoundWork
+from ..schema.layout import PagedKVStorageLayout
+from ..schema.profiles import KVProfile
+from ..schema.round_work import RoundWork
 
 __all__ = ["StepOutput", "VerifyOutput", "EngineModel", "DecoderModel", "draft_window_of", "feeds_ragged_rounds"]
 

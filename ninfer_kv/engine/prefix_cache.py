@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from ..errors import HostCapacityError, LifecycleError
+from ..schema.errors import HostCapacityError, LifecycleError
 from ..store import CheckpointHandle, KVStore
 from .prefix_index import PrefixEntry, PrefixIndex
 

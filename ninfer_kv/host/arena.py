@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from ..units import ByteSize, byte_count
+from ..schema.sizes import ByteSize, byte_count
 from .extent_allocator import ExtentAllocator, ExtentOccupancy, ExtentPlan, HostExtent
 
 __all__ = ["HostKVArena", "HOST_BUFFER_ALIGNMENT", "STAGING_MODES", "aligned_empty"]
@@ -98,7 +98,7 @@ class HostKVArena:
 
     Args:
       capacity_bytes: bytes of the buffer (an integer, a whole-number float or a byte-size string
-        such as ``"64MiB"``, see :mod:`ninfer_kv.units`); rounded up to a multiple of ``alignment``.
+        such as ``"64MiB"``, see :mod:`ninfer_kv.schema.sizes`); rounded up to a multiple of ``alignment``.
       alignment: extent alignment (power of two, default 256 bytes).
       device: the accelerator whose transfers the arena serves (``None``: JAX's default device,
         resolved by the first transfer).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ffi_library import LIBRARY
+from .ffi_library import LIBRARY
 
 __all__ = ["copy_blocks", "MIN_BYTES", "MIN_BLOCK_BYTES"]
 

@@ -27,7 +27,7 @@ import functools
 
 import numpy as np
 
-from ..layout import PagedKVStorageLayout
+from ..schema.layout import PagedKVStorageLayout
 
 __all__ = ["HostKVPageLayout", "HostPageSegment", "TransferReport", "host_layout_of"]
 
@@ -49,7 +49,7 @@ class HostKVPageLayout:
     """Packed logical-order Host page layout of one pool (see the module docstring).
 
     Args:
-      layout: the pool's :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+      layout: the pool's :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout`.
 
     Attributes:
       layout: the pool's layout.
@@ -57,7 +57,7 @@ class HostKVPageLayout:
       stride: bytes of one Host page (equal to ``layout.page_bytes``).
 
     Raises:
-      TypeError: ``layout`` is not a :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+      TypeError: ``layout`` is not a :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout`.
     """
 
     def __init__(self, layout: PagedKVStorageLayout):

@@ -31,9 +31,9 @@ import numpy as np
 from ..device.allocation import allocate_state
 from ..device.rounds import take_step_work
 from ..device.state import KVDeviceState
-from ..geometry import PAGE_SIZE, ceil_div
+from ..schema.geometry import PAGE_SIZE, ceil_div
 from ..planning import ExplicitCapacity, KVPlan, plan_kv_cache
-from ..profiles import KVProfile
+from ..schema.profiles import KVProfile
 from ..store import CheckpointHandle, KVStore, SequenceHandle
 from .decoder.buckets import bucket_for, bucket_ladder, pad_rows
 from .decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig

@@ -7,7 +7,7 @@ value checks when the inputs are concrete) and then calls one implementation cho
 * ``"auto"`` (default) — Pallas on GPU; the C++ XLA FFI kernels on CPU, falling back to the
   reference with a warning (once) when the FFI library is not built;
 * ``"pallas"`` — ``pallas_kernels`` (Pallas interpret mode on a CPU backend);
-* ``"ffi"`` — :mod:`ninfer_kv.ffi_ops` (error with rebuild instructions when it is not built);
+* ``"ffi"`` — :mod:`ninfer_kv.ops.ffi` (error with rebuild instructions when it is not built);
 * ``"reference"`` — :mod:`ninfer_kv.ops.reference` (gather-based jnp; for tests).
 
 Semantics (identical for every implementation):
@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from .page_copy import copy_page_columns
-from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView, PagedKVLayerView
+from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView, PagedKVLayerView
 from . import validation
 from . import dispatch  # noqa: F401  (registers the built-in backends in ninfer_kv.ops.registry)
 from .registry import (

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from ..int_arrays import int32_host_vector, is_tracer
-from ..int_arrays import require_integer_dtype as _require_integer_dtype
-from ..int_arrays import require_shape as _require_shape
+from .int_arrays import int32_host_vector, is_tracer
+from .int_arrays import require_integer_dtype as _require_integer_dtype
+from .int_arrays import require_shape as _require_shape
 
 __all__ = ["int32_vector"]
 

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from ..int_arrays import int32_host_vector
-from ..layout import PagedKVStorageLayout, word_dtype
+from .int_arrays import int32_host_vector
+from ..schema.layout import PagedKVStorageLayout, word_dtype
 
 __all__ = [
     "copy_page_columns",

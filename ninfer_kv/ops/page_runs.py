@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from ..layout import PagedKVStorageLayout
-from ..int_arrays import host_int_array
+from ..schema.layout import PagedKVStorageLayout
+from .int_arrays import host_int_array
 
 __all__ = ["gather_page_runs", "scatter_page_runs", "run_page_ids"]
 

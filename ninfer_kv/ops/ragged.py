@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..views import PagedKVBatchLayerView
+from .views import PagedKVBatchLayerView
 
 __all__ = ["effective_starts", "TokenRows", "token_rows", "append_by_token", "attention_by_token"]
 

@@ -31,9 +31,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import codecs
-from ..geometry import PlaneOrder
-from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+from . import codecs
+from ..schema.geometry import PlaneOrder
+from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 from .ragged import append_by_token, attention_by_token
 
 __all__ = [

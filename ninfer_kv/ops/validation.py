@@ -29,7 +29,7 @@ import chex
 import jax
 import numpy as np
 
-from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 from .indices import int32_vector
 from ..planning import INT32_MAX
 

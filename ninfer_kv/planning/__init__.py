@@ -25,8 +25,8 @@ KV heads and head dim are bounded far above any real model (:data:`MAX_LAYERS`,
 
 Byte counts.  ``AutomaticCapacity(free_bytes=, headroom_bytes=)`` and ``fixed_bytes`` take an
 integer, a whole-number float or a byte-size string such as ``"40GiB"`` (the syntax of the command
-line, :mod:`ninfer_kv.units`); the exact ``int`` is what gets stored.  A wrong type raises
-:class:`~ninfer_kv.units.ByteSizeTypeError` (a ``TypeError``, also a ``ValueError``).  Errors print
+line, :mod:`ninfer_kv.schema.sizes`); the exact ``int`` is what gets stored.  A wrong type raises
+:class:`~ninfer_kv.schema.sizes.ByteSizeTypeError` (a ``TypeError``, also a ``ValueError``).  Errors print
 byte counts exactly with the binary-unit form beside them (``34,361,835,520 B (32.00 GiB)``).
 
 Modules: :mod:`.config` (what a deployment states: model, speculative method, capacity policy),

@@ -10,10 +10,10 @@ are bounded far above any real model (:data:`MAX_LAYERS`, :data:`MAX_KV_HEADS`,
 
 from __future__ import annotations
 
-from ..geometry import PAGE_SIZE
-from ..integers import check_int
-from ..layout import PagedKVStorageLayout
-from ..units import INT64_MAX, byte_range, describe_bytes, format_bytes, to_byte_count
+from ..schema.geometry import PAGE_SIZE
+from ..schema.integers import check_int
+from ..schema.layout import PagedKVStorageLayout
+from ..schema.sizes import INT64_MAX, byte_range, describe_bytes, format_bytes, to_byte_count
 
 __all__ = [
     "TABLE_ENTRY_BYTES", "INT32_MAX", "MAX_PAGES", "MAX_CONTEXT", "MAX_LAYERS", "MAX_KV_HEADS",
@@ -65,7 +65,7 @@ class PlanBoundError(ValueError):
 
 
 def _int_at_least(name: str, value: object, minimum: int, maximum: int | None = None, why: str = "") -> int:
-    """:func:`~ninfer_kv.integers.check_int` raising :class:`PlanBoundError` (with ``why``)."""
+    """:func:`~ninfer_kv.schema.integers.check_int` raising :class:`PlanBoundError` (with ``why``)."""
     return check_int(name, value, minimum, maximum, error=lambda n, v, allowed: PlanBoundError(n, v, allowed, why))
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..kinds import PoolKind, SpeculativeMethod
-from ..profiles import KVProfile
-from ..units import ByteSize
+from ..schema.kinds import PoolKind, SpeculativeMethod
+from ..schema.profiles import KVProfile
+from ..schema.sizes import ByteSize
 from .pool_specs import enabled_pools
 from .bounds import MAX_CONTEXT, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, _byte_count, _int_at_least
 
@@ -74,7 +74,7 @@ class ModelKVConfig:
         ``[1, MAX_KV_HEADS]`` (65536).
       head_dim: head dim ``D`` (elements per K or V vector), in ``[1, MAX_HEAD_DIM]`` (65536); the
         profile may need a multiple of 64 (INT8-G64) or 16 (NVFP4-G16, K8V4).
-      profile: the :class:`~ninfer_kv.profiles.KVProfile` of the Main and MTP pools (default BF16);
+      profile: the :class:`~ninfer_kv.schema.profiles.KVProfile` of the Main and MTP pools (default BF16);
         a name such as ``"k8v4"`` or ``"fp8"`` is parsed and the canonical profile stored.
 
     Raises:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..geometry import PAGE_SIZE, ceil_div
-from ..kinds import PoolKind
-from ..mesh_spec import MeshSpec
-from ..units import ByteSize
+from ..schema.geometry import PAGE_SIZE, ceil_div
+from ..schema.kinds import PoolKind
+from ..schema.mesh_spec import MeshSpec
+from ..schema.sizes import ByteSize
 from .bounds import PlanBoundError, _int_at_least
 from .config import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, SpeculativeConfig
 from .plan import KVPlan, plan_kv_cache
@@ -17,10 +17,10 @@ __all__ = ["MeshKVPlan", "plan_kv_cache_mesh"]
 
 @dataclasses.dataclass(frozen=True)
 class MeshKVPlan:
-    """A plan over a ``data x model`` device mesh (see :mod:`ninfer_kv.mesh_spec`).
+    """A plan over a ``data x model`` device mesh (see :mod:`ninfer_kv.schema.mesh_spec`).
 
     Attributes:
-      mesh: the :class:`~ninfer_kv.mesh_spec.MeshSpec`.
+      mesh: the :class:`~ninfer_kv.schema.mesh_spec.MeshSpec`.
       model: the model as given (all ``H`` KV heads).
       device: the plan of **one device**: ``H_local`` heads (``H / T``, or 1 replicated head),
         ``C_local = C / D`` rows, ``M_local`` Main page groups; its ``B(M)`` curve is the per-device

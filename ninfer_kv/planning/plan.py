@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..geometry import PAGE_SIZE
-from ..kinds import PoolKind
-from ..units import ByteSize
+from ..schema.geometry import PAGE_SIZE
+from ..schema.kinds import PoolKind
+from ..schema.sizes import ByteSize
 from .bounds import PlanBoundError
 from .config import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, SpeculativeConfig
 from .pool_set import KVPoolSetLayout, PoolPlan, SequenceCapacityCurve, _policy_bound_error

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from ..geometry import PAGE_SIZE, ceil_div
-from ..kinds import PoolKind, SpeculativeMethod
-from ..layout import PagedKVStorageLayout
-from ..units import INT64_MAX, ByteSize, describe_bytes, format_bytes
+from ..schema.geometry import PAGE_SIZE, ceil_div
+from ..schema.kinds import PoolKind, SpeculativeMethod
+from ..schema.layout import PagedKVStorageLayout
+from ..schema.sizes import INT64_MAX, ByteSize, describe_bytes, format_bytes
 from .bounds import (
     INT32_MAX, MAX_CONTEXT, MAX_PAGES, TABLE_ENTRY_BYTES, PlanBoundError, _check_bytes, _int_at_least, _shown_bytes,
     _byte_count,
@@ -25,7 +25,7 @@ class PoolPlan:
 
     Attributes:
       kind: the :class:`PoolKind`.
-      layout: the pool's :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+      layout: the pool's :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout`.
       physical_pages: page groups ``N`` the pool allocates (``M``, or ``M + C * lead`` for MTP).
       logical_pages: ``L = ceil(S / 64)``, the block-table width.
       max_concurrency: ``C``, the block-table height.

@@ -1,6 +1,6 @@
 """The pool-kind spec table: one row per growing pool, read by planning, the store and the CLI.
 
-Each :class:`PoolSpec` states, for one :class:`~ninfer_kv.kinds.PoolKind`, everything that differs
+Each :class:`PoolSpec` states, for one :class:`~ninfer_kv.schema.kinds.PoolKind`, everything that differs
 between pools:
 
 * ``enabled(spec)`` — whether the speculative config needs it (MTP: method MTP; Draft Full:
@@ -9,7 +9,7 @@ between pools:
 * ``lead_tokens(spec)`` — how many tokens its mapped extent may lead Main's (MTP: the draft window
   minus one), from which its page formula follows: ``N = M + C * ceil(lead / P)``.
 
-A new pool kind is one enum member in :mod:`ninfer_kv.kinds` and one row here.
+A new pool kind is one enum member in :mod:`ninfer_kv.schema.kinds` and one row here.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..geometry import PAGE_SIZE, PlaneOrder, ceil_div
-from ..kinds import PoolKind, SpeculativeMethod
-from ..layout import PagedKVStorageLayout
-from ..profiles import KVProfile
+from ..schema.geometry import PAGE_SIZE, PlaneOrder, ceil_div
+from ..schema.kinds import PoolKind, SpeculativeMethod
+from ..schema.layout import PagedKVStorageLayout
+from ..schema.profiles import KVProfile
 
 __all__ = ["PoolSpec", "POOL_SPECS", "enabled_pools"]
 

@@ -25,11 +25,11 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE
-from ..kinds import PoolKind
+from ..schema.geometry import PAGE_SIZE
+from ..schema.kinds import PoolKind
 from .bundle import CheckpointHandle, SequenceHandle, _Record
 from .entitlement import pages_for_tokens
-from ..errors import EntitlementError, IncompleteContinuationError, LifecycleError, PoolCapacityError
+from ..schema.errors import EntitlementError, IncompleteContinuationError, LifecycleError, PoolCapacityError
 from .rows import as_index as _int
 from .rows import as_integer
 from .core import StoreCore

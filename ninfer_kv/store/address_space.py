@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE
-from ..errors import InvariantError, StaleHandleError
+from ..schema.geometry import PAGE_SIZE
+from ..schema.errors import InvariantError, StaleHandleError
 from .columns import Column, ColumnTable
 from .logical_page import GenerationCheckedView, LogicalKVPage
 

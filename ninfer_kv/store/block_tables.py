@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import SENTINEL_PAGE
-from .buckets import bucket
+from ..schema.geometry import SENTINEL_PAGE
+from ..schema.buckets import bucket
 
 __all__ = ["BlockTableMatrix", "PUBLISH_BUCKETS"]
 

@@ -16,9 +16,9 @@ import dataclasses
 import itertools
 from typing import Any, Mapping
 
-from ..kinds import PoolKind
+from ..schema.kinds import PoolKind
 from .address_space import KVAddressSpace
-from ..errors import StaleHandleError
+from ..schema.errors import StaleHandleError
 
 __all__ = ["SequenceHandle", "CheckpointHandle", "SequenceKVBundle", "CheckpointInfo", "HandleRegistry"]
 

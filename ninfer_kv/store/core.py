@@ -22,9 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import LostContentError
-from ..geometry import PAGE_SIZE
-from ..kinds import PoolKind
+from ..schema.errors import LostContentError
+from ..schema.geometry import PAGE_SIZE
+from ..schema.kinds import PoolKind
 from ..planning.pool_specs import POOL_SPECS
 from .bundle import CheckpointHandle, HandleRegistry, SequenceHandle, _Record, next_store_serial
 from .entitlement import EntitlementPolicy

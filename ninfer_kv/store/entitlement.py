@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE, ceil_div
+from ..schema.geometry import PAGE_SIZE, ceil_div
 
 __all__ = ["EntitlementPolicy", "RoundGrant", "pages_for_tokens"]
 

@@ -21,14 +21,21 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import HostCapacityError, InvariantError, LifecycleError, PayloadError, StaleHandleError, WorkOrderError
+from ..schema.errors import (
+    HostCapacityError,
+    InvariantError,
+    LifecycleError,
+    PayloadError,
+    StaleHandleError,
+    WorkOrderError,
+)
 from ..host import ExtentAllocationError, HostKVArena, StaleExtentError, TransferReport
 from ..host.block_copy import copy_blocks
 from ..host.runs import coalesce_runs
-from ..kinds import PoolKind
-from ..layout import word_dtype
-from ..work import POISONED, GatherRequest, OffloadPayload
-from .buckets import bucket, ladder
+from ..schema.kinds import PoolKind
+from ..schema.layout import word_dtype
+from ..schema.round_work import POISONED, GatherRequest, OffloadPayload
+from ..schema.buckets import bucket, ladder
 from .host_transfer import Fault, HostTransferReport, PoolTransfer, pick_pools
 from .runtime import PoolRuntime
 from .summary import HostTransferStats

@@ -53,9 +53,9 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import InvariantError
+from ..schema.errors import InvariantError
 from ..host import HostKVArena
-from ..kinds import PoolKind
+from ..schema.kinds import PoolKind
 from .host_offload import HostOffload
 from .host_restore import HostRestore
 from .host_transfer import Fault

@@ -20,10 +20,10 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import InvariantError, LifecycleError, PoolCapacityError
+from ..schema.errors import InvariantError, LifecycleError, PoolCapacityError
 from ..host import TransferReport
 from ..host.runs import coalesce_runs
-from ..kinds import PoolKind
+from ..schema.kinds import PoolKind
 from .host_transfer import Fault, HostTransferReport, PoolTransfer, pick_pages, pick_pools
 from .runtime import PoolRuntime
 from .summary import HostTransferStats

@@ -15,9 +15,9 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import LifecycleError, StaleReplicaError
+from ..schema.errors import LifecycleError, StaleReplicaError
 from ..host import HostExtent, TransferReport
-from ..kinds import PoolKind
+from ..schema.kinds import PoolKind
 from .runtime import PoolRuntime, RestoreTargets
 
 __all__ = [

@@ -4,7 +4,7 @@ drop, restore, Host replica release.  The protocol itself is :mod:`ninfer_kv.sto
 from __future__ import annotations
 
 from .bundle import CheckpointHandle
-from ..errors import LifecycleError
+from ..schema.errors import LifecycleError
 from .host_offload import OffloadPlan
 from .host_replicas import HostTier
 from .host_transfer import HostTransferReport
@@ -48,7 +48,7 @@ class HostVerbs:
         return self._tier("plan_offload").offload.plan(rec.slots, self._core.serial_of)
 
     def gather_offload_from_host(self, plan: OffloadPlan, planes, serial: int):
-        """The :class:`~ninfer_kv.work.OffloadPayload` of ``plan`` copied straight from host-addressable
+        """The :class:`~ninfer_kv.schema.round_work.OffloadPayload` of ``plan`` copied straight from host-addressable
         planes (``{PoolKind: {plane name: array}}``, read in place by numpy) into the plan's extents,
         once; ``serial`` is the applied-work serial of the state they belong to.  The device layer's
         :func:`~ninfer_kv.device.offload.gather_offload` calls it for a state on one CPU device."""
@@ -60,7 +60,7 @@ class HostVerbs:
         :meth:`drop_device_replica`).
 
         ``payload`` is ``gather_pages(state, plan.request)`` (or :func:`~ninfer_kv.device.offload.gather_offload`): an
-        :class:`~ninfer_kv.work.OffloadPayload` naming the plan, its pages and the serial
+        :class:`~ninfer_kv.schema.round_work.OffloadPayload` naming the plan, its pages and the serial
         of the state it came from.  Raises :class:`PayloadError` (nothing published, the plan still in
         flight) for a payload gathered for another plan or other pages, ``TypeError`` for anything
         else than a payload; :class:`StaleReplicaError` when a page changed since the plan and

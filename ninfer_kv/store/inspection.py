@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import InvariantError
+from ..schema.errors import InvariantError
 from .summary import PoolOccupancy, StoreMemorySummary
 from .address_space import KVAddressSpace
 from .bundle import CheckpointHandle, CheckpointInfo, SequenceHandle, SequenceKVBundle

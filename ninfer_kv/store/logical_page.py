@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import numpy as np
 
-from ..errors import InvariantError, StaleHandleError
+from ..schema.errors import InvariantError, StaleHandleError
 from .columns import Column, ColumnTable
 from .pool import DeviceKVPageLease
 
@@ -337,7 +337,7 @@ class LogicalPageTable(ColumnTable):
 
 class GenerationCheckedView:
     """Read-only view of one slot of a pool runtime's table, checked against the slot's generation
-    on every access (a :class:`~ninfer_kv.errors.StaleHandleError` once the slot was reclaimed).
+    on every access (a :class:`~ninfer_kv.schema.errors.StaleHandleError` once the slot was reclaimed).
 
     Subclasses name the runtime's table (``_TABLE``) and what their ``repr`` shows (``_describe``).
     """

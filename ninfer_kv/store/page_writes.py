@@ -1,7 +1,7 @@
 """PageWrites: one pool's pending page writes between two takes, resolved to pre-work sources.
 
 The COW copies and Host restores a verb records go here; :meth:`PageWrites.take` turns them into
-the ``copies``, ``restores`` and ``payload`` of the pool's next :class:`~ninfer_kv.work.PoolWork`
+the ``copies``, ``restores`` and ``payload`` of the pool's next :class:`~ninfer_kv.schema.round_work.PoolWork`
 (bucketed shapes, padding entries writing nothing).  Every destination is distinct within a work
 and every source reads the content the page had *before* the work: a write whose source was itself
 written earlier in the same work resolves to that earlier write's source, and a later write to a
@@ -16,11 +16,11 @@ from typing import Mapping
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE
+from ..schema.geometry import PAGE_SIZE
 from ..host.arena import aligned_empty
 from ..host.block_copy import copy_blocks
-from ..layout import word_dtype
-from .buckets import bucket, ladder
+from ..schema.layout import word_dtype
+from ..schema.buckets import bucket, ladder
 
 __all__ = ["PageWrites"]
 

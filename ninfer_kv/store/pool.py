@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from ..errors import InvariantError, PoolCapacityError, StaleHandleError
+from ..schema.errors import InvariantError, PoolCapacityError, StaleHandleError
 
 __all__ = ["DeviceKVPageLease", "DevicePagePool"]
 

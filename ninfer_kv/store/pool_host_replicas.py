@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import InvariantError
+from ..schema.errors import InvariantError
 from ..host import HostExtent, HostKVArena, StaleExtentError, host_layout_of
-from ..layout import PagedKVStorageLayout
+from ..schema.layout import PagedKVStorageLayout
 from .logical_page import LogicalPageTable
 from .summary import HostPoolOccupancy
 

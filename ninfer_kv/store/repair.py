@@ -19,7 +19,7 @@ step).  :func:`~ninfer_kv.resync` repairs any of them without rebuilding the sto
    it;
 3. the sequences and checkpoints holding such spaces are **quarantined** (never silently served:
    their rows are inert on the device, every verb refuses them with
-   :class:`~ninfer_kv.errors.LostContentError` except ``finish(retain=False)``,
+   :class:`~ninfer_kv.schema.errors.LostContentError` except ``finish(retain=False)``,
    ``release_checkpoint`` and ``truncate`` back to the reported intact frontier);
 4. one work republishes every block table and carries the replays; the state's serial is reset to
    it and the work applied, so the state equals the store again;
@@ -32,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from ..kinds import PoolKind
-from ..work import BLANK, SyncStatus
+from ..schema.kinds import PoolKind
+from ..schema.round_work import BLANK, SyncStatus
 
 __all__ = ["ResyncReport", "dated_epoch"]
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE
-from ..kinds import PoolKind
+from ..schema.geometry import PAGE_SIZE
+from ..schema.kinds import PoolKind
 from .bundle import SequenceHandle
 from .entitlement import RoundGrant, pages_for_tokens
-from ..errors import LifecycleError
+from ..schema.errors import LifecycleError
 from .rows import as_index as _int
 from .rows import as_integer, check_targets
 from .core import StoreCore

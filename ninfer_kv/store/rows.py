@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from ..errors import LostContentError, RowError, TargetError
+from ..schema.errors import LostContentError, RowError, TargetError
 
 __all__ = ["ExecutionRows", "as_index_vector", "as_index", "as_integer", "check_targets"]
 

@@ -32,14 +32,14 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..geometry import PAGE_SIZE
+from ..schema.geometry import PAGE_SIZE
 from ..planning import PoolPlan
-from ..kinds import PoolKind
+from ..schema.kinds import PoolKind
 from .address_space import AddressSpaceTable
-from ..geometry import SENTINEL_PAGE
-from ..work import PendingWork, PoolWork
+from ..schema.geometry import SENTINEL_PAGE
+from ..schema.round_work import PendingWork, PoolWork
 from .block_tables import BlockTableMatrix
-from ..errors import EntitlementError, InvariantError, LifecycleError
+from ..schema.errors import EntitlementError, InvariantError, LifecycleError
 from ..host import HostExtent, HostKVArena
 from .frontier_history import DEFAULT_WINDOW, FrontierHistory
 from .logical_page import LogicalPageTable

@@ -30,12 +30,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..planning import MeshKVPlan, PoolPlan
-from ..kinds import PoolKind
+from ..schema.kinds import PoolKind
 from .bundle import CheckpointHandle, SequenceHandle, next_store_serial
 from .entitlement import RoundGrant
-from ..errors import KVStoreError, LifecycleError, RowError, WorkOrderError
+from ..schema.errors import KVStoreError, LifecycleError, RowError, WorkOrderError
 from .repair import ResyncReport
-from ..work import OffloadPayload, ShardedRoundWork, stack_works
+from ..schema.round_work import OffloadPayload, ShardedRoundWork, stack_works
 from .rows import as_index, as_index_vector
 from .store import KVStore
 

@@ -122,7 +122,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, WorkVerbs, InspectionVerbs):
             raise ValueError("pass either host_arena or host_bytes, not both")
         if host_bytes is not None:
             from ..host import HostKVArena
-            from ..units import byte_count
+            from ..schema.sizes import byte_count
 
             # an integer, a whole-number float or a byte-size string such as "64MiB"
             return HostKVArena(byte_count(host_bytes, "host_bytes", minimum=1), device=device)

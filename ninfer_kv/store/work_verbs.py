@@ -1,6 +1,6 @@
 """Round works and device states: the verbs that hand work to the device and check what it applied.
 
-``take_work`` (every pool's part of the next :class:`~ninfer_kv.work.RoundWork`), ``pending_work``,
+``take_work`` (every pool's part of the next :class:`~ninfer_kv.schema.round_work.RoundWork`), ``pending_work``,
 ``require_synced`` / ``sync_problem`` and ``plan_resync`` (the host half of
 :func:`~ninfer_kv.resync`).  A state is read only through its host-side record
 (``state.sync_status()``); the device layer (:mod:`ninfer_kv.device`) builds and changes states.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import WorkOrderError
-from ..kinds import PoolKind
-from ..work import BLANK, PendingWork, RoundWork, SyncStatus
+from ..schema.errors import WorkOrderError
+from ..schema.kinds import PoolKind
+from ..schema.round_work import BLANK, PendingWork, RoundWork, SyncStatus
 from .core import StoreCore
 from .page_writes import PageWrites
 from .repair import ResyncReport, dated_epoch

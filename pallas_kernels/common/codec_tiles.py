@@ -1,16 +1,16 @@
 """Codec arithmetic on kernel tiles: one tile object per codec, in one table keyed by ``KVCodec``.
 
-:mod:`ninfer_kv.codecs` states the codecs on ``(..., D)`` vectors and finds group maxima with a
+:mod:`ninfer_kv.ops.codecs` states the codecs on ``(..., D)`` vectors and finds group maxima with a
 reshape, which kernels cannot do on loaded tiles.  The quantizers here take whole ``(tokens,
 lanes)`` tiles, find each group's maximum with a masked reduction, spread the group scales back
 over the lanes with a select chain (:mod:`pallas_kernels.common.tiles`), and otherwise repeat the
-float32 operation sequence of :mod:`ninfer_kv.codecs` (same amax, same correctly rounded divisions
+float32 operation sequence of :mod:`ninfer_kv.ops.codecs` (same amax, same correctly rounded divisions
 ``codecs.div_rn``, same scale rounding, same clip and rounding), so the codes are bit-identical to
 the reference on a CPU.  The elementwise helpers ``div_rn``, ``round_half_even``, ``e2m1_encode``
 and ``e2m1_decode`` are reused as they are.  NVFP4 tiles come as their even and odd lanes (the low
 and high nibbles of each byte), so packing is a shift and an or.
 
-Non-finite and subnormal inputs follow the rules of :mod:`ninfer_kv.codecs`: subnormals are flushed
+Non-finite and subnormal inputs follow the rules of :mod:`ninfer_kv.ops.codecs`: subnormals are flushed
 in the quantizers, a group holding a NaN gets a NaN scale (bf16 ``0x7FC0``; NVFP4 scale byte
 ``0x7F``) and all its codes 0, a group whose scale is not finite or zero stores codes 0, a BF16 NaN
 element stores ``0x7FC0``; no NaN is ever converted to an integer.
@@ -45,8 +45,8 @@ from typing import Callable, ClassVar, Mapping, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-import ninfer_kv.codecs as codecs
-from ninfer_kv.profiles import KVCodec
+import ninfer_kv.ops.codecs as codecs
+from ninfer_kv.schema.profiles import KVCodec
 
 from .tiles import F32, Cols, Lanes, div_where, dot, group_amax, spread
 
@@ -104,7 +104,7 @@ class CodecTile(Protocol):
 
 
 def quantize_bf16_tile(x: jax.Array) -> jax.Array:
-    """BF16 codes of a tile (:func:`ninfer_kv.codecs.bf16_code`: round to nearest even, NaN -> 0x7FC0)."""
+    """BF16 codes of a tile (:func:`ninfer_kv.ops.codecs.bf16_code`: round to nearest even, NaN -> 0x7FC0)."""
     return codecs.bf16_code(x)
 
 

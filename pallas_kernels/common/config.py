@@ -18,7 +18,7 @@ import dataclasses
 
 import jax
 
-from ninfer_kv.geometry import PAGE_SIZE
+from ninfer_kv.schema.geometry import PAGE_SIZE
 
 from .tiles import next_pow2
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.schema.profiles import KVProfile
 
 __all__ = ["check_head_dim", "MAX_HEAD_DIM"]
 

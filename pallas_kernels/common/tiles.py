@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-import ninfer_kv.codecs as codecs
+import ninfer_kv.ops.codecs as codecs
 
 __all__ = [
     "Cols",
@@ -125,7 +125,7 @@ def and_masks(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
 def div_where(x: jax.Array, s: jax.Array, ok: jax.Array) -> jax.Array:
     """Correctly rounded ``x / s`` where ``ok`` (the scale is usable), 0 elsewhere.
 
-    :func:`ninfer_kv.codecs.div_rn` returns the IEEE quotient whatever the compiler does to a
+    :func:`ninfer_kv.ops.codecs.div_rn` returns the IEEE quotient whatever the compiler does to a
     division (XLA rewrites ``x / broadcast(s)`` into ``x * (1 / s)``; Triton may divide
     approximately), so the codes are the same in the interpreter, on a GPU and in the reference.
     Lanes outside ``ok`` divide 0 by 1, so no NaN or infinity reaches a later integer conversion.

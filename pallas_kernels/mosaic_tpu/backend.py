@@ -16,7 +16,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ninfer_kv.geometry import PlaneOrder
+from ninfer_kv.schema.geometry import PlaneOrder
 
 from ..common.config import check_int, op_config
 from ..common.limits import check_head_dim

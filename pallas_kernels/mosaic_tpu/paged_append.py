@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from ..common.config import PagedAppendConfig
 from ..common.tiles import F32

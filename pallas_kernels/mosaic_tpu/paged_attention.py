@@ -45,9 +45,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ninfer_kv.geometry import PlaneOrder
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.geometry import PlaneOrder
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from ..common.config import PagedAttentionConfig
 from ..common.softmax import M_INIT, compute_dtype_for

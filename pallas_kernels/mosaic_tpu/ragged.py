@@ -43,7 +43,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from ..common import ragged
 from ..common.config import PagedAppendConfig, PagedAttentionConfig

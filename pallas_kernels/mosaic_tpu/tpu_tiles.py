@@ -108,7 +108,7 @@ def widen(tile: jax.Array) -> jax.Array:
 
 
 def _e2m1_encode_i32(y: jax.Array) -> jax.Array:
-    """:func:`ninfer_kv.codecs.e2m1_encode` in int32 (Mosaic has no 8-bit vector arithmetic)."""
+    """:func:`ninfer_kv.ops.codecs.e2m1_encode` in int32 (Mosaic has no 8-bit vector arithmetic)."""
     a = jnp.abs(y)
     m = ((a > 0.25).astype(I32) + (a >= 0.75).astype(I32) + (a > 1.25).astype(I32) + (a >= 1.75).astype(I32)
          + (a > 2.5).astype(I32) + (a >= 3.5).astype(I32) + (a > 5.0).astype(I32))
@@ -117,8 +117,8 @@ def _e2m1_encode_i32(y: jax.Array) -> jax.Array:
 
 
 def _nvfp4_scale_bits_i32(amax: jax.Array) -> jax.Array:
-    """:func:`ninfer_kv.codecs.nvfp4_scale_bits` as int32 bits (0..255)."""
-    from ninfer_kv import codecs
+    """:func:`ninfer_kv.ops.codecs.nvfp4_scale_bits` as int32 bits (0..255)."""
+    from ninfer_kv.ops import codecs
 
     q = codecs.flush_subnormal(codecs.div_rn(amax, jnp.full(amax.shape, codecs.E2M1_MAX, F32)))
     nan = codecs.is_nan_bits(amax)
@@ -132,7 +132,7 @@ def quantize_nvfp4_tile_i32(x_even: jax.Array, x_odd: jax.Array, head_dim: int, 
 
     Returns the packed bytes ``(n, D/2)`` and the scale bits ``(n, scale_lanes)``, both int32 in 0..255.
     """
-    from ninfer_kv import codecs
+    from ninfer_kv.ops import codecs
 
     from ..common.tiles import div_where, group_amax
 
@@ -168,7 +168,7 @@ def quantize_int8_tile_i32(x: jax.Array, head_dim: int, scale_lanes: int):
     Returns the codes ``(n, D)`` as int32 (-127..127) and the bf16 bits of the scales ``(n,
     scale_lanes)`` as int32 (0..0xFFFF; lanes past ``D / 64`` hold 0).
     """
-    from ninfer_kv import codecs
+    from ninfer_kv.ops import codecs
 
     from ..common.tiles import div_where, group_amax
 

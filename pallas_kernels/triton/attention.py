@@ -34,7 +34,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.schema.profiles import KVProfile
 
 from ..common.codec_tiles import TileLoader, codec_tile
 from ..common.config import ResolvedAttention

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.views import CyclicKVCacheLayerView
+from ninfer_kv.ops.views import CyclicKVCacheLayerView
 
 from ..common.config import CyclicAppendConfig, CyclicAttentionConfig
 from ..common.softmax import compute_dtype_for

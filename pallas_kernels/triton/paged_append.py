@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.geometry import PlaneOrder
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.geometry import PlaneOrder
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from ..common.config import PagedAppendConfig
 from .append import append_call, run_append

@@ -35,7 +35,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from ..common import ragged
 from ..common.config import PagedAppendConfig, PagedAttentionConfig

@@ -26,10 +26,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.geometry import PlaneOrder
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import PlaneOrder
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.ops.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
 
 from . import np_codecs
 

@@ -2,21 +2,21 @@
 
 Written from the rules of docs/LAYOUT.md, "Codec rules" alone, with the obvious numpy tools (``np.rint``,
 ``ml_dtypes`` casts, per-group loops over reshaped arrays), so that it shares no code and no trick
-with :mod:`ninfer_kv.codecs`:
+with :mod:`ninfer_kv.ops.codecs`:
 
 * BF16: ``code = bf16(x)``; every NaN input -> the canonical quiet NaN ``0x7FC0``.
 * INT8-G64: ``s = bf16(amax / 127)``; ``code = int8(clip(rint(x / s), -127, 127))``.
 * FP8-E4M3FN-row: ``s = bf16(amax / 448)``; ``code = e4m3fn(clip(x / s, -448, 448))``.
 * NVFP4-G16: ``sb = e4m3fn(min(amax / 6, 448))`` (raw bits stored), ``s = float(sb)``;
   ``code = e2m1(clip(x / s, -6, 6))``, element 2j in the low nibble of byte j.
-* Odd values (ninfer_kv.codecs): the quantizers (not BF16) read subnormal float32 inputs as zero
+* Odd values (ninfer_kv.ops.codecs): the quantizers (not BF16) read subnormal float32 inputs as zero
   of the same sign and flush a subnormal ``amax / q`` quotient to +0; ``amax`` propagates NaN
   (``np.max`` does), a NaN scale is stored as ``0x7FC0`` (bf16) or ``0x7F`` (NVFP4 byte); a scale
   that is zero or not finite stores codes 0.
 * Dequantize: ``float(code) * s``.
 
 All arithmetic is float32, as the rules require.  Every function takes ``(..., D)`` and returns
-numpy arrays with the plane dtypes of :class:`ninfer_kv.profiles.KVCodec`.
+numpy arrays with the plane dtypes of :class:`ninfer_kv.schema.profiles.KVCodec`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Callable, Mapping
 import ml_dtypes
 import numpy as np
 
-from ninfer_kv.profiles import KVCodec, KVProfile
+from ninfer_kv.schema.profiles import KVCodec, KVProfile
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -159,7 +159,7 @@ ORACLE_CODECS: Mapping[str, OracleCodec] = types.MappingProxyType({
     "fp8-e4m3fn-row": OracleCodec(encode=_encode_fp8_row, decode=_decode_fp8_row),
     "nvfp4-g16": OracleCodec(encode=_encode_nvfp4_g16, decode=_decode_nvfp4_g16),
 })
-"""The oracle's codecs by name (the :class:`~ninfer_kv.profiles.KVCodec` values): one row per codec."""
+"""The oracle's codecs by name (the :class:`~ninfer_kv.schema.profiles.KVCodec` values): one row per codec."""
 
 if list(ORACLE_CODECS) != [c.value for c in KVCodec]:  # checked at import: one row per codec, in KVCodec's order
     raise RuntimeError(f"ORACLE_CODECS must have one row per KVCodec, in its order; rows {list(ORACLE_CODECS)}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ninfer_kv.geometry import PlaneOrder
+from ninfer_kv.schema.geometry import PlaneOrder
 
 from . import np_codecs
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.geometry import PlaneOrder
-from ninfer_kv.views import PagedKVLayerView
+from ninfer_kv.schema.geometry import PlaneOrder
+from ninfer_kv.ops.views import PagedKVLayerView
 
 from . import backends, np_codecs, np_ops
 from .cases import (

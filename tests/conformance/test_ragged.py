@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import ffi_ops, ops
+from ninfer_kv import ops
+from ninfer_kv.ops.ffi import kv as ffi_kv
+from ninfer_kv.ops.ffi import runtime as ffi_runtime
 
 from . import backends, np_ops
 from .cases import PAGE, PROFILES, append_case, append_geometry, attention_case, attention_geometry, random_kv
@@ -116,21 +118,21 @@ def test_ragged_starts_out_of_order_under_jit_are_clamped(backend):
     assert_same_bits(odd, fair, f"{backend} clamped query_starts")
 
 
-@pytest.mark.skipif(not ffi_ops.is_available(), reason="the FFI library is not built")
+@pytest.mark.skipif(not ffi_runtime.is_available(), reason="the FFI library is not built")
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
 def test_ffi_ragged_rows_are_bit_identical_to_rectangular_rows(profile):
     """Without context splits, a ragged row walks the blocks a rectangular row of its length walks."""
     g, case, positions, kv_lens, starts, q = _attention_rows(profile, seed=6)
     view = case.view()
-    with ffi_ops.fixed_splits():
-        ragged = np.asarray(jax.jit(lambda q: ffi_ops.paged_attention_ragged(
+    with ffi_runtime.fixed_splits():
+        ragged = np.asarray(jax.jit(lambda q: ffi_kv.paged_attention_ragged(
             q, view, _i32(case.table_rows), _i32(positions), _i32(kv_lens), _i32(starts), sm_scale=g.sm_scale))(
                 jnp.asarray(q)))
         for r, length in enumerate(_LENGTHS):
             if not length:
                 continue
             rows = slice(int(starts[r]), int(starts[r + 1]))
-            alone = np.asarray(jax.jit(lambda q: ffi_ops.paged_attention(
+            alone = np.asarray(jax.jit(lambda q: ffi_kv.paged_attention(
                 q, view, _i32(case.table_rows[r:r + 1]), _i32(positions[r:r + 1]), _i32(kv_lens[r:r + 1]),
                 sm_scale=g.sm_scale))(jnp.asarray(q[None, rows])))
             assert_same_bits(ragged[rows], alone[0], f"{profile.value} row {r}")

@@ -9,7 +9,7 @@ import pytest
 
 from ninfer_kv.cli import build_parser, main
 from ninfer_kv.demo.cli import DEFAULT_KV_CAPACITY, DEFAULT_PAGES_PER_ROW, config_from_args
-from ninfer_kv.geometry import PAGE_SIZE
+from ninfer_kv.schema.geometry import PAGE_SIZE
 from ninfer_kv.planning import (
     ExplicitCapacity,
     KVPoolSetLayout,

@@ -132,8 +132,8 @@ def test_whole_program_compile_needs_a_cuda_backend():
     from jax.experimental import topologies
 
     import pallas_kernels as pk
-    from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.views import PagedKVBatchLayerView
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
+    from ninfer_kv.ops.views import PagedKVBatchLayerView
 
     if any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("a GPU is attached: this pins the deviceless behaviour")

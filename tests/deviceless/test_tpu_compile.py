@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 
 pytestmark = pytest.mark.deviceless
 
@@ -33,7 +33,7 @@ def dl():
 
 
 def _planes_bytes(profile, num_layers, kv_heads, head_dim, num_pages):
-    from ninfer_kv.layout import PagedKVStorageLayout
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
 
     lay = PagedKVStorageLayout(profile, num_layers, kv_heads, head_dim)
     dtypes = lay.plane_dtypes()

@@ -26,7 +26,7 @@ from hf_fixtures import FAMILY_CONFIGS, random_tensors, write_checkpoint  # noqa
 
 from ninfer_kv.engine import LLM, DecoderModel, EngineCore, RequestOutput  # noqa: E402
 from ninfer_kv.models.generate import PagedGenerator  # noqa: E402
-from ninfer_kv.kinds import PoolKind  # noqa: E402
+from ninfer_kv.schema.kinds import PoolKind  # noqa: E402
 
 VOCAB = 256
 MAX_MODEL_LEN = 256

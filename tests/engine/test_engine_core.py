@@ -16,7 +16,7 @@ import pytest
 
 from ninfer_kv.engine import SamplingParams
 from ninfer_kv.engine.core import MIN_SHARED_TOKENS
-from ninfer_kv.errors import DonatedStateError
+from ninfer_kv.schema.errors import DonatedStateError
 from ninfer_kv.models.decoder.sampling import SamplingConfig
 from store.helpers import assert_same
 

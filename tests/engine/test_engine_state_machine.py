@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ninfer_kv.engine import SamplingParams
-from ninfer_kv.geometry import PAGE_SIZE
+from ninfer_kv.schema.geometry import PAGE_SIZE
 
 from .engine_fixtures import MAX_MODEL_LEN, MAX_TOKENS, VOCAB, assert_store_empty, check_engine, make_llm, reference
 

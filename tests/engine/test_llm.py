@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ninfer_kv.engine import LLM, SamplingParams
-from ninfer_kv.geometry import PAGE_SIZE
+from ninfer_kv.schema.geometry import PAGE_SIZE
 from store.helpers import assert_same
 
 from .engine_fixtures import MAX_MODEL_LEN, MAX_NUM_SEQS, VOCAB, assert_store_empty, check_engine, make_llm, reference

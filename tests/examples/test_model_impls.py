@@ -10,7 +10,7 @@ import pytest
 from model_harness import greedy_decode, make, prefill, random_tables
 from ninfer_kv.models.decoder import ModelConfig, dense_greedy_generate, init_params
 from ninfer_kv.ops import available_impls
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 TOL_KERNEL = 1e-3  # kernel implementations vs the dense float32 reference (observed ~3e-5 on CPU)
 

@@ -9,7 +9,7 @@ import pytest
 from model_harness import TOL_BF16, i32, make, prefill, random_tables
 from ninfer_kv.models.decoder import ModelConfig, dense_mtp_forward, init_params
 from ninfer_kv.models.decoder.dense import dense_forward
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 C, L = 2, 4
 NUM_MAIN_PAGES = C * L + 2

@@ -10,7 +10,7 @@ import pytest
 
 from model_harness import TOL_BF16, TOL_QUANT, copy_planes, greedy_decode, i32, make, prefill, random_tables
 from ninfer_kv.models.decoder import ModelConfig, dense_greedy_generate, dense_logits, init_params, pad_rows
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 C, L = 4, 4  # 4 execution rows, 256 tokens per row
 NUM_PAGES = C * L + 5

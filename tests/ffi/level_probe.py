@@ -22,11 +22,12 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ninfer_kv import ffi_ops  # noqa: E402
-from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
-from ninfer_kv.profiles import KVProfile  # noqa: E402
-from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.ffi import kv as ffi_kv  # noqa: E402
+from ninfer_kv.ops.ffi import runtime as ffi_runtime  # noqa: E402
+from ninfer_kv.schema.layout import PagedKVStorageLayout  # noqa: E402
+from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
+from ninfer_kv.ops.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.ops.views import allocate_planes
 
 PROFILES = tuple(p.value for p in KVProfile)  # every profile of the spec table
 B, T, H, D, G = 2, 70, 2, 64, 4  # two pages per row; GQA 4
@@ -62,8 +63,8 @@ def inputs() -> dict[str, np.ndarray]:
     return {"k": k, "v": v, "odd_k": odd_k, "odd_v": odd_v, "bf_k": bf_k, "bf_v": bf_v, "q": q}
 
 
-_append_call = jax.jit(ffi_ops.paged_append)
-_attention = jax.jit(ffi_ops.paged_attention)
+_append_call = jax.jit(ffi_kv.paged_append)
+_attention = jax.jit(ffi_kv.paged_attention)
 
 
 def _append(lay, k, v) -> dict:
@@ -74,7 +75,7 @@ def _append(lay, k, v) -> dict:
 
 def main(path: str) -> None:
     x = inputs()
-    saved = {"isa": np.array(ffi_ops.info().isa)}
+    saved = {"isa": np.array(ffi_runtime.info().isa)}
     saved.update({f"input_{name}": val for name, val in x.items() if name != "bf_k" and name != "bf_v"})
     saved["input_bf_k"] = x["bf_k"].view(np.uint16)
     saved["input_bf_v"] = x["bf_v"].view(np.uint16)
@@ -88,7 +89,7 @@ def main(path: str) -> None:
         view = PagedKVBatchLayerView(planes, jnp.asarray(TABLE), 0, lay)  # the clean pool
         out = _attention(jnp.asarray(x["q"]), view, TABLE_ROWS, Q_POSITIONS, KV_LENS)
         saved[f"{profile}/attention"] = np.asarray(out)
-        ar = ffi_ops.arithmetic(profile, D)
+        ar = ffi_runtime.arithmetic(profile, D)
         saved[f"{profile}/arithmetic"] = np.array([ar.scores, ar.values])
     np.savez(path, **saved)
 

@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import ffi_ops
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.ffi import kv as ffi_kv
+
+from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 from tests.conformance.cases import append_case, append_geometry, random_kv, richest_profile
 from tests.conformance.checks import assert_same_planes
 
-pytestmark = pytest.mark.skipif(not ffi_ops.is_available(), reason=f"FFI library unavailable: {ffi_ops.load_error()}")
+pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
 
 
 def test_paged_attention_handler_rejects_bad_operands():
@@ -37,5 +39,5 @@ def test_an_append_to_a_traced_layer_out_of_range_writes_nothing():
                                 validate=False)
     k, v = random_kv(np.random.default_rng(6), (g.batch, g.t, g.heads, g.head_dim))
     rows, pos, valid = (jnp.asarray(x, jnp.int32) for x in (case.table_rows, [0, 10, 60, 100], [5, 5, 5, 5]))
-    out = jax.jit(ffi_ops.paged_append)(far, rows, pos, jnp.asarray(k), jnp.asarray(v), valid)
+    out = jax.jit(ffi_kv.paged_append)(far, rows, pos, jnp.asarray(k), jnp.asarray(v), valid)
     assert_same_planes({n: np.asarray(x) for n, x in out.planes.items()}, case.planes, "layer out of range")

@@ -7,14 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import ffi_ops
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+from ninfer_kv.ops.ffi import kv as ffi_kv
+
+from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.ops.views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 from tests.conformance import np_ops
 from tests.conformance.cases import CyclicGeometry, append_case, append_geometry, make_cyclic_case, make_paged_case
 from tests.conformance.checks import assert_attention_close, assert_same_planes, raw_bits
 
-pytestmark = pytest.mark.skipif(not ffi_ops.is_available(), reason=f"FFI library unavailable: {ffi_ops.load_error()}")
+pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
 
 
 def _pointers(planes: dict) -> dict:
@@ -36,7 +38,7 @@ def test_paged_append_writes_in_place_when_donated(order):
 
     def step(planes, rows, pos, k, v, valid):
         view = PagedKVBatchLayerView(planes, table, 1, lay, validate=False)
-        return ffi_ops.paged_append(view, rows, pos, k, v, valid).planes
+        return ffi_kv.paged_append(view, rows, pos, k, v, valid).planes
 
     step = jax.jit(step, donate_argnums=0)
     planes = {k: jnp.asarray(v) for k, v in case.planes.items()}
@@ -57,7 +59,7 @@ def test_cyclic_append_writes_in_place_when_donated():
 
     def step(planes, rows, pos, k, v, valid):
         view = CyclicKVCacheLayerView(planes, 0, lay, validate=False)
-        return ffi_ops.cyclic_append(view, rows, pos, k, v, valid).planes
+        return ffi_kv.cyclic_append(view, rows, pos, k, v, valid).planes
 
     step = jax.jit(step, donate_argnums=0)
     planes = {k: jnp.asarray(v) for k, v in case.planes.items()}
@@ -74,7 +76,7 @@ def test_append_without_donation_leaves_the_input_planes_unchanged():
     view = case.view()
     snapshot = {k: raw_bits(v).copy() for k, v in view.planes.items()}
     k = jnp.ones((1, 2, 2, case.layout.head_dim), jnp.float32)
-    out = jax.jit(ffi_ops.paged_append)(view, rows[:1], jnp.zeros((1,), jnp.int32), k, k, jnp.full((1,), 2, jnp.int32))
+    out = jax.jit(ffi_kv.paged_append)(view, rows[:1], jnp.zeros((1,), jnp.int32), k, k, jnp.full((1,), 2, jnp.int32))
     for name in snapshot:
         assert np.array_equal(raw_bits(view.planes[name]), snapshot[name])
         assert not np.array_equal(raw_bits(out.planes[name]), snapshot[name])
@@ -89,7 +91,7 @@ def test_vmap_attention_over_queries_matches_per_element_calls():
     rows, pos, lens = jnp.asarray(case.table_rows), jnp.asarray([69, 4], jnp.int32), jnp.asarray(case.kv_lens)
 
     def attend(q):
-        return ffi_ops.paged_attention(q, view, rows, pos, lens)
+        return ffi_kv.paged_attention(q, view, rows, pos, lens)
 
     mapped = jax.jit(jax.vmap(attend))(qs)
     for i in range(qs.shape[0]):
@@ -109,7 +111,7 @@ def test_vmap_append_over_stacked_pools_matches_separate_appends():
 
     def append(planes, k):
         view = PagedKVBatchLayerView(planes, table, 1, lay, validate=False)
-        return ffi_ops.paged_append(view, rows, pos, k, -k, valid).planes
+        return ffi_kv.paged_append(view, rows, pos, k, -k, valid).planes
 
     mapped = jax.jit(jax.vmap(append))(stacked, k)
     for i in range(2):  # from the stacked bits (stacking may canonicalize a bfloat16 NaN payload)

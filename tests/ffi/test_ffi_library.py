@@ -13,20 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import ffi_library, ffi_ops
+from ninfer_kv.host import ffi_library
+from ninfer_kv.ops.ffi import kv as ffi_kv
+from ninfer_kv.ops.ffi import runtime as ffi_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_library_is_built_and_loaded():
-    assert ffi_ops.is_available(), ffi_ops.load_error()
-    assert ffi_ops.load_error() is None
-    path = Path(ffi_ops.library_path())
+    assert ffi_runtime.is_available(), ffi_runtime.load_error()
+    assert ffi_runtime.load_error() is None
+    path = Path(ffi_runtime.library_path())
     assert path.is_file() and path.name == ffi_library.LIBRARY_NAME
     lib = ctypes.CDLL(str(path))
-    assert lib.NinferKvFfiAbiVersion() == ffi_ops.ABI_VERSION
+    assert lib.NinferKvFfiAbiVersion() == ffi_runtime.ABI_VERSION
     assert lib.NinferKvFfiVectorWidth() in (8, 16)
-    assert ffi_ops.num_threads() >= 1
+    assert ffi_runtime.num_threads() >= 1
 
 
 def test_missing_library_gives_rebuild_instructions(monkeypatch, tmp_path):
@@ -36,11 +38,11 @@ def test_missing_library_gives_rebuild_instructions(monkeypatch, tmp_path):
     assert lib.lib is None
     assert "pip install -e ." in lib.error and "pip install ." in lib.error
     assert str(tmp_path) in lib.error
-    monkeypatch.setattr(ffi_ops, "_LIBRARY", lib)
-    assert not ffi_ops.is_available()
-    assert ffi_ops.load_error() == lib.error
+    monkeypatch.setattr(ffi_runtime, "_LIBRARY", lib)
+    assert not ffi_runtime.is_available()
+    assert ffi_runtime.load_error() == lib.error
     with pytest.raises(ffi_library.FFIUnavailableError, match="pip install -e"):
-        ffi_ops.paged_attention(jnp.zeros((1, 1, 1, 64)), None, None, None, None)
+        ffi_kv.paged_attention(jnp.zeros((1, 1, 1, 64)), None, None, None, None)
 
 
 def test_a_library_that_is_not_ours_is_skipped(monkeypatch, tmp_path):
@@ -62,7 +64,7 @@ def _import_in_subprocess(cwd: Path, pythonpath: str | None) -> subprocess.Compl
     env["JAX_PLATFORMS"] = "cpu"
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    code = "import ninfer_kv.ffi_ops as f; print(f.is_available(), f.library_path(), f.load_error())"
+    code = "import ninfer_kv.ops.ffi as f; print(f.is_available(), f.library_path(), f.load_error())"
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -92,8 +94,8 @@ def test_source_tree_on_pythonpath_still_finds_the_library():
 @pytest.mark.parametrize("threads", [0, 1, 3])
 def test_the_read_probe_sums_every_word_once(words, threads):
     """The read-bandwidth probe of bench/machine.py reads every word exactly once, whatever the split."""
-    if not ffi_ops.is_available():
-        pytest.skip(ffi_ops.load_error())
+    if not ffi_runtime.is_available():
+        pytest.skip(ffi_runtime.load_error())
     rng = np.random.default_rng(words)
     buf = rng.integers(0, 2**63, size=words, dtype=np.uint64)
-    assert ffi_ops._stream_read(buf, threads) == int(buf.sum(dtype=np.uint64))  # both wrap modulo 2**64
+    assert ffi_runtime._stream_read(buf, threads) == int(buf.sum(dtype=np.uint64))  # both wrap modulo 2**64

@@ -1,4 +1,4 @@
-"""The packed weight products (ffi_ops.matmul_bf16_packed, ffi/src/gemm_packed.cc).
+"""The packed weight products (ffi_products.matmul_bf16_packed, ffi/src/gemm_packed.cc).
 
 Checked bit for bit against a numpy emulation of the defined order of the form in use (the pairs
 order: per pair of K a fused multiply-add of the odd elements, then of the even ones; the AMX
@@ -25,10 +25,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ninfer_kv import ffi_ops
-from ninfer_kv.packed_weight import PackedWeight, pack_bf16_weight, unpack_bf16_weight
+from ninfer_kv.ops.ffi import products as ffi_products
 
-pytestmark = pytest.mark.skipif(not ffi_ops.is_available(), reason="FFI library unavailable")
+from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi.packed_weight import PackedWeight, pack_bf16_weight, unpack_bf16_weight
+
+pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason="FFI library unavailable")
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = np.float32(2.0**-126)
@@ -77,7 +79,7 @@ def reference(x: np.ndarray, w: np.ndarray, order: str = "pairs") -> np.ndarray:
 
 
 def order_of(kernel: str) -> str:
-    """The defined order of a form of ffi_ops.PACKED_KERNELS."""
+    """The defined order of a form of ffi_products.PACKED_KERNELS."""
     return kernel if kernel.startswith("amx") else "pairs"
 
 
@@ -98,9 +100,9 @@ def bits(a) -> np.ndarray:
 def test_matches_defined_order(m, n, k):
     rng = np.random.default_rng(m * 1000 + n + k)
     x, w = hard_values(rng, (m, k)), hard_values(rng, (n, k))
-    out = ffi_ops.matmul_bf16_packed(jnp.asarray(x), pack_bf16_weight(jnp.asarray(w)))
+    out = ffi_products.matmul_bf16_packed(jnp.asarray(x), pack_bf16_weight(jnp.asarray(w)))
     assert out.shape == (m, n) and out.dtype == jnp.float32
-    np.testing.assert_array_equal(bits(out), bits(reference(x, w, order_of(ffi_ops.packed_kernel()))))
+    np.testing.assert_array_equal(bits(out), bits(reference(x, w, order_of(ffi_products.packed_kernel()))))
 
 
 @pytest.mark.parametrize("order", ["amx-chunks", "amx-pairs"])
@@ -111,7 +113,7 @@ def test_amx_orders_numpy_equals_library_definition(order, m, n, k):
     rng = np.random.default_rng(m + n + k)
     x, w = hard_values(rng, (m, k)), hard_values(rng, (n, k))
     want = reference(x, w, order)
-    np.testing.assert_array_equal(bits(ffi_ops.packed_amx_reference(x, w, order)), bits(want))
+    np.testing.assert_array_equal(bits(ffi_products.packed_amx_reference(x, w, order)), bits(want))
     # on model-like data the orders round differently
     x, w = (rng.standard_normal((s, 256)).astype(ml_dtypes.bfloat16) for s in (8, 64))
     assert not np.array_equal(bits(reference(x, w, order)), bits(reference(x, w)))
@@ -121,14 +123,14 @@ def test_amx_form_where_the_cpu_has_it():
     """A CPU with AMX-BF16 runs the AMX form (its order checked once, bit for bit, by the library);
     every other CPU says why not.  Asked in a fresh process: Linux refuses the tile state to a process
     whose alternate signal stacks are too small for it, and pytest's faulthandler installs one."""
-    probe = ("from ninfer_kv import ffi_ops; import json; "
-             "print(json.dumps([ffi_ops.packed_kernel(), ffi_ops.packed_amx_status(), ffi_ops.info().cpu_features]))")
+    probe = ("from ninfer_kv.ops.ffi import products as ffi_products, runtime as ffi_runtime; import json; "
+             "print(json.dumps([ffi_products.packed_kernel(), ffi_products.packed_amx_status(), ffi_runtime.info().cpu_features]))")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "NINFER_KV_FFI_AMX", "NINFER_KV_FFI_BF16")}
     r = subprocess.run([sys.executable, "-c", probe], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                        timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     kernel, why, features = json.loads(r.stdout.strip().splitlines()[-1])
-    assert kernel in ffi_ops.PACKED_KERNELS
+    assert kernel in ffi_products.PACKED_KERNELS
     if "amx-bf16" not in features:
         assert not kernel.startswith("amx") and why
         pytest.skip(f"no AMX form here ({why}); it runs on CPUs with AMX-BF16")
@@ -139,11 +141,11 @@ def test_amx_form_where_the_cpu_has_it():
 def test_amx_reference_rejects_bad_arguments():
     x = np.zeros((2, 4), ml_dtypes.bfloat16)
     with pytest.raises(ValueError, match=r"order must be one of .* got 'pairs'"):
-        ffi_ops.packed_amx_reference(x, x, "pairs")
+        ffi_products.packed_amx_reference(x, x, "pairs")
     with pytest.raises(ValueError, match=r"w must be a bfloat16 matrix, got float32"):
-        ffi_ops.packed_amx_reference(x, np.zeros((2, 4), np.float32), "amx-chunks")
+        ffi_products.packed_amx_reference(x, np.zeros((2, 4), np.float32), "amx-chunks")
     with pytest.raises(ValueError, match=r"x \(2, 4\) and w \(2, 3\)"):
-        ffi_ops.packed_amx_reference(x, np.zeros((2, 3), ml_dtypes.bfloat16), "amx-chunks")
+        ffi_products.packed_amx_reference(x, np.zeros((2, 3), ml_dtypes.bfloat16), "amx-chunks")
 
 
 def test_row_alone_equals_row_in_any_batch():
@@ -151,12 +153,12 @@ def test_row_alone_equals_row_in_any_batch():
     k, n = 96, 150
     w = pack_bf16_weight(jnp.asarray(hard_values(rng, (n, k))))
     row = hard_values(rng, (1, k))
-    alone = bits(ffi_ops.matmul_bf16_packed(jnp.asarray(row), w))[0]
+    alone = bits(ffi_products.matmul_bf16_packed(jnp.asarray(row), w))[0]
     for m in (2, 3, 5, 6, 7, 12, 13, 31, 70):
         batch = hard_values(rng, (m, k))
         for pos in sorted({0, m // 2, m - 1}):
             batch[pos] = row[0]
-            got = bits(ffi_ops.matmul_bf16_packed(jnp.asarray(batch), w))[pos]
+            got = bits(ffi_products.matmul_bf16_packed(jnp.asarray(batch), w))[pos]
             np.testing.assert_array_equal(got, alone, err_msg=f"M={m}, row {pos}")
 
 
@@ -164,10 +166,10 @@ def test_many_equals_one_call_per_weight_and_leading_dims():
     rng = np.random.default_rng(3)
     x = hard_values(rng, (2, 3, 40))
     ws = [pack_bf16_weight(jnp.asarray(hard_values(rng, (n, 40)))) for n in (64, 17, 129)]
-    many = ffi_ops.matmul_bf16_packed_many(jnp.asarray(x), ws)
+    many = ffi_products.matmul_bf16_packed_many(jnp.asarray(x), ws)
     for w, got in zip(ws, many):
         assert got.shape == (2, 3, w.n)
-        np.testing.assert_array_equal(bits(got), bits(ffi_ops.matmul_bf16_packed(jnp.asarray(x), w)))
+        np.testing.assert_array_equal(bits(got), bits(ffi_products.matmul_bf16_packed(jnp.asarray(x), w)))
 
 
 def bf16_bits(a) -> np.ndarray:
@@ -185,8 +187,8 @@ def test_bfloat16_results_are_the_float32_results_rounded(m, n, k):
     x, w = hard_values(rng, (m, k)), hard_values(rng, (n, k))
     x[0, : min(k, 3)] = [np.inf, -np.inf, np.nan][: min(k, 3)]
     ws = [pack_bf16_weight(jnp.asarray(w)), pack_bf16_weight(jnp.asarray(w[: max(1, n // 3)]))]
-    wide = ffi_ops.matmul_bf16_packed_many(jnp.asarray(x), ws)
-    narrow = ffi_ops.matmul_bf16_packed_many(jnp.asarray(x), ws, out_dtype=jnp.bfloat16)
+    wide = ffi_products.matmul_bf16_packed_many(jnp.asarray(x), ws)
+    narrow = ffi_products.matmul_bf16_packed_many(jnp.asarray(x), ws, out_dtype=jnp.bfloat16)
     for f, b in zip(wide, narrow):
         assert b.dtype == jnp.bfloat16 and b.shape == f.shape
         got = np.asarray(b).view(np.uint16)
@@ -194,14 +196,14 @@ def test_bfloat16_results_are_the_float32_results_rounded(m, n, k):
         finite = np.isfinite(np.asarray(f))
         np.testing.assert_array_equal(got[finite], np.asarray(f.astype(jnp.bfloat16)).view(np.uint16)[finite])
     with pytest.raises(ValueError, match=r"out_dtype must be float32 or bfloat16, got float16"):
-        ffi_ops.matmul_bf16_packed(jnp.asarray(x), ws[0], out_dtype=jnp.float16)
+        ffi_products.matmul_bf16_packed(jnp.asarray(x), ws[0], out_dtype=jnp.float16)
 
 
 def test_close_to_xla_on_model_like_data():
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((9, 256)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((100, 256)) * 0.05, jnp.bfloat16)
-    got = ffi_ops.matmul_bf16_packed(x, pack_bf16_weight(w))
+    got = ffi_products.matmul_bf16_packed(x, pack_bf16_weight(w))
     want = jnp.matmul(x, w.T, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -218,20 +220,20 @@ def test_packed_weight_is_a_pytree_and_unpacks():
     flushed = _daz(w.astype(np.float32)).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(np.asarray(unpack_bf16_weight(pw)).view(np.uint16), flushed.view(np.uint16))
     x = jnp.asarray(hard_values(rng, (4, 33)))
-    jitted = jax.jit(ffi_ops.matmul_bf16_packed)(x, pw)
-    np.testing.assert_array_equal(bits(jitted), bits(ffi_ops.matmul_bf16_packed(x, pw)))
+    jitted = jax.jit(ffi_products.matmul_bf16_packed)(x, pw)
+    np.testing.assert_array_equal(bits(jitted), bits(ffi_products.matmul_bf16_packed(x, pw)))
 
 
 def test_bad_operands_raise_clear_errors():
     w = pack_bf16_weight(jnp.ones((8, 6), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"x must be bfloat16, got float32"):
-        ffi_ops.matmul_bf16_packed(jnp.ones((2, 6), jnp.float32), w)
+        ffi_products.matmul_bf16_packed(jnp.ones((2, 6), jnp.float32), w)
     with pytest.raises(ValueError, match=r"x \(2, 5\) and w\[0\] \(N=8, K=6\)"):
-        ffi_ops.matmul_bf16_packed(jnp.ones((2, 5), jnp.bfloat16), w)
+        ffi_products.matmul_bf16_packed(jnp.ones((2, 5), jnp.bfloat16), w)
     with pytest.raises(ValueError, match=r"w\[0\] must be a PackedWeight.*got ArrayImpl"):
-        ffi_ops.matmul_bf16_packed(jnp.ones((2, 6), jnp.bfloat16), jnp.ones((8, 6), jnp.bfloat16))
+        ffi_products.matmul_bf16_packed(jnp.ones((2, 6), jnp.bfloat16), jnp.ones((8, 6), jnp.bfloat16))
     with pytest.raises(ValueError, match="at least one weight"):
-        ffi_ops.matmul_bf16_packed_many(jnp.ones((2, 6), jnp.bfloat16), ())
+        ffi_products.matmul_bf16_packed_many(jnp.ones((2, 6), jnp.bfloat16), ())
     with pytest.raises(ValueError, match=r"w must be bfloat16, got float32"):
         pack_bf16_weight(jnp.ones((8, 6), jnp.float32))
     with pytest.raises(ValueError, match=r"N >= 1 and K >= 1, got shape \(8, 0\)"):
@@ -242,14 +244,14 @@ _LEVEL_PROBE = """
 import os, sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import ml_dtypes, numpy as np, jax.numpy as jnp
-from ninfer_kv import ffi_ops
-from ninfer_kv.packed_weight import pack_bf16_weight
+from ninfer_kv.ops.ffi import products as ffi_products, runtime as ffi_runtime
+from ninfer_kv.ops.ffi.packed_weight import pack_bf16_weight
 d = {k: v.view(ml_dtypes.bfloat16) for k, v in np.load(sys.argv[1]).items()}
 x, w = jnp.asarray(d["x"]), [pack_bf16_weight(jnp.asarray(d["w"]))]
-outs = ffi_ops.matmul_bf16_packed_many(x, w)
-rounded = ffi_ops.matmul_bf16_packed_many(x, w, out_dtype=jnp.bfloat16)
-np.savez(sys.argv[2], out=np.asarray(outs[0]), out_bf16=np.asarray(rounded[0]).view(np.uint16), isa=ffi_ops.info().isa,
-         kernel=ffi_ops.packed_kernel())
+outs = ffi_products.matmul_bf16_packed_many(x, w)
+rounded = ffi_products.matmul_bf16_packed_many(x, w, out_dtype=jnp.bfloat16)
+np.savez(sys.argv[2], out=np.asarray(outs[0]), out_bf16=np.asarray(rounded[0]).view(np.uint16), isa=ffi_runtime.info().isa,
+         kernel=ffi_products.packed_kernel())
 """
 
 
@@ -262,7 +264,7 @@ def test_levels_and_bf16_form_bit_identical(tmp_path, matrix):
     wants = {}
     inp = tmp_path / "in.npz"
     np.savez(inp, x=x.view(np.uint16), w=w.view(np.uint16))
-    supported = ffi_ops.info().supported
+    supported = ffi_runtime.info().supported
     if matrix == "every-pair":
         runs = [(level, flag) for level in supported for flag in ("1", "0")]
     else:

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 
 
 def random_planes(layout: PagedKVStorageLayout, num_pages: int, seed: int) -> dict:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv import ffi_library
+from ninfer_kv.host import ffi_library
 from ninfer_kv.host import block_copy
 from ninfer_kv.host.block_copy import copy_blocks
 

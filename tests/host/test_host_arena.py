@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.host import (
     ExtentAllocationError,
     HostKVArena,

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.geometry import PlaneOrder
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import PlaneOrder
 from ninfer_kv.host import HostKVPageLayout
 
 

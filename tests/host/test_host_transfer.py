@@ -5,15 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.geometry import PlaneOrder
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import PlaneOrder
 from ninfer_kv.device import offload_pages, restore_pages
 from ninfer_kv.host import HostKVArena, HostKVPageLayout, StaleExtentError
 from ninfer_kv.device import host_transfer as transfer_mod
 from ninfer_kv.ops.reference import paged_append_reference, paged_attention_reference
-from ninfer_kv.views import PagedKVBatchLayerView
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import allocate_planes
 
 N = 12
 PATHS = ["packed", "host"]

@@ -62,7 +62,7 @@ _PLANES_SCRIPT = textwrap.dedent(
     from ninfer_kv.device.rounds import take_step_work
     from ninfer_kv.engine import DecoderModel
     from ninfer_kv.engine.data_parallel import DataParallelEngine
-    from ninfer_kv.kinds import PoolKind
+    from ninfer_kv.schema.kinds import PoolKind
     from ninfer_kv.planning import ExplicitCapacity
     from ninfer_kv.store.sharded import ShardedKVStore
 

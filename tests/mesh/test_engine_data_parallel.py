@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     from ninfer_kv.device.mesh import KVMesh
     from ninfer_kv.engine import DecoderModel, EngineCore, SamplingParams
     from ninfer_kv.engine.data_parallel import DataParallelEngine
-    from ninfer_kv.mesh_spec import MeshSpec
+    from ninfer_kv.schema.mesh_spec import MeshSpec
     from ninfer_kv.models.decoder import ModelConfig
     from ninfer_kv.planning import ExplicitCapacity, plan_kv_cache, plan_kv_cache_mesh
     from ninfer_kv.store import KVStore

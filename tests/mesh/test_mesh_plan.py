@@ -3,9 +3,9 @@
 import pytest
 
 from ninfer_kv.device.memory import capacity_from_device
-from ninfer_kv.mesh_spec import MeshSpec
+from ninfer_kv.schema.mesh_spec import MeshSpec
 from ninfer_kv.planning import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, PlanBoundError, plan_kv_cache, plan_kv_cache_mesh
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 
 MODEL = ModelKVConfig(4, 8, 128, "k8v4")
 

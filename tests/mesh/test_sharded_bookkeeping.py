@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from ninfer_kv.errors import LifecycleError, RowError
+from ninfer_kv.schema.errors import LifecycleError, RowError
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache_mesh
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store.sharded import CrossShardError, ShardedCheckpoint, ShardedKVStore, ShardedSequence
 from ninfer_kv.device import allocate_state
 

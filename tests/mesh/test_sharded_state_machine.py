@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from ninfer_kv.errors import EntitlementError, PoolCapacityError
+from ninfer_kv.schema.errors import EntitlementError, PoolCapacityError
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache_mesh
 from ninfer_kv.store.sharded import CrossShardError, ShardedKVStore
 

@@ -18,19 +18,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ninfer_kv import ops  # noqa: E402
-from ninfer_kv.views import PagedKVBatchLayerView  # noqa: E402
-from ninfer_kv.layout import PagedKVStorageLayout  # noqa: E402
+from ninfer_kv.ops.views import PagedKVBatchLayerView  # noqa: E402
+from ninfer_kv.schema.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.device.mesh import KVMesh  # noqa: E402
 from ninfer_kv.device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention  # noqa: E402
-from ninfer_kv.errors import KVStoreError  # noqa: E402
+from ninfer_kv.schema.errors import KVStoreError  # noqa: E402
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache_mesh  # noqa: E402
-from ninfer_kv.kinds import PoolKind  # noqa: E402
-from ninfer_kv.profiles import KVProfile  # noqa: E402
+from ninfer_kv.schema.kinds import PoolKind  # noqa: E402
+from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
 from ninfer_kv.device import KVDeviceState, apply_work_jit  # noqa: E402
 from ninfer_kv.store import KVStore  # noqa: E402
 from ninfer_kv.store.sharded import CrossShardError, ShardedKVStore  # noqa: E402
 from ninfer_kv.device import allocate_state, offload_checkpoint, take_step_work
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 PROFILES = tuple(p.value for p in KVProfile)  # every profile of the spec table
 ORDERS = ("page-major", "head-major")
@@ -398,10 +398,10 @@ def resync_sharded() -> int:
     step's appends are dropped on every device), ``resync`` repairs it per shard and quarantines only
     the sequence that committed after the slip; a blank state allocated later is refused until
     resynced."""
-    from ninfer_kv.geometry import SENTINEL_PAGE
-    from ninfer_kv.errors import LostContentError
+    from ninfer_kv.schema.geometry import SENTINEL_PAGE
+    from ninfer_kv.schema.errors import LostContentError
     from ninfer_kv.device import resync
-    from ninfer_kv.errors import WorkOrderError
+    from ninfer_kv.schema.errors import WorkOrderError
 
     kv_mesh = KVMesh("data=2,model=4")
     plan = plan_kv_cache_mesh(ModelKVConfig(1, 4, D_HEAD, "bf16"), kv_mesh, max_context=256, max_concurrency=4,

@@ -14,7 +14,7 @@ import pytest
 from ninfer_kv.models.decoder import ModelConfig, StepConfig, init_params, make_steps
 from ninfer_kv.models.decoder.layers import Products, matmul_t, products
 from ninfer_kv.ops import available_impls
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from model_harness import greedy_decode, prefill  # noqa: E402
@@ -81,24 +81,25 @@ def test_the_row_kernel_matches_float32_products_and_ignores_other_rows():
 
 
 def test_bad_products_and_operands_are_refused():
-    from ninfer_kv import ffi_ops
+    from ninfer_kv.ops.ffi import products as ffi_products
 
     with pytest.raises(ValueError, match="products='exact' is not supported; allowed: auto, xla, batch_invariant"):
         StepConfig(model=_CFG, products="exact")
     with pytest.raises(ValueError, match="x must be bfloat16"):
-        ffi_ops.matmul_bf16(jnp.zeros((2, 64)), jnp.zeros((3, 64), jnp.bfloat16))
+        ffi_products.matmul_bf16(jnp.zeros((2, 64)), jnp.zeros((3, 64), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"are not \(\.\.\., K\) and \(N, K\)"):
-        ffi_ops.matmul_bf16(jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((3, 32), jnp.bfloat16))
+        ffi_products.matmul_bf16(jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((3, 32), jnp.bfloat16))
 
 
 def test_fixed_splits_make_a_rows_attention_independent_of_the_batch():
     """At batch 1 the FFI attention splits a long row's context over the threads, at batch 8 not: the
     outputs differ in the last bits, unless ``fixed_splits`` (what the batch-invariant steps trace)."""
-    from ninfer_kv import ffi_ops
-    from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.views import PagedKVBatchLayerView
+    from ninfer_kv.ops.ffi import kv as ffi_kv
+    from ninfer_kv.ops.ffi import runtime as ffi_runtime
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
+    from ninfer_kv.ops.views import PagedKVBatchLayerView
 
-    if ffi_ops.num_threads() < 2:
+    if ffi_runtime.num_threads() < 2:
         pytest.skip("one FFI thread: the attention never splits")
     lay = PagedKVStorageLayout("bf16", 1, 2, 64)
     blocks = 40
@@ -112,38 +113,38 @@ def test_fixed_splits_make_a_rows_attention_independent_of_the_batch():
 
     def row0(batch):
         view = PagedKVBatchLayerView(planes, tables[:batch], 0, lay)
-        traced_here = jax.jit(lambda *a: ffi_ops.paged_attention(*a))  # a fresh trace: the context is read then
+        traced_here = jax.jit(lambda *a: ffi_kv.paged_attention(*a))  # a fresh trace: the context is read then
         return np.asarray(traced_here(q[:batch], view, rows[:batch], lens[:batch] - 1, lens[:batch]))[0]
 
     assert not np.array_equal(row0(1), row0(8))  # the control: adaptive splits move the last bits
-    with ffi_ops.fixed_splits():
+    with ffi_runtime.fixed_splits():
         np.testing.assert_array_equal(row0(1), row0(8))
 
 
 def test_auto_takes_the_row_kernel_for_one_row_only():
-    from ninfer_kv import ffi_ops
+    from ninfer_kv.ops.ffi import products as ffi_products
 
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((3, 96)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((40, 96)), jnp.bfloat16)
     with products(Products.AUTO):
         one, three = np.asarray(matmul_t(x[:1], w)), np.asarray(matmul_t(x, w))
-    np.testing.assert_array_equal(one, np.asarray(ffi_ops.matmul_bf16(x[:1], w)))
+    np.testing.assert_array_equal(one, np.asarray(ffi_products.matmul_bf16(x[:1], w)))
     with products(Products.XLA):
         np.testing.assert_array_equal(three, np.asarray(matmul_t(x, w)))
 
 
 def test_several_weights_in_one_call_equal_one_call_each():
-    from ninfer_kv import ffi_ops
+    from ninfer_kv.ops.ffi import products as ffi_products
 
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((5, 1, 96)), jnp.bfloat16)
     ws = [jnp.asarray(rng.standard_normal((n, 96)), jnp.bfloat16) for n in (40, 8, 700)]
-    many = ffi_ops.matmul_bf16_many(x, ws)
+    many = ffi_products.matmul_bf16_many(x, ws)
     for w, got in zip(ws, many):
         assert got.shape == (5, 1, w.shape[0])
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(ffi_ops.matmul_bf16(x, w)))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ffi_products.matmul_bf16(x, w)))
     with pytest.raises(ValueError, match=r"x \(5, 1, 96\) and w\[1\] \(8, 95\)"):
-        ffi_ops.matmul_bf16_many(x, [ws[0], jnp.zeros((8, 95), jnp.bfloat16)])
+        ffi_products.matmul_bf16_many(x, [ws[0], jnp.zeros((8, 95), jnp.bfloat16)])
     with pytest.raises(ValueError, match="at least one weight"):
-        ffi_ops.matmul_bf16_many(x, [])
+        ffi_products.matmul_bf16_many(x, [])

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv.errors import PoolCapacityError
+from ninfer_kv.schema.errors import PoolCapacityError
 from ninfer_kv.models.decoder import ModelConfig, SamplingConfig, init_params
 from ninfer_kv.models.generate import PagedGenerator
 from ninfer_kv.models.request_checks import MAX_NEW_TOKENS

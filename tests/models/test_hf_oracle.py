@@ -4,7 +4,7 @@ store, must produce transformers' greedy tokens.
 
 * BF16 profile: the tokens of ``model.generate(do_sample=False)`` (its default attention and cache).
 * Quantized profiles: a float32 transformers model whose attention sees K and V through the same
-  codec (``ninfer_kv.codecs.codec_roundtrip`` of the profile, float32 attention), registered as an
+  codec (``ninfer_kv.ops.codecs.codec_roundtrip`` of the profile, float32 attention), registered as an
   attention implementation, against the checkpoint served in float32.
 
 Near ties are detected, not hidden: a differing token is accepted only when transformers' own logits
@@ -41,10 +41,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import jax  # noqa: E402
 
-from ninfer_kv import codecs  # noqa: E402
+from ninfer_kv.ops import codecs  # noqa: E402
 from ninfer_kv.models.generate import PagedGenerator  # noqa: E402
 from ninfer_kv.models.hf import load_checkpoint, read_header  # noqa: E402
-from ninfer_kv.profiles import KVProfile  # noqa: E402
+from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
 
 BF16_TIE_ULPS = 2
 F32_TIE = 1e-3

@@ -9,11 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import ffi_ops
+from ninfer_kv.ops.ffi import products as ffi_products
+
+from ninfer_kv.ops.ffi import runtime as ffi_runtime
 from ninfer_kv.models.decoder import ModelConfig, init_params, pack_params
 from ninfer_kv.models.decoder.layers import matmul_t, matmul_t_many, products
 from ninfer_kv.models.decoder.weights import PROJECTIONS
-from ninfer_kv.packed_weight import PackedWeight, unpack_bf16_weight
+from ninfer_kv.ops.ffi.packed_weight import PackedWeight, unpack_bf16_weight
 
 CFG = ModelConfig(vocab_size=300, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96,
                   rope_theta=1e6, rms_eps=1e-6, dtype="bfloat16", qk_norm=True, tie_embeddings=True)
@@ -37,13 +39,13 @@ def test_pack_params_packs_projections_and_a_tied_head():
     assert not any(isinstance(v, PackedWeight) for v in leaves)
 
 
-@pytest.mark.skipif(not ffi_ops.is_available(), reason="FFI library unavailable")
+@pytest.mark.skipif(not ffi_runtime.is_available(), reason="FFI library unavailable")
 def test_matmul_t_on_packed_weights_per_mode():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((90, 64)) * 0.1, jnp.bfloat16)
     pw = pack_params({"layers": ({"wq": w},), "embed": w, "lm_head": w}, CFG)["layers"][0]["wq"]
-    want = np.asarray(ffi_ops.matmul_bf16_packed(x, pw))
+    want = np.asarray(ffi_products.matmul_bf16_packed(x, pw))
     for mode in ("auto", "batch_invariant"):
         with products(mode):
             np.testing.assert_array_equal(np.asarray(jax.jit(matmul_t)(x, pw)), want)

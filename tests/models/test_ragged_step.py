@@ -18,7 +18,7 @@ import pytest
 from ninfer_kv.models.decoder import ModelConfig, StepConfig, init_params, make_steps
 from ninfer_kv.models.decoder.buckets import pad_ragged
 from ninfer_kv.ops import available_impls
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from model_harness import copy_planes, i32, prefill, random_tables  # noqa: E402

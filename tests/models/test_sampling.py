@@ -18,7 +18,7 @@ from ninfer_kv.models.decoder.sampling import (
     sequence_key,
 )
 from ninfer_kv.models.generate import PagedGenerator
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 
 def test_filter_matches_the_reference():

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from ninfer_kv import ops
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 
 def decode_step(impl: str, layout: PagedKVStorageLayout):

@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ninfer_kv import codecs
-from ninfer_kv.profiles import KVCodec, KVProfile
+from ninfer_kv.ops import codecs
+from ninfer_kv.schema.profiles import KVCodec, KVProfile
 
 from tests.conformance import np_codecs
 

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops import dispatch
 from ninfer_kv.ops import registry
 
 from .steps import decode_step
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import allocate_planes
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

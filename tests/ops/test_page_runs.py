@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv import ops
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.geometry import PlaneOrder
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import PlaneOrder
 from ninfer_kv.ops import gather_page_runs, scatter_page_runs
 from ninfer_kv.ops import page_runs
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from ninfer_kv import ops
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops import validation
-from ninfer_kv.views import PagedKVBatchLayerView, allocate_planes
+from ninfer_kv.ops.views import PagedKVBatchLayerView, allocate_planes
 
 H, D, C, L, N = 2, 64, 3, 2, 6
 CAP = L * 64

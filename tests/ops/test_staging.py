@@ -9,7 +9,7 @@ and grows ~8x, which shows the measurement can fail.
 import jax
 import pytest
 
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops import dispatch
 from ninfer_kv.ops import registry
 

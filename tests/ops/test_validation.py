@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from ninfer_kv import ops
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops import validation
-from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.ops.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
+from ninfer_kv.ops.views import allocate_planes
 
 H, D, C, L, N, B, T = 2, 64, 3, 2, 6, 2, 3
 CAP = L * 64
@@ -148,7 +148,7 @@ def test_view_layer_and_planes_checked_at_the_op():
 
 def test_single_sequence_view_needs_zero_table_rows():
     view = _paged()["view"]
-    from ninfer_kv.views import PagedKVLayerView
+    from ninfer_kv.ops.views import PagedKVLayerView
 
     single = PagedKVLayerView(view.planes, view.block_tables[0], 0, LAYOUT)
     a = _attn()
@@ -322,7 +322,7 @@ def test_attention_rejects_unmapped_blocks_it_reads():
 
 
 def test_single_sequence_view_checks_its_table_entries():
-    from ninfer_kv.views import PagedKVLayerView
+    from ninfer_kv.ops.views import PagedKVLayerView
 
     view = _paged()["view"]
     single = PagedKVLayerView(view.planes, jnp.asarray([0, -3], jnp.int32), 0, LAYOUT)
@@ -334,7 +334,7 @@ def test_single_sequence_view_checks_its_table_entries():
 def test_public_ops_and_views_are_annotated():
     import inspect
 
-    from ninfer_kv import views
+    from ninfer_kv.ops import views
 
     fns = [getattr(ops, name) for name in ops.__all__ if inspect.isfunction(getattr(ops, name))]
     fns += [views.PagedKVBatchLayerView.__init__, views.PagedKVBatchLayerView.with_layer, views.CyclicKVLayout.allocate]

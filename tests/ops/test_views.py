@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.ops.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView, PagedKVLayerView
+from ninfer_kv.ops.views import allocate_planes
 
 LAYOUT = PagedKVStorageLayout("int8-g64", num_layers=3, num_kv_heads=2, head_dim=64, order="head-major")
 N, C, L = 5, 3, 4

@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 import pallas_kernels as pk
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.profiles import KVCodec
-from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.profiles import KVCodec
+from ninfer_kv.ops.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
 from pallas_kernels.common.codec_tiles import CODEC_TILES, codec_tile
 from pallas_kernels.triton.backend import TritonBackend
 

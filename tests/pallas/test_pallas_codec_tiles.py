@@ -1,4 +1,4 @@
-"""The in-kernel codec tiles produce exactly the codes and scales of ninfer_kv.codecs (CPU)."""
+"""The in-kernel codec tiles produce exactly the codes and scales of ninfer_kv.ops.codecs (CPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ninfer_kv import codecs
-from ninfer_kv.profiles import KVCodec
+from ninfer_kv.ops import codecs
+from ninfer_kv.schema.profiles import KVCodec
 from pallas_kernels.common import codec_tiles as ct
 from pallas_kernels.triton.config import lanes
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 import pallas_kernels as pk
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.schema.profiles import KVProfile
 from pallas_kernels.triton.config import query_rows
 
 

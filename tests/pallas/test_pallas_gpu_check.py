@@ -37,7 +37,7 @@ def test_cpu_smoke_rehearses_every_section(gpu_check, capsys):
 
 
 def test_code_steps_count_code_steps(gpu_check):
-    from ninfer_kv.profiles import KVCodec
+    from ninfer_kv.schema.profiles import KVCodec
 
     e4m3 = np.array([0x00, 0x80, 0x01, 0x81, 0x7E, 0x38], np.uint8)
     other = np.array([0x80, 0x01, 0x02, 0x01, 0x7D, 0x38], np.uint8)
@@ -76,7 +76,7 @@ def test_append_comparison_catches_wrong_and_stray_bytes(gpu_check):
 
 
 def test_ragged_ideal_bytes_count_live_pages_once_per_query_block(gpu_check):
-    from ninfer_kv.profiles import KVProfile
+    from ninfer_kv.schema.profiles import KVProfile
 
     page_bytes = 64 * 2 * KVProfile.BF16.token_head_bytes(128)  # a page of both KV heads
     # a decode at 100 keys: 2 pages; a chunk of 100 queries ending at 200 keys in blocks of 64: its

@@ -18,9 +18,9 @@ import pytest
 from jax.extend import core as jax_core
 
 import pallas_kernels as pk
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.ops.views import CyclicKVCacheLayerView, CyclicKVLayout, PagedKVBatchLayerView
 
 B, H, G, D, N_PAGES, WIDTH = 3, 2, 4, 128, 16, 8
 

@@ -18,10 +18,10 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 from jax.experimental.pallas import tpu as pltpu
 
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops.reference import paged_append_reference, paged_attention_reference
-from ninfer_kv.profiles import KVProfile
-from ninfer_kv.views import PagedKVBatchLayerView, allocate_planes
+from ninfer_kv.schema.profiles import KVProfile
+from ninfer_kv.ops.views import PagedKVBatchLayerView, allocate_planes
 from pallas_kernels.mosaic_tpu import paged_append, paged_attention
 
 HEADS, GROUP, D, PAGES, BLOCKS = 2, 2, 64, 7, 3

@@ -28,8 +28,8 @@ def _state():
 
 
 def test_peer_kv_pages_interleave_each_heads_k_and_v(tpu_check):
-    from ninfer_kv.layout import PagedKVStorageLayout
-    from ninfer_kv.views import PagedKVBatchLayerView, allocate_planes
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
+    from ninfer_kv.ops.views import PagedKVBatchLayerView, allocate_planes
 
     lay = PagedKVStorageLayout("bf16", 2, 3, 64, "page-major")
     shapes = lay.plane_shapes(5)

@@ -41,7 +41,7 @@ def test_every_shared_codec_tile_has_one_tpu_tile():
 
     import pytest
 
-    from ninfer_kv.profiles import KVCodec
+    from ninfer_kv.schema.profiles import KVCodec
     from pallas_kernels.common.codec_tiles import CODEC_TILES
     from pallas_kernels.mosaic_tpu.tpu_tiles import TPU_TILES, tpu_tile
 

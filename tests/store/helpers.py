@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ninfer_kv import ops
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, SpeculativeConfig, plan_kv_cache
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.device import KVDeviceState, apply_work, apply_work_jit
 from ninfer_kv.store import KVStore
 from ninfer_kv.device import allocate_state

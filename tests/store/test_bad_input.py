@@ -3,9 +3,16 @@
 import numpy as np
 import pytest
 
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import CheckpointHandle, KVStore, SequenceHandle
-from ninfer_kv.errors import EntitlementError, IncompleteContinuationError, LifecycleError, PoolCapacityError, RowError, StaleHandleError
+from ninfer_kv.schema.errors import (
+    EntitlementError,
+    IncompleteContinuationError,
+    LifecycleError,
+    PoolCapacityError,
+    RowError,
+    StaleHandleError,
+)
 
 from .helpers import assert_same, sync, tiny_plan
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ninfer_kv.store import KVStore
-from ninfer_kv.errors import HostCapacityError, LifecycleError, PoolCapacityError
+from ninfer_kv.schema.errors import HostCapacityError, LifecycleError, PoolCapacityError
 from ninfer_kv.device import apply_work
 
 from .helpers import tiny_plan

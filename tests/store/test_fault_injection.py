@@ -7,7 +7,7 @@ prefix, then the release)."""
 import numpy as np
 import pytest
 
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import ACTIVATION_STAGES, KVStore
 from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_kv.mesh_spec import MeshSpec
+from ninfer_kv.schema.mesh_spec import MeshSpec
 from ninfer_kv.planning import plan_kv_cache_mesh
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import ACTIVATION_STAGES, KVStore
-from ninfer_kv.errors import LifecycleError, StaleHandleError
+from ninfer_kv.schema.errors import LifecycleError, StaleHandleError
 from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
 from ninfer_kv.store.sharded import ShardedKVStore
 

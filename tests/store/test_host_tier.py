@@ -15,14 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv import ffi_library, ops
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.host import ffi_library
+from ninfer_kv import ops
+from ninfer_kv.schema.profiles import KVProfile
 from ninfer_kv.host import block_copy
 from ninfer_kv.host import HostKVArena, InvalidPlanError, coalesce_runs, host_layout_of
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import ACTIVATION_STAGES, KVStore
-from ninfer_kv.errors import HostCapacityError, LifecycleError, PoolCapacityError, StaleReplicaError
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.errors import HostCapacityError, LifecycleError, PoolCapacityError, StaleReplicaError
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from .helpers import (
     CONFIGS,

@@ -20,15 +20,15 @@ import jax
 import numpy as np
 import pytest
 
-from ninfer_kv.mesh_spec import MeshSpec
+from ninfer_kv.schema.mesh_spec import MeshSpec
 from ninfer_kv.planning import plan_kv_cache_mesh
 from ninfer_kv.device import rounds as device_rounds
 from ninfer_kv.device import work as device_work
 from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import OFFLOAD_STAGES, RESTORE_STAGES, KVStore
-from ninfer_kv.errors import PayloadError, RowError, StaleHandleError, TargetError, WorkOrderError
-from ninfer_kv.step_shapes import step_work_shapes
+from ninfer_kv.schema.errors import PayloadError, RowError, StaleHandleError, TargetError, WorkOrderError
+from ninfer_kv.schema.buckets import step_work_shapes
 from ninfer_kv.device import KVDeviceState, apply_work_jit, gather_pages, take_step_work
 from ninfer_kv.store.sharded import ShardedKVStore
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from ninfer_kv.ops.page_copy import compiled_variants, copy_page_columns
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.views import allocate_planes
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.ops.views import allocate_planes
 
 
 def _random_planes(layout, n, seed=0):

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from ninfer_kv import ops
-from ninfer_kv.errors import DonatedStateError, EntitlementError, PendingWorkError, WorkOrderError
+from ninfer_kv.schema.errors import DonatedStateError, EntitlementError, PendingWorkError, WorkOrderError
 from ninfer_kv.device import KVDeviceState, apply_work, apply_work_jit, take_step_work
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 from ninfer_kv.device import work as device_work
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import KVStore
 
 from .helpers import assert_same, model_step, tiny_plan

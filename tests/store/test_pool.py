@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.store import DevicePagePool
-from ninfer_kv.errors import PoolCapacityError, StaleHandleError
+from ninfer_kv.schema.errors import PoolCapacityError, StaleHandleError
 
 
 def _identity(pool):

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.geometry import SENTINEL_PAGE
-from ninfer_kv.errors import LostContentError, RowError, WorkOrderError
+from ninfer_kv.schema.geometry import SENTINEL_PAGE
+from ninfer_kv.schema.errors import LostContentError, RowError, WorkOrderError
 from ninfer_kv.device import apply_work_jit, resync
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import CheckpointHandle, KVStore, SequenceHandle
 
 from .helpers import content_ok, model_step, tiny_plan

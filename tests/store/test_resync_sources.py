@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer_kv.geometry import SENTINEL_PAGE
+from ninfer_kv.schema.geometry import SENTINEL_PAGE
 from ninfer_kv.device import apply_work_jit, resync
 from ninfer_kv.store import KVStore, SequenceHandle
 

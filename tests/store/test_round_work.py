@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from ninfer_kv.device import KVDeviceState, apply_work, apply_work_jit, gather_pages
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import KVStore
-from ninfer_kv.work import POISONED
-from ninfer_kv.errors import LifecycleError, StaleReplicaError, WorkOrderError
+from ninfer_kv.schema.round_work import POISONED
+from ninfer_kv.schema.errors import LifecycleError, StaleReplicaError, WorkOrderError
 from ninfer_kv.device import take_step_work
 from ninfer_kv.store.page_writes import PageWrites
 
@@ -185,7 +185,7 @@ def test_page_writes_resolve_to_pre_work_sources():
             for name in model:
                 set_cols(model, name, op[1], host[name][0], P)
     copies, restores, payload = writes.take()
-    from ninfer_kv.work import PoolWork, RoundWork
+    from ninfer_kv.schema.round_work import PoolWork, RoundWork
 
     pw = PoolWork(np.zeros((3, 0), np.int32), copies, restores, payload, store.max_concurrency, n)
     state = apply_work_jit(state, RoundWork(np.asarray(0, np.int32), {MAIN: pw}))

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import EntitlementPolicy, KVStore
-from ninfer_kv.errors import TargetError
+from ninfer_kv.schema.errors import TargetError
 
 from .helpers import P, tables_of, tiny_plan
 
@@ -182,7 +182,7 @@ def test_memory_summary_bills_shared_pages_once():
 
 def test_truncate_advances_the_content_epoch_and_invalidates_replicas():
     from ninfer_kv.store.logical_page import ReplicaRef
-    from ninfer_kv.errors import StaleHandleError
+    from ninfer_kv.schema.errors import StaleHandleError
 
     store = KVStore(tiny_plan(pages=12))
     h = store.activate(100, 50)

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import KVStore
-from ninfer_kv.errors import RowError
+from ninfer_kv.schema.errors import RowError
 
 from .helpers import assert_same, tiny_plan
 

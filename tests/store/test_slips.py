@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from ninfer_kv import ops
-from ninfer_kv.geometry import SENTINEL_PAGE
-from ninfer_kv.errors import DonatedStateError, WorkOrderError
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.geometry import SENTINEL_PAGE
+from ninfer_kv.schema.errors import DonatedStateError, WorkOrderError
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 from ninfer_kv.device import apply_work, apply_work_jit
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import KVStore
 
 from .helpers import model_step, tiny_plan

@@ -31,12 +31,22 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.device import apply_work_jit, gather_pages, resync
 from ninfer_kv.store.activation import PREFIX_LOOKAHEAD
 from ninfer_kv.store import EntitlementPolicy, KVStore
-from ninfer_kv.geometry import SENTINEL_PAGE
-from ninfer_kv.errors import EntitlementError, HostCapacityError, LifecycleError, LostContentError, PayloadError, TargetError, PoolCapacityError, RowError, StaleHandleError
+from ninfer_kv.schema.geometry import SENTINEL_PAGE
+from ninfer_kv.schema.errors import (
+    EntitlementError,
+    HostCapacityError,
+    LifecycleError,
+    LostContentError,
+    PayloadError,
+    TargetError,
+    PoolCapacityError,
+    RowError,
+    StaleHandleError,
+)
 
 from .helpers import (P, assert_same, content_ok, device, page_bytes, planes_of, space_content_ok, sync, tiny_plan,
                       write_positions, write_tokens)

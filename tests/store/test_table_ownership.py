@@ -26,7 +26,7 @@ import pytest
 
 import ninfer_kv
 from ninfer_kv.host import HostKVArena
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.store.address_space import AddressSpaceTable
 from ninfer_kv.store.block_tables import BlockTableMatrix
 from ninfer_kv.store.frontier_history import FrontierHistory

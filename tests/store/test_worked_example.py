@@ -3,7 +3,7 @@ private tail page holding 40 committed columns, verified on device bytes in ever
 
 import numpy as np
 
-from ninfer_kv.kinds import PoolKind
+from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.store import KVStore
 
 from .helpers import P, page_bytes, planes_of, random_fill, tiny_plan, write_tokens

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...integers import check_int
-from ...step_shapes import ladder_rungs
+from ...schema.integers import check_int
+from ...schema.buckets import ladder_rungs
 from .config import DEFAULT_BATCH_BUCKETS
 
 __all__ = ["bucket_for", "bucket_ladder", "token_ladder", "PaddedRows", "pad_rows", "RaggedRows", "pad_ragged",

@@ -17,12 +17,12 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv.geometry import PAGE_SIZE
-from ninfer_kv.integers import check_int
-from ninfer_kv.layout import PagedKVStorageLayout
+from ninfer_kv.schema.geometry import PAGE_SIZE
+from ninfer_kv.schema.integers import check_int
+from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.planning import ModelKVConfig
 from ninfer_kv.ops.registry import impl_choices
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.schema.profiles import KVProfile
 
 from .layers import Products
 

@@ -2,7 +2,7 @@
 
 * :func:`dense_logits` / :func:`dense_greedy_generate`: no cache at all.  Every call recomputes
   the whole sequence with plain causal attention; K (after RoPE) and V pass through
-  ``ninfer_kv.codecs.codec_roundtrip(profile, k, v)`` first, so the result is what a consumer of a
+  ``ninfer_kv.ops.codecs.codec_roundtrip(profile, k, v)`` first, so the result is what a consumer of a
   paged cache in ``profile`` sees (quantized profiles included).  This is the ground truth the
   paged step functions are tested against.
 * :func:`dense_mtp_forward`: the same for the MTP head over explicit (hidden, next token) pairs.
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import codecs
-from ninfer_kv.profiles import KVProfile
+from ninfer_kv.ops import codecs
+from ninfer_kv.schema.profiles import KVProfile
 
 from .config import ModelConfig
 from .layers import token_positions

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv.packed_weight import PackedWeight, unpack_bf16_weight
+from ninfer_kv.ops.ffi.packed_weight import PackedWeight, unpack_bf16_weight
 
 __all__ = [
     "rms_norm",
@@ -56,18 +56,18 @@ class Products(str, enum.Enum):
       are (AMX tiles or AVX512_BF16), the weights are packed once
       (:meth:`~ninfer_kv.models.decoder.steps.ModelSteps.prepare_params`) and a step traced over
       them runs ``AUTO`` as ``BATCH_INVARIANT`` (it costs nothing there); elsewhere the weights
-      stay plain, the FFI row kernel (:func:`ninfer_kv.ffi_ops.matmul_bf16`) takes single-row
+      stay plain, the FFI row kernel (:func:`ninfer_kv.ops.ffi.products.matmul_bf16`) takes single-row
       products (a decode step at batch 1: it reads each weight once, front to back, faster than
       XLA's matrix-vector kernel) and XLA's dots take more rows.
     * ``BATCH_INVARIANT`` (CPU with the FFI library): every computation of a row depends on that
       row alone: bfloat16 weight products through the FFI packed products (packed weights) or row
       kernel (plain ones), :func:`rms_norm`'s sum of squares as a fixed pairwise tree (XLA's CPU
       reductions change their order with the number of rows), and the FFI attention's context
-      splits at fixed key offsets (:func:`ninfer_kv.ffi_ops.fixed_splits`).
+      splits at fixed key offsets (:func:`ninfer_kv.ops.ffi.runtime.fixed_splits`).
 
     Weights packed once (:func:`ninfer_kv.models.decoder.weights.pack_params`, a
-    :class:`~ninfer_kv.packed_weight.PackedWeight` in place of the array) take the FFI packed
-    products (:func:`ninfer_kv.ffi_ops.matmul_bf16_packed`) under ``AUTO`` and ``BATCH_INVARIANT``
+    :class:`~ninfer_kv.ops.ffi.packed_weight.PackedWeight` in place of the array) take the FFI packed
+    products (:func:`ninfer_kv.ops.ffi.products.matmul_bf16_packed`) under ``AUTO`` and ``BATCH_INVARIANT``
     at every row count.  Under ``XLA`` a packed weight is unpacked in the step and multiplied by
     XLA's dot.
     """
@@ -78,7 +78,7 @@ class Products(str, enum.Enum):
 
 
 PACKED_FASTEST_FORMS = ("amx-chunks", "amx-pairs", "vdpbf16ps")
-"""The forms of the FFI packed products (:func:`ninfer_kv.ffi_ops.packed_kernel`) that are the
+"""The forms of the FFI packed products (:func:`ninfer_kv.ops.ffi.products.packed_kernel`) that are the
 CPU's fastest weight products at every row count (see :func:`packed_products_fastest`)."""
 
 
@@ -97,9 +97,10 @@ def packed_products_fastest() -> bool:
 
     ``False`` without the FFI library.  ``"auto"`` products follow it; ``"batch_invariant"`` takes
     the packed products everywhere (batch invariance at the ``fma`` form's speed)."""
-    from ninfer_kv import ffi_ops
+    from ninfer_kv.ops.ffi import products as ffi_products
+    from ninfer_kv.ops.ffi import runtime as ffi_runtime
 
-    return ffi_ops.is_available() and ffi_ops.packed_kernel() in PACKED_FASTEST_FORMS
+    return ffi_runtime.is_available() and ffi_products.packed_kernel() in PACKED_FASTEST_FORMS
 
 
 _PRODUCTS: contextvars.ContextVar[Products] = contextvars.ContextVar("ninfer_kv_products", default=Products.XLA)
@@ -112,9 +113,9 @@ def products(mode: Products | str):
     token = _PRODUCTS.set(mode)
     try:
         if mode is Products.BATCH_INVARIANT:
-            from ninfer_kv import ffi_ops
+            from ninfer_kv.ops.ffi import runtime as ffi_runtime
 
-            with ffi_ops.fixed_splits():
+            with ffi_runtime.fixed_splits():
                 yield
         else:
             yield
@@ -250,15 +251,15 @@ def matmul_t(x: jax.Array, w) -> jax.Array:
     """
     rows = math.prod(x.shape[:-1])
     if _packed_kernel(x, w):
-        from ninfer_kv import ffi_ops
+        from ninfer_kv.ops.ffi import products as ffi_products
 
-        return ffi_ops.matmul_bf16_packed(x, w)
+        return ffi_products.matmul_bf16_packed(x, w)
     if isinstance(w, PackedWeight):
         w = unpack_bf16_weight(w)
     if _row_kernel(x, w):
-        from ninfer_kv import ffi_ops
+        from ninfer_kv.ops.ffi import products as ffi_products
 
-        return ffi_ops.matmul_bf16(x, w)
+        return ffi_products.matmul_bf16(x, w)
     if rows == 1 or rows >= _MATVEC_FORM_FROM_ROWS:
         return jnp.matmul(x, w.T, preferred_element_type=jnp.float32)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -269,13 +270,13 @@ def matmul_t_many(x: jax.Array, weights) -> tuple[jax.Array, ...]:
     row kernel or the packed products apply (bit-identical to one call per weight), else one product
     each."""
     if _packed_kernel(x, *weights):
-        from ninfer_kv import ffi_ops
+        from ninfer_kv.ops.ffi import products as ffi_products
 
-        return ffi_ops.matmul_bf16_packed_many(x, weights)
+        return ffi_products.matmul_bf16_packed_many(x, weights)
     if _row_kernel(x, *weights):
-        from ninfer_kv import ffi_ops
+        from ninfer_kv.ops.ffi import products as ffi_products
 
-        return ffi_ops.matmul_bf16_many(x, weights)
+        return ffi_products.matmul_bf16_many(x, weights)
     return tuple(matmul_t(x, w) for w in weights)
 
 
@@ -304,9 +305,9 @@ def linear_many(x: jax.Array, weights, biases) -> tuple[jax.Array, ...]:
     :func:`matmul_t_many` call.  Without biases the packed products round to ``x.dtype`` as they
     write (the same bits, without the float32 results)."""
     if _packed_kernel(x, *weights) and all(b is None for b in biases):
-        from ninfer_kv import ffi_ops
+        from ninfer_kv.ops.ffi import products as ffi_products
 
-        return ffi_ops.matmul_bf16_packed_many(x, weights, out_dtype=x.dtype)
+        return ffi_products.matmul_bf16_packed_many(x, weights, out_dtype=x.dtype)
     out = []
     for y, b in zip(matmul_t_many(x, weights), biases):
         if b is not None:

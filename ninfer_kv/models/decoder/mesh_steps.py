@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from ...device.mesh import KVMesh
 from ...device.sharded_ops import sharded_apply_work, sharded_paged_append, sharded_paged_attention
-from ...kinds import PoolKind
+from ...schema.kinds import PoolKind
 from ...device.state import KVDeviceState
 from .config import StepConfig
 from .model import decoder_layer, embed_tokens, logits_from_hidden

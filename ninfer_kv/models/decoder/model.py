@@ -39,8 +39,8 @@ import jax.numpy as jnp
 
 from ninfer_kv import ops
 from ninfer_kv.ops.ragged import effective_starts, token_rows
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from .config import ModelConfig
 from .layers import apply_rope, linear, linear_many, matmul_t, rms_norm, swiglu, token_positions

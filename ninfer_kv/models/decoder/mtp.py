@@ -8,7 +8,7 @@ norm) with the embedding of the next token ``t_{i+1}`` and predicts ``t_{i+2}``:
     logits_i = lm_head(rms_norm(g_i, mtp.final_norm))
 
 The embedding and the LM head are shared with the main model.  The MTP pool is a second
-:class:`~ninfer_kv.layout.PagedKVStorageLayout` with one layer and Main's profile and geometry.
+:class:`~ninfer_kv.schema.layout.PagedKVStorageLayout` with one layer and Main's profile and geometry.
 
 Drafting ``K`` tokens (:func:`mtp_draft_paged`): an *extend* over a chunk of known
 ``(h_i, t_{i+1})`` pairs ending at the row's last valid position ``q`` yields the first draft
@@ -24,8 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ninfer_kv.layout import PagedKVStorageLayout
-from ninfer_kv.views import PagedKVBatchLayerView
+from ninfer_kv.schema.layout import PagedKVStorageLayout
+from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from .config import ModelConfig
 from .layers import rms_norm, token_positions

@@ -78,10 +78,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
-from ...kinds import PoolKind
+from ...schema.kinds import PoolKind
 from ...device.state import KVDeviceState
 from ...device.work import apply_work
-from ...packed_weight import PackedWeight
+from ...ops.ffi.packed_weight import PackedWeight
 from ...ops.registry import resolve_impl
 from .config import StepConfig
 from .layers import Products, packed_products_fastest, products

@@ -160,13 +160,13 @@ def param_shapes(config: ModelConfig) -> dict:
 
 def pack_params(params: dict, config: ModelConfig) -> dict:
     """``params`` with its bfloat16 projections and LM head packed once for the FFI's packed products
-    (:class:`~ninfer_kv.packed_weight.PackedWeight`; :class:`~ninfer_kv.models.decoder.layers.Products`
+    (:class:`~ninfer_kv.ops.ffi.packed_weight.PackedWeight`; :class:`~ninfer_kv.models.decoder.layers.Products`
     says when they are used).  A tied head gets its own packed copy as ``"lm_head"`` (the embedding
     table stays for the lookup); the MTP head and everything not bfloat16 stay as they are.  For
     the FFI backend on one CPU device only: the dense reference and the other backends take the
     plain params (under ``Products.XLA`` a packed weight is unpacked in every step).
     """
-    from ninfer_kv.packed_weight import PackedWeight, pack_bf16_weight
+    from ninfer_kv.ops.ffi.packed_weight import PackedWeight, pack_bf16_weight
 
     def pack(w):
         if isinstance(w, PackedWeight) or getattr(w, "dtype", None) != jnp.bfloat16 or w.ndim != 2:

@@ -50,7 +50,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from ...integers import check_int
+from ...schema.integers import check_int
 from ...planning.bounds import MAX_CONTEXT as _MAX_CONTEXT
 from ...planning.bounds import MAX_LAYERS as _MAX_LAYERS
 from ..decoder.config import ModelConfig, RopeScaling
@@ -175,7 +175,7 @@ def _is_number(v: Any) -> bool:
 
 def _check_int(key: str, v: Any, minimum: int, maximum: int) -> int:
     """``v`` as an ``int`` if it is an integer in ``[minimum, maximum]``, else a :class:`CheckpointError`
-    naming ``key`` (:func:`~ninfer_kv.integers.check_int`)."""
+    naming ``key`` (:func:`~ninfer_kv.schema.integers.check_int`)."""
     return check_int(key, v, minimum, maximum, error=_invalid)
 
 

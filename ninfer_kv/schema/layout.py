@@ -37,7 +37,7 @@ class PlaneInventoryEntry:
     Attributes:
       ordinal: position in the inventory, ``layer * len(planes) + schema index``.
       layer: the layer, in ``[0, num_layers)``.
-      plane: the :class:`~ninfer_kv.profiles.PlaneSpec` of the plane.
+      plane: the :class:`~ninfer_kv.schema.profiles.PlaneSpec` of the plane.
       bytes_per_token: bytes of one token of this layer plane over all ``H`` KV heads,
         ``plane.token_head_bytes * H``.
     """
@@ -147,8 +147,8 @@ class PagedKVStorageLayout:
     Attributes:
       profile: the parsed :class:`KVProfile`.
       num_layers: layers stacked on the leading axis of every plane.
-      geometry: the :class:`~ninfer_kv.geometry.KVPageGeometry` (``H``, ``D``, order, ``P``).
-      planes: the profile's :class:`~ninfer_kv.profiles.PlaneSpec` tuple for ``head_dim``, in
+      geometry: the :class:`~ninfer_kv.schema.geometry.KVPageGeometry` (``H``, ``D``, order, ``P``).
+      planes: the profile's :class:`~ninfer_kv.schema.profiles.PlaneSpec` tuple for ``head_dim``, in
         schema order (``k``, [``k_scale``], ``v``, [``v_scale``]).
       inventory: one :class:`PlaneInventoryEntry` per (layer, plane), layer-major.
 
@@ -219,7 +219,7 @@ class PagedKVStorageLayout:
         return tuple(p.name for p in self.planes)
 
     def plane(self, name: str) -> PlaneSpec:
-        """The :class:`~ninfer_kv.profiles.PlaneSpec` of plane ``name``.
+        """The :class:`~ninfer_kv.schema.profiles.PlaneSpec` of plane ``name``.
 
         Raises:
           KeyError: the profile has no plane ``name`` (the message lists its planes).

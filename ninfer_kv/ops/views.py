@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .layout import PagedKVStorageLayout
-from .profiles import KVProfile
+from ..schema.layout import PagedKVStorageLayout
+from ..schema.profiles import KVProfile
 
 __all__ = [
     "allocate_planes",
@@ -43,7 +43,7 @@ def allocate_planes(layout: PagedKVStorageLayout, num_pages: int, *, device=None
     """Allocate the planes of ``layout`` for ``num_pages`` physical page groups.
 
     Args:
-      layout: a :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+      layout: a :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout`.
       num_pages: physical page-group count N of the pool.
       device: optional ``jax.Device`` or sharding to place the planes on.
       fill: optional fill value (default zeros).  A NaN fill is applied to float planes only
@@ -55,7 +55,7 @@ def allocate_planes(layout: PagedKVStorageLayout, num_pages: int, *, device=None
 
     Raises:
       ValueError: ``num_pages`` is not an integer >= 1.
-      TypeError: ``layout`` is not a :class:`~ninfer_kv.layout.PagedKVStorageLayout`.
+      TypeError: ``layout`` is not a :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout`.
     """
     if not isinstance(layout, PagedKVStorageLayout):
         raise TypeError(f"layout must be a PagedKVStorageLayout, got {type(layout).__name__}")
@@ -220,7 +220,7 @@ class PagedKVBatchLayerView(_PagedViewBase):
 
     @property
     def profile(self) -> KVProfile:
-        """The pool's :class:`~ninfer_kv.profiles.KVProfile` (from the layout)."""
+        """The pool's :class:`~ninfer_kv.schema.profiles.KVProfile` (from the layout)."""
         return self.layout.profile
 
     @property
@@ -330,7 +330,7 @@ class CyclicKVLayout:
 
     @property
     def planes(self) -> tuple:
-        """The profile's :class:`~ninfer_kv.profiles.PlaneSpec` entries for ``head_dim``."""
+        """The profile's :class:`~ninfer_kv.schema.profiles.PlaneSpec` entries for ``head_dim``."""
         return self.profile.planes(self.head_dim)
 
     def plane_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from .profiles import KVCodec, KVProfile
+from ..schema.profiles import KVCodec, KVProfile
 
 __all__ = [
     "div_rn",
@@ -400,8 +400,8 @@ CODEC_REFERENCES: Mapping[KVCodec, CodecReference] = types.MappingProxyType({
     KVCodec.FP8_E4M3FN_ROW: CodecReference(quantize=quantize_fp8_row, dequantize=dequantize_fp8_row),
     KVCodec.NVFP4_G16: CodecReference(quantize=quantize_nvfp4_g16, dequantize=dequantize_nvfp4_g16),
 })
-"""The reference table: one :class:`CodecReference` per :class:`~ninfer_kv.profiles.KVCodec` (the
-JAX half of a codec's row; its storage facts are its row of :data:`ninfer_kv.profiles.CODEC_SPECS`)."""
+"""The reference table: one :class:`CodecReference` per :class:`~ninfer_kv.schema.profiles.KVCodec` (the
+JAX half of a codec's row; its storage facts are its row of :data:`ninfer_kv.schema.profiles.CODEC_SPECS`)."""
 
 if list(CODEC_REFERENCES) != list(KVCodec):  # checked at import: exactly one row per codec, in KVCodec's order
     raise RuntimeError(f"CODEC_REFERENCES must have one row per KVCodec, in its order; rows {list(CODEC_REFERENCES)}, "

@@ -1,10 +1,10 @@
 """Finding and loading the ninfer_kv FFI library (``libninfer_kv_ffi``) with ctypes, without JAX.
 
-The library holds the XLA FFI handlers of :mod:`ninfer_kv.ffi_ops` (which registers them with
+The library holds the XLA FFI handlers of :mod:`ninfer_kv.ops.ffi` (which registers them with
 JAX) and plain C functions the host-only parts of the package call directly, such as the
 streaming block copy of :mod:`ninfer_kv.host.block_copy`.  It is loaded once, on import of this
 module; where it is looked for, and what ``$NINFER_KV_FFI_LIBRARY`` and ``$NINFER_KV_FFI_ISA`` do,
-is described in :mod:`ninfer_kv.ffi_ops`.
+is described in :mod:`ninfer_kv.ops.ffi`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _candidates() -> list[Path]:
     if explicit is not None:
         return [explicit]
     out: list[Path] = []
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the ninfer_kv package
     out.append(here / "_lib" / LIBRARY_NAME)
     try:
         dist = metadata.distribution("ninfer_kv")

@@ -1,4 +1,4 @@
-"""Weights packed once for the FFI's packed products (:func:`ninfer_kv.ffi_ops.matmul_bf16_packed`).
+"""Weights packed once for the FFI's packed products (:func:`ninfer_kv.ops.ffi.products.matmul_bf16_packed`).
 
 A :class:`PackedWeight` holds an ``nn.Linear`` weight ``w (N, K)`` (bfloat16) in the layout the
 kernel (``ffi/src/gemm_packed.cc``) streams: tiles of 64 output columns, each tile one contiguous

@@ -1,6 +1,6 @@
 """Step-work shapes: how a serving loop bounds the programs that apply round works.
 
-Every jitted program that applies a :class:`~ninfer_kv.work.RoundWork` compiles once per shape of the
+Every jitted program that applies a :class:`~ninfer_kv.schema.round_work.RoundWork` compiles once per shape of the
 work's buffers ``(table updates, copies, restores)``.  A serving loop therefore fixes
 
 * the **step shape**: the work its step applies every round, padded to one shape (one compile of
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepWorkShapes", "step_work_shapes", "step_work_shape", "ladder_rungs"]
+__all__ = ["StepWorkShapes", "step_work_shapes", "step_work_shape", "ladder_rungs", "ladder", "bucket"]
 
 Shape = tuple[int, int, int]
 
@@ -59,7 +59,7 @@ def ladder_rungs(first: int, factor: int, cap: int) -> list[int]:
     """``first, first * factor, first * factor**2, ...`` below ``cap``, then ``cap`` itself.
 
     The one bucket ladder of the package (``first >= 1``, ``factor >= 2``): the alone shapes here,
-    the store's buffer buckets (:func:`ninfer_kv.store.buckets.ladder`) and the decoder's batch
+    the store's buffer buckets (:func:`ninfer_kv.schema.buckets.ladder`) and the decoder's batch
     buckets (:func:`ninfer_kv.models.decoder.buckets.bucket_ladder`).
     """
     out, n = [], first
@@ -105,3 +105,19 @@ def step_work_shape(store) -> Shape:
     """The default step shape of :func:`step_work_shapes` (table entries of half the rows, at least
     64; no copies, no restores)."""
     return step_work_shapes(store).step
+
+
+def ladder(first: int, factor: int, cap: int) -> tuple[int, ...]:
+    """Bucket sizes ``0, first, first * factor, ...`` up to and including ``cap``: every
+    variable-length part of a round work (table updates, COW copies, Host restores, offload page
+    lists) is padded to the smallest bucket of such a ladder, so a jitted step sees one shape per
+    bucket, never one per length."""
+    return tuple(sorted({0, *ladder_rungs(first, factor, max(cap, 0))}))
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    """The smallest of ``sizes`` (ascending) that holds ``n`` entries."""
+    for b in sizes:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} entries exceed the largest bucket {sizes[-1]}")

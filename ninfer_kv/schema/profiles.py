@@ -132,7 +132,7 @@ class CodecSpec:
     """One codec's row of the spec table: everything that differs between codecs, in one place.
 
     Rows are built with keywords.  The codec's float32 reference functions (JAX) are its row of
-    :data:`ninfer_kv.codecs.CODEC_REFERENCES`; this module stays free of JAX.
+    :data:`ninfer_kv.ops.codecs.CODEC_REFERENCES`; this module stays free of JAX.
 
     Attributes:
       codec: the :class:`KVCodec`.
