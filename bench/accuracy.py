@@ -16,7 +16,7 @@ The per-tensor codec errors ``||k' - k|| / ||k||`` and ``||v' - v|| / ||v||`` ar
 them.  The table is Markdown, ready for docs/ACCURACY.md.
 
 With ``--impl ffi`` (or ``auto`` on a CPU) a further table reports the error the kernel's own
-arithmetic adds (``ninfer_kv.ops.ffi.runtime.arithmetic``: float32, or the ``int8x2`` products of NVFP4 keys
+arithmetic adds (``ninfer_kv.ops.ffi.handlers.arithmetic``: float32, or the ``int8x2`` products of NVFP4 keys
 at the ``avx512vnni`` level): the relative L2 of the FFI output against a float64 oracle over the
 same quantized cache, next to the codec's own error (that oracle against float64 attention over the
 unquantized k and v) and their ratio, which the kernels keep at or below 0.1.
@@ -186,16 +186,16 @@ def main() -> None:
                 print(f"| {profile.value} | {d} | {b} | {r[f'decode/q{b}']:.2e} | {r[f'decode/q{b}/tol']:.1f} "
                       f"| {r[f'chunk/q{b}']:.2e} | {r[f'chunk/q{b}/tol']:.1f} | {r['decode']:.2e} |")
     if added:
-        from ninfer_kv.ops.ffi import runtime as ffi_runtime
+        from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
-        print(f"\nerror the FFI kernel's arithmetic adds ({ffi_runtime.info().summary()}): relative L2 against a "
+        print(f"\nerror the FFI kernel's arithmetic adds ({ffi_handlers.info().summary()}): relative L2 against a "
               "float64 oracle over the same quantized cache, and the codec's own error (that oracle against "
               "float64 attention over the unquantized k, v):\n")
         print("| profile | D | arithmetic (scores / values) | decode added | chunk added | codec decode rel L2 "
               "| codec chunk rel L2 | added / codec (worst) |")
         print("|---|---:|---|---:|---:|---:|---:|---:|")
         for profile, d, r in results:
-            ar = ffi_runtime.arithmetic(profile, d)
+            ar = ffi_handlers.arithmetic(profile, d)
             worst = max(r["decode/added"] / r["decode/codec64"], r["chunk/added"] / r["chunk/codec64"])
             print(f"| {profile.value} | {d} | {ar.scores} / {ar.values} | {r['decode/added']:.2e} | {r['chunk/added']:.2e} "
                   f"| {r['decode/codec64']:.2e} | {r['chunk/codec64']:.2e} | {worst:.1e} |")

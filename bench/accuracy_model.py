@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "examples"))
 from model_harness import prefill  # noqa: E402
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime  # noqa: E402
+from ninfer_kv.ops.ffi import handlers as ffi_handlers  # noqa: E402
 from ninfer_kv.models.decoder import ModelConfig, StepConfig, init_params, make_steps  # noqa: E402
 from ninfer_kv.ops.views import allocate_planes  # noqa: E402
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                       mlp_dim=1024, qk_norm=True, rope_theta=1e6, dtype="float32")
     params = init_params(cfg, seed=0)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (ROWS, args.prompt)).astype(np.int32)
-    print(f"FFI level {ffi_runtime.info().isa}; {args.layers} layers, prompt {args.prompt}, {DECODES} decode steps")
+    print(f"FFI level {ffi_handlers.info().isa}; {args.layers} layers, prompt {args.prompt}, {DECODES} decode steps")
     base = logits(cfg, params, prompt, "bf16", "reference")
     print("| profile | arithmetic (scores / values) | ffi vs reference | codec effect | ratio |")
     print("|---|---|---|---|---|")
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         ref = logits(cfg, params, prompt, profile, "reference")
         ffi = logits(cfg, params, prompt, profile, "ffi")
         added, codec = float(np.abs(ffi - ref).max()), float(np.abs(ref - base).max())
-        ar = ffi_runtime.arithmetic(profile, cfg.head_dim)
+        ar = ffi_handlers.arithmetic(profile, cfg.head_dim)
         print(f"| {profile} | {ar.scores} / {ar.values} | {added:.2e} | {codec:.2e} | 1/{codec / max(added, 1e-30):.0f} |")
     return 0
 

@@ -19,7 +19,7 @@ Decode attention (one layer, B rows of one context length, pages in random physi
 * the instruction-set level in use (``NINFER_KV_FFI_ISA`` forces one, e.g. ``avx2`` on an
   AVX-512 machine) is printed in the header;
 * the roofline (``bench/ffi_peaks.py``): the arithmetic the kernel uses for each profile
-  (``ninfer_kv.ops.ffi.runtime.arithmetic``: ``float32`` FMAs, or ``int8x2`` byte products), its multiply-add
+  (``ninfer_kv.ops.ffi.handlers.arithmetic``: ``float32`` FMAs, or ``int8x2`` byte products), its multiply-add
   peak measured in this run by ``bench/ffi_compute.cc`` built for the level in use (on every FFI
   thread at once, each timing its own CPU time), the compute ceiling (the K/V bytes per second
   those peaks allow: ``cores * bytes per key-head / (G * D / peak_scores + G * D / peak_values)``),
@@ -67,7 +67,7 @@ import ffi_peaks  # noqa: E402  (bench/ is the script's directory)
 from machine import read_bandwidth  # noqa: E402
 
 from ninfer_kv.ops.ffi import kv as ffi_kv  # noqa: E402
-from ninfer_kv.ops.ffi import runtime as ffi_runtime  # noqa: E402
+from ninfer_kv.ops.ffi import handlers as ffi_handlers  # noqa: E402
 from ninfer_kv.schema.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.ops import reference  # noqa: E402
 from ninfer_kv.ops.views import PagedKVBatchLayerView  # noqa: E402
@@ -280,18 +280,18 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.repeats, args.copy_mib = 3, 512
-    if not ffi_runtime.is_available():
-        raise SystemExit(f"FFI library unavailable: {ffi_runtime.load_error()}")
+    if not ffi_handlers.is_available():
+        raise SystemExit(f"FFI library unavailable: {ffi_handlers.load_error()}")
     rng = np.random.default_rng(0)
-    threads = ffi_runtime.num_threads()
+    threads = ffi_handlers.num_threads()
     bw_all = memory_bandwidth(args.copy_mib << 20, 5, threads)
     bw_one = memory_bandwidth(args.copy_mib << 20, 5, 1)
     bandwidth = max(bw_all, bw_one)
     rd_all = read_bandwidth(args.copy_mib << 20, 5, threads)
     rd_one = read_bandwidth(args.copy_mib << 20, 5, 1)
     read_bw = max(rd_all, rd_one)
-    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, FFI threads {threads}, library {ffi_runtime.library_path()}")
-    print(ffi_runtime.info().summary())
+    print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, FFI threads {threads}, library {ffi_handlers.library_path()}")
+    print(ffi_handlers.info().summary())
     print(f"load average before the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(huge_page_note())
     print(
@@ -302,7 +302,7 @@ def main() -> None:
         f"read bandwidth (one pass over {args.copy_mib} MiB): {rd_all / 1e9:.1f} GB/s on {threads} threads, "
         f"{rd_one / 1e9:.1f} GB/s on 1 thread; denominator {read_bw / 1e9:.1f} GB/s"
     )
-    info = ffi_runtime.info()
+    info = ffi_handlers.info()
     peaks = None
     if ffi_peaks.measurable(info.isa):
         peaks = ffi_peaks.measure_peaks(info.isa, threads, tuple(sorted(set(ffi_peaks.ARITHMETIC_PEAK.values()) &
@@ -331,7 +331,7 @@ def main() -> None:
 
     table = []
     for prof, ctx, r in measured:
-        ar = ffi_runtime.arithmetic(prof, args.head_dim)
+        ar = ffi_handlers.arithmetic(prof, args.head_dim)
         gbps = r["gbps"] * 1e9
         if peaks is not None and ar.scores in ffi_peaks.ARITHMETIC_PEAK and ar.values in ffi_peaks.ARITHMETIC_PEAK:
             sp, vp = peak(ar.scores), peak(ar.values)

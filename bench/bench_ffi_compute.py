@@ -7,7 +7,7 @@ rows over 8 pages that stay in L2, on one thread (times are the thread's CPU tim
 level and profile:
 
 * the arithmetic of the scores and of the value sums (``float32`` or ``int8x2``, see
-  ``ninfer_kv.ops.ffi.runtime.ARITHMETIC_NAMES``);
+  ``ninfer_kv.ops.ffi.handlers.ARITHMETIC_NAMES``);
 * ns per key: time per key of the task (scores and values of all its query rows);
 * of peak: the time the task's multiply-adds take at the peaks of their arithmetic (measured in the
   same run, one thread) over the measured time;
@@ -36,11 +36,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from tabulate import tabulate  # noqa: E402
 
 import ffi_peaks  # noqa: E402  (bench/ is the script's directory)
-from ninfer_kv.ops.ffi import runtime as ffi_runtime  # noqa: E402
+from ninfer_kv.ops.ffi import handlers as ffi_handlers  # noqa: E402
 from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
 
 # (K codec, V codec) as the FFI library numbers them, taken from the profiles themselves
-PROFILES = {p.value: (ffi_runtime._CODEC_ID[p.k_codec], ffi_runtime._CODEC_ID[p.v_codec]) for p in KVProfile}
+PROFILES = {p.value: (ffi_handlers._CODEC_ID[p.k_codec], ffi_handlers._CODEC_ID[p.v_codec]) for p in KVProfile}
 HEAD_DIM = 128
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     args = p.parse_args()
     if platform.machine() not in ("x86_64", "AMD64"):
         raise SystemExit("this benchmark builds the x86-64 levels; run it on an x86-64 machine")
-    supported = set(ffi_runtime.info().supported) if ffi_runtime.is_available() else {"baseline"}
+    supported = set(ffi_handlers.info().supported) if ffi_handlers.is_available() else {"baseline"}
     levels = [lv for lv in args.levels if lv in supported or lv == "native"]
     skipped = [lv for lv in args.levels if lv not in levels]
     print(f"{platform.processor() or platform.machine()}, one thread (CPU time); levels this CPU runs: "

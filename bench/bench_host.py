@@ -30,7 +30,7 @@ import numpy as np
 from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.schema.geometry import ceil_div
 from ninfer_kv.device import offload_pages, restore_pages
-from ninfer_kv.device.staging import staging_of
+from ninfer_kv.device.host_staging import staging_of
 from ninfer_kv.host import HostKVArena, HostKVPageLayout
 
 

@@ -61,7 +61,7 @@ class _Device:
 
 
 def _build(args, pages: int) -> tuple[KVStore, _Device]:
-    """A store whose Main pool holds ``pages`` page groups, planes filled with random bytes."""
+    """A store whose Main pool holds ``pages`` pages, planes filled with random bytes."""
     model = ModelKVConfig(args.layers, args.heads, args.head_dim, args.profile)
     plan = plan_kv_cache(
         model,

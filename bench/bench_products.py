@@ -177,7 +177,7 @@ def roofline_section(prefill_tokens, iters: int, peak, breakdown: bool = False) 
     import numpy as np
 
     from ninfer_kv.models.decoder import StepConfig, init_params, make_steps
-    from ninfer_kv.models.decoder.buckets import pad_ragged
+    from ninfer_kv.models.decoder.padding import pad_ragged
     from ninfer_kv.ops.views import allocate_planes
 
     cfg = qwen3_0_6b()

@@ -6,7 +6,7 @@ tokens and one new prompt of ``--chunk`` tokens.  Times (median of ``--iters`` a
 * the decodes alone (the decode step, a batch of ``D``);
 * the chunk alone (the prefill step, one row of ``--chunk`` tokens);
 * the ragged round: the ragged step, ``D`` one-token rows and the chunk in one call, padded to the
-  token bucket the engine would take (``ninfer_kv.models.decoder.buckets.token_ladder``) and to
+  token bucket the engine would take (``ninfer_kv.schema.buckets.token_ladder``) and to
   the batch bucket of ``D + 1`` rows;
 * the same ragged step at the exact token count (no padding tokens), for reference;
 
@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_products import median_time, qwen3_0_6b  # noqa: E402
 
 from ninfer_kv.models.decoder import StepConfig, init_params, make_steps  # noqa: E402
-from ninfer_kv.models.decoder.buckets import bucket_for, bucket_ladder, pad_ragged, token_ladder  # noqa: E402
+from ninfer_kv.models.decoder.padding import pad_ragged  # noqa: E402
+from ninfer_kv.schema.buckets import bucket_for, bucket_ladder, token_ladder  # noqa: E402
 from ninfer_kv.ops.views import allocate_planes  # noqa: E402
 
 

@@ -14,7 +14,7 @@ and in the thread's CPU time, the multiply-add rate of each kind of product the 
 The compute ceiling of a profile is what the kernel could stream if memory were free and its
 products ran at those peaks: decode attention needs ``G * D`` multiply-adds for the scores and
 ``G * D`` for the value sums per key and KV head (GQA group G, head dim D, one query position),
-each at the peak of the arithmetic the kernel uses for it (``ninfer_kv.ops.ffi.runtime.arithmetic``), so
+each at the peak of the arithmetic the kernel uses for it (``ninfer_kv.ops.ffi.handlers.arithmetic``), so
 
     ceiling = cores * K/V bytes per key-head / (G * D / peak_scores + G * D / peak_values)
 
@@ -42,7 +42,7 @@ LEVEL_FLAGS = {
     "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi", "-mtune=generic"],
     "native": ["-march=native"],
 }
-# The peak each arithmetic of ninfer_kv.ops.ffi.runtime.ARITHMETIC_NAMES runs at.
+# The peak each arithmetic of ninfer_kv.ops.ffi.handlers.ARITHMETIC_NAMES runs at.
 ARITHMETIC_PEAK = {"float32": "float32", "int8x2": "int8x2"}
 PEAK_KINDS = {
     "avx2": ("float32", "int16", "int8"),

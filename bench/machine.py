@@ -20,7 +20,7 @@ import numpy as np
 
 from ninfer_kv.ops.ffi import products as ffi_products
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
 __all__ = ["cpu_model", "read_bandwidth", "bf16_peak", "describe"]
 
@@ -43,7 +43,7 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, threads: int = 0) 
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        ffi_runtime._stream_read(buf, threads)
+        ffi_handlers._stream_read(buf, threads)
         best = min(best, time.perf_counter() - t0)
     return buf.nbytes / best
 
@@ -54,12 +54,12 @@ def bf16_peak() -> tuple[str, float] | None:
     no compiler)."""
     import ffi_peaks
 
-    level = ffi_runtime.info().isa
+    level = ffi_handlers.info().isa
     if not ffi_peaks.measurable(level):
         return None
-    features = ffi_runtime.info().cpu_features
+    features = ffi_handlers.info().cpu_features
     kind = "amx" if "amx-bf16" in features else "bf16" if "avx512bf16" in features else "float32"
-    peaks = ffi_peaks.measure_peaks(level, ffi_runtime.num_threads(), (kind,))
+    peaks = ffi_peaks.measure_peaks(level, ffi_handlers.num_threads(), (kind,))
     name = {"amx": "TDPBF16PS", "bf16": "VDPBF16PS", "float32": "float32 FMA"}[kind]
     return name, peaks.all[kind]
 
@@ -67,7 +67,7 @@ def bf16_peak() -> tuple[str, float] | None:
 def describe(read_bw: float | None = None) -> str:
     """One line: CPU model and cores, FFI level, packed-products form (AMX or not), read bandwidth
     (measured now unless given)."""
-    info = ffi_runtime.info()
+    info = ffi_handlers.info()
     kernel = ffi_products.packed_kernel()
     amx = "AMX in use" if kernel.startswith("amx") else f"no AMX ({ffi_products.packed_amx_status()})"
     read_bw = read_bandwidth() if read_bw is None else read_bw

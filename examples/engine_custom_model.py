@@ -12,7 +12,7 @@ reuse and batching; a model only runs steps.  Anything with the attributes and m
 
 Both steps take the device state (donated) and the round's work, apply the work first
 (``ninfer_kv.apply_work``), run the model through ``ninfer_kv.ops.paged_append`` /
-``ops.paged_attention`` over one ``PagedKVBatchLayerView`` per layer, and return the new state with
+``ops.paged_attention`` over one layer view per layer (``state.view``), and return the new state with
 ``StepOutput(next_tokens (B,), logits (B, V))`` taken at each row's last valid token.  Row ``b``
 appends ``valid[b]`` tokens at positions ``positions[b] ..`` into execution row ``table_rows[b]``;
 ``B`` is one of the batch buckets and padding rows have ``valid == 0`` (they write and read nothing).
@@ -43,7 +43,6 @@ from ninfer_kv.models.decoder.sampling import sample_tokens
 from ninfer_kv.planning import ModelKVConfig
 from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.schema.profiles import KVProfile
-from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, D_MODEL, MLP_DIM, VOCAB = 2, 2, 4, 64, 128, 256, 256
 MAIN = PoolKind.MAIN
@@ -134,15 +133,14 @@ class ToyModel:
         """One jitted step: apply the work, run the layers over the paged cache, choose the next tokens."""
         self.traces.append((name, tuple(tokens.shape), sampling is not None))
         state = apply_work(state, work)  # the block-table entries mapped since the last step
-        planes, tables = state.planes[MAIN], state.tables[MAIN]
         b, t = tokens.shape
         x = embed(w, tokens, positions[:, None] + jnp.arange(t, dtype=jnp.int32))  # (B, T, D_MODEL)
         for layer in range(LAYERS):
-            view = PagedKVBatchLayerView(planes, tables, layer, self.layout)
+            view = state.view(MAIN, layer)
             q, k, v = qkv(w, x, layer)
             view = ops.paged_append(view, table_rows, positions, k, v, valid)  # tokens t < valid[b] only
             out = ops.paged_attention(q, view, table_rows, positions, positions + valid)
-            planes = view.planes
+            state = state.replace_planes(MAIN, view.planes)
             x = x + out.reshape(b, t, -1) @ w["wo"][layer]
             x = x + mlp(w, x, layer)
         last = jnp.maximum(valid - 1, 0)  # each row's last valid token (0 for padding rows)
@@ -151,7 +149,7 @@ class ToyModel:
             next_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         else:  # drawn with each row's key folded with the position of the token it produces
             next_tokens = sample_tokens(logits, sampling, positions + valid)
-        return state.replace(planes={**state.planes, MAIN: planes}), StepOutput(next_tokens, logits)
+        return state, StepOutput(next_tokens, logits)
 
 
 # -- the same model without a cache --------------------------------------------------------------------

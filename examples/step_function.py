@@ -1,24 +1,23 @@
-"""A paged KV cache under your own jitted step function, end to end.
+"""A paged KV cache under your own jitted step function, end to end, in the step API.
 
-    plan  ->  store + device state  ->  [map pages -> take work -> jitted step (state donated) -> commit]*
-          ->  finish(retain) -> fork a second sequence from the checkpoint -> release
+    plan -> store + device state -> [begin_step -> jitted step (state donated) -> end_step]*
+         -> finish(retain) -> fork two sequences from the checkpoint -> release
 
 The store is host-only bookkeeping; the caller owns the ``KVDeviceState`` (planes and block tables)
-and threads it through its step.  The step first applies the store's round work
-(``ninfer_kv.apply_work``: the block-table entries mapped since the last unit), then builds one
-``PagedKVBatchLayerView`` per layer over the state's stacked planes and calls
-``ninfer_kv.ops.paged_append`` / ``paged_attention``; the state is donated, so appends happen in
-place — one dispatch per unit.  ``take_step_work`` pads the work to one fixed shape (table entries
-only); a work that does not fit it — here the forks' partial-tail COW copy — is applied alone just
-before the step (``apply_work_jit``, a second dispatch in that unit), and the step gets the next,
-empty, take.
+and threads it through its step.  Each unit is three calls: ``begin_step`` maps pages for the new
+tokens and takes the store's round work into an ``AttentionBatch`` (rows, positions, token counts,
+the work); the jitted step calls ``attention(state, batch, layer, q, k, v)`` once per layer, which
+applies the work on its first call, appends k/v and attends; ``end_step`` commits the tokens.  The
+state is donated, so appends happen in place: one dispatch per unit (two in the unit after the
+fork, whose copy-on-write of the shared tail is applied alone first).
 
 Page IDs, rows, positions and lengths are array data, so the step compiles once per shape of its
 token batch ``(B, T)``, however pages are assigned.  This script calls it 11 times in 3 shapes and
 so compiles it 3 times: ``(1, 128)`` for the shared prefix alone (2 prefill chunks of up to 128
 tokens), ``(2, 128)`` for the two forks' suffixes (1 chunk) and ``(2, 1)`` for the 8 decode steps;
 the final line prints the traced shapes.  At the end the served logits are checked against a dense
-recomputation with the same K8V4 codec round trip.
+recomputation with the same K8V4 codec round trip.  The full protocol behind these calls
+(``take_step_work``, ``apply_work``, views and ``ninfer_kv.ops``) is in docs/API.md.
 
 Run:  python examples/step_function.py   (a few seconds on a CPU)
 """
@@ -29,14 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ninfer_kv import ops
-from ninfer_kv.device import apply_work, take_step_work
-from ninfer_kv.ops.codecs import codec_roundtrip
-from ninfer_kv.planning import ExplicitCapacity, ModelKVConfig, plan_kv_cache
-from ninfer_kv.schema.kinds import PoolKind
-from ninfer_kv.store import KVStore
-from ninfer_kv.ops.views import PagedKVBatchLayerView
-from ninfer_kv.device import allocate_state
+from ninfer_kv import (ExplicitCapacity, KVStore, ModelKVConfig, allocate_state, attention, begin_step, end_step,
+                       ops, plan_kv_cache)
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, D_MODEL, VOCAB, CHUNK = 2, 2, 4, 64, 128, 256, 128
 
@@ -44,9 +37,8 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, D_MODEL, VOCAB, CHUNK = 2, 2, 4, 64, 128, 2
 plan = plan_kv_cache(ModelKVConfig(LAYERS, KV_HEADS, HEAD_DIM, profile="k8v4"),
                      max_context=512, max_concurrency=2, policy=ExplicitCapacity(16 * 64))
 store = KVStore(plan)
-layout = store.layout("main")
 state = allocate_state(store)                                   # caller-owned planes + block tables
-MAIN = PoolKind.MAIN
+PROFILE = store.layout().profile
 
 # 2. A toy model: embeddings, per-layer q/k/v/o projections (your model goes here).
 rng = np.random.default_rng(0)
@@ -63,37 +55,27 @@ def qkv(x, layer):
             (x @ w["wv"][layer]).reshape(b, t, KV_HEADS, HEAD_DIM))
 
 
-# 3. The jitted step: state donated (argument 0) and returned; the work, rows, positions are data.
+# 3. The jitted step: state donated (argument 0) and returned; the batch and tokens are data.
 TRACES = []  # the token shape (B, T) of every trace; each trace is one compilation (3 in this script)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def step(state, work, rows, positions, valid, tokens):
+def step(state, batch, tokens):
     TRACES.append(tokens.shape)
-    state = apply_work(state, work)                              # table entries (take_step_work applied any COW copy)
-    planes, tables = state.planes[MAIN], state.tables[MAIN]
     x = w["embed"][tokens]                                       # (B, T, D_MODEL)
     for layer in range(LAYERS):
-        view = PagedKVBatchLayerView(planes, tables, layer, layout)
         q, k, v = qkv(x, layer)
-        view = ops.paged_append(view, rows, positions, k, v, valid)          # tokens t < valid[b]
-        out = ops.paged_attention(q, view, rows, positions, positions + valid)
-        planes = view.planes
+        state, out = attention(state, batch, layer, q, k, v)     # append tokens t < num_tokens[b], attend
         x = x + out.reshape(x.shape[0], x.shape[1], -1) @ w["wo"][layer]
-    return state.replace(planes={**state.planes, MAIN: planes}), x @ w["embed"].T   # logits (B, T, VOCAB)
+    return state, x @ w["embed"].T                               # logits (B, T, VOCAB)
 
 
-def run(handles, tokens, positions, valid):
-    """One unit: map pages, take the round work, run the step (one dispatch, after the fork two), commit."""
+def run(handles, tokens, valid):
+    """One unit: begin (pages, work), the step (one dispatch; after the fork two), end (commit)."""
     global state
-    rows = np.array([store.row(h) for h in handles], np.int32)
-    ends = positions + valid
-    store.map(rows, ends)                                   # pages from each sequence's reservation
-    state, work = take_step_work(store, state)                   # the work since the last unit, fixed shape; a
-                                                                 # larger one (the fork's COW copy) is applied here
-    state, logits = step(state, work, rows, positions.astype(np.int32),
-                         valid.astype(np.int32), tokens.astype(np.int32))
-    store.commit(rows, ends)                                # only after the step succeeded
+    state, batch = begin_step(store, state, handles, valid)
+    state, logits = step(state, batch, tokens.astype(np.int32))
+    end_step(store, batch)                                       # only after the step succeeded
     return np.asarray(logits)
 
 
@@ -108,7 +90,7 @@ def generate(handles, prompts, starts, new_tokens):
         chunk = np.zeros((n, CHUNK), np.int64)
         for i, p in enumerate(prompts):
             chunk[i, : valid[i]] = p[pos[i] : pos[i] + valid[i]]
-        logits = run(handles, chunk, pos, valid)
+        logits = run(handles, chunk, valid)
         done = valid > 0
         last[done] = logits[done, valid[done] - 1]
         pos = pos + valid
@@ -118,7 +100,7 @@ def generate(handles, prompts, starts, new_tokens):
         for i in range(n):
             out_tokens[i].append(int(tok[i]))
             out_logits[i].append(last[i].copy())
-        last = run(handles, tok[:, None], pos, np.ones(n, np.int64))[:, 0]
+        last = run(handles, tok[:, None], 1)[:, 0]
         pos = pos + 1
     return out_tokens, out_logits
 
@@ -134,7 +116,7 @@ def dense_logits(tokens):
     mask = jnp.tril(jnp.ones((s, s), bool))
     for layer in range(LAYERS):
         q, k, v = qkv(x, layer)
-        k, v = codec_roundtrip(layout.profile, k, v)
+        k, v = ops.codecs.codec_roundtrip(PROFILE, k, v)
         k, v = (jnp.repeat(a, Q_HEADS // KV_HEADS, axis=2) for a in (k, v))
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM)
         p = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
@@ -173,7 +155,7 @@ def main():
     store.audit_invariants()
     store.require_synced(state)                                     # every round work applied once, in order
     print(f"ok: 2 sequences forked a 150-token prefix, 8 tokens each match the dense model "
-          f"(profile {layout.profile.value}, impl {ops.resolve_impl('auto').name}); "
+          f"(profile {PROFILE.value}, impl {ops.resolve_impl('auto').name}); "
           f"step traced for shapes {TRACES} only")
 
 

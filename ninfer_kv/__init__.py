@@ -1,10 +1,13 @@
 """ninfer_kv: a growing, paged KV cache for JAX model step functions.
 
-Host-side bookkeeping (typed page pools, logical pages, address spaces, reservations, block tables)
-in :class:`KVStore` emits each round's device work as stable-shape arrays, which the caller applies
-to its own :class:`KVDeviceState` with :func:`apply_work` inside its jitted step; Pallas GPU kernels and C++ XLA FFI
-CPU kernels append to and attend over page-major and head-major plane buffers in five closed KV
-profiles (BF16, INT8-G64, FP8-E4M3FN-row256, NVFP4-G16 and K8V4).
+A jitted step over the cache is three calls: :func:`begin_step` (the store maps pages for the new
+tokens and hands over its round work in an :class:`AttentionBatch`), the caller's step with one
+:func:`attention` per layer (the state donated), and :func:`end_step` (commit).  Behind them,
+Python bookkeeping in :class:`KVStore` (typed page pools, logical pages, address spaces,
+reservations, block tables) emits each round's device work as stable-shape arrays, which
+:func:`apply_work` applies to the caller's :class:`KVDeviceState`; Pallas kernels (GPU and TPU) and
+C++ XLA FFI CPU kernels append to and attend over page-major and head-major plane buffers in five
+closed KV profiles (BF16, INT8-G64, FP8-E4M3FN-row256, NVFP4-G16 and K8V4).
 
 Importing the package imports nothing heavy: every name below is loaded from its module on first
 use, so ``import ninfer_kv.store`` (host-only bookkeeping) never imports JAX.
@@ -19,7 +22,18 @@ from .schema.version import __version__  # noqa: F401  (the package version)
 
 if TYPE_CHECKING:  # pragma: no cover  (the same names, for type checkers and readers)
     from . import ops
-    from .device import KVDeviceState, allocate_state, apply_work, resync, run_round, take_step_work
+    from .device import (
+        AttentionBatch,
+        KVDeviceState,
+        allocate_state,
+        apply_work,
+        attention,
+        begin_step,
+        end_step,
+        resync,
+        run_round,
+        take_step_work,
+    )
     from .schema.errors import KVStoreError
     from .schema.geometry import PAGE_SIZE
     from .schema.kinds import PoolKind
@@ -31,28 +45,33 @@ if TYPE_CHECKING:  # pragma: no cover  (the same names, for type checkers and re
 
 _LAZY = {
     # plan
-    "PAGE_SIZE": "geometry",
+    "PAGE_SIZE": "schema.geometry",
     "ModelKVConfig": "planning",
     "ExplicitCapacity": "planning",
     "SpeculativeConfig": "planning",
     "KVPlan": "planning",
     "plan_kv_cache": "planning",
-    "PoolKind": "kinds",
-    "KVProfile": "profiles",
-    "PagedKVStorageLayout": "layout",
+    "PoolKind": "schema.kinds",
+    "KVProfile": "schema.profiles",
+    "PagedKVStorageLayout": "schema.layout",
     # the store and its handles
     "KVStore": "store",
     "SequenceHandle": "store",
     "CheckpointHandle": "store",
-    "KVStoreError": "errors",
-    # the device state and a step's round
+    "KVStoreError": "schema.errors",
+    # the step API: a step in three calls
+    "begin_step": "device",
+    "attention": "device",
+    "end_step": "device",
+    "AttentionBatch": "device",
+    # the device state and the full protocol of a step's round
     "KVDeviceState": "device",
     "allocate_state": "device",
     "apply_work": "device",
     "take_step_work": "device",
     "run_round": "device",
     "resync": "device",
-    "PagedKVBatchLayerView": "views",
+    "PagedKVBatchLayerView": "ops.views",
 }
 _MODULES = ("ops",)
 
@@ -70,6 +89,10 @@ __all__ = [
     "SequenceHandle",
     "CheckpointHandle",
     "KVStoreError",
+    "begin_step",
+    "attention",
+    "end_step",
+    "AttentionBatch",
     "KVDeviceState",
     "allocate_state",
     "apply_work",

@@ -236,7 +236,7 @@ def test_a_default_the_user_did_not_type_is_named_as_such(capsys):
     err = assert_usage_error(capsys, SMALL + ["--free-bytes", "1000", "--headroom-bytes", "0"], "--free-bytes 1000")
     assert "the default" not in err
     big = ["layout", "--profile", "bf16", "--head-dim", "65536", "--layers", "4096", "--kv-heads", "65536"]
-    assert run_json(capsys, big)["pool"]["page_bytes"] == 2**52  # 4 PiB per page group still fits int64
+    assert run_json(capsys, big)["pool"]["page_bytes"] == 2**52  # 4 PiB per page still fits int64
     err = assert_usage_error(capsys, big[:-2] + ["--kv-heads", "65536", "--order", "head-major"] + ["--pages", "4096"],
                              "--pages 4096", "int64")
     assert "the default" not in err

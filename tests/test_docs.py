@@ -6,10 +6,24 @@ meant to run is fenced ```text.  Each block of README.md is also run on its own,
 per block, so a reader can paste any one of them into a fresh interpreter: every README block
 carries its own imports and setup.  Each script must stay under 1 GiB of peak resident memory, and
 the docs explain the contract themselves rather than citing files the repository does not have.
+
+What the prose cites exists, checked by parsing only (nothing of the package is imported): across
+README.md, docs/*.md, ffi/README.md, the docstrings of examples/*.py and the module docstrings of
+``ninfer_kv``, every dotted name ``ninfer_kv.a.b[.c]`` or ``pallas_kernels.a.b`` (in backticks, in a
+``:mod:``/``:func:``/``:class:`` role or plain) is a module of the repository or a name a module
+defines (a def, class or assignment, or a name it imports or lists in ``__all__``; a class's
+attributes are looked up in its body and its bases), every repository path named (``ninfer_kv/…``,
+``pallas_kernels/…``, ``tests/…``, ``bench/…``, ``examples/…``, ``ffi/…``, ``docs/….md``) exists, and
+every ``from ninfer_kv… import …`` of a ```python block names something that exists.  Each check
+lists every broken reference as ``file:line: reference``.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
+import functools
+import importlib
 import os
 import re
 import subprocess
@@ -18,6 +32,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_import_layers import absolute_module
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -148,3 +163,339 @@ def test_readme_cli_examples_print_what_the_readme_shows(capsys):
             if argv[1] == "plan" and nxt is not None and nxt[0] == "text":
                 assert out == nxt[1], f"README.md:{nxt[2]}: the shown output of `{command}` is stale"
     assert ran >= 3
+
+
+# ---------------------------------------------------------------------------------------------
+# References: every dotted name, repository path and code-block import the prose cites exists.
+# Resolved by parsing the sources with ``ast`` (nothing is imported, so JAX never loads).
+
+REF_PACKAGES = ("ninfer_kv", "pallas_kernels")
+REF_DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "ffi" / "README.md"]
+BUILD_OUTPUTS = ("ninfer_kv/_lib",)
+"""Paths the build creates (the FFI library), which a source checkout does not have."""
+
+_DOTTED = re.compile(r"(?<![\w./-])(?:ninfer_kv|pallas_kernels)(?:\.[A-Za-z_]\w*)+")
+_REPO_PATH = re.compile(r"(?<![\w./-])(?:ninfer_kv|pallas_kernels|tests|bench|examples|ffi|docs)/[\w.\-/]*")
+_RELATIVE_ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj):`~?(\.[A-Za-z_][\w.]*)`")
+LOCAL_PATHS = {"ffi/README.md": ("ffi", re.compile(r"(?<![\w./-])src/[\w.\-/]*"))}
+"""Texts that also name paths relative to their own folder: ffi/README.md's ``src/…``."""
+_OPAQUE = ("opaque",)  # a name that exists but whose attributes cannot be read off the source
+
+
+def _stdlib(module: str):
+    """A standard-library module as a ``("python", module)`` target (importing it is cheap and safe);
+    ``_OPAQUE`` for any other package outside the repository (JAX is never imported)."""
+    if module.split(".")[0] not in sys.stdlib_module_names:
+        return _OPAQUE
+    try:
+        return ("python", importlib.import_module(module))
+    except ImportError:
+        return _OPAQUE
+
+
+class SourceIndex:
+    """Module files and their top-level bindings, read with ``ast`` (never imported)."""
+
+    def __init__(self, root: Path = ROOT):
+        self.root = root
+        self._parsed: dict[str, tuple] = {}
+
+    def module_file(self, module: str) -> Path | None:
+        """The file (or namespace-package folder) of a repository module, else ``None``."""
+        if module.split(".")[0] not in REF_PACKAGES:
+            return None
+        base = self.root.joinpath(*module.split("."))
+        if (base / "__init__.py").is_file():
+            return base / "__init__.py"
+        if base.with_suffix(".py").is_file():
+            return base.with_suffix(".py")
+        if base.is_dir() and any(base.glob("*.py")):
+            return base  # a namespace package
+        return None
+
+    def _bindings(self, module: str) -> tuple[dict, set, str]:
+        """``(name -> binding, __all__ names, package)`` of a module's top level."""
+        if module not in self._parsed:
+            path = self.module_file(module)
+            names: dict = {}
+            public: set = set()
+            is_package = path is None or path.is_dir() or path.name == "__init__.py"
+            package = module if is_package else module.rpartition(".")[0]
+            body = [] if path is None or path.is_dir() else ast.parse(path.read_text(), str(path)).body
+            self._collect(body, module, package, names, public)
+            self._parsed[module] = (names, public, package)
+        return self._parsed[module]
+
+    def _collect(self, body, module, package, names, public):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names[node.name] = ("def",)
+            elif isinstance(node, ast.ClassDef):
+                names[node.name] = ("class", module, node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            names[n.id] = ("value",)
+                            if n.id == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
+                                public |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname:
+                        names[a.asname] = ("module", a.name)
+                    else:
+                        names.setdefault(a.name.split(".")[0], ("module", a.name.split(".")[0]))
+            elif isinstance(node, ast.ImportFrom):
+                source = absolute_module(package, node.level, node.module)
+                for a in node.names:
+                    if a.name != "*":
+                        names[a.asname or a.name] = ("from", source, a.name)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in ("body", "orelse", "finalbody"):
+                    self._collect(getattr(node, block, []), module, package, names, public)
+                for handler in getattr(node, "handlers", []):
+                    self._collect(handler.body, module, package, names, public)
+
+    def _follow(self, binding, depth: int):
+        kind = binding[0]
+        if kind == "module":
+            return binding if self.module_file(binding[1]) else _stdlib(binding[1])
+        if kind == "from":
+            if self.module_file(binding[1]) is None:  # imported from outside the repository
+                found = _stdlib(binding[1])
+                return found if found is _OPAQUE else self.member(found, binding[2], depth + 1)
+            return self.member(("module", binding[1]), binding[2], depth + 1)
+        if kind == "class":
+            return binding
+        return _OPAQUE
+
+    def member(self, target, name: str, depth: int = 0):
+        """What ``name`` is on ``target`` (a module or a class binding), ``_OPAQUE`` when it exists but
+        cannot be looked into, ``None`` when it does not exist."""
+        if depth > 20 or target is _OPAQUE:
+            return _OPAQUE
+        if target[0] == "python":  # the standard library: read the real object (a class's MRO too)
+            obj = target[1]
+            if isinstance(obj, type) and any(name in vars(k) for k in obj.__mro__):
+                return _OPAQUE
+            return ("python", getattr(obj, name)) if hasattr(obj, name) else None
+        if target[0] == "module":
+            module = target[1]
+            if self.module_file(f"{module}.{name}"):
+                return ("module", f"{module}.{name}")
+            names, public, _ = self._bindings(module)
+            if name in names:
+                return self._follow(names[name], depth)
+            return _OPAQUE if name in public else None
+        _, module, cls = target
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                return ("class", module, node) if isinstance(node, ast.ClassDef) else _OPAQUE
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
+                    return _OPAQUE
+        for n in ast.walk(cls):  # self.name = ... in a method
+            if isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.ctx, ast.Store):
+                return _OPAQUE
+        for base in cls.bases:
+            found = self._base(module, base, depth)
+            if found is _OPAQUE:
+                return _OPAQUE  # a base from outside the repository may define it
+            if found is not None:
+                hit = self.member(found, name, depth + 1)
+                if hit is not None:
+                    return hit
+        return None
+
+    def _base(self, module: str, expr, depth: int):
+        if isinstance(expr, ast.Subscript):
+            expr = expr.value
+        chain = []
+        while isinstance(expr, ast.Attribute):
+            chain.append(expr.attr)
+            expr = expr.value
+        if not isinstance(expr, ast.Name):
+            return _OPAQUE
+        target = self.member(("module", module), expr.id, depth + 1)
+        if target is None and hasattr(builtins, expr.id):
+            target = ("python", getattr(builtins, expr.id))
+        for attr in reversed(chain):
+            if target is None or target is _OPAQUE:
+                break
+            target = self.member(target, attr, depth + 1)
+        return _OPAQUE if target is None else target
+
+    def resolves(self, dotted: str) -> bool:
+        """Whether ``a.b.c`` names a module of the repository or something defined in one."""
+        parts = dotted.split(".")
+        for i in range(len(parts), 0, -1):
+            if self.module_file(".".join(parts[:i])):
+                break
+        else:
+            return False
+        target = ("module", ".".join(parts[:i]))
+        for name in parts[i:]:
+            target = self.member(target, name)
+            if target is None:
+                return False
+            if target is _OPAQUE:
+                return True
+        return True
+
+
+def docstrings(path: Path, module_only: bool) -> list[tuple[str, int]]:
+    """``(text, first line)`` of a Python file's module docstring (and, unless ``module_only``, of
+    every class and function docstring)."""
+    tree = ast.parse(path.read_text(), str(path))
+    defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    nodes = [tree] if module_only else [tree, *(n for n in ast.walk(tree) if isinstance(n, defs))]
+    out = []
+    for node in nodes:
+        first = node.body[0] if node.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            out.append((first.value.value, first.lineno))
+    return out
+
+
+@functools.cache
+def reference_texts() -> tuple[tuple[str, str, int], ...]:
+    """``(file, text, first line)`` of every text whose references are checked: README.md, docs/*.md,
+    ffi/README.md, the docstrings of examples/*.py and the module docstrings of ``ninfer_kv``."""
+    out = [(str(p.relative_to(ROOT)), p.read_text(), 1) for p in REF_DOCS]
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        out += [(str(path.relative_to(ROOT)), text, line) for text, line in docstrings(path, module_only=False)]
+    for path in sorted((ROOT / "ninfer_kv").rglob("*.py")):
+        out += [(str(path.relative_to(ROOT)), text, line) for text, line in docstrings(path, module_only=True)]
+    return tuple(out)
+
+
+def _line(text: str, pos: int, first: int) -> int:
+    return first + text.count("\n", 0, pos)
+
+
+def _package_of(name: str) -> str | None:
+    """The package a relative reference in the docstrings of repository file ``name`` starts from."""
+    parts = name.removesuffix(".py").split("/")
+    if not name.endswith(".py") or parts[0] not in REF_PACKAGES:
+        return None
+    return ".".join(parts[:-1])
+
+
+def broken_dotted_references(texts, index: SourceIndex) -> list[str]:
+    """``file:line: name`` of every ``ninfer_kv.…`` / ``pallas_kernels.…`` name that resolves to nothing,
+    and, in a package's own docstrings, of every relative role (``:mod:`.kv```) that does not."""
+    bad = []
+    for name, text, first in texts:
+        found = [(m.start(), m.group(), m.group()) for m in _DOTTED.finditer(text)]
+        package = _package_of(name)
+        if package:
+            found += [(m.start(), m.group(), package + m.group(1)) for m in _RELATIVE_ROLE.finditer(text)]
+        for start, shown, full in sorted(found):
+            if not index.resolves(full):
+                bad.append(f"{name}:{_line(text, start, first)}: {shown}")
+    return bad
+
+
+def missing_repo_paths(texts, root: Path = ROOT) -> list[str]:
+    """``file:line: path`` of every repository path named that the repository does not have (a
+    placeholder such as ``pallas_kernels/<backend>/`` or a glob is left alone)."""
+    bad = []
+    for name, text, first in texts:
+        base, local = LOCAL_PATHS.get(name, ("", None))
+        found = [("", m) for m in _REPO_PATH.finditer(text)]
+        found += [(base, m) for m in (local.finditer(text) if local else ())]
+        for folder, m in sorted(found, key=lambda f: f[1].start()):
+            path = m.group().rstrip(".")
+            if text[m.end() : m.end() + 1] in ("<", "*", "{") or path.startswith(BUILD_OUTPUTS):
+                continue
+            if not (root / folder / path).exists():
+                bad.append(f"{name}:{_line(text, m.start(), first)}: {path}")
+    return bad
+
+
+def broken_block_imports(texts, index: SourceIndex) -> list[str]:
+    """``file:line: import`` of every ``from ninfer_kv… import name`` / ``import ninfer_kv…`` of a
+    ```python block that names a module or a name the repository does not define."""
+    bad = []
+    for name, text, first in texts:
+        for lang, code, line in fenced_blocks(text):
+            if lang != "python":
+                continue
+            try:
+                tree = ast.parse(code)
+            except SyntaxError:
+                continue  # test_python_blocks_parse reports it
+            for node in ast.walk(tree):
+                where = f"{name}:{first + line - 1 + node.lineno - 1}" if hasattr(node, "lineno") else name
+                ours = isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in REF_PACKAGES
+                if ours and not node.level:
+                    for a in node.names:
+                        if not index.resolves(f"{node.module}.{a.name}"):
+                            bad.append(f"{where}: from {node.module} import {a.name}")
+                elif isinstance(node, ast.Import):
+                    for a in node.names:
+                        if a.name.split(".")[0] in REF_PACKAGES and index.module_file(a.name) is None:
+                            bad.append(f"{where}: import {a.name}")
+    return bad
+
+
+_INDEX = SourceIndex()
+
+
+def test_dotted_references_resolve():
+    bad = broken_dotted_references(reference_texts(), _INDEX)
+    assert not bad, "dotted names that name nothing in the repository:\n" + "\n".join(bad)
+
+
+def test_repo_paths_exist():
+    bad = missing_repo_paths(reference_texts())
+    assert not bad, "repository paths that do not exist:\n" + "\n".join(bad)
+
+
+def test_code_block_imports_resolve():
+    texts = [(str(p.relative_to(ROOT)), p.read_text(), 1) for p in REF_DOCS]
+    bad = broken_block_imports(texts, _INDEX)
+    assert not bad, "imports of ```python blocks that name nothing in the repository:\n" + "\n".join(bad)
+
+
+def test_the_reference_checks_can_fail():
+    fake = (
+        "The store is `ninfer_kv.store.KVStore` (:func:`ninfer_kv.store.KVStore.activate`), planned by\n"
+        "ninfer_kv.planning.plan_kv_cache; not by :mod:`ninfer_kv.no_such_module` nor\n"
+        "`ninfer_kv.schema.layout.NoSuchName` nor ninfer_kv.store.KVStore.no_such_verb.\n"
+        "See `ninfer_kv/store/core.py`, tests/test_docs.py, docs/LAYOUT.md and `pallas_kernels/<backend>/`,\n"
+        "not ninfer_kv/no_such.py or docs/NOPE.md.\n"
+        "```python\n"
+        "from ninfer_kv.schema.layout import PagedKVStorageLayout, NoSuchLayout\n"
+        "import ninfer_kv.no_such\n"
+        "```\n"
+    )
+    texts = [("FAKE.md", fake, 1)]
+    assert broken_dotted_references(texts, _INDEX) == [
+        "FAKE.md:2: ninfer_kv.no_such_module",
+        "FAKE.md:3: ninfer_kv.schema.layout.NoSuchName",
+        "FAKE.md:3: ninfer_kv.store.KVStore.no_such_verb",
+        "FAKE.md:8: ninfer_kv.no_such",
+    ]
+    assert missing_repo_paths(texts) == ["FAKE.md:5: ninfer_kv/no_such.py", "FAKE.md:5: docs/NOPE.md"]
+    assert broken_block_imports(texts, _INDEX) == [
+        "FAKE.md:7: from ninfer_kv.schema.layout import NoSuchLayout",
+        "FAKE.md:8: import ninfer_kv.no_such",
+    ]
+    # ffi/README.md also names its own sources relative to ffi/
+    assert missing_repo_paths([("ffi/README.md", "`src/common.h`, `src/dispatch.{h,cc}` and\nsrc/nope.cc", 1)]) == [
+        "ffi/README.md:2: src/nope.cc"
+    ]
+    # a class's attributes: its body, its bases in the repository, a standard-library base's own
+    assert _INDEX.resolves("ninfer_kv.schema.kinds.PoolKind.MAIN")
+    assert _INDEX.resolves("ninfer_kv.schema.kinds.PoolKind.value")  # enum.Enum's
+    assert not _INDEX.resolves("ninfer_kv.schema.kinds.PoolKind.no_such_member")
+    # a package's own docstrings may name its modules relatively
+    relative = ":mod:`.kv` and :func:`.handlers.arithmetic`, not :mod:`.no_such`"
+    assert broken_dotted_references([("ninfer_kv/ops/ffi/__init__.py", relative, 1)], _INDEX) == [
+        "ninfer_kv/ops/ffi/__init__.py:1: :mod:`.no_such`"
+    ]
+    # a docstring's lines count from where it starts in its file
+    assert broken_dotted_references([("x.py", "a\nb ninfer_kv.nope", 10)], _INDEX) == ["x.py:11: ninfer_kv.nope"]

@@ -76,13 +76,16 @@ def _imports(name: str, path: Path):
             for a in node.names:
                 yield a.name, None, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            yield mod, [a.name for a in node.names], node.lineno
+            yield absolute_module(package, node.level, node.module), [a.name for a in node.names], node.lineno
+
+
+def absolute_module(package: str, level: int, module: str | None) -> str:
+    """The module an ``ImportFrom`` of ``level`` dots names, made absolute from the importer's ``package``."""
+    if not level:
+        return module or ""
+    base = package.split(".")
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
 
 
 def import_graph() -> dict[str, set[str]]:

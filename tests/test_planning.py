@@ -44,7 +44,7 @@ def test_m_range(s, c, l, m_min, m_max):
 @pytest.mark.parametrize("policy", [ExplicitCapacity(4096), AutomaticCapacity(free_bytes=10**9)])
 def test_single_point_m_min_equals_m_max(policy):
     plan = _plan(s=4096, c=1, policy=policy)
-    assert plan.m == plan.builder.m_min == plan.builder.m_max == 64
+    assert plan.m == plan.pool_set.m_min == plan.pool_set.m_max == 64
     assert plan.capacity_tokens == 4096
     assert plan.device_bytes == plan.curve.b_min == 64 * TINY_PAGE + 64 * 4
 
@@ -84,10 +84,10 @@ def test_explicit_above_m_max_is_rejected_with_range():
         _plan(s=1000, c=8, policy=ExplicitCapacity(8193))
 
 
-def test_m_outside_range_is_rejected_by_the_builder():
+def test_m_outside_range_is_rejected_by_the_pool_set():
     b = KVPoolSetLayout(TINY, 1000, 8)
     for m in (15, 129):
-        with pytest.raises(ValueError, match=r"M=%d Main page groups is outside \[16, 128\]" % m):
+        with pytest.raises(ValueError, match=r"M=%d Main pages is outside \[16, 128\]" % m):
             b.pools(m)
         with pytest.raises(ValueError, match=r"outside"):
             b.curve().bytes_at(m)
@@ -270,26 +270,26 @@ CURVE_CASES = [
 
 @pytest.mark.parametrize("name, model, spec", CURVE_CASES, ids=[c[0] for c in CURVE_CASES])
 def test_curve_matches_really_allocated_buffers(name, model, spec):
-    builder = KVPoolSetLayout(model, max_context=300, max_concurrency=3, speculative=spec, fixed_bytes=777)
-    assert (builder.m_min, builder.m_max) == (5, 15)
-    curve = builder.curve()
-    for m in (builder.m_min, 9, builder.m_max):
-        real = allocated_pool_bytes(builder, m)
-        assert real == curve.bytes_at(m) == builder.device_bytes(m)
-        assert real == sum(p.bytes + p.table_bytes for p in builder.pools(m).values()) + 777
-    planes = allocate_pools(builder, builder.m_min)
-    assert set(planes) == set(builder.pool_kinds)
-    for kind, pool in builder.pools(builder.m_min).items():
+    pool_set = KVPoolSetLayout(model, max_context=300, max_concurrency=3, speculative=spec, fixed_bytes=777)
+    assert (pool_set.m_min, pool_set.m_max) == (5, 15)
+    curve = pool_set.curve()
+    for m in (pool_set.m_min, 9, pool_set.m_max):
+        real = allocated_pool_bytes(pool_set, m)
+        assert real == curve.bytes_at(m) == pool_set.device_bytes(m)
+        assert real == sum(p.bytes + p.table_bytes for p in pool_set.pools(m).values()) + 777
+    planes = allocate_pools(pool_set, pool_set.m_min)
+    assert set(planes) == set(pool_set.pool_kinds)
+    for kind, pool in pool_set.pools(pool_set.m_min).items():
         assert {n: a.shape for n, a in planes[kind].items()} == pool.layout.plane_shapes(pool.physical_pages)
 
 
 def test_curve_detects_a_wrong_curve():
-    builder = KVPoolSetLayout(TINY, 300, 3)
-    good = builder.curve()
+    pool_set = KVPoolSetLayout(TINY, 300, 3)
+    good = pool_set.curve()
     bad = SequenceCapacityCurve(good.m_min, good.m_max, good.b_min, good.b_step - 1)
-    builder.verify_curve(good, range(good.m_min, good.m_max + 1))
+    pool_set.verify_curve(good, range(good.m_min, good.m_max + 1))
     with pytest.raises(AssertionError, match="capacity curve mismatch at M=6"):
-        builder.verify_curve(bad, [good.m_min, good.m_min + 1])
+        pool_set.verify_curve(bad, [good.m_min, good.m_min + 1])
 
 
 @settings(max_examples=40, deadline=None)
@@ -310,14 +310,14 @@ def test_curve_detects_a_wrong_curve():
 def test_automatic_m_is_the_largest_affordable(profile, layers, heads, groups, s, c, backend, k, full, fixed, slack, headroom):
     model = ModelKVConfig(layers, heads, 64 * groups, profile)
     spec = SpeculativeConfig(backend, draft_window=min(k, s), draft_full_layers=full)
-    builder = KVPoolSetLayout(model, s, c, spec, fixed)
-    curve = builder.curve()
+    pool_set = KVPoolSetLayout(model, s, c, spec, fixed)
+    curve = pool_set.curve()
     free = headroom + curve.b_min + slack
     plan = _plan(model, s=s, c=c, policy=AutomaticCapacity(free, headroom), spec=spec, fixed=fixed)
     m = plan.m
-    assert builder.m_min <= m <= builder.m_max
-    assert builder.device_bytes(m) == plan.device_bytes <= free - headroom
-    assert m == builder.m_max or builder.device_bytes(m + 1) > free - headroom
+    assert pool_set.m_min <= m <= pool_set.m_max
+    assert pool_set.device_bytes(m) == plan.device_bytes <= free - headroom
+    assert m == pool_set.m_max or pool_set.device_bytes(m + 1) > free - headroom
     # Published capacity is M * P; the per-sequence ceiling stays S.
     assert plan.capacity_tokens == m * P
     assert plan.max_context == s and plan.logical_pages == math.ceil(s / P)
@@ -344,13 +344,13 @@ def test_plan_json_keys():
 
 # -- bounds: exact integers, int32 page IDs and positions, int64 bytes ------------------------------
 def test_huge_geometry_has_an_exact_curve_and_a_bound_error():
-    # Once overflowed int64 inside the builder ("capacity curve mismatch"); the bytes are exact ints.
+    # Once overflowed int64 inside the pool set ("capacity curve mismatch"); the bytes are exact ints.
     model = ModelKVConfig(4096, 1000, 65536, "bf16")
-    builder = KVPoolSetLayout(model, 100_000_000, 100_000)
-    curve = builder.curve()  # verified against the builder at M_max
+    pool_set = KVPoolSetLayout(model, 100_000_000, 100_000)
+    curve = pool_set.curve()  # verified against the pool set at M_max
     page = 4096 * 1000 * 65536 * 2 * 2 * P
-    assert curve.b_step == page and curve.b_min == builder.m_min * page + builder.m_max * 4
-    assert builder.device_bytes(builder.m_max) == curve.bytes_at(builder.m_max) > INT64_MAX
+    assert curve.b_step == page and curve.b_min == pool_set.m_min * page + pool_set.m_max * 4
+    assert pool_set.device_bytes(pool_set.m_max) == curve.bytes_at(pool_set.m_max) > INT64_MAX
     with pytest.raises(PlanBoundError, match="B_min=.* must fit int64") as err:
         _plan(model, s=100_000_000, c=100_000, policy=ExplicitCapacity(100_000_000))
     assert err.value.name == "B_min" and isinstance(err.value, ValueError)
@@ -368,7 +368,7 @@ def test_huge_geometry_has_an_exact_curve_and_a_bound_error():
         (dict(s=100, c=1, spec=SpeculativeConfig("mtp", draft_window=101)), "draft_window", "[1, 100]"),
     ],
 )
-def test_builder_bounds(kwargs, name, allowed):
+def test_pool_set_bounds(kwargs, name, allowed):
     spec = kwargs.pop("spec", None)
     if name == "max_concurrency" and kwargs["c"] == MAX_PAGES // 2:
         assert KVPoolSetLayout(TINY, kwargs["s"], kwargs["c"], spec).max_m() == MAX_PAGES // 2
@@ -380,8 +380,8 @@ def test_builder_bounds(kwargs, name, allowed):
 
 def test_m_is_bounded_by_int32_page_ids():
     # S = 6400 (L = 100), C = 2**30: M_max = 100 * 2**30 pages, but page IDs stop at 2**31.
-    builder = KVPoolSetLayout(TINY, 6400, 2**30)
-    assert builder.max_m() == MAX_PAGES < builder.m_max
+    pool_set = KVPoolSetLayout(TINY, 6400, 2**30)
+    assert pool_set.max_m() == MAX_PAGES < pool_set.m_max
     assert _plan(s=6400, c=2**30, policy=ExplicitCapacity(MAX_PAGES * P)).m == MAX_PAGES
     with pytest.raises(PlanBoundError, match=r"kv_capacity=.* it must be in \[.*, %d\] tokens.*int32" % (MAX_PAGES * P)):
         _plan(s=6400, c=2**30, policy=ExplicitCapacity(MAX_PAGES * P + 1))
@@ -389,7 +389,7 @@ def test_m_is_bounded_by_int32_page_ids():
         _plan(s=6400, c=2**30, policy=AutomaticCapacity(free_bytes=INT64_MAX))
     assert err.value.name == "free_bytes"
     with pytest.raises(PlanBoundError, match="M=.*int32"):
-        builder.check_bounds(MAX_PAGES + 1)
+        pool_set.check_bounds(MAX_PAGES + 1)
 
 
 def test_byte_counts_must_fit_int64():

@@ -93,8 +93,8 @@ def test_profiles_take_their_codecs_largest_tolerance():
 def test_pool_rows_give_layouts_page_counts_and_leads(backend):
     plan = plan_kv_cache(ModelKVConfig(2, 2, 64, "k8v4"), max_context=1024, max_concurrency=4,
                          policy=ExplicitCapacity(64 * 64), speculative=backend)
-    spec = plan.builder.speculative
-    assert plan.builder.pool_kinds == tuple(k for k, row in POOL_SPECS.items() if row.enabled(spec))
+    spec = plan.pool_set.speculative
+    assert plan.pool_set.pool_kinds == tuple(k for k, row in POOL_SPECS.items() if row.enabled(spec))
     store = KVStore(plan)
     for kind, pool in plan.pools.items():
         row = POOL_SPECS[kind]

@@ -77,15 +77,15 @@ template <class KDec, int MB, int JB>
 NINFER_KV_ALWAYS_INLINE void ScoreTile(const float* q, int ld, const PreparedRows& k, int j0, int cnt, int nchunks,
                                        float* s, int lds) {
   static_assert(MB * JB == kVL, "a score tile has exactly kVL accumulators");
-  typename KDec::Row krows[JB];
-  for (int jj = 0; jj < JB; ++jj) krows[jj] = k.template At<KDec>(std::min(j0 + jj, cnt - 1));
+  typename KDec::TokenCodes kcodes[JB];
+  for (int jj = 0; jj < JB; ++jj) kcodes[jj] = k.template At<KDec>(std::min(j0 + jj, cnt - 1));
   VFloat acc[MB * JB];
   for (int i = 0; i < MB * JB; ++i) acc[i] = VFloat{};
   int c = 0;
-  if constexpr (KDec::Row::kPairs) {
+  if constexpr (KDec::TokenCodes::kPairs) {
     for (; c + 2 <= nchunks; c += 2) {  // chunk pairs, decoded together
       VFloat kv[JB][2];
-      for (int jj = 0; jj < JB; ++jj) krows[jj].KeyChunk2(c, kv[jj]);
+      for (int jj = 0; jj < JB; ++jj) kcodes[jj].KeyChunk2(c, kv[jj]);
       for (int h = 0; h < 2; ++h) {
         for (int mm = 0; mm < MB; ++mm) {
           const VFloat qv = Load(q + mm * ld + (c + h) * kVL);  // each q chunk loaded once per tile
@@ -98,16 +98,16 @@ NINFER_KV_ALWAYS_INLINE void ScoreTile(const float* q, int ld, const PreparedRow
   // accumulators, so every load feeds JB or MB FMAs.
   for (; c < nchunks; ++c) {
     VFloat kv[JB];
-    for (int jj = 0; jj < JB; ++jj) kv[jj] = krows[jj].KeyChunk(c);
+    for (int jj = 0; jj < JB; ++jj) kv[jj] = kcodes[jj].KeyChunk(c);
     for (int mm = 0; mm < MB; ++mm) {
       const VFloat qv = Load(q + mm * ld + c * kVL);
       for (int jj = 0; jj < JB; ++jj) acc[mm * JB + jj] += qv * kv[jj];
     }
   }
   VFloat r = ReduceTranspose(acc);
-  if (KDec::Row::kKeyScaled) {
+  if (KDec::TokenCodes::kKeyScaled) {
     VFloat f;
-    for (int i = 0; i < kVL; ++i) f[i] = krows[i % JB].KeyScale();
+    for (int i = 0; i < kVL; ++i) f[i] = kcodes[i % JB].KeyScale();
     r *= f;
   }
   for (int mm = 0; mm < MB; ++mm) {
@@ -224,23 +224,23 @@ inline void AccumulateTile(const float* const* p, int a, int b, const PreparedRo
       for (int r = 0; r < R; ++r) any |= pr[r][j] != 0.0f;
       if (!any) continue;
     }
-    const typename VDec::Row row = v.template At<VDec>(j);
+    const typename VDec::TokenCodes vcodes = v.template At<VDec>(j);
     VFloat vv[W];
     int w0 = 0;
     if ((c0 & 1) == 0) {
       for (; w0 + 2 <= W; w0 += 2) {
         if constexpr (kFold) {
-          row.RawChunk2(c0 + w0, vv + w0);
+          vcodes.RawChunk2(c0 + w0, vv + w0);
         } else {
-          row.Chunk2(c0 + w0, vv + w0);
+          vcodes.Chunk2(c0 + w0, vv + w0);
         }
       }
     }
     for (int w = w0; w < W; ++w) {
       if constexpr (kFold) {
-        vv[w] = row.RawChunk(c0 + w);
+        vv[w] = vcodes.RawChunk(c0 + w);
       } else {
-        vv[w] = row.Chunk(c0 + w);
+        vv[w] = vcodes.Chunk(c0 + w);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -261,7 +261,7 @@ constexpr int PassChunks() {
 // Whether R rows take the folded form for VDec: every pass's chunks lie in one scale group.
 template <class VDec, int R>
 constexpr bool Folds() {
-  return VDec::Row::kScaleGroup > 0 && VDec::Row::kScaleGroup % (PassChunks<R>() * kVL) == 0;
+  return VDec::TokenCodes::kScaleGroup > 0 && VDec::TokenCodes::kScaleGroup % (PassChunks<R>() * kVL) == 0;
 }
 
 // w: when Folds<VDec, R>(), the folded weights of the R rows for scale group 0, group g's at
@@ -274,7 +274,7 @@ void AccumulateRowsW(const float* const* p, const float* const* w, int64_t wstri
   for (int c0 = 0; c0 < nchunks; c0 += kW) {
     const float* pw[R];
     for (int r = 0; r < R; ++r) {
-      pw[r] = kFold ? w[r] + (c0 * kVL / std::max(VDec::Row::kScaleGroup, 1)) * wstride : p[r];
+      pw[r] = kFold ? w[r] + (c0 * kVL / std::max(VDec::TokenCodes::kScaleGroup, 1)) * wstride : p[r];
     }
     switch (std::min(kW, nchunks - c0)) {
       case 1: AccumulateTile<VDec, 1, R, kSkipZero, kFold>(pw, a, b, v, c0, o); break;
@@ -426,7 +426,7 @@ void AttentionAccumulator::FoldScales(const PreparedRows& v, int cnt) {
     w_ = wbuf_.Get(static_cast<size_t>(groups) * rows_padded_ * sld_);
     float* scale = fold_scale_.Get(static_cast<size_t>(sld_));
     for (int g = 0; g < groups; ++g) {
-      for (int j = 0; j < cnt; ++j) scale[j] = VDec::Row::GroupScale(v.scales + static_cast<int64_t>(j) * v.groups, g);
+      for (int j = 0; j < cnt; ++j) scale[j] = VDec::TokenCodes::GroupScale(v.scales + static_cast<int64_t>(j) * v.groups, g);
       for (int j = cnt; j < span; ++j) scale[j] = 0.0f;
       for (int m = 0; m < rows_; ++m) {
         if (seg_a_[m] >= seg_b_[m]) continue;

@@ -11,7 +11,7 @@
 NINFER_KV_NAMESPACE_BEGIN
 namespace {
 
-// Row x[0, d) of bfloat16 inputs widened to float32 (exact), in a buffer of the calling thread.
+// The bfloat16 inputs x[0, d) widened to float32 (exact), in a buffer of the calling thread.
 const float* WidenBf16(const uint16_t* x, int d) {
   static thread_local std::vector<float> row;
   if (row.size() < static_cast<size_t>(d)) row.resize(d);
@@ -22,22 +22,22 @@ const float* WidenBf16(const uint16_t* x, int d) {
 // Defaults of every encoder (CRTP): bfloat16 inputs are widened to float32 and encoded as such.
 template <class E>
 struct EncoderOps {
-  static void RowBf16(const uint16_t* x, int d, uint8_t* code, uint8_t* scale) {
-    E::Row(WidenBf16(x, d), d, code, scale);
+  static void EncodeBf16(const uint16_t* x, int d, uint8_t* code, uint8_t* scale) {
+    E::Encode(WidenBf16(x, d), d, code, scale);
   }
 };
 
-// Encoder<C>::Row(x, d, code, scale) writes the codes (and scales) of one float32 row, as
-// QuantizeRow documents; Encoder<C>::RowBf16 does the same for a bfloat16 row.  One
+// Encoder<C>::Encode(x, d, code, scale) writes the codes (and scales) of one token's float32
+// values, as QuantizeRow documents; Encoder<C>::EncodeBf16 does the same for bfloat16 values.  One
 // specialization per row of NINFER_KV_CODECS.
 template <Codec C>
 struct Encoder;
 
 template <>
 struct Encoder<Codec::kBF16> : EncoderOps<Encoder<Codec::kBF16>> {
-  static void Row(const float* x, int d, uint8_t* code, uint8_t*) { FloatsToBf16(x, d, code); }
+  static void Encode(const float* x, int d, uint8_t* code, uint8_t*) { FloatsToBf16(x, d, code); }
   // bfloat16 inputs are their own codes: a copy of the bits, NaNs as 0x7FC0.
-  static void RowBf16(const uint16_t* x, int d, uint8_t* code, uint8_t*) {
+  static void EncodeBf16(const uint16_t* x, int d, uint8_t* code, uint8_t*) {
     for (int i = 0; i < d; ++i) {
       const uint16_t b = (x[i] & 0x7FFFu) > 0x7F80u ? kBf16CanonicalNan : x[i];
       std::memcpy(code + 2 * i, &b, 2);
@@ -47,7 +47,7 @@ struct Encoder<Codec::kBF16> : EncoderOps<Encoder<Codec::kBF16>> {
 
 template <>
 struct Encoder<Codec::kInt8G64> : EncoderOps<Encoder<Codec::kInt8G64>> {
-  static void Row(const float* x, int d, uint8_t* code, uint8_t* scale) {
+  static void Encode(const float* x, int d, uint8_t* code, uint8_t* scale) {
     for (int g = 0; g < d / 64; ++g) {
       const float* xg = x + g * 64;
       const uint16_t sb = FloatToBf16(AbsMaxV(xg, 64) / 127.0f);
@@ -69,7 +69,7 @@ struct Encoder<Codec::kInt8G64> : EncoderOps<Encoder<Codec::kInt8G64>> {
 
 template <>
 struct Encoder<Codec::kFp8Row> : EncoderOps<Encoder<Codec::kFp8Row>> {
-  static void Row(const float* x, int d, uint8_t* code, uint8_t* scale) {
+  static void Encode(const float* x, int d, uint8_t* code, uint8_t* scale) {
     const uint16_t sb = FloatToBf16(AbsMaxV(x, d) / 448.0f);
     std::memcpy(scale, &sb, 2);
     const float s = Bf16ToFloat(sb);
@@ -86,7 +86,7 @@ struct Encoder<Codec::kFp8Row> : EncoderOps<Encoder<Codec::kFp8Row>> {
 
 template <>
 struct Encoder<Codec::kNvfp4G16> : EncoderOps<Encoder<Codec::kNvfp4G16>> {
-  static void Row(const float* x, int d, uint8_t* code, uint8_t* scale) {
+  static void Encode(const float* x, int d, uint8_t* code, uint8_t* scale) {
     for (int g = 0; g < d / 16; ++g) {
       const float* xg = x + g * 16;
       float t = AbsMaxV(xg, 16) / 6.0f;
@@ -125,11 +125,11 @@ struct Encoder<Codec::kNvfp4G16> : EncoderOps<Encoder<Codec::kNvfp4G16>> {
 }  // namespace
 
 void QuantizeRow(Codec c, const float* x, int d, uint8_t* code, uint8_t* scale) {
-  VisitCodec(c, [&](auto codec) { Encoder<decltype(codec)::value>::Row(x, d, code, scale); });
+  VisitCodec(c, [&](auto codec) { Encoder<decltype(codec)::value>::Encode(x, d, code, scale); });
 }
 
 void QuantizeRowBf16(Codec c, const uint16_t* x, int d, uint8_t* code, uint8_t* scale) {
-  VisitCodec(c, [&](auto codec) { Encoder<decltype(codec)::value>::RowBf16(x, d, code, scale); });
+  VisitCodec(c, [&](auto codec) { Encoder<decltype(codec)::value>::EncodeBf16(x, d, code, scale); });
 }
 
 NINFER_KV_NAMESPACE_END

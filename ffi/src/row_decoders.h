@@ -1,10 +1,10 @@
 // The decoders of the codecs: everything that reads a codec's planes, one Decoder<C> per row of
 // NINFER_KV_CODECS (common.h).
 //
-// Decoder<C>::Row: vector decoder of one token row: chunk c is the kVL dequantized float32 values
-// of elements [c * kVL, (c + 1) * kVL), equal to float(code) * scale exactly as
-// ninfer_kv.ops.codecs.decode_kv computes them.  Used directly on page memory (fused decode) when the
-// head dim is a multiple of kVL; a row never reads outside its own codes and scales.
+// Decoder<C>::TokenCodes: vector decoder of one token's codes (one head): chunk c is the kVL
+// dequantized float32 values of elements [c * kVL, (c + 1) * kVL), equal to float(code) * scale
+// exactly as ninfer_kv.ops.codecs.decode_kv computes them.  Used directly on page memory (fused
+// decode) when the head dim is a multiple of kVL; it never reads outside its own codes and scales.
 // Decoder<C>::Prepare: decodes a run's scales to float32 for the rows (PrepareRows).
 // Decoder<C>::Dequantize: a run into a float32 tile (DequantizeRows: head dims that are not a
 // multiple of kVL).
@@ -256,8 +256,9 @@ struct PreparedRows {
   bool any_nan() const { return nan != nullptr; }
 
   template <class Dec>
-  typename Dec::Row At(int64_t j) const {
-    return typename Dec::Row(data + j * stride, scales ? scales + j * groups : nullptr, nan ? nan[j] != 0 : false);
+  typename Dec::TokenCodes At(int64_t j) const {
+    return typename Dec::TokenCodes(data + j * stride, scales ? scales + j * groups : nullptr,
+                                    nan ? nan[j] != 0 : false);
   }
 };
 
@@ -294,15 +295,15 @@ inline void PrepareBf16Scales(const RowSource& src, int cnt, int groups, Aligned
   out->groups = groups;
 }
 
-// Decoder<C>::Row(data, scales, nan) wraps one token row: `data` its codes, `scales` its scales
-// already decoded to float32 (Prepare), `nan` whether the row holds a NaN code (FP8 only).
+// Decoder<C>::TokenCodes(data, scales, nan) wraps the codes of one token: `data` its codes, `scales`
+// its scales already decoded to float32 (Prepare), `nan` whether they hold a NaN code (FP8 only).
 // Chunk(c) returns dequantized chunk c; Chunk2(c, out) writes chunks c and c + 1 (c even), which
 // some levels decode together.
-// Defaults of every decoder row (CRTP): Chunk2 as two Chunk calls, and the key form used by the
-// score products: KeyChunk / KeyChunk2 may leave out a per-row factor that KeyScale() returns
+// Defaults of every decoder's TokenCodes (CRTP): Chunk2 as two Chunk calls, and the key form used
+// by the score products: KeyChunk / KeyChunk2 may leave out a per-token factor that KeyScale() returns
 // (the caller multiplies the finished dot product by it; kKeyScaled says whether there is one).
-template <class R>
-struct RowOps {
+template <class T>
+struct TokenCodesOps {
   static constexpr bool kKeyScaled = false;
   static constexpr bool kPairs = false;  // whether Chunk2 / KeyChunk2 decode two chunks at once
   void Chunk2(int c, VFloat* out) const {
@@ -312,20 +313,21 @@ struct RowOps {
   VFloat KeyChunk(int c) const { return Self().Chunk(c); }
   void KeyChunk2(int c, VFloat* out) const { Self().Chunk2(c, out); }
   float KeyScale() const { return 1.0f; }
-  // The unscaled form for value passes that fold the scales into the probabilities: a row with
-  // kScaleGroup > 0 (elements per scale) also has RawChunk / RawChunk2 and a static
+  // The unscaled form for value passes that fold the scales into the probabilities: a TokenCodes
+  // with kScaleGroup > 0 (elements per scale) also has RawChunk / RawChunk2 and a static
   // GroupScale(scales, g), and Chunk(c) == RawChunk(c) * GroupScale(scales, c * kVL / kScaleGroup)
   // up to the rounding of the product.  0: no such form.
   static constexpr int kScaleGroup = 0;
 
  private:
-  const R& Self() const { return static_cast<const R&>(*this); }
+  const T& Self() const { return static_cast<const T&>(*this); }
 };
 
 // Defaults of every Decoder<C> (CRTP).
 template <class D>
 struct DecoderOps {
-  // The decoder of value runs that hold a NaN code (any_nan()); D itself when Row decodes those.
+  // The decoder of value runs that hold a NaN code (any_nan()); D itself when its TokenCodes
+  // decodes those.
   using NanValues = D;
   // Whether keys of head dim d take the integer scores (int_scores.h) on this level; their scorer
   // (AttentionAccumulator::ScoresNvfp4Int) reads NVFP4 codes, so only Decoder<kNvfp4G16> says yes.
@@ -359,10 +361,10 @@ struct Decoder<Codec::kBF16> : DecoderOps<Decoder<Codec::kBF16>> {
     }
   }
 
-  struct Row : RowOps<Row> {
+  struct TokenCodes : TokenCodesOps<TokenCodes> {
     const uint8_t* d = nullptr;
-    Row() = default;
-    Row(const uint8_t* data, const float*, bool) : d(data) {}
+    TokenCodes() = default;
+    TokenCodes(const uint8_t* data, const float*, bool) : d(data) {}
     VFloat Chunk(int c) const { return AsFloat(LoadU16AsU32(d + 2 * kVL * c) << 16); }
   };
 };
@@ -391,12 +393,12 @@ struct Decoder<Codec::kInt8G64> : DecoderOps<Decoder<Codec::kInt8G64>> {
     }
   }
 
-  struct Row : RowOps<Row> {
+  struct TokenCodes : TokenCodesOps<TokenCodes> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
-    Row() = default;
+    TokenCodes() = default;
     static constexpr int kScaleGroup = 64;
-    Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
+    TokenCodes(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
     VFloat Chunk(int c) const { return RawChunk(c) * Splat(s[(c * kVL) / 64]); }
     VFloat RawChunk(int c) const { return ToFloat(LoadI8AsI32(d + kVL * c)); }
     void RawChunk2(int c, VFloat* out) const {
@@ -453,18 +455,19 @@ struct Decoder<Codec::kFp8Row> : DecoderOps<Decoder<Codec::kFp8Row>> {
   // NaN dot product, which KeyScale() = NaN gives.  Chunk / Chunk2 assume the row holds no NaN
   // code (the float16 form turns those into finite values): value runs that hold one use
   // Fp8ExactDecoder instead.
-  struct Row : RowOps<Row> {
+  struct TokenCodes : TokenCodesOps<TokenCodes> {
     static constexpr bool kKeyScaled = true;
 #if defined(NINFER_KV_PAIR_DECODERS)
     static constexpr bool kPairs = true;
 #endif
     const uint8_t* d = nullptr;
     float s = 0.0f;
-    // 32 bits, not bool: a Row is then two aligned words with no padding, which the compiler
+    // 32 bits, not bool: a TokenCodes is then two aligned words with no padding, which the compiler
     // copies without overlapping partial stores and loads (those stall store forwarding).
     uint32_t nan = 0;
-    Row() = default;
-    Row(const uint8_t* data, const float* scales, bool has_nan) : d(data), s(scales[0]), nan(has_nan ? 1u : 0u) {}
+    TokenCodes() = default;
+    TokenCodes(const uint8_t* data, const float* scales, bool has_nan)
+        : d(data), s(scales[0]), nan(has_nan ? 1u : 0u) {}
     VFloat Chunk(int c) const { return KeyChunk(c) * Splat(s * 256.0f); }
     void Chunk2(int c, VFloat* out) const {
       KeyChunk2(c, out);
@@ -493,11 +496,11 @@ struct Decoder<Codec::kFp8Row> : DecoderOps<Decoder<Codec::kFp8Row>> {
 // FP8 value rows of a run that holds a NaN code: the exact integer decode, so every NaN lands
 // where the reference has it.
 struct Fp8ExactDecoder {
-  struct Row : RowOps<Row> {
+  struct TokenCodes : TokenCodesOps<TokenCodes> {
     const uint8_t* d = nullptr;
     float s = 0.0f;
-    Row() = default;
-    Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales[0]) {}
+    TokenCodes() = default;
+    TokenCodes(const uint8_t* data, const float* scales, bool) : d(data), s(scales[0]) {}
     VFloat Chunk(int c) const { return E4m3fnLanes(LoadU8AsU32(d + kVL * c)) * Splat(s); }
   };
 };
@@ -555,14 +558,14 @@ struct Decoder<Codec::kNvfp4G16> : DecoderOps<Decoder<Codec::kNvfp4G16>> {
     }
   }
 
-  struct Row : RowOps<Row> {
+  struct TokenCodes : TokenCodesOps<TokenCodes> {
     const uint8_t* d = nullptr;
     const float* s = nullptr;
-    Row() = default;
+    TokenCodes() = default;
 #if defined(NINFER_KV_PAIR_DECODERS)
     static constexpr bool kPairs = true;
 #endif
-    Row(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
+    TokenCodes(const uint8_t* data, const float* scales, bool) : d(data), s(scales) {}
     // No folded form: with a scale per 16 elements, the folded probabilities (one row per group)
     // cost more than the multiplies they save (measured again with 16 lanes, one group per chunk).
     VFloat Chunk(int c) const { return E2m1Packed(d + (kVL / 2) * c) * Splat(s[(c * kVL) / 16]); }
@@ -584,10 +587,10 @@ struct Decoder<Codec::kNvfp4G16> : DecoderOps<Decoder<Codec::kNvfp4G16>> {
 // Rows of an already dequantized float32 tile (the path for head dims that are not a multiple
 // of kVL): `data` points at a row of ld floats.
 struct F32Decoder {
-  struct Row : RowOps<Row> {
+  struct TokenCodes : TokenCodesOps<TokenCodes> {
     const float* p = nullptr;
-    Row() = default;
-    Row(const uint8_t* data, const float*, bool) : p(reinterpret_cast<const float*>(data)) {}
+    TokenCodes() = default;
+    TokenCodes(const uint8_t* data, const float*, bool) : p(reinterpret_cast<const float*>(data)) {}
     VFloat Chunk(int c) const { return Load(p + kVL * c); }
   };
 };

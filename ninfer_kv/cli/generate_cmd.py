@@ -224,17 +224,14 @@ def _memory_bytes() -> tuple[int, str] | None:
     that reports none (a CPU); ``None`` when neither is known."""
     import jax
 
+    from ..device.memory import device_memory_limit, host_memory_bytes
+
     device = jax.devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - a platform without memory statistics
-        stats = {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), f"the {device.platform} device holds"
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host holds"
-    except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
-        return None
+    limit = device_memory_limit(device)
+    if limit is not None:
+        return limit, f"the {device.platform} device holds"
+    host = host_memory_bytes()
+    return None if host is None else (host, "the host holds")
 
 
 def _check_memory(kv_bytes: int, context: int, args: argparse.Namespace) -> None:

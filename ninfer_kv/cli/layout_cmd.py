@@ -21,7 +21,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     pool.add_argument("--layers", type=POSITIVE_INT, metavar="N", help="layers stacked in the pool")
     pool.add_argument("--kv-heads", type=POSITIVE_INT, metavar="H", help="KV heads")
     pool.add_argument("--order", type=ORDER, metavar="ORDER", help="page-major (default) or head-major")
-    pool.add_argument("--pages", type=POSITIVE_INT, metavar="N", help="physical page groups for shapes (default 1)")
+    pool.add_argument("--pages", type=POSITIVE_INT, metavar="N", help="physical pages for shapes (default 1)")
 
 
 def run(args: argparse.Namespace) -> CommandOutput:
@@ -75,13 +75,13 @@ def run(args: argparse.Namespace) -> CommandOutput:
         lines += [
             "",
             f"pool: {layout.num_layers} layers x {layout.num_kv_heads} KV heads, {layout.order.value} {axes}, "
-            f"P = {layout.page_size}, N = {pages} page group(s)",
+            f"P = {layout.page_size}, N = {pages} page(s)",
             render_table(
                 ["plane", "dtype", "stacked shape", "page bytes", "bytes"],
                 [[p.name, p.dtype, str(p.shape), _n(p.page_bytes), _n(p.bytes)] for p in summary.planes],
                 right=(3, 4),
             ),
-            f"PageBytes = {describe_bytes(layout.page_bytes)} per page group; "
+            f"PageBytes = {describe_bytes(layout.page_bytes)} per page; "
             f"{_n(layout.bytes_per_token)} B per token",
         ]
     return CommandOutput(data=data, text="\n".join(lines))

@@ -296,7 +296,7 @@ def _run_mesh_plan(args, model, policy, policy_json: dict, speculative, head=())
                             policy=policy, speculative=speculative, fixed_bytes=args.fixed_bytes)
     data = mp.to_json() | {"policy": policy_json}
     dev = mp.device
-    per_device = _plan_text(dev, dev.builder.speculative, _local_policy_json(policy_json, mp))
+    per_device = _plan_text(dev, dev.pool_set.speculative, _local_policy_json(policy_json, mp))
     spec = mp.mesh
     lines = ["KV plan over a device mesh"]
     heads = mp.device.pools[next(iter(mp.device.pools))].layout.num_kv_heads
@@ -332,7 +332,7 @@ def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
     from ..schema.geometry import PAGE_SIZE as P
     from ..schema.kinds import PoolKind
 
-    b = plan.builder
+    b = plan.pool_set
     method = speculative.method.value
     if method == "mtp":
         lead = b.physical_pages(PoolKind.MTP, plan.m) - plan.m
@@ -353,7 +353,7 @@ def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
             ("max context S", f"{_n(b.max_context)} tokens (L = ceil(S/P) = {_n(b.logical_pages)} logical pages)"),
             ("max concurrency C", _n(b.max_concurrency)),
             ("speculative", method),
-            ("Main range", f"M_min = max(L, C) = {_n(b.m_min)}  ..  M_max = C*L = {_n(b.m_max)} page groups"),
+            ("Main range", f"M_min = max(L, C) = {_n(b.m_min)}  ..  M_max = C*L = {_n(b.m_max)} pages"),
             ("Main pages M", f"{_n(plan.m)} ({where})"),
             (
                 "Main capacity",
@@ -392,7 +392,7 @@ def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
     lines += ["", "capacity curve  B(M) = B_min + (M - M_min) * B_step"]
     pairs = [
         ("B_min", f"{describe_bytes(curve.b_min)} at M_min = {_n(curve.m_min)}"),
-        ("B_step", f"{describe_bytes(curve.b_step)} per Main page group"),
+        ("B_step", f"{describe_bytes(curve.b_step)} per Main page"),
         ("fixed part", describe_bytes(b.fixed_bytes)),
         ("B(M)", f"{describe_bytes(plan.device_bytes)} device bytes at M = {_n(plan.m)}"),
     ]

@@ -154,14 +154,6 @@ def ensure_devices(count: int) -> None:
         )
 
 
-def _physical_memory() -> int | None:
-    """Bytes of physical memory of this machine, or ``None`` where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
 def default_kv_capacity(config) -> int:
     """The ``--kv-capacity`` a run gets when the command line names no capacity policy.
 
@@ -178,15 +170,16 @@ def default_kv_capacity(config) -> int:
     rows = config.max_concurrency // shards
     try:
         kv = ModelKVConfig(model.num_layers, model.num_kv_heads, model.head_dim, config.profile)
-        builder = KVPoolSetLayout(kv, config.max_context, rows, config.speculative_config, config.fixed_bytes)
+        pool_set = KVPoolSetLayout(kv, config.max_context, rows, config.speculative_config, config.fixed_bytes)
     except ValueError:
         return DEFAULT_KV_CAPACITY
-    pages = min(max(DEFAULT_PAGES_PER_ROW * rows, builder.m_min), builder.max_m())
+    pages = pool_set.clamp_m(DEFAULT_PAGES_PER_ROW * rows)
     return pages * PAGE_SIZE * shards
 
 
 def config_from_args(args: argparse.Namespace):
     """The :class:`~ninfer_kv.demo.config.DemoConfig` of parsed arguments (``ValueError`` on bad combinations)."""
+    from ..device.memory import host_memory_bytes
     from ..schema.sizes import parse_bytes
     from ..planning import AutomaticCapacity, ExplicitCapacity
     from .config import DemoConfig
@@ -202,7 +195,7 @@ def config_from_args(args: argparse.Namespace):
         if args.headroom_bytes is not None:
             raise ValueError("--headroom-bytes applies only to the automatic policy (--free-bytes)")
         capacity = ExplicitCapacity(args.kv_capacity if args.kv_capacity is not None else DEFAULT_KV_CAPACITY)
-    memory = _physical_memory()
+    memory = host_memory_bytes()
     if args.host_bytes is not None and memory is not None and args.host_bytes > memory:
         raise ValueError(
             f"--host-bytes {args.host_bytes} is out of range; it must be at most this machine's memory, "

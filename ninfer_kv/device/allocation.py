@@ -19,22 +19,22 @@ from .state import KVDeviceState
 __all__ = ["allocate_pools", "allocated_pool_bytes", "allocate_state"]
 
 
-def allocate_pools(builder, m: int, *, device=None) -> dict:
-    """``{PoolKind: {plane name: jax.Array}}``: every pool's planes of ``builder`` (a
+def allocate_pools(pool_set, m: int, *, device=None) -> dict:
+    """``{PoolKind: {plane name: jax.Array}}``: every pool's planes of ``pool_set`` (a
     :class:`~ninfer_kv.planning.KVPoolSetLayout`) at ``M = m``, zero-filled, on ``device`` when
     given (block tables are the store's)."""
-    builder.check_bounds(builder.check_m(m))
-    return {kind: allocate_planes(p.layout, p.physical_pages, device=device) for kind, p in builder.pools(m).items()}
+    pool_set.check_bounds(pool_set.check_m(m))
+    return {kind: allocate_planes(p.layout, p.physical_pages, device=device) for kind, p in pool_set.pools(m).items()}
 
 
-def allocated_pool_bytes(builder, m: int) -> int:
+def allocated_pool_bytes(pool_set, m: int) -> int:
     """Bytes of really allocated planes (:func:`allocate_pools`) plus block tables and the fixed
     part at ``M = m``: what the capacity curve's ``B(m)`` must equal (the buffers are freed)."""
     total = 0
-    for planes in allocate_pools(builder, m).values():
+    for planes in allocate_pools(pool_set, m).values():
         total += sum(int(a.nbytes) for a in planes.values())
         del planes
-    return total + sum(p.table_bytes for p in builder.pools(m).values()) + builder.fixed_bytes
+    return total + sum(p.table_bytes for p in pool_set.pools(m).values()) + pool_set.fixed_bytes
 
 
 def allocate_state(store, *, device=None, fill=None, memory_kind: str | None = None) -> KVDeviceState:

@@ -1,6 +1,13 @@
-"""Reading free device memory (the device half of the automatic capacity policy)."""
+"""Reading memory: free device memory (the device half of the automatic capacity policy), a
+device's memory limit, and the host's physical and available memory.
+
+Every read of ``memory_stats()``, ``/proc/meminfo`` or the ``sysconf`` page counts in the package
+is here.
+"""
 
 from __future__ import annotations
+
+import os
 
 import jax
 import numpy as np
@@ -8,7 +15,8 @@ import numpy as np
 from ..planning.config import AutomaticCapacity
 from ..schema.sizes import ByteSize
 
-__all__ = ["free_device_bytes", "devices_of", "capacity_from_device"]
+__all__ = ["free_device_bytes", "devices_of", "capacity_from_device", "device_memory_limit", "host_memory_bytes",
+           "host_available_bytes"]
 
 
 def devices_of(device) -> list:
@@ -46,6 +54,38 @@ def free_device_bytes(device=None) -> int:
         f = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
         free = f if free is None else min(free, f)
     return max(free, 0)
+
+
+def device_memory_limit(device=None) -> int | None:
+    """The memory a device holds in all (``bytes_limit`` of ``memory_stats()``; ``None``: the first
+    device), or ``None`` when it reports no memory statistics (a CPU)."""
+    dev = devices_of(device)[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a platform without memory statistics
+        return None
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+
+
+def host_memory_bytes() -> int | None:
+    """Bytes of physical memory of this machine, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def host_available_bytes() -> int:
+    """Bytes of memory this machine has available (``MemAvailable`` of ``/proc/meminfo``, else the
+    free physical pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def capacity_from_device(device=None, headroom_bytes: ByteSize = 0) -> AutomaticCapacity:

@@ -28,7 +28,7 @@ __all__ = ["run_round", "take_step_work"]
 def take_step_work(store, state: KVDeviceState, shapes: "StepWorkShapes | tuple[int, int, int] | None" = None):
     """Take ``store``'s round work for a step that applies works of one fixed shape.
 
-    ``shapes``: a :class:`~ninfer_kv.store.step_shapes.StepWorkShapes` (default
+    ``shapes``: a :class:`~ninfer_kv.schema.buckets.StepWorkShapes` (default
     ``step_work_shapes(store)``), or a bare ``(tables, copies, restores)`` step shape with the default
     alone ladder.  Returns ``(state, work)``: ``work`` padded to the step shape for the step to
     apply; a work that does not fit (COW copies or Host restores after activations, a burst of table
@@ -46,7 +46,7 @@ def take_step_work(store, state: KVDeviceState, shapes: "StepWorkShapes | tuple[
     Raises (before anything is taken from the store):
       DonatedStateError: ``state`` was donated to a jitted step or deleted (use the state it returned).
       PendingWorkError: ``state`` still carries the mark of an earlier take whose work was never
-        applied (apply that work first, or :func:`~ninfer_kv.device.work.resync`).
+        applied (apply that work first, or :func:`~ninfer_kv.device.resync.resync`).
     """
     _check_step_state(state)
     if hasattr(store, "kv_mesh"):

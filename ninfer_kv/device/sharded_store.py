@@ -3,7 +3,7 @@
 The sharded store is host-only bookkeeping, like every store; what runs on the mesh lives here:
 applying a stacked :class:`~ninfer_kv.schema.round_work.ShardedRoundWork` outside a step and gathering one
 shard's offload payload per device.  :func:`~ninfer_kv.device.allocation.allocate_state`,
-:func:`~ninfer_kv.device.rounds.take_step_work` and :func:`~ninfer_kv.device.offload.gather_offload`
+:func:`~ninfer_kv.device.rounds.take_step_work` and :func:`~ninfer_kv.device.offload_gather.gather_offload`
 use them for a sharded store.
 
 The store is taken by duck type (``kv_mesh``, ``identity``, ``work_serial``, ``global_pools()``,

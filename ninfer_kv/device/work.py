@@ -162,10 +162,10 @@ def _apply_work_ffi(state: KVDeviceState, work: RoundWork) -> KVDeviceState:
 def _ffi_lowering() -> bool:
     """Whether the CPU lowering's custom calls are registered (the FFI library loaded); checked once."""
     from ninfer_kv.host import ffi_library
-    from ninfer_kv.ops.ffi import runtime as ffi_runtime
+    from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
     try:
-        return ffi_runtime.is_available()
+        return ffi_handlers.is_available()
     except ffi_library.FFIUnavailableError:  # a bad $NINFER_KV_FFI_LIBRARY: the ops say so; here, jnp
         return False
 

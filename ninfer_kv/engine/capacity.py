@@ -10,11 +10,9 @@ more passes ``kv_capacity`` in tokens.
 
 from __future__ import annotations
 
-import os
-
-from ..device.memory import free_device_bytes
-from ..schema.geometry import PAGE_SIZE
+from ..device.memory import free_device_bytes, host_available_bytes
 from ..planning import AutomaticCapacity, ExplicitCapacity, KVPlan, ModelKVConfig, plan_kv_cache
+from ..planning.pool_set import full_context_capacity
 
 __all__ = ["CPU_KV_BYTES", "engine_plan", "free_memory_bytes"]
 
@@ -28,26 +26,15 @@ def free_memory_bytes(device=None) -> tuple[int, str]:
     try:
         return free_device_bytes(device), "free device memory"
     except ValueError:  # a CPU: no memory statistics
-        available = _host_available()
+        available = host_available_bytes()
         return min(available // 2, CPU_KV_BYTES), f"half the host's available memory, at most {CPU_KV_BYTES >> 30} GiB"
-
-
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def engine_plan(kv: ModelKVConfig, *, max_model_len: int, max_num_seqs: int, kv_capacity="auto",
                 headroom_bytes=0) -> KVPlan:
     """The KV plan of an engine: ``kv_capacity`` tokens of Main capacity (at most what every row at
-    the full context needs, ``max_num_seqs * ceil(max_model_len / 64) * 64``), or ``"auto"`` (module
-    docstring).  Errors name the value and what is allowed."""
+    the full context needs, :func:`~ninfer_kv.planning.pool_set.full_context_capacity`), or
+    ``"auto"`` (module docstring).  Errors name the value and what is allowed."""
     if kv_capacity == "auto":
         free, _ = free_memory_bytes()
         policy = AutomaticCapacity(free_bytes=free, headroom_bytes=headroom_bytes)
@@ -56,6 +43,6 @@ def engine_plan(kv: ModelKVConfig, *, max_model_len: int, max_num_seqs: int, kv_
     else:
         if kv_capacity < 1:
             raise ValueError(f"kv_capacity={kv_capacity} must be >= 1 token (or 'auto')")
-        # the Main pool never needs more than every row at the full context: M_max = C * ceil(S / 64) pages
-        policy = ExplicitCapacity(min(kv_capacity, max_num_seqs * -(-max_model_len // PAGE_SIZE) * PAGE_SIZE))
+        # the Main pool never needs more than every row at the full context (M_max pages)
+        policy = ExplicitCapacity(min(kv_capacity, full_context_capacity(max_model_len, max_num_seqs)))
     return plan_kv_cache(kv, max_context=max_model_len, max_concurrency=max_num_seqs, policy=policy)

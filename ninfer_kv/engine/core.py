@@ -45,8 +45,7 @@ import numpy as np
 
 from ..schema.errors import PoolCapacityError
 from ..schema.geometry import PAGE_SIZE
-from ..schema.integers import check_int
-from ..models.decoder.buckets import bucket_ladder, token_ladder
+from ..schema.buckets import bucket_ladder, resolve_max_num_batched_tokens, token_ladder
 from ..models.request_checks import token_ids
 from ..schema.kinds import PoolKind
 from ..store import KVStore
@@ -59,12 +58,7 @@ from .runner import DeviceRunner, UnitCall, drive
 from .sampling_params import SamplingParams
 from .speculative import HiddenStates, pending_pairs
 
-__all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "request_seed"]
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
-"""Tokens one ragged round feeds at most (decodes first, then prompt tokens in arrival order).  Larger
-rounds do not make the products faster on a CPU (their rate falls past about 512 rows) and hold
-every decode back for longer; docs/PERFORMANCE.md has the figures."""
+__all__ = ["EngineCore", "EngineStats", "MIN_SHARED_TOKENS", "request_seed"]
 
 MIN_SHARED_TOKENS = PAGE_SIZE
 """Tokens that waiting requests must share beyond the cached prefix before a prefix job computes
@@ -118,8 +112,9 @@ class EngineCore:
       seed: the engine seed, from which requests without a seed draw theirs.
       runner: what runs the units (default: a :class:`~ninfer_kv.engine.runner.DeviceRunner` on one
         device; a data-parallel engine passes its shard's).
-      max_num_batched_tokens: tokens a ragged round feeds at most (>= the store's rows; default
-        :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`, or the rows when more); ragged rounds need a model that
+      max_num_batched_tokens: tokens a ragged round feeds at most (>= the store's rows; ``None``:
+        :data:`~ninfer_kv.schema.buckets.DEFAULT_MAX_NUM_BATCHED_TOKENS`, or the rows when more,
+        :func:`~ninfer_kv.schema.buckets.resolve_max_num_batched_tokens`); ragged rounds need a model that
         :func:`~ninfer_kv.engine.model.feeds_ragged_rounds` accepts (a ``ragged`` call on native ragged
         kernels, no speculation) and a runner that runs them.
 
@@ -149,10 +144,7 @@ class EngineCore:
         self.max_num_seqs = store.max_concurrency
         self.buckets = bucket_ladder(self.max_num_seqs, 2)
         self.draft_window = draft_window_of(model)
-        budget = max_num_batched_tokens
-        if budget is None:
-            budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
-        self.max_num_batched_tokens = check_int("max_num_batched_tokens", budget, self.max_num_seqs, 1 << 20)
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(max_num_batched_tokens, self.max_num_seqs)
         has_mtp = PoolKind.MTP in store.pool_kinds
         if has_mtp != bool(self.draft_window):
             raise ValueError("the store has an MTP pool but the model has no MTP head (draft_window)" if has_mtp else

@@ -28,11 +28,12 @@ import dataclasses
 import numpy as np
 
 from ..device.allocation import allocate_state
-from ..device.offload import offload_checkpoint
+from ..device.offload_gather import offload_checkpoint
 from ..device.rounds import take_step_work
 from ..device.sharded_store import apply_sharded_work_alone
 from ..device.resync import resync
-from ..models.decoder.buckets import bucket_for, bucket_ladder, pad_rows
+from ..models.decoder.padding import pad_rows
+from ..schema.buckets import bucket_for, bucket_ladder
 from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store.sharded import ShardedCheckpoint, ShardedKVStore
 from .core import EngineCore, EngineStats, request_seed

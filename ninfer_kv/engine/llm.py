@@ -69,7 +69,9 @@ class LLM:
         Pallas on GPU, Mosaic on TPU).
       seed: the seed of requests that give none.
       max_num_batched_tokens: tokens one round feeds at most: every decode's token, then prompt
-        tokens in arrival order, in one ragged batch (default 1024, or ``max_num_seqs`` when more).
+        tokens in arrival order, in one ragged batch (``None``:
+        :data:`~ninfer_kv.schema.buckets.DEFAULT_MAX_NUM_BATCHED_TOKENS`, or ``max_num_seqs`` when
+        more).
       tokenizer: with an :class:`EngineModel`, an optional
         :class:`~ninfer_kv.models.hf.tokenizer.TextTokenizer` for text prompts.
       eos_token_ids: with an :class:`EngineModel`, the ids that end a completion.

@@ -13,7 +13,7 @@ token each row chooses::
   ``positions``, ``valid``, ``table_rows`` int32 ``(B,)``: row ``b`` appends ``valid[b]`` tokens at
   sequence positions ``positions[b] ..`` into execution row ``table_rows[b]`` and attends to
   everything before them.  ``B`` is one of the engine's batch buckets; padding rows have
-  ``valid == 0`` and write and read nothing (:mod:`ninfer_kv.models.decoder.buckets`).
+  ``valid == 0`` and write and read nothing (:mod:`ninfer_kv.models.decoder.padding`).
 * ``sampling``: ``None`` (every row greedy) or a
   :class:`~ninfer_kv.models.decoder.sampling.SamplingRows` of ``(B,)`` rows; the token a row
   produces at sequence position ``positions + valid`` is drawn with its key folded with that

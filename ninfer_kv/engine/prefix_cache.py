@@ -55,7 +55,7 @@ class PrefixCache:
     Args:
       store: the store whose checkpoints are cached.
       offload: ``offload(checkpoint)`` moves a retained checkpoint's pages to the Host tier
-        (the runner's :func:`~ninfer_kv.device.offload.offload_checkpoint` from its flushed state);
+        (the runner's :func:`~ninfer_kv.device.offload_gather.offload_checkpoint` from its flushed state);
         used only with a Host tier.
     """
 

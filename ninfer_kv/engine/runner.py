@@ -16,11 +16,12 @@ from typing import Generator, NamedTuple
 import numpy as np
 
 from ..device.allocation import allocate_state
-from ..device.offload import offload_checkpoint
+from ..device.offload_gather import offload_checkpoint
 from ..device.rounds import take_step_work
 from ..device.resync import resync
 from ..device.work import apply_work_jit
-from ..models.decoder.buckets import bucket_for, pad_ragged, pad_rows
+from ..models.decoder.padding import pad_ragged, pad_rows
+from ..schema.buckets import bucket_for
 from ..models.decoder.sampling import GREEDY, sampling_rows
 from ..store import KVStore
 

@@ -1,18 +1,26 @@
 """Host replica tier: a startup-fixed host arena, packed Host page layouts and page transfers.
 
-* :class:`HostKVArena` — one fixed host buffer shared by every pool, with a bounded best-fit
-  extent allocator (:class:`ExtentAllocator`), byte-exact occupancy and whole-recipe plan
-  validation.
-* :class:`HostKVPageLayout` — the packed, logical-order byte layout of one pool's Host pages.
-* :class:`TransferReport`, :func:`coalesce_runs` — what a transfer moved, run by run over adjacent
-  physical IDs.  The copies themselves (:func:`~ninfer_kv.device.host_transfer.offload_pages`,
-  :func:`~ninfer_kv.device.host_transfer.restore_pages`) are device work: they live in the device
-  layer.
-* :func:`copy_blocks` — ``dst[...] = src`` (or a gather along the first axis) for page data, with
-  streaming stores over the FFI library's threads when it is built, else numpy.
+One module per job:
 
-The package is host-only: it imports no JAX.  How the arena's bytes reach a device (the staging
-memory kind, the copies) is the device layer's: :mod:`ninfer_kv.device.staging`.
+* :mod:`ninfer_kv.host.arena` — :class:`HostKVArena`, one fixed host buffer shared by every pool
+  (the arena's bytes), and :func:`~ninfer_kv.host.arena.aligned_empty`;
+* :mod:`ninfer_kv.host.extent_allocator` — the bounded best-fit :class:`ExtentAllocator` over the
+  arena, with byte-exact occupancy and whole-recipe plan validation;
+* :mod:`ninfer_kv.host.host_layout` — :class:`HostKVPageLayout`, the packed, logical-order byte
+  layout of one pool's Host pages, and :class:`TransferReport`, what one transfer moved;
+* :mod:`ninfer_kv.host.page_id_runs` — :func:`coalesce_runs` / :func:`split_runs`: physical page IDs
+  as runs of adjacent IDs, cut into power-of-two copies (:class:`TransferChunk`);
+* :mod:`ninfer_kv.host.block_copy` — :func:`copy_blocks`, ``dst[...] = src`` (or a gather along
+  the first axis) for page data, with streaming stores over the FFI library's threads when it is
+  built, else numpy;
+* :mod:`ninfer_kv.host.ffi_library` — finding and loading the native library with ctypes.
+
+The copies between device arrays and the arena (:func:`~ninfer_kv.device.host_copies.offload_pages`,
+:func:`~ninfer_kv.device.host_copies.restore_pages`) and the memory kind they stage through
+(:mod:`ninfer_kv.device.host_staging`) are device work: they live in the device layer.  The
+store's bookkeeping of the replicas is :mod:`ninfer_kv.store.host_tier`.
+
+The package is plain Python and numpy: it imports no JAX.
 """
 
 from .arena import HostKVArena
@@ -28,7 +36,7 @@ from .extent_allocator import (
     TagOccupancy,
 )
 from .host_layout import HostKVPageLayout, HostPageSegment, TransferReport, host_layout_of
-from .runs import TransferChunk, check_page_ids, coalesce_runs, split_runs
+from .page_id_runs import TransferChunk, check_page_ids, coalesce_runs, split_runs
 
 __all__ = [
     "HostKVArena",

@@ -12,9 +12,9 @@ with coalescing, byte-exact accounting, generation-checked handles, whole-recipe
 Staging.  The arena records which device its transfers serve and how they should stage
 (``staging``: ``"auto"``, ``"pinned_host"`` or ``"direct"``); the transfers themselves, and the
 choice of the memory kind they stage through, are device work:
-:mod:`ninfer_kv.device.staging`.  This module imports no JAX.
+:mod:`ninfer_kv.device.host_staging`.  This module imports no JAX.
 
-The arena is not thread-safe; one host thread owns it.
+The arena is not thread-safe; one thread owns it.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class HostKVArena:
         resolved by the first transfer).
       staging: ``"auto"`` (stage through page-locked ``pinned_host`` memory on a GPU that has it),
         ``"pinned_host"`` (always; refused at the first transfer where the device lacks it) or
-        ``"direct"`` (never); see :mod:`ninfer_kv.device.staging`.
+        ``"direct"`` (never); see :mod:`ninfer_kv.device.host_staging`.
       prefault: touch every byte at construction (default True).
 
     Attributes:

@@ -1,4 +1,4 @@
-"""``copy_blocks``: ``dst[...] = src`` (or ``src[index]``) for page data, at memory speed on the host.
+"""``copy_blocks``: ``dst[...] = src`` (or ``src[index]``) for page data, at memory speed on the CPU.
 
 The Host tier moves whole pages between extents, staging buffers and CPU planes.  Those copies are
 strided: a plane's block of one page is contiguous (half a MiB for the K codes of a typical

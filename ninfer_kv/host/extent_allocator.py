@@ -28,7 +28,7 @@ allocation time; freeing advances the generation, so a stale handle (double free
 a handle of another allocator) is rejected with :class:`StaleExtentError`.
 
 Every failing call (exhaustion, invalid plan, stale handle, bad argument) raises before any state
-changes.  The allocator is not thread-safe; one host thread owns it.
+changes.  The allocator is not thread-safe; one thread owns it.
 """
 
 from __future__ import annotations

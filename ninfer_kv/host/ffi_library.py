@@ -1,7 +1,7 @@
 """Finding and loading the ninfer_kv FFI library (``libninfer_kv_ffi``) with ctypes, without JAX.
 
 The library holds the XLA FFI handlers of :mod:`ninfer_kv.ops.ffi` (which registers them with
-JAX) and plain C functions the host-only parts of the package call directly, such as the
+JAX) and plain C functions the JAX-free parts of the package call directly, such as the
 streaming block copy of :mod:`ninfer_kv.host.block_copy`.  It is loaded once, on import of this
 module; where it is looked for, and what ``$NINFER_KV_FFI_LIBRARY`` and ``$NINFER_KV_FFI_ISA`` do,
 is described in :mod:`ninfer_kv.ops.ffi`.

@@ -129,7 +129,7 @@ class HostKVPageLayout:
             )
         return nbytes // self.stride
 
-    # -- numpy packing (host side; the byte definition of the layout) -----------------------------
+    # -- numpy packing (the byte definition of the layout) ----------------------------------------
     def page_planes(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Zero-copy views of a packed buffer of ``n`` pages: plane -> ``(n, L, H, P, X)``.
 

@@ -31,11 +31,12 @@ import numpy as np
 from ..device.allocation import allocate_state
 from ..device.rounds import take_step_work
 from ..device.state import KVDeviceState
-from ..schema.geometry import PAGE_SIZE, ceil_div
 from ..planning import ExplicitCapacity, KVPlan, plan_kv_cache
+from ..planning.pool_set import full_context_capacity
+from ..schema.buckets import bucket_for, bucket_ladder
 from ..schema.profiles import KVProfile
 from ..store import CheckpointHandle, KVStore, SequenceHandle
-from .decoder.buckets import bucket_for, bucket_ladder, pad_rows
+from .decoder.padding import pad_rows
 from .decoder.config import PREFILL_CHUNK, ModelConfig, StepConfig
 from .decoder.sampling import GREEDY, SamplingConfig, sampling_rows
 from .decoder.steps import ModelSteps, shared_steps
@@ -53,8 +54,9 @@ FINISH_LENGTH = "length"
 
 
 def generator_buckets(max_batch: int) -> tuple[int, ...]:
-    """Batch buckets: powers of two below ``max_batch``, then ``max_batch``."""
-    return bucket_ladder(max_batch, 2)
+    """Batch buckets of a generator serving ``max_batch`` sequences:
+    :func:`~ninfer_kv.schema.buckets.bucket_ladder` of ``max_batch``."""
+    return bucket_ladder(max_batch)
 
 
 def generator_plan(
@@ -62,7 +64,7 @@ def generator_plan(
 ) -> KVPlan:
     """The store plan of a :class:`PagedGenerator` built with these arguments, without allocating
     anything (``plan.device_bytes`` is what its KV state will take)."""
-    capacity = kv_capacity if kv_capacity is not None else max_batch * ceil_div(max_context, PAGE_SIZE) * PAGE_SIZE
+    capacity = kv_capacity if kv_capacity is not None else full_context_capacity(max_context, max_batch)
     return plan_kv_cache(config.kv_config(profile), max_context=max_context,
                          max_concurrency=max_batch, policy=ExplicitCapacity(capacity))
 
@@ -124,8 +126,9 @@ class PagedGenerator:
       max_batch: sequences served at once (C, the largest batch bucket).
       impl: op implementation, one of :func:`ninfer_kv.ops.registry.impl_choices` (``"auto"``: FFI on CPU,
         Pallas on GPU, Mosaic on TPU).
-      kv_capacity: Main capacity in tokens (default ``max_batch * ceil(S / 64) * 64``: every
-        sequence can reach ``max_context``).
+      kv_capacity: Main capacity in tokens (default
+        :func:`~ninfer_kv.planning.pool_set.full_context_capacity`, ``max_batch * ceil(S / 64) * 64``:
+        every sequence can reach ``max_context``).
       prefill_chunk: tokens per prefill call (a multiple of 64).
       keep_logits: keep the logits that chose each token (tests, margins).
     """

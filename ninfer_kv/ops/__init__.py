@@ -12,20 +12,20 @@ value checks when the inputs are concrete) and then calls one implementation cho
 
 Semantics (identical for every implementation):
 
-* :func:`paged_append` — row ``b`` writes tokens ``t < valid[b]`` of ``k, v (B, T, H, D)`` at
-  logical positions ``positions[b] + t`` of table row ``table_rows[b]``: block ``pos >> 6``,
-  column ``pos & 63``, quantized per the profile.  Nothing else changes.
-* :func:`paged_attention` — query ``t`` of row ``b`` sits at ``positions[b] + t``; key ``j`` is
+* :func:`paged_append` — batch row ``b`` writes tokens ``t < valid[b]`` of ``k, v (B, T, H, D)`` at
+  logical positions ``positions[b] + t`` of execution row ``table_rows[b]`` (a block-table row):
+  block ``pos >> 6``, column ``pos & 63``, quantized per the profile.  Nothing else changes.
+* :func:`paged_attention` — query ``t`` of batch row ``b`` sits at ``positions[b] + t``; key ``j`` is
   visible iff ``j <= positions[b] + t and j < kv_lens[b]``; query head ``hq`` reads KV head
   ``hq // (Hq // H)``; a query with no visible key returns zeros.
 * :func:`paged_append_ragged` / :func:`paged_attention_ragged` — the same over a *ragged* batch:
-  the tokens of ``R`` rows lie one after another on one axis of ``N`` tokens, row ``r`` owning
+  the tokens of ``R`` batch rows lie one after another on one axis of ``N`` tokens, row ``r`` owning
   ``[query_starts[r], query_starts[r + 1])`` (its token ``t`` at ``positions[r] + t``), so decodes
   of one token sit beside prefill chunks with no padding to a rectangle; tokens of no row are
   padding (nothing written, zeros returned).  A row's result is its rectangular result.
-* :func:`cyclic_append` / :func:`cyclic_attention` — the same over per-row ring buffers: key ``j``
-  lives in slot ``j mod slots`` and is visible iff ``positions[b] + t - window < j <= positions[b] + t``
-  and ``j < kv_lens[b]``.
+* :func:`cyclic_append` / :func:`cyclic_attention` — the same over ring buffers (``rows[b]``, one
+  per execution row): key ``j`` lives in ring slot ``j mod slots`` and is visible iff
+  ``positions[b] + t - window < j <= positions[b] + t`` and ``j < kv_lens[b]``.
 
 Index vectors (``table_rows``/``rows``, ``positions``, ``valid``, ``kv_lens``) accept any integer
 array-like — numpy arrays of any integer dtype, Python lists, ``jax`` arrays — and are converted to

@@ -11,7 +11,7 @@ Built-in names:
 * ``"pallas"`` — the top-level ``pallas_kernels`` package (Pallas kernels on the Triton backend;
   interpret mode on a CPU backend).  With native ragged forms.
 * ``"ffi"`` — :mod:`ninfer_kv.ops.ffi` (C++ XLA FFI CPU kernels); available when its native library
-  loaded (:func:`ninfer_kv.ops.ffi.runtime.unavailable_reason`).  With native ragged forms.
+  loaded (:func:`ninfer_kv.ops.ffi.handlers.unavailable_reason`).  With native ragged forms.
 * ``"pallas_tpu"`` — :mod:`pallas_kernels.mosaic_tpu` (Pallas kernels on Mosaic TPU: the two paged
   ops; TPU interpret mode on a CPU).  With native ragged forms.
 
@@ -47,8 +47,8 @@ register_backend(
 )
 register_backend(
     "ffi",
-    {op: f"ninfer_kv.ops.ffi:{op}" for op in OP_NAMES + RAGGED_OP_NAMES},
-    check="ninfer_kv.ops.ffi.runtime:unavailable_reason",
+    {op: f"ninfer_kv.ops.ffi.kv:{op}" for op in OP_NAMES + RAGGED_OP_NAMES},
+    check="ninfer_kv.ops.ffi.handlers:unavailable_reason",
     hint=REBUILD_HINT,
 )
 register_backend(

@@ -1,17 +1,10 @@
-"""Integer array arguments as host int32/int64 arrays, with one dtype, shape and overflow check
-(a leaf of the package, shared by the ops and the device layer's page copies).
+"""Integer array arguments as host int32/int64 arrays, with one dtype, shape and overflow check.
 
-Integer index arguments of the ops: any integer array-like in, int32 out.
-
-Row, position, length and page-ID vectors may be numpy arrays of any integer dtype, Python lists
-or tuples of ints, or ``jax`` arrays.  They are converted the JAX way:
-
-* a concrete value is read on the host, its dtype must be an integer type (``bool`` is not), every
-  value must fit in int32 (else ``ValueError`` naming the argument, the index and the value), and
-  the result is an int32 ``jax`` array (an int32 ``jax`` array is passed through untouched);
-* a tracer (inside ``jax.jit``) must have an integer dtype and is converted with ``astype``.
-
-A non-integer dtype (float, bool, complex, object) is a ``TypeError``.
+The shared base of the ops' integer arguments: the index vectors of the ops
+(:mod:`ninfer_kv.ops.indices`: any integer array-like in, int32 out), the page copies'
+``(src, dst, columns)`` (:mod:`ninfer_kv.ops.page_copy`) and the page runs
+(:mod:`ninfer_kv.ops.page_runs`).  A non-integer dtype (float, bool, complex, object) is a
+``TypeError``; a value that does not fit the target width is a ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations

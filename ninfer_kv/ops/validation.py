@@ -1,4 +1,4 @@
-"""Host-side validation of op inputs (runs before any implementation is called).
+"""Validation of op inputs on the host (runs before any implementation is called).
 
 Two tiers of checks:
 

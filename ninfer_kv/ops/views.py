@@ -40,11 +40,11 @@ LayerIndex = Union[int, jax.Array]
 
 
 def allocate_planes(layout: PagedKVStorageLayout, num_pages: int, *, device=None, fill=None) -> dict[str, jax.Array]:
-    """Allocate the planes of ``layout`` for ``num_pages`` physical page groups.
+    """Allocate the planes of ``layout`` for ``num_pages`` physical pages.
 
     Args:
       layout: a :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout`.
-      num_pages: physical page-group count N of the pool.
+      num_pages: physical page count N of the pool.
       device: optional ``jax.Device`` or sharding to place the planes on.
       fill: optional fill value (default zeros).  A NaN fill is applied to float planes only
         (integer planes stay zero); any other value fills every plane, cast to its dtype.
@@ -137,7 +137,7 @@ class _LayerViewBase:
         """Validate the block-table leaf, if the view has one."""
 
     def check(self) -> None:
-        """Host-side validation of plane keys, shapes, dtypes, the block table (paged views) and the layer."""
+        """Check plane keys, shapes, dtypes, the block table (paged views) and the layer, on the host."""
         lay = self.layout
         _check_planes(self.planes, self._expected_plane_shapes(), lay.plane_dtypes(), type(self).__name__)
         self._check_tables()
@@ -205,7 +205,7 @@ class PagedKVBatchLayerView(_PagedViewBase):
 
     @property
     def num_pages(self) -> int:
-        """Physical page groups ``N`` of the pool, read off the page axis of the stacked ``k`` plane."""
+        """Physical pages ``N`` of the pool, read off the page axis of the stacked ``k`` plane."""
         return _num_pages(self.planes, self.layout)
 
     @property

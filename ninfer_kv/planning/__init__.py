@@ -1,7 +1,7 @@
 """Startup planning: pool set, capacity policies and the affine SequenceCapacityCurve.
 
 Notation: ``S`` = max_context, ``C`` = max_concurrency, ``P = 64``,
-``L = ceil(S / P)``, ``M`` = Main page groups.
+``L = ceil(S / P)``, ``M`` = Main pages.
 
 * ``M_min = max(L, C)``, ``M_max = C * L``.
 * Explicit policy (``kv_capacity`` tokens ``K``): ``M = ceil(K / P)``, with ``K >= S`` and
@@ -12,7 +12,7 @@ Notation: ``S`` = max_context, ``C`` = max_concurrency, ``P = 64``,
   (``C * L * 4`` bytes) + a caller-supplied fixed part.
 * Backend pages: MTP ``M + C * ceil((K_draft - 1) / P)``; Draft Full ``M``.
 
-:class:`KVPoolSetLayout` is the one builder: it gives each pool's :class:`PagedKVStorageLayout`
+:class:`KVPoolSetLayout` is the one pool set: it gives each pool's :class:`PagedKVStorageLayout`
 and page count for any ``M``, allocates the real buffers, and is what the curve is computed from
 and verified against.
 
@@ -30,7 +30,7 @@ line, :mod:`ninfer_kv.schema.sizes`); the exact ``int`` is what gets stored.  A 
 byte counts exactly with the binary-unit form beside them (``34,361,835,520 B (32.00 GiB)``).
 
 Modules: :mod:`.config` (what a deployment states: model, speculative method, capacity policy),
-:mod:`.bounds` (the limits and :class:`PlanBoundError`), :mod:`.pool_set` (the pool-set builder and
+:mod:`.bounds` (the limits and :class:`PlanBoundError`), :mod:`.pool_set` (the pool set and
 the capacity curve), :mod:`.plan` (:func:`plan_kv_cache`), :mod:`.mesh_plan` (planning over a
 device mesh).  All of it is arithmetic: reading free device memory lives in
 :mod:`ninfer_kv.device.memory`, allocating a plan's planes in :mod:`ninfer_kv.device.allocation`.

@@ -27,7 +27,7 @@ INT32_MAX = 2**31 - 1
 
 
 MAX_PAGES = INT32_MAX + 1
-"""Most physical page groups one pool may hold: page IDs ``0 .. MAX_PAGES - 1`` fit int32."""
+"""Most physical pages one pool may hold: page IDs ``0 .. MAX_PAGES - 1`` fit int32."""
 
 
 MAX_CONTEXT = (INT32_MAX // PAGE_SIZE) * PAGE_SIZE
@@ -94,18 +94,18 @@ def _check_bytes(name: str, value: int, what: str) -> int:
 
 
 def check_pool_bytes(layout: PagedKVStorageLayout, num_pages: int) -> int:
-    """Check one pool of ``num_pages`` page groups: int32 page IDs, int64 bytes; returns its bytes."""
+    """Check one pool of ``num_pages`` pages: int32 page IDs, int64 bytes; returns its bytes."""
     _int_at_least("num_pages", num_pages, 1, MAX_PAGES, "page IDs are int32")
     total = layout.buffer_bytes(num_pages)
     if layout.page_bytes > INT64_MAX:
         raise PlanBoundError(
             "page_bytes", layout.page_bytes, f"at most {INT64_MAX} bytes",
-            "one page group of layers x KV heads x head dim must fit int64; the geometry cannot be real",
+            "one page of layers x KV heads x head dim must fit int64; the geometry cannot be real",
             shown=_shown_bytes(layout.page_bytes),
         )
     if total > INT64_MAX:
         raise PlanBoundError(
             "num_pages", num_pages, f"an integer in [1, {INT64_MAX // layout.page_bytes}]",
-            f"the pool's bytes, {describe_bytes(layout.page_bytes)} per page group, must fit int64",
+            f"the pool's bytes, {describe_bytes(layout.page_bytes)} per page, must fit int64",
         )
     return total

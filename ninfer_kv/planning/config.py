@@ -99,7 +99,7 @@ class ModelKVConfig:
 class ExplicitCapacity:
     """Explicit ``kv_capacity`` policy: Main capacity in tokens.
 
-    Planning takes ``M = ceil(kv_capacity / 64)`` Main page groups.
+    Planning takes ``M = ceil(kv_capacity / 64)`` Main pages.
 
     Attributes:
       kv_capacity: Main capacity ``K`` in tokens, an integer >= 1.  :func:`plan_kv_cache` further

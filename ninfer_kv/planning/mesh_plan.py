@@ -23,7 +23,7 @@ class MeshKVPlan:
       mesh: the :class:`~ninfer_kv.schema.mesh_spec.MeshSpec`.
       model: the model as given (all ``H`` KV heads).
       device: the plan of **one device**: ``H_local`` heads (``H / T``, or 1 replicated head),
-        ``C_local = C / D`` rows, ``M_local`` Main page groups; its ``B(M)`` curve is the per-device
+        ``C_local = C / D`` rows, ``M_local`` Main pages; its ``B(M)`` curve is the per-device
         curve under the sharding and its ``device_bytes`` what each device allocates.
       shard: the plan of one **data shard** as the host bookkeeping sees it (every stored head of
         the model axis, the same ``C_local`` and ``M_local``): one ``KVStore`` per data shard uses it.
@@ -39,7 +39,7 @@ class MeshKVPlan:
 
     @property
     def m_local(self) -> int:
-        """Main page groups per data shard."""
+        """Main pages per data shard."""
         return self.device.m
 
     @property

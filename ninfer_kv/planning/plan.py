@@ -21,14 +21,14 @@ class KVPlan:
     Built by :func:`plan_kv_cache`; :class:`~ninfer_kv.store.KVStore` takes it.
 
     Attributes:
-      builder: the :class:`KVPoolSetLayout` the plan was resolved with (``allocate_pools(builder, m)``
+      pool_set: the :class:`KVPoolSetLayout` the plan was resolved with (``allocate_pools(pool_set, m)``
         builds the planes).
-      m: Main page groups ``M``.
+      m: Main pages ``M``.
       pools: ``{PoolKind: PoolPlan}`` at ``M``, Main first.
       curve: the :class:`SequenceCapacityCurve`.
     """
 
-    builder: KVPoolSetLayout
+    pool_set: KVPoolSetLayout
     m: int
     pools: dict[PoolKind, PoolPlan]
     curve: SequenceCapacityCurve
@@ -46,24 +46,24 @@ class KVPlan:
     @property
     def max_context(self) -> int:
         """The per-sequence ceiling ``S`` in tokens."""
-        return self.builder.max_context
+        return self.pool_set.max_context
 
     @property
     def max_concurrency(self) -> int:
         """Execution rows ``C`` (block-table rows of every pool)."""
-        return self.builder.max_concurrency
+        return self.pool_set.max_concurrency
 
     @property
     def logical_pages(self) -> int:
         """``L = ceil(S / 64)``, logical pages per sequence (block-table columns)."""
-        return self.builder.logical_pages
+        return self.pool_set.logical_pages
 
     def to_json(self) -> dict:
         """JSON-ready dict: sizes, ``M``, capacity, every pool, the curve and the device bytes.
 
         ``ninfer-kv plan --json`` prints this with ``policy``, ``notes`` (and ``draft_window``) added.
         """
-        b = self.builder
+        b = self.pool_set
         return {
             "page_size": PAGE_SIZE,
             "max_context": b.max_context,
@@ -108,10 +108,10 @@ def plan_kv_cache(
       ValueError: ``AutomaticCapacity`` with ``free_bytes < headroom_bytes + B_min``.
       TypeError: a policy of another type.
     """
-    builder = KVPoolSetLayout(model, max_context, max_concurrency, speculative, fixed_bytes)
-    m = builder.resolve(policy)
+    pool_set = KVPoolSetLayout(model, max_context, max_concurrency, speculative, fixed_bytes)
+    m = pool_set.resolve(policy)
     try:
-        builder.check_bounds(m)
+        pool_set.check_bounds(m)
     except PlanBoundError as exc:
-        raise _policy_bound_error(builder, policy, m, exc) from None
-    return KVPlan(builder=builder, m=m, pools=builder.pools(m), curve=builder.curve())
+        raise _policy_bound_error(pool_set, policy, m, exc) from None
+    return KVPlan(pool_set=pool_set, m=m, pools=pool_set.pools(m), curve=pool_set.curve())

@@ -1,4 +1,4 @@
-"""The pool set of a plan: :class:`KVPoolSetLayout`, the one builder of every pool's layout and page
+"""The pool set of a plan: :class:`KVPoolSetLayout`, the one source of every pool's layout and page
 count for any ``M``, and the affine :class:`SequenceCapacityCurve` computed from it."""
 
 from __future__ import annotations
@@ -17,7 +17,20 @@ from .bounds import (
 from .config import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, SpeculativeConfig
 from .pool_specs import POOL_SPECS
 
-__all__ = ["PoolPlan", "SequenceCapacityCurve", "KVPoolSetLayout"]
+__all__ = ["PoolPlan", "SequenceCapacityCurve", "KVPoolSetLayout", "full_context_pages", "full_context_capacity"]
+
+
+def full_context_pages(max_context: int, max_concurrency: int) -> int:
+    """``M_max = C * ceil(S / 64)``: the Main pages that hold every row at the full context,
+    the most Main capacity a plan of ``(S, C)`` ever needs."""
+    return max_concurrency * ceil_div(max_context, PAGE_SIZE)
+
+
+def full_context_capacity(max_context: int, max_concurrency: int) -> int:
+    """The Main capacity in tokens that holds every row at the full context: ``M_max * 64``
+    (:func:`full_context_pages`)."""
+    return full_context_pages(max_context, max_concurrency) * PAGE_SIZE
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolPlan:
@@ -26,7 +39,7 @@ class PoolPlan:
     Attributes:
       kind: the :class:`PoolKind`.
       layout: the pool's :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout`.
-      physical_pages: page groups ``N`` the pool allocates (``M``, or ``M + C * lead`` for MTP).
+      physical_pages: pages ``N`` the pool allocates (``M``, or ``M + C * lead`` for MTP).
       logical_pages: ``L = ceil(S / 64)``, the block-table width.
       max_concurrency: ``C``, the block-table height.
     """
@@ -39,7 +52,7 @@ class PoolPlan:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page group (64 tokens, every layer, head and plane) of this pool."""
+        """Bytes of one page (64 tokens, every layer, head and plane) of this pool."""
         return self.layout.page_bytes
 
     @property
@@ -78,9 +91,9 @@ class SequenceCapacityCurve:
     """Affine ``B(M) = b_min + (M - m_min) * b_step`` on ``[m_min, m_max]``.
 
     Attributes:
-      m_min, m_max: the range of Main page groups ``M`` (``max(L, C)`` and ``C * L``).
+      m_min, m_max: the range of Main pages ``M`` (``max(L, C)`` and ``C * L``).
       b_min: device bytes at ``m_min``: every pool's planes and block table plus the fixed part.
-      b_step: device bytes each further Main page group adds (over every pool).
+      b_step: device bytes each further Main page adds (over every pool).
     """
 
     m_min: int
@@ -104,7 +117,7 @@ class SequenceCapacityCurve:
 
 
 class KVPoolSetLayout:
-    """The production layout builder for a model, a speculative method and (S, C).
+    """The production pool set (every pool's layout) for a model, a speculative method and (S, C).
 
     It is the single source of every pool's layout and page count as a function of ``M``; the
     capacity curve is computed from it and verified against it, and the device layer's ``allocate_pools`` builds the real
@@ -157,13 +170,13 @@ class KVPoolSetLayout:
         why = f"every pool's page IDs must fit int32: M_min = max(L, C) = max({logical}, C)"
         why += f" plus C * {lead} MTP lead pages" if lead else ""
         self.max_concurrency = _int_at_least(
-            "max_concurrency", max_concurrency, 1, _max_concurrency(logical, lead), why + f" <= {MAX_PAGES} page groups"
+            "max_concurrency", max_concurrency, 1, _max_concurrency(logical, lead), why + f" <= {MAX_PAGES} pages"
         )
         self.fixed_bytes = _byte_count("fixed_bytes", fixed_bytes)
         self.page_size = PAGE_SIZE
         self.logical_pages = logical
         self.m_min = max(self.logical_pages, self.max_concurrency)
-        self.m_max = self.max_concurrency * self.logical_pages
+        self.m_max = full_context_pages(self.max_context, self.max_concurrency)
         self.layouts: dict[PoolKind, PagedKVStorageLayout] = {
             kind: POOL_SPECS[kind].layout(model, spec) for kind in spec.pool_kinds()
         }
@@ -174,10 +187,10 @@ class KVPoolSetLayout:
         return tuple(self.layouts)
 
     def check_m(self, m: int) -> int:
-        """``m`` as an int after checking it is a Main page-group count in ``[M_min, M_max]``."""
+        """``m`` as an int after checking it is a Main page count in ``[M_min, M_max]``."""
         m = _int_at_least("M", m, 1)
         if not self.m_min <= m <= self.m_max:
-            raise ValueError(f"M={m} Main page groups is outside [{self.m_min}, {self.m_max}]")
+            raise ValueError(f"M={m} Main pages is outside [{self.m_min}, {self.m_max}]")
         return m
 
     def _mtp_lead(self) -> int:
@@ -185,12 +198,16 @@ class KVPoolSetLayout:
         return max(POOL_SPECS[kind].lead_pages(self.speculative) for kind in self.speculative.pool_kinds())
 
     def physical_pages(self, kind: PoolKind, m: int) -> int:
-        """Physical page groups of pool ``kind`` at Main capacity ``M`` (its row of ``POOL_SPECS``)."""
+        """Physical pages of pool ``kind`` at Main capacity ``M`` (its row of ``POOL_SPECS``)."""
         return POOL_SPECS[kind].physical_pages(m, self.max_concurrency, self.speculative)
 
     def max_m(self) -> int:
         """Largest ``M`` whose every pool's page IDs fit int32 (at most ``M_max``)."""
         return min(self.m_max, MAX_PAGES - self.max_concurrency * self._mtp_lead())
+
+    def clamp_m(self, m: int) -> int:
+        """The valid ``M`` nearest to ``m``: ``m`` clamped to ``[M_min, max_m()]``."""
+        return min(max(int(m), self.m_min), self.max_m())
 
     def check_bounds(self, m: int) -> None:
         """Raise :class:`PlanBoundError` unless every pool at ``M`` has int32 page IDs and B(M) fits int64."""
@@ -199,12 +216,12 @@ class KVPoolSetLayout:
                 "M",
                 m,
                 f"an integer in [{self.m_min}, {self.max_m()}]",
-                f"every pool's page IDs must fit int32: at most {MAX_PAGES} page groups per pool",
+                f"every pool's page IDs must fit int32: at most {MAX_PAGES} pages per pool",
             )
         _check_bytes("B(M)", self.device_bytes(m), f"the device bytes at M={m}")
 
     def pools(self, m: int) -> dict[PoolKind, PoolPlan]:
-        """Every pool's :class:`PoolPlan` at ``M = m`` Main page groups.
+        """Every pool's :class:`PoolPlan` at ``M = m`` Main pages.
 
         Raises:
           PlanBoundError: ``m`` is not an integer >= 1.
@@ -221,7 +238,7 @@ class KVPoolSetLayout:
         return sum(p.bytes + p.table_bytes for p in self.pools(m).values()) + self.fixed_bytes
 
     def curve(self) -> SequenceCapacityCurve:
-        """The affine curve, computed from two points of the builder and verified at a third."""
+        """The affine curve, computed from two points of the pool set and verified at a third."""
         b_min = self.device_bytes(self.m_min)
         if self.m_max == self.m_min:
             b_step = sum(p.page_bytes for p in self.pools(self.m_min).values())
@@ -239,7 +256,7 @@ class KVPoolSetLayout:
             if got != expect:
                 raise AssertionError(
                     f"capacity curve mismatch at M={m}: curve {describe_bytes(got)}, "
-                    f"layout builder {describe_bytes(expect)}"
+                    f"pool set {describe_bytes(expect)}"
                 )
 
     # -- capacity policies ----------------------------------------------------------------------
@@ -276,12 +293,12 @@ class KVPoolSetLayout:
         raise TypeError(f"policy must be ExplicitCapacity or AutomaticCapacity, got {type(policy).__name__}")
 
 
-def _policy_bound_error(builder: KVPoolSetLayout, policy, m: int, exc: PlanBoundError) -> PlanBoundError:
+def _policy_bound_error(pool_set: KVPoolSetLayout, policy, m: int, exc: PlanBoundError) -> PlanBoundError:
     """Re-word a bound ``M`` violates in terms of the policy argument that chose ``M``."""
-    curve = builder.curve()
-    _check_b_min(builder, curve)
-    limit = min(builder.max_m(), builder.m_min + (INT64_MAX - curve.b_min) // curve.b_step)
-    why = f"it gives M = {m} Main page groups, beyond the largest valid M = {limit} ({exc.why})"
+    curve = pool_set.curve()
+    _check_b_min(pool_set, curve)
+    limit = min(pool_set.max_m(), pool_set.m_min + (INT64_MAX - curve.b_min) // curve.b_step)
+    why = f"it gives M = {m} Main pages, beyond the largest valid M = {limit} ({exc.why})"
     if isinstance(policy, ExplicitCapacity):
         return PlanBoundError("kv_capacity", policy.kv_capacity, f"at most {limit * PAGE_SIZE} tokens", why)
     most = policy.headroom_bytes + curve.bytes_at(limit) + curve.b_step - 1
@@ -291,12 +308,12 @@ def _policy_bound_error(builder: KVPoolSetLayout, policy, m: int, exc: PlanBound
     )
 
 
-def _check_b_min(builder: KVPoolSetLayout, curve: SequenceCapacityCurve) -> None:
+def _check_b_min(pool_set: KVPoolSetLayout, curve: SequenceCapacityCurve) -> None:
     if curve.b_min > INT64_MAX:
         raise PlanBoundError(
             "B_min", curve.b_min, f"at most {INT64_MAX} bytes",
             "the device bytes at M_min = max(L, C)"
-            + (f", fixed_bytes={builder.fixed_bytes} included," if builder.fixed_bytes else "")
+            + (f", fixed_bytes={pool_set.fixed_bytes} included," if pool_set.fixed_bytes else "")
             + " must fit int64; no device holds this model at this (S, C)",
             shown=_shown_bytes(curve.b_min),
         )

@@ -41,7 +41,7 @@ class PoolSpec:
         return ceil_div(self.lead_tokens(spec), PAGE_SIZE)
 
     def physical_pages(self, m: int, max_concurrency: int, spec) -> int:
-        """Physical page groups at Main capacity ``M``: ``M + C * lead_pages``."""
+        """Physical pages at Main capacity ``M``: ``M + C * lead_pages``."""
         return m + max_concurrency * self.lead_pages(spec)
 
 

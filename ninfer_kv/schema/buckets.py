@@ -1,6 +1,19 @@
-"""Step-work shapes: how a serving loop bounds the programs that apply round works.
+"""Buckets: every ladder of padded sizes of the package, and the step-work shapes built from them.
 
-Every jitted program that applies a :class:`~ninfer_kv.schema.round_work.RoundWork` compiles once per shape of the
+A jitted program compiles once per input shape, so every variable-length input is padded to the
+smallest *bucket* of a short ladder that holds it (:func:`bucket`).  This module is the one home of
+those ladders (numpy only, no JAX):
+
+* :func:`ladder_rungs`, the one geometric ladder, and :func:`ladder` (with a zero bucket) for the
+  buffers of a round work;
+* :func:`bucket_ladder` and :data:`DEFAULT_BATCH_BUCKETS`: the batch sizes of the decoder's steps,
+  and :func:`bucket_for` to pick one;
+* :func:`token_ladder`: the token counts of a ragged round, up to ``max_num_batched_tokens``
+  (:data:`DEFAULT_MAX_NUM_BATCHED_TOKENS` unless the caller says otherwise,
+  :func:`resolve_max_num_batched_tokens`);
+* :class:`StepWorkShapes`: the step and alone shapes of the works a serving loop applies.
+
+**Step-work shapes.**  Every jitted program that applies a :class:`~ninfer_kv.schema.round_work.RoundWork` compiles once per shape of the
 work's buffers ``(table updates, copies, restores)``.  A serving loop therefore fixes
 
 * the **step shape**: the work its step applies every round, padded to one shape (one compile of
@@ -23,9 +36,27 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["StepWorkShapes", "step_work_shapes", "step_work_shape", "ladder_rungs", "ladder", "bucket"]
+from .integers import check_int
+
+__all__ = ["StepWorkShapes", "step_work_shapes", "step_work_shape", "ladder_rungs", "ladder", "bucket",
+           "bucket_ladder", "token_ladder", "bucket_for", "DEFAULT_BATCH_BUCKETS", "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+           "MAX_NUM_BATCHED_TOKENS_LIMIT", "resolve_max_num_batched_tokens"]
 
 Shape = tuple[int, int, int]
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+"""Batch sizes the step functions are compiled for unless told otherwise (``bucket_ladder(32)``);
+smaller batches are padded up to a bucket."""
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+"""Tokens one ragged round feeds at most (decodes first, then prompt tokens in arrival order) unless
+``max_num_batched_tokens`` says otherwise; raised to the rows when there are more
+(:func:`resolve_max_num_batched_tokens`).  Larger rounds do not make the products faster on a CPU
+(their rate falls past about 512 rows) and hold every decode back for longer; docs/PERFORMANCE.md
+has the figures."""
+
+MAX_NUM_BATCHED_TOKENS_LIMIT = 1 << 20
+"""The largest ``max_num_batched_tokens`` accepted."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +89,9 @@ class StepWorkShapes:
 def ladder_rungs(first: int, factor: int, cap: int) -> list[int]:
     """``first, first * factor, first * factor**2, ...`` below ``cap``, then ``cap`` itself.
 
-    The one bucket ladder of the package (``first >= 1``, ``factor >= 2``): the alone shapes here,
-    the store's buffer buckets (:func:`ninfer_kv.schema.buckets.ladder`) and the decoder's batch
-    buckets (:func:`ninfer_kv.models.decoder.buckets.bucket_ladder`).
+    The one geometric ladder of the package (``first >= 1``, ``factor >= 2``): the alone shapes of
+    :func:`step_work_shapes`, the store's buffer buckets (:func:`ladder`) and the batch buckets
+    (:func:`bucket_ladder`).
     """
     out, n = [], first
     while n < cap:
@@ -121,3 +152,55 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
         if n <= b:
             return b
     raise ValueError(f"{n} entries exceed the largest bucket {sizes[-1]}")
+
+
+def bucket_ladder(largest: int, factor: int = 2) -> tuple[int, ...]:
+    """Batch buckets ``1, factor, factor**2, ...`` below ``largest``, then ``largest`` itself."""
+    largest = check_int("largest", largest, 1)
+    factor = check_int("factor", factor, 2)
+    return tuple(ladder_rungs(1, factor, largest))
+
+
+def token_ladder(largest: int, steps_per_octave: int = 8) -> tuple[int, ...]:
+    """Token buckets of the ragged step up to ``largest``: 16, 32, 64, 128, then ``steps_per_octave``
+    evenly spaced sizes per doubling (144, 160, ..., 256, 288, ... with 8), then ``largest``.
+
+    Padding tokens cost what real ones cost in the products, so above 128 tokens the ladder is
+    finer than doubling: at most ``1 / steps_per_octave`` of a round is padding, while the number
+    of compiled shapes grows only with the logarithm of ``largest``.
+    """
+    largest = check_int("largest", largest, 1)
+    steps_per_octave = check_int("steps_per_octave", steps_per_octave, 1, 64)
+    out, n = [], 16
+    while n < min(largest, 128):
+        out.append(n)
+        n *= 2
+    octave = 128
+    while octave < largest:
+        step = octave // steps_per_octave
+        out.extend(s for s in range(octave, min(2 * octave, largest), step) if s >= 128 and s not in out)
+        octave *= 2
+    out.append(largest)
+    return tuple(sorted(set(out)))
+
+
+def bucket_for(batch: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> int:
+    """The smallest bucket ``>= batch`` (:func:`bucket`); a clear error when ``batch`` exceeds the
+    largest bucket."""
+    check_int("batch", batch, 1)
+    if batch > max(buckets):
+        raise ValueError(f"batch={batch} exceeds the largest bucket {max(buckets)}; buckets: {tuple(buckets)}")
+    return int(bucket(batch, buckets))
+
+
+def resolve_max_num_batched_tokens(max_num_batched_tokens: int | None, rows: int) -> int:
+    """The tokens a ragged round of ``rows`` execution rows feeds at most: ``max_num_batched_tokens``,
+    or ``None`` for :data:`DEFAULT_MAX_NUM_BATCHED_TOKENS` (or ``rows`` when more, so that every
+    row can decode in one round).
+
+    Raises:
+      ValueError: a value that is not an integer in ``[rows, MAX_NUM_BATCHED_TOKENS_LIMIT]``.
+    """
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, rows)
+    return check_int("max_num_batched_tokens", max_num_batched_tokens, rows, MAX_NUM_BATCHED_TOKENS_LIMIT)

@@ -1,7 +1,8 @@
 """PagedKVStorageLayout: a profile's plane schema expanded per layer into a typed plane inventory.
 
-The layout is the single builder of a pool's buffers: ``allocate`` creates the device planes, and
-every byte count (``page_bytes``, ``buffer_bytes``, ``memory_summary``, the capacity curve of
+The layout is the single description of a pool's buffers: the device planes are allocated from
+it (:func:`ninfer_kv.ops.views.allocate_planes`, the same shapes and dtypes), and every byte count
+(``page_bytes``, ``buffer_bytes``, ``memory_summary``, the capacity curve of
 :mod:`ninfer_kv.planning`, Host extents) is read from the same inventory.
 """
 
@@ -65,7 +66,7 @@ class PlaneMemory:
         (page-major) or ``(num_layers, H, N, P, X)`` (head-major).
       bytes: bytes of the whole stacked plane at ``num_pages`` pages.
       bytes_per_token: bytes of one token over every layer and KV head of this plane.
-      page_bytes: bytes of one page group (64 tokens) over every layer and KV head of this plane.
+      page_bytes: bytes of one page (64 tokens) over every layer and KV head of this plane.
     """
 
     name: str
@@ -90,7 +91,7 @@ class PoolMemorySummary:
       pool: the pool's name as given (``"main"`` by default).
       profile: the profile's name (``"k8v4"``, ...).
       order: the plane order's name (``"page-major"`` or ``"head-major"``).
-      num_pages: physical page groups ``N``.
+      num_pages: physical pages ``N``.
       planes: one :class:`PlaneMemory` per plane, in schema order.
     """
 
@@ -112,7 +113,7 @@ class PoolMemorySummary:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page group (64 tokens) over every plane, layer and KV head (PageBytes)."""
+        """Bytes of one page (64 tokens) over every plane, layer and KV head (PageBytes)."""
         return sum(p.page_bytes for p in self.planes)
 
     def to_json(self) -> dict:
@@ -241,7 +242,7 @@ class PagedKVStorageLayout:
         return sum(e.bytes_per_token * self.page_size for e in self.inventory)
 
     def plane_page_bytes(self, name: str) -> int:
-        """Bytes of one page group in plane ``name`` across all layers."""
+        """Bytes of one page in plane ``name`` across all layers."""
         return sum(e.bytes_per_token * self.page_size for e in self.inventory if e.name == name)
 
     # -- buffers ------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ def _grace(text: str) -> float:
 
 def configure(p: argparse.ArgumentParser) -> None:
     """Declare the server's arguments."""
+    from ..schema.buckets import DEFAULT_MAX_NUM_BATCHED_TOKENS, MAX_NUM_BATCHED_TOKENS_LIMIT
     from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE
 
     p.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory (Qwen3, Qwen2, "
@@ -69,9 +70,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="tokens per sequence, prompt and output (default: the model's context)")
     p.add_argument("--max-num-seqs", type=bounded_int(1, 4096), default=64, metavar="N",
                    help="sequences served at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=None, metavar="N",
-                   help="tokens one round feeds at most: the decodes' tokens, then prompt tokens in arrival order "
-                        "(default 1024, or --max-num-seqs when more)")
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, MAX_NUM_BATCHED_TOKENS_LIMIT), default=None,
+                   metavar="N", help="tokens one round feeds at most: the decodes' tokens, then prompt tokens in "
+                                     f"arrival order (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, or --max-num-seqs "
+                                     "when more)")
     p.add_argument("--kv-cache-dtype", dest="profile", type=PROFILE, default="bf16", help="KV profile (default bf16)")
     p.add_argument("--kv-capacity", type=_capacity, default="auto", metavar="TOKENS|auto",
                    help="Main pool tokens (default auto: from the memory left after the weights)")

@@ -241,7 +241,7 @@ class KVAddressSpace(GenerationCheckedView):
 
     @property
     def physical_pages(self) -> np.ndarray:
-        """Device page-group IDs of the membership, in logical order."""
+        """Device page IDs of the membership, in logical order."""
         return self._rt.pages.device_page[self.page_slots].astype(np.int32)
 
     def pages(self) -> list[LogicalKVPage]:

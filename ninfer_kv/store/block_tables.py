@@ -1,13 +1,13 @@
-"""Block-table matrices: the host mirror of one pool's ``int32 (C, L)`` matrix and its pending updates.
+"""Block-table matrices: the store's copy of one pool's ``int32 (C, L)`` matrix and its pending updates.
 
-Entry ``[r, b]`` is the pool-local physical page-group ID of logical block ``b`` of the address
+Entry ``[r, b]`` is the pool-local physical page ID of logical block ``b`` of the address
 space leased to execution row ``r``.  Entries no active membership covers — unmapped blocks, the
 rows of finished sequences, idle rows — hold :data:`SENTINEL_PAGE` (``-1``), an ID outside
 ``[0, N)`` of every pool.  Every op implementation drops such an entry under ``jax.jit`` (its
 appended tokens are dropped, its keys are invisible), so a step over a stale or poisoned table can
 lose that step's tokens but never read or write a page another sequence owns.
 
-The host mirror is the truth; writes mark entries dirty.  :meth:`BlockTableMatrix.take` hands every
+The store's copy is the truth; writes mark entries dirty.  :meth:`BlockTableMatrix.take` hands every
 dirty entry out as a fixed-shape update buffer — ``int32 (3, U)`` (row, block, page) triples, ``U``
 from a fixed ladder of buckets (:data:`PUBLISH_BUCKETS` up to ``C * L``), padded with the
 out-of-range row ``C`` that the device scatter drops — for :func:`~ninfer_kv.apply_work` to apply
@@ -32,7 +32,7 @@ PUBLISH_BUCKETS: tuple[int, ...] = (64, 512, 4096, 32768)
 
 
 class BlockTableMatrix:
-    """Host mirror and pending updates of one pool's block tables.
+    """The store's copy (:attr:`entries`) and pending updates of one pool's block tables.
 
     Args:
       rows: execution rows C.
@@ -44,22 +44,22 @@ class BlockTableMatrix:
     def __init__(self, rows: int, logical_pages: int):
         self.rows = int(rows)
         self.logical_pages = int(logical_pages)
-        self.host = np.full((self.rows, self.logical_pages), self.SENTINEL, np.int32)
+        self.entries = np.full((self.rows, self.logical_pages), self.SENTINEL, np.int32)
         self._dirty: list[np.ndarray] = []
         cap = self.rows * self.logical_pages
         self.buckets = tuple(sorted({0, cap, *(b for b in PUBLISH_BUCKETS if b < cap)}))
 
-    # -- host writes ------------------------------------------------------------------------------------
+    # -- writes -----------------------------------------------------------------------------------------
     def write(self, rows: np.ndarray, blocks: np.ndarray, pages) -> None:
         """Set entries ``[rows[i], blocks[i]] = pages[i]`` (distinct pairs) and mark them dirty."""
-        self.host[rows, blocks] = pages
+        self.entries[rows, blocks] = pages
         self._dirty.append(rows * self.logical_pages + blocks)
 
     def write_row(self, row: int, pages: np.ndarray) -> None:
         """Set row ``row`` to ``pages`` followed by sentinels."""
         n = pages.size
-        self.host[row, :n] = pages
-        self.host[row, n:] = self.SENTINEL
+        self.entries[row, :n] = pages
+        self.entries[row, n:] = self.SENTINEL
         self._dirty.append(np.arange(row * self.logical_pages, (row + 1) * self.logical_pages, dtype=np.int64))
 
     def clear_row(self, row: int) -> None:
@@ -72,11 +72,11 @@ class BlockTableMatrix:
 
     # -- rollback support -------------------------------------------------------------------------------
     def save_row(self, row: int) -> tuple[int, np.ndarray]:
-        return len(self._dirty), self.host[row].copy()
+        return len(self._dirty), self.entries[row].copy()
 
     def restore_row(self, row: int, saved: tuple[int, np.ndarray]) -> None:
         n, values = saved
-        self.host[row] = values
+        self.entries[row] = values
         del self._dirty[n:]
 
     # -- pending updates ----------------------------------------------------------------------------------
@@ -110,8 +110,8 @@ class BlockTableMatrix:
         updates[1:, n:] = 0
         updates[0, :n] = keys // L
         updates[1, :n] = keys % L
-        updates[2, :n] = self.host.reshape(-1)[keys]
+        updates[2, :n] = self.entries.reshape(-1)[keys]
         return updates
 
     def snapshot(self) -> dict:
-        return {"host": self.host.copy(), "pending": self.pending_keys()}
+        return {"entries": self.entries.copy(), "pending": self.pending_keys()}

@@ -4,13 +4,13 @@ The store's verb families (:mod:`.activation`, :mod:`.row_verbs`, :mod:`.host_ve
 :mod:`.work_verbs`, :mod:`.inspection`) are separate objects composed over one core; each reads and
 changes the store only through what this class declares:
 
-* the plan's numbers (``builder``, ``pool_plans``, ``max_context``, ``max_concurrency``,
+* the plan's numbers (``pool_set``, ``pool_plans``, ``max_context``, ``max_concurrency``,
   ``logical_pages``, ``page_size``), the entitlement ``policy`` and ``requires_state_image``;
 * ``runtimes`` — one :class:`~ninfer_kv.store.runtime.PoolRuntime` per enabled pool (``main`` is
   the Main one): every pool-level table and its transitions;
 * ``rows`` (:class:`~ninfer_kv.store.rows.ExecutionRows`), ``registry``
   (:class:`~ninfer_kv.store.bundle.HandleRegistry`), ``host`` (the
-  :class:`~ninfer_kv.store.host_replicas.HostTier` or ``None``), ``stats``;
+  :class:`~ninfer_kv.store.host_tier.HostTier` or ``None``), ``stats``;
 * ``work_serial`` (works handed out) and ``identity`` (carried by works, states and payloads);
 * the lookups every family shares: :meth:`runtime`, :meth:`sequence_record`,
   :meth:`checkpoint_record`, :meth:`handle_row`, the quarantine helpers and :meth:`fault`.
@@ -28,7 +28,7 @@ from ..schema.kinds import PoolKind
 from ..planning.pool_specs import POOL_SPECS
 from .bundle import CheckpointHandle, HandleRegistry, SequenceHandle, _Record, next_store_serial
 from .entitlement import EntitlementPolicy
-from .host_replicas import HostTier, placement_of
+from .host_tier import HostTier, placement_of
 from .rows import ExecutionRows
 from .runtime import PoolRuntime
 from .summary import HostTransferStats
@@ -43,7 +43,7 @@ class StoreCore:
 
     def __init__(
         self,
-        builder,
+        pool_set,
         pools,
         *,
         policy: EntitlementPolicy,
@@ -54,17 +54,17 @@ class StoreCore:
         history_window: int,
         identity: int | None,
     ):
-        self.builder = builder
+        self.pool_set = pool_set
         self.pool_plans = dict(pools)
-        self.max_context = builder.max_context
-        self.max_concurrency = builder.max_concurrency
-        self.logical_pages = builder.logical_pages
+        self.max_context = pool_set.max_context
+        self.max_concurrency = pool_set.max_concurrency
+        self.logical_pages = pool_set.logical_pages
         self.page_size = PAGE_SIZE
         self.policy = policy
         self.requires_state_image = bool(requires_state_image)
         self.fault_injector = fault_injector
         self.device = device
-        spec = builder.speculative
+        spec = pool_set.speculative
         self.runtimes: dict[PoolKind, PoolRuntime] = {
             kind: PoolRuntime(pool_plan, lead_tokens=POOL_SPECS[kind].lead_tokens(spec), history_window=history_window)
             for kind, pool_plan in self.pool_plans.items()

@@ -2,10 +2,10 @@
 
 A device state that missed works (skipped, repeated, reordered, or a blank replacement state) holds
 the content of the works it applied and of the steps that ran over them, and nothing after.  The
-host never sees the device, so to repair such a state (:func:`~ninfer_kv.resync`) it must *date*
+store never sees the device, so to repair such a state (:func:`~ninfer_kv.resync`) it must *date*
 its own bookkeeping: which committed tokens were appended by steps the state really ran.
 
-Epochs.  The host is in epoch ``e`` between take ``e - 1`` and take ``e`` (``store.work_serial ==
+Epochs.  The store is in epoch ``e`` between take ``e - 1`` and take ``e`` (``store.work_serial ==
 e``).  A step applies the work it was given and appends; the caller commits afterwards, in the same
 epoch.  So the commits of epoch ``e`` are the appends of the step that applied work ``e - 1``, and a
 state that applied works ``0 .. s - 1`` in order holds every token committed in epochs ``<= s``.

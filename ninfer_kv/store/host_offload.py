@@ -7,7 +7,7 @@ The store holds no device array, so an offload is split in three around the call
 
 :meth:`HostOffload.plan` reserves the destination extents and pins the pages; the caller gathers
 the pages' payload from its :class:`~ninfer_kv.KVDeviceState` with the jittable
-:func:`~ninfer_kv.gather_pages` (or :meth:`HostOffload.gather_in_place` for host-addressable
+:func:`~ninfer_kv.device.work.gather_pages` (or :meth:`HostOffload.gather_in_place` for host-addressable
 planes); :meth:`HostOffload.complete` copies the payload into the extents, verifies epoch and
 coverage and publishes the Host replicas through the pool runtime
 (:meth:`~ninfer_kv.store.runtime.PoolRuntime.publish_offload`).  Pins hold across the split, so
@@ -31,12 +31,12 @@ from ..schema.errors import (
 )
 from ..host import ExtentAllocationError, HostKVArena, StaleExtentError, TransferReport
 from ..host.block_copy import copy_blocks
-from ..host.runs import coalesce_runs
+from ..host.page_id_runs import coalesce_runs
 from ..schema.kinds import PoolKind
 from ..schema.layout import word_dtype
 from ..schema.round_work import POISONED, GatherRequest, OffloadPayload
 from ..schema.buckets import bucket, ladder
-from .host_transfer import Fault, HostTransferReport, PoolTransfer, pick_pools
+from .transfer_records import Fault, HostTransferReport, PoolTransfer, pick_pools
 from .runtime import PoolRuntime
 from .summary import HostTransferStats
 
@@ -54,7 +54,7 @@ class OffloadPlan:
     """A planned offload: extents reserved, pages pinned, waiting for its payload.
 
     ``pages``: ``{PoolKind: int32 (B,)}`` the Device pages to gather (logical order, padded to a
-    power-of-two bucket with page 0); ``request``: the argument of :func:`~ninfer_kv.gather_pages`
+    power-of-two bucket with page 0); ``request``: the argument of :func:`~ninfer_kv.device.work.gather_pages`
     (those pages plus the plan's identity, so the payload names the plan it was gathered for);
     ``min_serial``: the work serial the gathering state must have reached; ``token``: the plan's
     number in its store; ``store``: the store's identity; ``status``: ``"planned"``,
@@ -76,7 +76,8 @@ class OffloadPlan:
 
     @property
     def request(self) -> GatherRequest:
-        """What :func:`~ninfer_kv.gather_pages` gathers: the pages and the plan's identity (fresh arrays)."""
+        """What :func:`~ninfer_kv.device.work.gather_pages` gathers: the pages and the plan's identity
+        (fresh arrays)."""
         return GatherRequest(pages={k: v.copy() for k, v in self.pages.items()},
                              store=np.asarray(self.store, np.int32), token=np.asarray(self.token, np.int32))
 
@@ -182,7 +183,7 @@ class HostOffload:
         if not isinstance(payload, OffloadPayload):
             raise TypeError(
                 f"the offload payload must be an OffloadPayload (what gather_pages(state, plan.request) or "
-                f"ninfer_kv.device.offload.gather_offload(store, plan, state) returns: it names the plan it was gathered for), got "
+                f"ninfer_kv.device.offload_gather.gather_offload(store, plan, state) returns: it names the plan it was gathered for), got "
                 f"{type(payload).__name__}"
             )
         store, token = int(np.asarray(payload.store)), int(np.asarray(payload.token))
@@ -248,7 +249,7 @@ class HostOffload:
     def complete(self, plan: OffloadPlan, payload) -> HostTransferReport:
         """Copy the gathered payload into the plan's extents, verify epoch and coverage, publish.
 
-        ``payload`` is the :class:`OffloadPayload` :func:`~ninfer_kv.gather_pages` returned for
+        ``payload`` is the :class:`OffloadPayload` :func:`~ninfer_kv.device.work.gather_pages` returned for
         ``plan.request``: it names its plan, its pages and the serial of the state it came from.  A
         payload of another plan (or of other pages) is refused with :class:`PayloadError`, nothing
         published and the plan still in flight.  Any later failure (a state that missed a work, a

@@ -2,7 +2,7 @@
 
 A restore copies the Host replica's bytes into the pool's pending page writes, which the next round
 work carries to the device (:func:`~ninfer_kv.apply_work` writes them before any unit reads the
-pages); verify and publish follow at once on the host, so a restore completes within one call::
+pages); verify and publish follow at once in the store, so a restore completes within one call::
 
     begin (lease Device pages, pin) -> copy (stage the writes) -> verify -> publish (set the lease)
                                                                          \\-> cancel (all undone)
@@ -22,9 +22,9 @@ import numpy as np
 
 from ..schema.errors import InvariantError, LifecycleError, PoolCapacityError
 from ..host import TransferReport
-from ..host.runs import coalesce_runs
+from ..host.page_id_runs import coalesce_runs
 from ..schema.kinds import PoolKind
-from .host_transfer import Fault, HostTransferReport, PoolTransfer, pick_pages, pick_pools
+from .transfer_records import Fault, HostTransferReport, PoolTransfer, pick_pages, pick_pools
 from .runtime import PoolRuntime
 from .summary import HostTransferStats
 

@@ -1,13 +1,13 @@
 """Host tier verbs of the store: offload (plan -> gather -> complete, or cancel), Device replica
-drop, restore, Host replica release.  The protocol itself is :mod:`ninfer_kv.store.host_replicas`."""
+drop, restore, Host replica release.  The protocol itself is :mod:`ninfer_kv.store.host_tier`."""
 
 from __future__ import annotations
 
 from .bundle import CheckpointHandle
 from ..schema.errors import LifecycleError
 from .host_offload import OffloadPlan
-from .host_replicas import HostTier
-from .host_transfer import HostTransferReport
+from .host_tier import HostTier
+from .transfer_records import HostTransferReport
 from .summary import HostOccupancy
 from .core import StoreCore
 
@@ -51,7 +51,7 @@ class HostVerbs:
         """The :class:`~ninfer_kv.schema.round_work.OffloadPayload` of ``plan`` copied straight from host-addressable
         planes (``{PoolKind: {plane name: array}}``, read in place by numpy) into the plan's extents,
         once; ``serial`` is the applied-work serial of the state they belong to.  The device layer's
-        :func:`~ninfer_kv.device.offload.gather_offload` calls it for a state on one CPU device."""
+        :func:`~ninfer_kv.device.offload_gather.gather_offload` calls it for a state on one CPU device."""
         return self._tier("gather_offload_from_host").offload.gather_in_place(plan, lambda kind: planes[kind], serial)
 
     def complete_offload(self, plan: OffloadPlan, payload) -> HostTransferReport:
@@ -59,7 +59,7 @@ class HostVerbs:
         offload (placement ``device`` -> ``both``; the Device replicas stay, see
         :meth:`drop_device_replica`).
 
-        ``payload`` is ``gather_pages(state, plan.request)`` (or :func:`~ninfer_kv.device.offload.gather_offload`): an
+        ``payload`` is ``gather_pages(state, plan.request)`` (or :func:`~ninfer_kv.device.offload_gather.gather_offload`): an
         :class:`~ninfer_kv.schema.round_work.OffloadPayload` naming the plan, its pages and the serial
         of the state it came from.  Raises :class:`PayloadError` (nothing published, the plan still in
         flight) for a payload gathered for another plan or other pages, ``TypeError`` for anything

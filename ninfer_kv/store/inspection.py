@@ -20,8 +20,8 @@ class InspectionVerbs:
     _core: StoreCore
 
     def host_block_table(self, pool="main") -> np.ndarray:
-        """A copy of the host mirror of ``pool``'s block tables (includes entries not yet taken)."""
-        return self._core.runtime(pool).table.host.copy()
+        """A copy of the store's block tables of ``pool`` (includes entries not yet taken)."""
+        return self._core.runtime(pool).table.entries.copy()
 
     def occupancy(self, pool="main") -> PoolOccupancy:
         """``pool``'s :class:`PoolOccupancy`: capacity, allocated / reserved / available pages, logical, shared and Host pages, bytes."""
@@ -103,6 +103,12 @@ class InspectionVerbs:
     def row(self, handle: SequenceHandle) -> int:
         """The execution row (block-table row in every pool) of an active sequence."""
         return self._core.sequence_record(handle).row
+
+    def committed_frontiers(self, rows, pool="main") -> np.ndarray:
+        """Each execution row's committed frontier in ``pool`` (``int64``); ``rows`` are checked as
+        :meth:`~ninfer_kv.store.row_verbs.RowVerbs.check_rows` checks them.  Changes nothing."""
+        rows = self._core.rows.check(rows)
+        return self._core.runtime(pool).spaces.committed[rows].astype(np.int64)
 
     def bundle(self, handle: SequenceHandle) -> SequenceKVBundle:
         """The :class:`SequenceKVBundle` of an active sequence: its row and its address space in every pool."""

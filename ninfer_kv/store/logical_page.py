@@ -9,7 +9,7 @@ Its descriptor holds
   inside the page), so bytes written later under the same column count are a different content;
 * committed columns ``[0, P]`` and protected columns (the coverage surviving checkpoints need);
 * address-space references, active references and the single writer (an execution row);
-* an optional Device page-group lease (page ID + lease generation);
+* an optional Device page lease (page ID + lease generation);
 * an optional Host extent membership: the extent, the page's index in it and the replica's
   ``(epoch, coverage)`` as of its publication (see :class:`HostReplica`);
 * transaction pins (held while a copy reads or writes the page);
@@ -359,7 +359,7 @@ class GenerationCheckedView:
 
     @property
     def pool(self):
-        """The :class:`~ninfer_kv.planning.PoolKind` of the viewed pool."""
+        """The :class:`~ninfer_kv.schema.kinds.PoolKind` of the viewed pool."""
         return self._rt.kind
 
     def _describe(self) -> str:

@@ -1,6 +1,6 @@
-"""DevicePagePool: the physical page-group namespace of one growing pool.
+"""DevicePagePool: the physical page namespace of one growing pool.
 
-A pool owns page-group IDs ``[0, capacity)``.  Every ID is, at every public call boundary, in
+A pool owns page IDs ``[0, capacity)``.  Every ID is, at every public call boundary, in
 exactly one of three states, and the counts obey the capacity identity::
 
     allocated + reserved + available == capacity
@@ -38,7 +38,7 @@ _SCAN_WINDOW = 256
 
 @dataclasses.dataclass(frozen=True)
 class DeviceKVPageLease:
-    """Exclusive hold of one page group of one pool, valid while ``generation`` is current."""
+    """Exclusive hold of one page of one pool, valid while ``generation`` is current."""
 
     pool: str
     page: int
@@ -50,10 +50,10 @@ def _as_ids(values) -> np.ndarray:
 
 
 class DevicePagePool:
-    """Page-group IDs ``[0, capacity)`` with reservations and generation-checked leases.
+    """Page IDs ``[0, capacity)`` with reservations and generation-checked leases.
 
     Args:
-      capacity: number of physical page groups N (>= 1).
+      capacity: number of physical pages N (>= 1).
       owners: number of reservation owners (the store uses one per execution row).
       name: pool name used in error messages and leases.
     """
@@ -76,17 +76,17 @@ class DevicePagePool:
     # -- counts -------------------------------------------------------------------------------------
     @property
     def allocated(self) -> int:
-        """Page groups held by leases."""
+        """Pages held by leases."""
         return self.capacity - self._free_count
 
     @property
     def reserved(self) -> int:
-        """Page groups promised to owners but not materialized."""
+        """Pages promised to owners but not materialized."""
         return self._reserved
 
     @property
     def available(self) -> int:
-        """Page groups neither leased nor reserved."""
+        """Pages neither leased nor reserved."""
         return self._free_count - self._reserved
 
     def reservation(self, owner: int) -> int:

@@ -714,7 +714,7 @@ class PoolRuntime:
                 expect = np.full(self.logical_pages, SENTINEL_PAGE, np.int32)
                 if quarantined is None or not quarantined[s]:
                     expect[:n] = pg.device_page[m[:n]]
-                if not np.array_equal(self.table.host[s], expect):
+                if not np.array_equal(self.table.entries[s], expect):
                     raise InvariantError(f"pool {name}: block-table row {s} does not mirror its membership")
             else:
                 if s < self.rows:
@@ -727,7 +727,7 @@ class PoolRuntime:
                     raise InvariantError(f"pool {name}: checkpoint {s} pages lost committed or protected columns")
         for r in range(self.rows):
             if not sp.active[r]:
-                if sp.live[r] or pool.reservation(r) != 0 or (self.table.host[r] != SENTINEL_PAGE).any():
+                if sp.live[r] or pool.reservation(r) != 0 or (self.table.entries[r] != SENTINEL_PAGE).any():
                     raise InvariantError(f"pool {name}: idle row {r} holds state")
         live = pg.live
         if not np.array_equal(counts[live], pg.refs[live]) or not np.array_equal(active_counts[live], pg.active_refs[live]):

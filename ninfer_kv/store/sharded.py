@@ -1,4 +1,4 @@
-"""ShardedKVStore: one host-only KVStore per data shard of a device mesh.
+"""ShardedKVStore: one KVStore (Python bookkeeping) per data shard of a device mesh.
 
 Each data shard ``d`` of a :class:`~ninfer_kv.device.mesh.KVMesh` is its own pool set: a plain
 :class:`~ninfer_kv.store.KVStore` built from the shard plan of a :class:`~ninfer_kv.planning.MeshKVPlan`,
@@ -64,7 +64,7 @@ class ShardedCheckpoint:
 
 
 class ShardedKVStore:
-    """Host bookkeeping of a KV cache sharded over a ``data x model`` mesh.
+    """The Python bookkeeping of a KV cache sharded over a ``data x model`` mesh.
 
     Args:
       plan: a :class:`MeshKVPlan` (``plan_kv_cache_mesh``).
@@ -340,7 +340,7 @@ class ShardedKVStore:
 
     # -- inspection ----------------------------------------------------------------------------------
     def host_block_table(self, pool="main") -> np.ndarray:
-        """The ``(D * C_local, L)`` host mirror (each shard's rows hold that shard's page IDs)."""
+        """The store's ``(D * C_local, L)`` block table (each shard's rows hold that shard's page IDs)."""
         return np.concatenate([s.host_block_table(pool) for s in self.shards])
 
     def audit_invariants(self) -> None:

@@ -1,7 +1,7 @@
-"""KVStore: the program-level facade over every growing pool (host-only bookkeeping).
+"""KVStore: the program-level facade over every growing pool (Python bookkeeping).
 
-The store keeps, per enabled pool (one per :class:`~ninfer_kv.planning.PoolKind` of the plan), a
-:class:`DevicePagePool`, the logical page descriptors, the address spaces, the host mirror of the
+The store keeps, per enabled pool (one per :class:`~ninfer_kv.schema.kinds.PoolKind` of the plan), a
+:class:`DevicePagePool`, the logical page descriptors, the address spaces, its own copy of the
 ``int32 (C, L)`` block-table matrix and the pool's pending page writes.  It decides Move / Fork /
 COW from the real references and keeps every transition atomic across pools.  It holds no
 ``jax.Array`` and launches no device work: the caller owns a :class:`KVDeviceState` and applies the
@@ -57,11 +57,11 @@ def _core_attribute(name: str, doc: str, settable: bool = False) -> property:
 
 
 class KVStore(ActivationVerbs, RowVerbs, HostVerbs, WorkVerbs, InspectionVerbs):
-    """Host-side KV store over the pools of a plan.
+    """The KV store (Python bookkeeping) over the pools of a plan.
 
     Args:
       plan: a :class:`KVPlan` (from ``plan_kv_cache``) or a :class:`KVPoolSetLayout` with ``m``.
-      m: Main page groups when ``plan`` is a :class:`KVPoolSetLayout`.
+      m: Main pages when ``plan`` is a :class:`KVPoolSetLayout`.
       entitlement: the :class:`EntitlementPolicy` (default: full prompt + output budget).
       requires_state_image: the model needs a state image to resume from a frontier (e.g. it has
         recurrent state).  Then ``finish(retain=True)`` must be given one; KV alone is not a hit.
@@ -96,16 +96,16 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, WorkVerbs, InspectionVerbs):
         if isinstance(plan, KVPlan):
             if m is not None and m != plan.m:
                 raise ValueError(f"m={m} disagrees with the plan's M={plan.m}")
-            builder, pools = plan.builder, plan.pools
+            pool_set, pools = plan.pool_set, plan.pools
         elif isinstance(plan, KVPoolSetLayout):
             if m is None:
-                raise ValueError("a KVPoolSetLayout needs m (Main page groups)")
-            builder, pools = plan, plan.pools(m)
+                raise ValueError("a KVPoolSetLayout needs m (Main pages)")
+            pool_set, pools = plan, plan.pools(m)
         else:
             raise TypeError(f"plan must be a KVPlan or KVPoolSetLayout, got {type(plan).__name__}")
         arena = self._make_arena(host_arena, host_bytes, device)
         self._core = core = StoreCore(
-            builder,
+            pool_set,
             pools,
             policy=entitlement or EntitlementPolicy(),
             requires_state_image=requires_state_image,
@@ -129,7 +129,7 @@ class KVStore(ActivationVerbs, RowVerbs, HostVerbs, WorkVerbs, InspectionVerbs):
         return host_arena
 
     # -- the plan's numbers and the core's state -----------------------------------------------------
-    builder = _core_attribute("builder", "The :class:`KVPoolSetLayout` the store was planned with.")
+    pool_set = _core_attribute("pool_set", "The :class:`KVPoolSetLayout` the store was planned with.")
     pool_plans = _core_attribute("pool_plans", "``{PoolKind: PoolPlan}`` of every enabled pool.")
     max_context = _core_attribute("max_context", "The per-sequence ceiling ``S`` in tokens.")
     max_concurrency = _core_attribute("max_concurrency", "Execution rows ``C``.")

@@ -1,9 +1,9 @@
 """Occupancy and memory summaries of a KV store.
 
-Device occupancy counts each physical page group once: leases (``allocated``) plus reservations.
+Device occupancy counts each physical page once: leases (``allocated``) plus reservations.
 Logical aliases — one page referenced by several address spaces — are reported separately
 (``aliased_blocks``) and never billed twice.  With a Host tier, Host pages are billed in the Host
-arena by packed bytes and extent geometry (:class:`~ninfer_kv.store.host_replicas.HostOccupancy`);
+arena by packed bytes and extent geometry (:class:`~ninfer_kv.store.summary.HostOccupancy`);
 they never count as Device occupancy.
 """
 
@@ -31,16 +31,16 @@ class PoolOccupancy:
 
     Attributes:
       pool: pool name (``main``, ``mtp``, ``draft_full``).
-      capacity: physical page groups N; ``allocated + reserved + available == capacity``.
-      allocated: page groups held by Device leases.
-      reserved: page groups promised to active entitlements but not materialized.
-      available: page groups free for new reservations.
+      capacity: physical pages N; ``allocated + reserved + available == capacity``.
+      allocated: pages held by Device leases.
+      reserved: pages promised to active entitlements but not materialized.
+      available: pages free for new reservations.
       logical_pages: live logical page descriptors.
       shared_pages: logical pages referenced by more than one address space.
       mapped_blocks: membership entries over every address space.
       active_spaces: active address spaces (each holds an execution row).
       retained_checkpoints: inactive address spaces (retained checkpoints).
-      page_bytes: bytes of one page group across every plane and layer.
+      page_bytes: bytes of one page across every plane and layer.
       plane_bytes: bytes of the pool's device planes.
       table_bytes: bytes of the pool's block-table matrix.
       host_pages: live logical pages holding a Host replica (0 without a Host tier).
@@ -99,7 +99,7 @@ class PoolOccupancy:
 class StoreMemorySummary:
     """Every pool of a store, plus sequence and checkpoint counts and the Host tier.
 
-    ``host`` is the :class:`~ninfer_kv.store.host_replicas.HostOccupancy` (``None`` without a Host
+    ``host`` is the :class:`HostOccupancy` (``None`` without a Host
     tier); ``offloaded_pages`` / ``restored_pages`` are the Host transfer counters.
     """
 

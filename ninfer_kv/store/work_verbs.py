@@ -1,8 +1,8 @@
 """Round works and device states: the verbs that hand work to the device and check what it applied.
 
 ``take_work`` (every pool's part of the next :class:`~ninfer_kv.schema.round_work.RoundWork`), ``pending_work``,
-``require_synced`` / ``sync_problem`` and ``plan_resync`` (the host half of
-:func:`~ninfer_kv.resync`).  A state is read only through its host-side record
+``require_synced`` / ``sync_problem`` and ``plan_resync`` (the store's half of
+:func:`~ninfer_kv.resync`).  A state is read only through its sync record
 (``state.sync_status()``); the device layer (:mod:`ninfer_kv.device`) builds and changes states.
 """
 
@@ -103,7 +103,7 @@ class WorkVerbs:
         return None
 
     def plan_resync(self, status: SyncStatus) -> tuple[RoundWork | None, ResyncReport]:
-        """The host half of :func:`~ninfer_kv.resync` for a state at ``status``: the work that brings it
+        """The store's half of :func:`~ninfer_kv.resync` for a state at ``status``: the work that brings it
         in line (every block table republished, missed page writes replayed; its serial is the
         store's current one, and the state must be reset to it before applying) and the report.
         Content no source can restore (neither the state, nor a Host replica, nor a replayed copy)

@@ -87,7 +87,7 @@ def queries_as_seen(backend: str, profile, q) -> np.ndarray:
     oracle over them differs from the backend by summation order only.
 
     float32 products see ``q`` itself.  The FFI's ``int8x2`` scores (NVFP4 keys at the
-    ``avx512vnni`` level, :func:`ninfer_kv.ops.ffi.runtime.arithmetic`) see each query row rounded once:
+    ``avx512vnni`` level, :func:`ninfer_kv.ops.ffi.handlers.arithmetic`) see each query row rounded once:
     ``step = max|q_row| / 16383``, ``q16 = rint(q * (16383 / max|q_row|))`` in float32, ``q16 * step``;
     the kernel keeps float32 for every row of a (batch row, KV head) task holding a non-finite
     element; this model keeps ``q`` for a whole batch row holding one (the suite's queries are
@@ -96,9 +96,9 @@ def queries_as_seen(backend: str, profile, q) -> np.ndarray:
     q32 = np.asarray(q).astype(np.float32)
     if backend != "ffi":
         return q32
-    from ninfer_kv.ops.ffi import runtime as ffi_runtime
+    from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
-    if ffi_runtime.arithmetic(profile, q32.shape[-1]).scores != "int8x2":
+    if ffi_handlers.arithmetic(profile, q32.shape[-1]).scores != "int8x2":
         return q32
     amax = np.abs(q32).max(-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):

@@ -25,11 +25,13 @@ INTERPRETED_PROFILES = {"pallas": ("k8v4", "nvfp4-g16")}
 """Per interpreted backend: the profiles its profile-parametrized cases run with by default (the two
 with scale planes and the most lane bookkeeping); the others under ``-m slow``."""
 
-RAGGED_ONE_PROFILE = {"pallas": "k8v4", "reference": "k8v4"}
-"""Backends whose ragged cases run one profile by default, the rest under ``-m slow``: the reference
-(its ragged ops are the generic form over kernels the rectangular tests cover per profile) and the
-interpreted Pallas backend (its ragged kernels run the rectangular kernels' bodies, which the
-rectangular cases cover per profile; ``tests/pallas/test_pallas_ragged.py`` runs NVFP4 appends)."""
+RAGGED_ONE_PROFILE = {"pallas": None, "reference": "k8v4"}
+"""Backends whose profile-parametrized ragged cases run one profile by default (``None``: none), the
+rest under ``-m slow``: the reference (its ragged ops are the generic form over kernels the
+rectangular tests cover per profile) and the interpreted Pallas backend (its ragged kernels run the
+rectangular kernels' bodies, which the rectangular cases cover per profile, padded head dims
+included; ``tests/pallas/test_pallas_ragged.py`` holds its ragged attention (K8V4, both orders) and
+appends (NVFP4) to the per-row model by default, and its clamped ``query_starts`` run here)."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -43,9 +45,8 @@ def pytest_collection_modifyitems(config, items):
         default_profiles = INTERPRETED_PROFILES.get(params.get("backend"))
         if default_profiles is not None and "profile" in params and params["profile"].value not in default_profiles:
             item.add_marker(pytest.mark.slow)
-        profile = RAGGED_ONE_PROFILE.get(params.get("backend"))
-        if (profile is not None and item.module.__name__.endswith("test_ragged") and "profile" in params
-                and params["profile"].value != profile):
+        if (params.get("backend") in RAGGED_ONE_PROFILE and item.module.__name__.endswith("test_ragged")
+                and "profile" in params and params["profile"].value != RAGGED_ONE_PROFILE[params["backend"]]):
             item.add_marker(pytest.mark.slow)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from ninfer_kv import ops
 from ninfer_kv.ops.ffi import kv as ffi_kv
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
 from . import backends, np_ops
 from .cases import PAGE, PROFILES, append_case, append_geometry, attention_case, attention_geometry, random_kv
@@ -118,13 +118,13 @@ def test_ragged_starts_out_of_order_under_jit_are_clamped(backend):
     assert_same_bits(odd, fair, f"{backend} clamped query_starts")
 
 
-@pytest.mark.skipif(not ffi_runtime.is_available(), reason="the FFI library is not built")
+@pytest.mark.skipif(not ffi_handlers.is_available(), reason="the FFI library is not built")
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.value)
 def test_ffi_ragged_rows_are_bit_identical_to_rectangular_rows(profile):
     """Without context splits, a ragged row walks the blocks a rectangular row of its length walks."""
     g, case, positions, kv_lens, starts, q = _attention_rows(profile, seed=6)
     view = case.view()
-    with ffi_runtime.fixed_splits():
+    with ffi_handlers.fixed_splits():
         ragged = np.asarray(jax.jit(lambda q: ffi_kv.paged_attention_ragged(
             q, view, _i32(case.table_rows), _i32(positions), _i32(kv_lens), _i32(starts), sm_scale=g.sm_scale))(
                 jnp.asarray(q)))

@@ -48,12 +48,11 @@ def bf16_run():
 
 def engine_steps(config: DemoConfig):
     """The jitted steps the engine of a one-device demo run ``config`` uses (shared per configuration)."""
-    from ninfer_kv.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from ninfer_kv.models.decoder import StepConfig
-    from ninfer_kv.models.decoder.buckets import bucket_ladder, token_ladder
+    from ninfer_kv.schema.buckets import bucket_ladder, resolve_max_num_batched_tokens, token_ladder
     from ninfer_kv.models.decoder.steps import shared_steps
 
-    budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, config.max_concurrency)
+    budget = resolve_max_num_batched_tokens(None, config.max_concurrency)
     return shared_steps(StepConfig(model=config.model_config, profile=config.profile, impl=config.impl,
                                    batch_buckets=bucket_ladder(config.max_concurrency, 2),
                                    token_buckets=token_ladder(budget),

@@ -70,6 +70,11 @@ def test_every_step_compiles_once_per_bucket_across_runs(bf16_run):
         assert step.compiles == step.traces
 
 
+# -m slow: a whole second demo run (its own compiles).  By default quantized caches are served in
+# tests/server and tests/models/test_generate_cli.py (int8) and checked against transformers in
+# tests/models/test_hf_oracle.py (nvfp4), the dense reference with the K8V4 round trip runs in
+# tests/examples/test_model_paged_steps.py, and the demo's code paths in the bf16 runs here.
+@pytest.mark.slow
 def test_k8v4_completes_and_matches_its_codec():
     d = _common_checks(run(profile="k8v4"))
     assert d["profile"] == "k8v4"
@@ -90,6 +95,10 @@ def test_mtp_accepts_and_rejects_drafts_and_matches_dense():
     assert all(r.generated.size == budgets[r.request.id] for r in result.records)
 
 
+# -m slow: a longer workload (budgets of 64 tokens) on its own pool size.  By default the lease-growth
+# run of the shared workload below grants lease pages and ends a request bounded (checked against the
+# dense model), and tests/engine/test_engine_core.py ends one at its covered frontier.
+@pytest.mark.slow
 def test_kv_lease_growth_bounded_completion():
     # budgets up to 64 tokens, an 8-token lease window and 8 Main pages: lanes must grow their
     # leases at round boundaries, and some cannot (bounded completion, finish reason "length")
@@ -143,6 +152,9 @@ def test_without_host_arena_pressure_releases_checkpoints():
     assert d["dense_match"] is True and d["leaked_pages"] == 0
 
 
+# -m slow: a run on a larger pool (its own compiles).  By default the lease-growth run above serves the
+# shared workload under another schedule and must produce prefixes of the same tokens.
+@pytest.mark.slow
 def test_same_tokens_under_other_schedules(bf16_run):
     # more pages change admission, batching and evictions, never the greedy tokens
     from ninfer_kv.planning import ExplicitCapacity

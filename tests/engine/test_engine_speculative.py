@@ -99,6 +99,11 @@ def test_stop_token_inside_an_accepted_run_ends_there():
         assert comps[0] == full[:cut], rid
 
 
+# -m slow: its own pool size (every step compiles again) and 60-token budgets.  By default lease growth and
+# bounded completions run in tests/engine/test_engine_core.py and tests/demo, speculative rounds cut short of
+# K + 1 tokens (by a budget) in the tests above, and an MTP store growing leases in
+# tests/store/test_state_machine.py (TestGrowth).
+@pytest.mark.slow
 def test_lease_growth_with_speculation_ends_bounded_requests_at_length():
     prompts, params = _workload(2)
     engine = _engine(K, capacity=6 * 64, lease_growth=True)

@@ -14,7 +14,6 @@ from model_harness import TOL_BF16
 from ninfer_kv.models.decoder import (
     ModelConfig,
     StepConfig,
-    bucket_for,
     dense_greedy_generate,
     dense_logits,
     init_dense_cache,
@@ -26,6 +25,7 @@ from ninfer_kv.models.decoder import (
 )
 from ninfer_kv.models.decoder.dense import dense_forward
 from ninfer_kv.models.decoder.layers import apply_rope, rms_norm, swiglu
+from ninfer_kv.schema.buckets import bucket_for
 
 
 # -- layers ------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ninfer_kv.ops.ffi import kv as ffi_kv  # noqa: E402
-from ninfer_kv.ops.ffi import runtime as ffi_runtime  # noqa: E402
+from ninfer_kv.ops.ffi import handlers as ffi_handlers  # noqa: E402
 from ninfer_kv.schema.layout import PagedKVStorageLayout  # noqa: E402
 from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
 from ninfer_kv.ops.views import PagedKVBatchLayerView  # noqa: E402
@@ -75,7 +75,7 @@ def _append(lay, k, v) -> dict:
 
 def main(path: str) -> None:
     x = inputs()
-    saved = {"isa": np.array(ffi_runtime.info().isa)}
+    saved = {"isa": np.array(ffi_handlers.info().isa)}
     saved.update({f"input_{name}": val for name, val in x.items() if name != "bf_k" and name != "bf_v"})
     saved["input_bf_k"] = x["bf_k"].view(np.uint16)
     saved["input_bf_v"] = x["bf_v"].view(np.uint16)
@@ -89,7 +89,7 @@ def main(path: str) -> None:
         view = PagedKVBatchLayerView(planes, jnp.asarray(TABLE), 0, lay)  # the clean pool
         out = _attention(jnp.asarray(x["q"]), view, TABLE_ROWS, Q_POSITIONS, KV_LENS)
         saved[f"{profile}/attention"] = np.asarray(out)
-        ar = ffi_runtime.arithmetic(profile, D)
+        ar = ffi_handlers.arithmetic(profile, D)
         saved[f"{profile}/arithmetic"] = np.array([ar.scores, ar.values])
     np.savez(path, **saved)
 

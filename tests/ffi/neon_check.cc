@@ -467,7 +467,7 @@ void CheckRowDecoder(const Tokens& t, long* count) {
   const int nchunks = t.d / kVL;
   bool any_nan = false;
   for (int j = 0; j < t.n; ++j) {
-    const typename Decoder<C>::Row row = pr.template At<Decoder<C>>(j);
+    const typename Decoder<C>::TokenCodes row = pr.template At<Decoder<C>>(j);
     bool row_nan = false;
     for (int i = 0; i < t.d && C == Codec::kFp8Row; ++i) row_nan |= (t.data[j * t.data_stride + i] & 0x7Fu) == 0x7Fu;
     any_nan |= row_nan;
@@ -477,7 +477,7 @@ void CheckRowDecoder(const Tokens& t, long* count) {
     // An FP8 value row holding a NaN code is decoded by Fp8ExactDecoder (Decoder's value form
     // assumes none); its value lanes must match the reference exactly, NaNs included.
     const bool use_exact = C == Codec::kFp8Row && row_nan;
-    const Fp8ExactDecoder::Row exact = use_exact ? pr.template At<Fp8ExactDecoder>(j) : Fp8ExactDecoder::Row();
+    const Fp8ExactDecoder::TokenCodes exact = use_exact ? pr.template At<Fp8ExactDecoder>(j) : Fp8ExactDecoder::TokenCodes();
     for (int c = 0; c < nchunks; ++c) {
       const VFloat v = use_exact ? exact.Chunk(c) : row.Chunk(c);
       VFloat pair[2] = {};
@@ -500,7 +500,7 @@ void CheckRowDecoder(const Tokens& t, long* count) {
           ExpectFloat("Chunk2", i + kVL, pair[1][l], t.Value(j, i + kVL));
         }
         // The key form times KeyScale() is the value (FP8: the code times 2^-8, exactly).
-        if (Decoder<C>::Row::kKeyScaled) {
+        if (Decoder<C>::TokenCodes::kKeyScaled) {
           if (row_nan) continue;  // a NaN code's key lane is unspecified; KeyScale() is NaN
           const uint8_t code = t.data[j * t.data_stride + i];
           ExpectFloat("KeyChunk", i, key[l], E4m3fnToFloat(code) * 0.00390625f);
@@ -514,7 +514,7 @@ void CheckRowDecoder(const Tokens& t, long* count) {
       }
     }
     if (C == Codec::kFp8Row && j + 1 == t.n && pr.any_nan() != any_nan) Fail("PrepareRows any_nan flag");
-    if (Decoder<C>::Row::kKeyScaled) {
+    if (Decoder<C>::TokenCodes::kKeyScaled) {
       uint16_t sb;
       std::memcpy(&sb, t.scale.data() + j * t.scale_stride, 2);
       const float want = row_nan ? BitsFloat(0x7FC00000u) : Bf16ToFloat(sb) * 256.0f;

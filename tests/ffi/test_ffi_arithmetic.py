@@ -28,13 +28,13 @@ import pytest
 
 from ninfer_kv.ops import codecs
 from ninfer_kv.ops.ffi import kv as ffi_kv
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from ninfer_kv.schema.profiles import KVProfile
 from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops.views import PagedKVBatchLayerView
 from ninfer_kv.ops.views import allocate_planes
 
-pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
+pytestmark = pytest.mark.skipif(not ffi_handlers.is_available(), reason=f"FFI library unavailable: {ffi_handlers.load_error()}")
 
 P = 64
 PROFILES = tuple(p.value for p in KVProfile)
@@ -49,7 +49,7 @@ _roundtrip = jax.jit(codecs.codec_roundtrip, static_argnums=0)
 
 def _int8x2_level() -> bool:
     """Whether the level in use takes int8x2 products for NVFP4 keys (AVX-512 VNNI and VBMI)."""
-    info = ffi_runtime.info()
+    info = ffi_handlers.info()
     if info.isa == "avx512vnni":
         return True
     return info.isa == "native" and {"avx512vnni", "avx512vbmi", "avx512bw"} <= set(info.cpu_features)
@@ -126,9 +126,9 @@ def int8x2_bound(q, k, v, sm_scale: float) -> np.ndarray:
 def _check_tolerance(profile: str, r, head_dim: int) -> None:
     got, want = r["got"], r["want"]
     assert np.isfinite(got).all()
-    ar = ffi_runtime.arithmetic(profile, head_dim)
+    ar = ffi_handlers.arithmetic(profile, head_dim)
     if ar.reduced:
-        assert ar == ffi_runtime.Arithmetic("int8x2", "float32"), ar
+        assert ar == ffi_handlers.Arithmetic("int8x2", "float32"), ar
         bound = int8x2_bound(r["q"], r["kq"], r["vq"], r["sm_scale"]) + FLOAT32_TOL * (1 + np.abs(want))
         worst = float((np.abs(got - want) / bound).max())
         assert worst <= 1.0, f"{profile} D={head_dim}: error {worst:.2f} x the int8x2 rounding bound"
@@ -142,13 +142,13 @@ def test_each_profile_reports_its_arithmetic():
     vnni = _int8x2_level()
     for profile in PROFILES:
         for d in (64, 128, 256, 512):
-            ar = ffi_runtime.arithmetic(profile, d)
+            ar = ffi_handlers.arithmetic(profile, d)
             nvfp4_keys = KVProfile(profile).k_codec.value == "nvfp4-g16"
             want_scores = "int8x2" if (vnni and nvfp4_keys and d <= 256) else "float32"
-            assert ar == ffi_runtime.Arithmetic(want_scores, "float32"), (profile, d, ar)
+            assert ar == ffi_handlers.Arithmetic(want_scores, "float32"), (profile, d, ar)
             assert ar.reduced == (want_scores != "float32")
     with pytest.raises(ValueError):
-        ffi_runtime.arithmetic("bf16", 0)
+        ffi_handlers.arithmetic("bf16", 0)
 
 
 @pytest.mark.parametrize("profile", PROFILES)

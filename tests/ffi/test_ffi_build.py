@@ -19,22 +19,22 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "ffi" / "src"
 WIDE_LEVELS = ("isa_avx2", "isa_avx512", "isa_native")
 
 
-@pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
+@pytest.mark.skipif(not ffi_handlers.is_available(), reason=f"FFI library unavailable: {ffi_handlers.load_error()}")
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 register check")
 def test_only_the_avx_levels_use_wide_registers():
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) is not installed")
-    info = ffi_runtime.info()
+    info = ffi_handlers.info()
     assert "native" in info.compiled or "baseline" in info.compiled, info.compiled
-    res = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", ffi_runtime.library_path()], capture_output=True,
+    res = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", ffi_handlers.library_path()], capture_output=True,
                          text=True, timeout=120, check=True)
     header = re.compile(r"^[0-9a-f]+ <(.*)>:$")
     offenders, function, counted = [], None, 0

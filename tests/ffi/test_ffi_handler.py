@@ -10,12 +10,12 @@ import pytest
 
 from ninfer_kv.ops.ffi import kv as ffi_kv
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from ninfer_kv.ops.views import PagedKVBatchLayerView
 from tests.conformance.cases import append_case, append_geometry, random_kv, richest_profile
 from tests.conformance.checks import assert_same_planes
 
-pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
+pytestmark = pytest.mark.skipif(not ffi_handlers.is_available(), reason=f"FFI library unavailable: {ffi_handlers.load_error()}")
 
 
 def test_paged_attention_handler_rejects_bad_operands():

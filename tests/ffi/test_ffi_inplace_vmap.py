@@ -9,14 +9,14 @@ import pytest
 
 from ninfer_kv.ops.ffi import kv as ffi_kv
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from ninfer_kv.schema.profiles import KVProfile
 from ninfer_kv.ops.views import CyclicKVCacheLayerView, PagedKVBatchLayerView
 from tests.conformance import np_ops
 from tests.conformance.cases import CyclicGeometry, append_case, append_geometry, make_cyclic_case, make_paged_case
 from tests.conformance.checks import assert_attention_close, assert_same_planes, raw_bits
 
-pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
+pytestmark = pytest.mark.skipif(not ffi_handlers.is_available(), reason=f"FFI library unavailable: {ffi_handlers.load_error()}")
 
 
 def _pointers(planes: dict) -> dict:

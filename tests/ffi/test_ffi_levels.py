@@ -18,16 +18,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from tests.conformance import np_codecs
 from tests.conformance.checks import assert_attention_close
 
 from . import level_probe as probe
 from .test_ffi_arithmetic import FLOAT32_TOL, int8x2_bound
 
-pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
+pytestmark = pytest.mark.skipif(not ffi_handlers.is_available(), reason=f"FFI library unavailable: {ffi_handlers.load_error()}")
 
-PACKAGE_ROOT = Path(ffi_runtime.__file__).resolve().parents[3]  # the ninfer_kv this test imports
+PACKAGE_ROOT = Path(ffi_handlers.__file__).resolve().parents[3]  # the ninfer_kv this test imports
 KNOWN_LEVELS = ("native", "avx512vnni", "avx512", "avx2", "baseline", "neon")
 
 
@@ -35,7 +35,7 @@ def _env(level: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NINFER_KV_FFI_ISA"}
     env.update(
         NINFER_KV_FFI_ISA=level,
-        NINFER_KV_FFI_LIBRARY=ffi_runtime.library_path(),  # the library this process loaded
+        NINFER_KV_FFI_LIBRARY=ffi_handlers.library_path(),  # the library this process loaded
         NINFER_KV_FFI_THREADS="2",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -48,7 +48,7 @@ def results(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
     """level -> the probe's saved arrays, for every level this CPU supports (run in parallel)."""
     tmp = tmp_path_factory.mktemp("levels")
     procs = {}
-    for level in ffi_runtime.info().supported:
+    for level in ffi_handlers.info().supported:
         out = tmp / f"{level}.npz"
         cmd = [sys.executable, str(Path(probe.__file__)), str(out)]
         procs[level] = (out, subprocess.Popen(cmd, env=_env(level), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -62,7 +62,7 @@ def results(tmp_path_factory) -> dict[str, dict[str, np.ndarray]]:
 
 
 def test_info_reports_the_level_in_use():
-    info = ffi_runtime.info()
+    info = ffi_handlers.info()
     assert info.compiled and set(info.compiled) <= set(KNOWN_LEVELS)
     assert info.supported and set(info.supported) <= set(info.compiled)
     assert list(info.supported) == [lv for lv in info.compiled if lv in info.supported]  # best first
@@ -71,11 +71,11 @@ def test_info_reports_the_level_in_use():
         assert info.isa == info.supported[0]
     assert info.vector_width == (16 if info.isa in ("avx512", "avx512vnni") else info.vector_width)
     assert info.vector_width in (8, 16) and info.threads >= 1
-    assert info.isa in info.summary() and Path(info.library) == Path(ffi_runtime.library_path())
+    assert info.isa in info.summary() and Path(info.library) == Path(ffi_handlers.library_path())
 
 
 def test_each_forced_level_is_the_one_in_use(results):
-    assert set(results) == set(ffi_runtime.info().supported)
+    assert set(results) == set(ffi_handlers.info().supported)
     for level, saved in results.items():
         assert str(saved["isa"]) == level
 
@@ -186,14 +186,14 @@ def test_attention_agrees_with_the_oracle_on_every_level(results, profile):
 
 
 _IMPORT_PROBE = (
-    "import ninfer_kv.ops.ffi as f\n"
+    "import ninfer_kv.ops.ffi.handlers as f\n"
     "print(f.is_available()); print(f.load_error())\n"
     "try:\n    f.info()\nexcept f.FFIUnavailableError as e:\n    print('raised', e)\n"
 )
 
 
 def test_levels_that_cannot_run_are_refused_with_a_clear_error():
-    info = ffi_runtime.info()
+    info = ffi_handlers.info()
     absent = next(lv for lv in ("neon", "avx2") if lv not in info.compiled)
     cases = {absent: "is not a level of this library", "sse9": "is not a level of this library"}
     for level in info.compiled:

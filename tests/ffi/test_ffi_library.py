@@ -15,20 +15,20 @@ import pytest
 
 from ninfer_kv.host import ffi_library
 from ninfer_kv.ops.ffi import kv as ffi_kv
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_library_is_built_and_loaded():
-    assert ffi_runtime.is_available(), ffi_runtime.load_error()
-    assert ffi_runtime.load_error() is None
-    path = Path(ffi_runtime.library_path())
+    assert ffi_handlers.is_available(), ffi_handlers.load_error()
+    assert ffi_handlers.load_error() is None
+    path = Path(ffi_handlers.library_path())
     assert path.is_file() and path.name == ffi_library.LIBRARY_NAME
     lib = ctypes.CDLL(str(path))
-    assert lib.NinferKvFfiAbiVersion() == ffi_runtime.ABI_VERSION
+    assert lib.NinferKvFfiAbiVersion() == ffi_handlers.ABI_VERSION
     assert lib.NinferKvFfiVectorWidth() in (8, 16)
-    assert ffi_runtime.num_threads() >= 1
+    assert ffi_handlers.num_threads() >= 1
 
 
 def test_missing_library_gives_rebuild_instructions(monkeypatch, tmp_path):
@@ -38,9 +38,9 @@ def test_missing_library_gives_rebuild_instructions(monkeypatch, tmp_path):
     assert lib.lib is None
     assert "pip install -e ." in lib.error and "pip install ." in lib.error
     assert str(tmp_path) in lib.error
-    monkeypatch.setattr(ffi_runtime, "_LIBRARY", lib)
-    assert not ffi_runtime.is_available()
-    assert ffi_runtime.load_error() == lib.error
+    monkeypatch.setattr(ffi_handlers, "_LIBRARY", lib)
+    assert not ffi_handlers.is_available()
+    assert ffi_handlers.load_error() == lib.error
     with pytest.raises(ffi_library.FFIUnavailableError, match="pip install -e"):
         ffi_kv.paged_attention(jnp.zeros((1, 1, 1, 64)), None, None, None, None)
 
@@ -64,7 +64,7 @@ def _import_in_subprocess(cwd: Path, pythonpath: str | None) -> subprocess.Compl
     env["JAX_PLATFORMS"] = "cpu"
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    code = "import ninfer_kv.ops.ffi as f; print(f.is_available(), f.library_path(), f.load_error())"
+    code = "import ninfer_kv.ops.ffi.handlers as f; print(f.is_available(), f.library_path(), f.load_error())"
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -94,8 +94,8 @@ def test_source_tree_on_pythonpath_still_finds_the_library():
 @pytest.mark.parametrize("threads", [0, 1, 3])
 def test_the_read_probe_sums_every_word_once(words, threads):
     """The read-bandwidth probe of bench/machine.py reads every word exactly once, whatever the split."""
-    if not ffi_runtime.is_available():
-        pytest.skip(ffi_runtime.load_error())
+    if not ffi_handlers.is_available():
+        pytest.skip(ffi_handlers.load_error())
     rng = np.random.default_rng(words)
     buf = rng.integers(0, 2**63, size=words, dtype=np.uint64)
-    assert ffi_runtime._stream_read(buf, threads) == int(buf.sum(dtype=np.uint64))  # both wrap modulo 2**64
+    assert ffi_handlers._stream_read(buf, threads) == int(buf.sum(dtype=np.uint64))  # both wrap modulo 2**64

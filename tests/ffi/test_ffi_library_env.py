@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ninfer_kv.host import ffi_library
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from ninfer_kv.ops import dispatch
 from ninfer_kv.ops import registry
 from ninfer_kv.ops.views import allocate_planes
@@ -27,7 +27,7 @@ _PROBE = textwrap.dedent(
     warnings.simplefilter("error")  # a fallback warning would be an error
     import jax.numpy as jnp, numpy as np
     import ninfer_kv.host.ffi_library as lib
-    import ninfer_kv.ops.ffi as f
+    import ninfer_kv.ops.ffi.handlers as f
     from ninfer_kv import PagedKVBatchLayerView, PagedKVStorageLayout, ops
     from ninfer_kv.ops.views import allocate_planes
 
@@ -85,9 +85,9 @@ def test_file_that_is_not_a_library_is_an_error_naming_it(tmp_path):
     _assert_refused(_probe(str(text)), str(text), "not a loadable shared library")
 
 
-@pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
+@pytest.mark.skipif(not ffi_handlers.is_available(), reason=f"FFI library unavailable: {ffi_handlers.load_error()}")
 def test_good_path_is_used():
-    good = ffi_runtime.library_path()
+    good = ffi_handlers.library_path()
     res = _probe(good)
     assert res["load_error"] is None and res["library_path"] == good
     assert res["is_available"] == {"ok": True}
@@ -121,10 +121,10 @@ def test_every_reason_names_the_path(monkeypatch, tmp_path):
 def test_auto_raises_instead_of_falling_back(monkeypatch, tmp_path):
     """impl='auto' on a CPU surfaces the bad path (no ImplFallbackWarning, no reference)."""
     bad = _load_with(monkeypatch, str(tmp_path / "gone.so"))
-    monkeypatch.setattr(ffi_runtime, "_LIBRARY", bad)
+    monkeypatch.setattr(ffi_handlers, "_LIBRARY", bad)
     with pytest.raises(ffi_library.FFILibraryPathError, match="gone.so: not found"):
-        ffi_runtime.is_available()
-    assert "gone.so" in ffi_runtime.load_error()  # the diagnostic itself never raises
+        ffi_handlers.is_available()
+    assert "gone.so" in ffi_handlers.load_error()  # the diagnostic itself never raises
     with registry.override_impls():  # fresh loads
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -134,4 +134,4 @@ def test_auto_raises_instead_of_falling_back(monkeypatch, tmp_path):
                 registry.resolve_impl("ffi")
         assert registry.resolve_impl("reference").name == "reference"  # an explicit other impl still works
     with pytest.raises(ffi_library.FFILibraryPathError):
-        ffi_runtime.info()
+        ffi_handlers.info()

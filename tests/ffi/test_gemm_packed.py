@@ -27,10 +27,10 @@ import pytest
 
 from ninfer_kv.ops.ffi import products as ffi_products
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from ninfer_kv.ops.ffi.packed_weight import PackedWeight, pack_bf16_weight, unpack_bf16_weight
 
-pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason="FFI library unavailable")
+pytestmark = pytest.mark.skipif(not ffi_handlers.is_available(), reason="FFI library unavailable")
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = np.float32(2.0**-126)
@@ -123,8 +123,8 @@ def test_amx_form_where_the_cpu_has_it():
     """A CPU with AMX-BF16 runs the AMX form (its order checked once, bit for bit, by the library);
     every other CPU says why not.  Asked in a fresh process: Linux refuses the tile state to a process
     whose alternate signal stacks are too small for it, and pytest's faulthandler installs one."""
-    probe = ("from ninfer_kv.ops.ffi import products as ffi_products, runtime as ffi_runtime; import json; "
-             "print(json.dumps([ffi_products.packed_kernel(), ffi_products.packed_amx_status(), ffi_runtime.info().cpu_features]))")
+    probe = ("from ninfer_kv.ops.ffi import products as ffi_products, handlers as ffi_handlers; import json; "
+             "print(json.dumps([ffi_products.packed_kernel(), ffi_products.packed_amx_status(), ffi_handlers.info().cpu_features]))")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "NINFER_KV_FFI_AMX", "NINFER_KV_FFI_BF16")}
     r = subprocess.run([sys.executable, "-c", probe], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                        timeout=240)
@@ -244,13 +244,13 @@ _LEVEL_PROBE = """
 import os, sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import ml_dtypes, numpy as np, jax.numpy as jnp
-from ninfer_kv.ops.ffi import products as ffi_products, runtime as ffi_runtime
+from ninfer_kv.ops.ffi import products as ffi_products, handlers as ffi_handlers
 from ninfer_kv.ops.ffi.packed_weight import pack_bf16_weight
 d = {k: v.view(ml_dtypes.bfloat16) for k, v in np.load(sys.argv[1]).items()}
 x, w = jnp.asarray(d["x"]), [pack_bf16_weight(jnp.asarray(d["w"]))]
 outs = ffi_products.matmul_bf16_packed_many(x, w)
 rounded = ffi_products.matmul_bf16_packed_many(x, w, out_dtype=jnp.bfloat16)
-np.savez(sys.argv[2], out=np.asarray(outs[0]), out_bf16=np.asarray(rounded[0]).view(np.uint16), isa=ffi_runtime.info().isa,
+np.savez(sys.argv[2], out=np.asarray(outs[0]), out_bf16=np.asarray(rounded[0]).view(np.uint16), isa=ffi_handlers.info().isa,
          kernel=ffi_products.packed_kernel())
 """
 
@@ -264,7 +264,7 @@ def test_levels_and_bf16_form_bit_identical(tmp_path, matrix):
     wants = {}
     inp = tmp_path / "in.npz"
     np.savez(inp, x=x.view(np.uint16), w=w.view(np.uint16))
-    supported = ffi_runtime.info().supported
+    supported = ffi_handlers.info().supported
     if matrix == "every-pair":
         runs = [(level, flag) for level in supported for flag in ("1", "0")]
     else:

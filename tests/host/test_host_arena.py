@@ -12,7 +12,7 @@ from ninfer_kv.host import (
     InvalidPlanError,
     StaleExtentError,
 )
-from ninfer_kv.device.staging import select_memory_kind, staging_of, to_device
+from ninfer_kv.device.host_staging import select_memory_kind, staging_of, to_device
 from ninfer_kv.host.arena import HOST_BUFFER_ALIGNMENT
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from ninfer_kv.ops.ffi import products as ffi_products
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from ninfer_kv.models.decoder import ModelConfig, init_params, pack_params
 from ninfer_kv.models.decoder.layers import matmul_t, matmul_t_many, products
 from ninfer_kv.models.decoder.weights import PROJECTIONS
@@ -39,7 +39,7 @@ def test_pack_params_packs_projections_and_a_tied_head():
     assert not any(isinstance(v, PackedWeight) for v in leaves)
 
 
-@pytest.mark.skipif(not ffi_runtime.is_available(), reason="FFI library unavailable")
+@pytest.mark.skipif(not ffi_handlers.is_available(), reason="FFI library unavailable")
 def test_matmul_t_on_packed_weights_per_mode():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ninfer_kv.models.decoder import ModelConfig, StepConfig, init_params, make_steps
-from ninfer_kv.models.decoder.buckets import pad_ragged
+from ninfer_kv.models.decoder.padding import pad_ragged
 from ninfer_kv.ops import available_impls
 from ninfer_kv.ops.views import allocate_planes
 

@@ -275,7 +275,7 @@ def test_no_module_changes_another_modules_table():
         "rt.host_replicas.users[extent] = 0",
     ],
 )
-@pytest.mark.parametrize("module", ["host_replicas.py", "host_offload.py", "host_restore.py"])
+@pytest.mark.parametrize("module", ["host_tier.py", "host_offload.py", "host_restore.py"])
 def test_scan_detects_foreign_changes(code, module):
     assert violations(code, module)
 
@@ -283,7 +283,7 @@ def test_scan_detects_foreign_changes(code, module):
 def test_scan_allows_reads_queries_owners_and_composers():
     assert not violations(
         "pg = rt.pages\nx = pg.refs[slots] == 0\ny = rt.spaces.committed[rows]\nz = rt.pages.host_valid(s, c)",
-        "host_replicas.py",
+        "host_tier.py",
     )
     assert not violations("rt.pool.acquire(3)\nrt.pages.pin(slots)", "runtime.py")
     assert not violations("self.host_replicas.hold(extent, 3)", "runtime.py")

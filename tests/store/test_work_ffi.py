@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ninfer_kv.ops.ffi import runtime as ffi_runtime
+from ninfer_kv.ops.ffi import handlers as ffi_handlers
 from ninfer_kv.device.state import KVDeviceState, sync_record
 from ninfer_kv.device.work import apply_work, apply_work_reference
 from ninfer_kv.schema.kinds import PoolKind
 from ninfer_kv.schema.layout import PagedKVStorageLayout, word_dtype
 from ninfer_kv.schema.round_work import PoolWork, RoundWork
 
-pytestmark = pytest.mark.skipif(not ffi_runtime.is_available(), reason=f"FFI library unavailable: {ffi_runtime.load_error()}")
+pytestmark = pytest.mark.skipif(not ffi_handlers.is_available(), reason=f"FFI library unavailable: {ffi_handlers.load_error()}")
 
 P = 64
 C, L = 5, 4

@@ -11,11 +11,12 @@ Modules: ``config`` (ModelConfig, RopeScaling, StepConfig), ``weights`` (init_pa
 param_shapes), ``layers`` (RMSNorm, RoPE with scaling, SwiGLU), ``model`` (paged forward), ``mtp``
 (MTP head), ``sampling`` (greedy / temperature / top-k / top-p with per-sequence keys), ``steps``
 (jitted steps with compile counters), ``dense`` (no-cache and contiguous-cache references),
-``buckets`` (batch buckets and padding rows), ``mesh_steps`` (steps over a sharded cache).
+``padding`` (padding rows), ``mesh_steps`` (steps over a sharded cache).  The batch buckets live
+in :mod:`ninfer_kv.schema.buckets`.
 """
 
-from .buckets import PaddedRows, bucket_for, bucket_ladder, pad_rows, prompt_chunks
-from .config import DEFAULT_BATCH_BUCKETS, PREFILL_CHUNK, ROPE_SCALING_KINDS, ModelConfig, RopeScaling, StepConfig
+from .config import PREFILL_CHUNK, ROPE_SCALING_KINDS, ModelConfig, RopeScaling, StepConfig
+from .padding import PaddedRows, pad_rows, prompt_chunks
 from .dense import (
     DenseCacheSteps,
     DenseKVCache,
@@ -42,11 +43,8 @@ from .weights import init_params, pack_params, param_count, param_shapes
 
 __all__ = [
     "PaddedRows",
-    "bucket_for",
-    "bucket_ladder",
     "pad_rows",
     "prompt_chunks",
-    "DEFAULT_BATCH_BUCKETS",
     "PREFILL_CHUNK",
     "ModelConfig",
     "RopeScaling",

@@ -17,6 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from ninfer_kv.schema.buckets import DEFAULT_BATCH_BUCKETS
 from ninfer_kv.schema.geometry import PAGE_SIZE
 from ninfer_kv.schema.integers import check_int
 from ninfer_kv.schema.layout import PagedKVStorageLayout
@@ -26,13 +27,9 @@ from ninfer_kv.schema.profiles import KVProfile
 
 from .layers import Products
 
-__all__ = ["ModelConfig", "RopeScaling", "ROPE_SCALING_KINDS", "StepConfig", "DEFAULT_BATCH_BUCKETS",
-           "DEFAULT_TOKEN_BUCKETS", "PREFILL_CHUNK"]
+__all__ = ["ModelConfig", "RopeScaling", "ROPE_SCALING_KINDS", "StepConfig", "DEFAULT_TOKEN_BUCKETS", "PREFILL_CHUNK"]
 
 """Allowed values of :attr:`StepConfig.impl` (forwarded to ``ninfer_kv.ops``)."""
-
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
-"""Batch sizes the step functions are compiled for; smaller batches are padded up to a bucket."""
 
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 """Token counts the ragged step is compiled for; a ragged batch is padded up to one."""
@@ -245,10 +242,11 @@ class StepConfig:
         Pallas on GPU, Mosaic on TPU).
       prefill_chunk: tokens per chunked-prefill call (a multiple of the page size 64).
       draft_window: speculative draft window K; verify takes ``K + 1`` tokens per row.
-      batch_buckets: the batch sizes a step accepts; pad smaller batches up to a bucket
-        (:func:`ninfer_kv.models.decoder.buckets.pad_rows`).
+      batch_buckets: the batch sizes a step accepts (default
+        :data:`~ninfer_kv.schema.buckets.DEFAULT_BATCH_BUCKETS`); pad smaller batches up to a bucket
+        (:func:`ninfer_kv.models.decoder.padding.pad_rows`).
       token_buckets: the token counts ``N`` the ragged step accepts (strictly increasing); pad a
-        ragged batch with :func:`ninfer_kv.models.decoder.buckets.pad_ragged`.
+        ragged batch with :func:`ninfer_kv.models.decoder.padding.pad_ragged`.
       products: how the weight products run when the ops are the FFI's (a CPU): ``"auto"``
         (default: this CPU's fastest per row count: the packed products where they use AMX or
         AVX512_BF16, batch invariant there; elsewhere the FFI row kernel for single-row products

@@ -63,7 +63,7 @@ class Products(str, enum.Enum):
       row alone: bfloat16 weight products through the FFI packed products (packed weights) or row
       kernel (plain ones), :func:`rms_norm`'s sum of squares as a fixed pairwise tree (XLA's CPU
       reductions change their order with the number of rows), and the FFI attention's context
-      splits at fixed key offsets (:func:`ninfer_kv.ops.ffi.runtime.fixed_splits`).
+      splits at fixed key offsets (:func:`ninfer_kv.ops.ffi.handlers.fixed_splits`).
 
     Weights packed once (:func:`ninfer_kv.models.decoder.weights.pack_params`, a
     :class:`~ninfer_kv.ops.ffi.packed_weight.PackedWeight` in place of the array) take the FFI packed
@@ -98,9 +98,9 @@ def packed_products_fastest() -> bool:
     ``False`` without the FFI library.  ``"auto"`` products follow it; ``"batch_invariant"`` takes
     the packed products everywhere (batch invariance at the ``fma`` form's speed)."""
     from ninfer_kv.ops.ffi import products as ffi_products
-    from ninfer_kv.ops.ffi import runtime as ffi_runtime
+    from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
-    return ffi_runtime.is_available() and ffi_products.packed_kernel() in PACKED_FASTEST_FORMS
+    return ffi_handlers.is_available() and ffi_products.packed_kernel() in PACKED_FASTEST_FORMS
 
 
 _PRODUCTS: contextvars.ContextVar[Products] = contextvars.ContextVar("ninfer_kv_products", default=Products.XLA)
@@ -113,9 +113,9 @@ def products(mode: Products | str):
     token = _PRODUCTS.set(mode)
     try:
         if mode is Products.BATCH_INVARIANT:
-            from ninfer_kv.ops.ffi import runtime as ffi_runtime
+            from ninfer_kv.ops.ffi import handlers as ffi_handlers
 
-            with ffi_runtime.fixed_splits():
+            with ffi_handlers.fixed_splits():
                 yield
         else:
             yield

@@ -12,7 +12,7 @@ IDs in the tables, the layer index — is int32 array *data*.  The static part i
 input shapes: the batch bucket ``B`` and the chunk length (``prefill_chunk`` for prefill, 1 for
 decode, ``K + 1`` for verify).  So each step compiles once per (bucket, chunk length, pool size).
 
-Steps (``B`` in ``step_config.batch_buckets``; pad with :func:`ninfer_kv.models.decoder.buckets.pad_rows`)::
+Steps (``B`` in ``step_config.batch_buckets``; pad with :func:`ninfer_kv.models.decoder.padding.pad_rows`)::
 
     prefill(params, planes, block_tables, tokens (B, chunk), positions, valid, table_rows)
         -> PrefillOutput(planes, block_tables, logits (B, V), next_tokens (B,), hidden (B, chunk, d))
@@ -35,7 +35,7 @@ Steps (``B`` in ``step_config.batch_buckets``; pad with :func:`ninfer_kv.models.
 feeds tokens ``[query_starts[r], query_starts[r + 1])`` from position ``positions[r]`` — a decode
 of one token beside a prefill chunk of hundreds, each paying for its own tokens only.  ``N`` is a
 token bucket (``step_config.token_buckets``; pad with
-:func:`~ninfer_kv.models.decoder.buckets.pad_ragged`), ``R`` a batch bucket; logits and the next
+:func:`~ninfer_kv.models.decoder.padding.pad_ragged`), ``R`` a batch bucket; logits and the next
 token are taken at each row's last token and produced at ``positions + length``.
 
 positions, valid, table_rows are int32 ``(B,)``; ``kv_lens = positions + valid`` is formed inside.
@@ -50,7 +50,7 @@ position of the token it produces (``positions + valid`` for prefill and decode,
 the token sampling would produce at that position, so speculative rounds produce exactly the tokens of
 plain decoding with the same keys.
 Padding rows (``tokens 0, positions 0, valid 0``, table row = any scratch row) write nothing and
-read nothing; their outputs are finite and must be ignored (:mod:`ninfer_kv.models.decoder.buckets`).
+read nothing; their outputs are finite and must be ignored (:mod:`ninfer_kv.models.decoder.padding`).
 ``logits``/``next_tokens``/``hidden`` of prefill, decode and MTP extend are taken at each row's last
 valid token (index ``max(valid - 1, 0)``).  Verify: row ``b`` feeds ``tokens[b] = (t, d_1 .. d_K)``;
 ``target_tokens[b, i]`` is the greedy target at position ``positions[b] + i + 1`` and
@@ -322,7 +322,7 @@ def _check_bucket(cfg: StepConfig, what: str, b: int, pad_with: str) -> None:
     if b not in cfg.batch_buckets:
         raise ValueError(
             f"{what}: batch size {b} is not a bucket {cfg.batch_buckets}; pad the batch with "
-            f"ninfer_kv.models.decoder.buckets.{pad_with}"
+            f"ninfer_kv.models.decoder.padding.{pad_with}"
         )
 
 
@@ -376,7 +376,7 @@ def _ragged_check(cfg: StepConfig):
             raise ValueError(f"{what}: tokens must be int32 (N,), got {np.dtype(tokens.dtype).name} {shape}")
         if shape[0] not in cfg.token_buckets:
             raise ValueError(f"{what}: {shape[0]} tokens is not a token bucket {cfg.token_buckets}; pad with "
-                             f"ninfer_kv.models.decoder.buckets.pad_ragged")
+                             f"ninfer_kv.models.decoder.padding.pad_ragged")
         _check_pool(what, planes, block_tables)
         rows = _shape(table_rows)
         if len(rows) != 1:

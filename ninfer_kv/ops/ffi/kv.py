@@ -3,7 +3,7 @@
 The six ops have the signatures and semantics of :mod:`ninfer_kv.ops.reference`; inputs are
 validated by :mod:`ninfer_kv.ops` before they get here.  They run as typed XLA FFI custom calls on
 the CPU platform (the library, its loading and its instruction-set levels:
-:mod:`ninfer_kv.ops.ffi.runtime`):
+:mod:`ninfer_kv.ops.ffi.handlers`):
 
 * ``paged_append`` / ``cyclic_append`` quantize with codes bit-identical to :mod:`ninfer_kv.ops.codecs`
   and write in place: every plane operand is aliased to its result (``input_output_aliases``), so
@@ -13,7 +13,7 @@ the CPU platform (the library, its loading and its instruction-set levels:
   (batch row, KV head[, query block][, context split]) on a persistent thread pool.  They never
   read a page outside a row's visible range.  Their products are float32, except the scores of
   NVFP4 keys at the ``avx512vnni`` level, which multiply the query rounded to 15 bits with the
-  key codes in integers (:func:`~ninfer_kv.ops.ffi.runtime.arithmetic` reports the products per
+  key codes in integers (:func:`~ninfer_kv.ops.ffi.handlers.arithmetic` reports the products per
   profile; docs/ACCURACY.md measures what they add).
 * the ``_ragged`` forms take the tokens of all rows one after another (no padding).
 
@@ -33,7 +33,7 @@ import numpy as np
 from ...schema.geometry import PlaneOrder
 from ...schema.profiles import KVProfile
 from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
-from .runtime import _CODEC_ID, _NO_SPLITS, _i32, _require
+from .handlers import _CODEC_ID, _NO_SPLITS, _i32, _require
 
 __all__ = [
     "paged_append",

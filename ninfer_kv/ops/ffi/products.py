@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .packed_weight import PackedWeight
-from .runtime import _require
+from .handlers import _require
 
 __all__ = [
     "matmul_bf16",

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...schema.layout import word_dtype
-from .runtime import _i32, _require
+from .handlers import _i32, _require
 
 __all__ = ["apply_tables", "write_pages"]
 

@@ -1,7 +1,7 @@
 """Physical page-ID runs: the unit of Host <-> Device transfers.
 
 A Host extent stores a pool's pages in *logical* order; their Device replicas may sit at any
-physical page-group IDs.  A transfer walks the logical order and coalesces consecutive entries whose
+physical page IDs.  A transfer walks the logical order and coalesces consecutive entries whose
 physical IDs are adjacent (``id[i + 1] == id[i] + 1``) into one run, so a contiguous lease costs
 one run and a fully scattered one costs one run per page::
 

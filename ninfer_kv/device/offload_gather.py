@@ -1,7 +1,7 @@
-"""Offloading a store's checkpoint to its Host tier: the pages gathered from a device state.
+"""The device side of an offload: a checkpoint's pages gathered from a device state for the Host tier.
 
 The store plans an offload and completes it (:meth:`~ninfer_kv.store.KVStore.plan_offload`,
-:meth:`~ninfer_kv.store.KVStore.complete_offload`, host-only bookkeeping); reading the pages out
+:meth:`~ninfer_kv.store.KVStore.complete_offload`: Python bookkeeping); reading the pages out
 of a :class:`~ninfer_kv.device.state.KVDeviceState` is device work and lives here.  The store is
 taken by duck type (``plan_offload``, ``complete_offload``, ``cancel_offload``,
 ``gather_offload_from_host``, ``host_arena``; a sharded store also ``kv_mesh``, ``shards``,
@@ -15,7 +15,7 @@ import dataclasses
 from ..schema.errors import LifecycleError
 from ..schema.round_work import OffloadPayload
 from .sharded_store import gather_sharded_offload
-from .staging import start_to_host
+from .host_staging import start_to_host
 from .state import KVDeviceState
 from .work import gather_pages_jit
 
@@ -40,7 +40,7 @@ def gather_offload(store, plan, state: KVDeviceState, *, shard: int | None = Non
     them into the plan's extents, once (``store.gather_offload_from_host``); elsewhere a jitted
     :func:`~ninfer_kv.device.work.gather_pages` of ``plan.request`` gathers them on the device and
     the Device -> Host copy starts through the arena's staging memory
-    (:mod:`ninfer_kv.device.staging`).  On a sharded store, ``shard`` names the data shard whose
+    (:mod:`ninfer_kv.device.host_staging`).  On a sharded store, ``shard`` names the data shard whose
     store made the plan, and every device gathers its own pages and heads of it inside
     ``shard_map`` (:func:`~ninfer_kv.device.sharded_store.gather_sharded_offload`).
     """
@@ -65,7 +65,7 @@ def offload_checkpoint(store, handle, state: KVDeviceState):
     call; rolled back fully (the plan cancelled) on any failure.  ``state`` must have applied
     every round work taken so far (when a pending work touches the pages, take and apply it
     first).  Returns the store's (on a sharded store: the checkpoint's shard's)
-    :class:`~ninfer_kv.store.host_replicas.HostTransferReport`."""
+    :class:`~ninfer_kv.store.transfer_records.HostTransferReport`."""
     owner, shard = store, None
     if hasattr(store, "kv_mesh"):
         shard, handle = store.locate(handle)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer_kv.host import check_page_ids, coalesce_runs, split_runs
-from ninfer_kv.host.runs import max_bucket_pages
+from ninfer_kv.host.page_id_runs import max_bucket_pages
 
 
 def test_coalesce_example():

@@ -1,4 +1,5 @@
-"""What an offload and a restore share: one pool's part of a transfer, its verification, its report.
+"""Transfer records: what an offload and a restore share — one pool's part of a transfer, its
+verification, the transfer report and the fault stages.
 
 A transfer copies a checkpoint's pages between the Device and the Host, one :class:`PoolTransfer`
 per pool.  At reservation it records what the copy must preserve (each page's generation, epoch and

@@ -1,4 +1,4 @@
-"""Host replica tier of the KV store: the HostTier composer, placement, and the replica rules.
+"""The Host tier of one KV store: the HostTier composer, placement, and the replica rules.
 
 One :class:`~ninfer_kv.host.HostKVArena` serves every pool of a store; each pool packs its pages
 with its own :class:`~ninfer_kv.host.HostKVPageLayout` (its own stride) and tags its extents with
@@ -34,15 +34,15 @@ its own module:
   Host -> Device (a checkpoint's restore, an activation's), Device replica drop and Host replica
   release;
 
-over what they share: :mod:`~ninfer_kv.store.host_transfer` (one pool's part of a transfer, its
+over what they share: :mod:`~ninfer_kv.store.transfer_records` (one pool's part of a transfer, its
 verification, the reports and fault stages) and each pool's Host replica table,
 :class:`~ninfer_kv.store.pool_host_replicas.PoolHostReplicas` (extent memberships and the arena
 bookkeeping).  Both change pool and page state only through the pool runtime's named transitions
 (:class:`~ninfer_kv.store.runtime.PoolRuntime`).
 
 The store's ``fault_injector(stage, pool)`` is called before each stage of a transfer:
-:data:`~ninfer_kv.store.host_transfer.OFFLOAD_STAGES` and
-:data:`~ninfer_kv.store.host_transfer.RESTORE_STAGES` (``*_reserve`` and ``*_publish`` store-wide with
+:data:`~ninfer_kv.store.transfer_records.OFFLOAD_STAGES` and
+:data:`~ninfer_kv.store.transfer_records.RESTORE_STAGES` (``*_reserve`` and ``*_publish`` store-wide with
 pool ``None``, ``*_copy`` and ``*_verify`` per pool).  ``*_verify`` runs after the copy and before
 publication: the copy's pins are held there.
 """
@@ -58,7 +58,7 @@ from ..host import HostKVArena
 from ..schema.kinds import PoolKind
 from .host_offload import HostOffload
 from .host_restore import HostRestore
-from .host_transfer import Fault
+from .transfer_records import Fault
 from .runtime import PoolRuntime
 from .summary import HostOccupancy, HostTransferStats
 

@@ -1,20 +1,7 @@
-"""The FFI library's runtime: its XLA handlers registered for the CPU platform, what it runs on this
+"""The FFI library's handlers: its XLA handlers registered for the CPU platform, what it runs on this
 machine, and the availability check of the ``"ffi"`` backend.
 
-The four ops have the signatures and semantics of :mod:`ninfer_kv.ops.reference`; inputs are
-validated by :mod:`ninfer_kv.ops` before they get here.  They run as typed XLA FFI custom calls on
-the CPU platform:
-
-* ``paged_append`` / ``cyclic_append`` quantize with codes bit-identical to :mod:`ninfer_kv.ops.codecs`
-  and write in place: every plane operand is aliased to its result (``input_output_aliases``), so
-  a ``jax.jit`` caller that donates the planes gets no copy of them.
-* ``paged_attention`` / ``cyclic_attention`` run a single-pass online softmax in float32 over the
-  pages (or ring slots) each query sees, dequantizing page by page, with the work split over
-  (batch row, KV head[, query block][, context split]) on a persistent thread pool.  They never
-  read a page outside a row's visible range.  Their products are float32, except the scores of
-  NVFP4 keys at the ``avx512vnni`` level, which multiply the query rounded to 15 bits with the
-  key codes in integers (:func:`arithmetic` reports the products per profile; docs/ACCURACY.md
-  measures what they add).
+The ops of :mod:`.kv`, :mod:`.products` and :mod:`.work_ops` call the handlers this module registers.
 
 The library ``libninfer_kv_ffi`` is built by ``pip install .`` / ``pip install -e .`` (CMake, see
 ``ffi/CMakeLists.txt``) and loaded once, with ctypes, by :mod:`ninfer_kv.host.ffi_library` (which imports no
@@ -22,7 +9,7 @@ JAX; this module registers the handlers with JAX when it is imported).  When
 ``$NINFER_KV_FFI_LIBRARY`` is set (and not empty) it is the only path tried; otherwise the library
 is looked for, in order, at:
 
-1. ``ninfer_kv/_lib/`` beside this file (a regular install, or a copy placed in the source tree);
+1. ``ninfer_kv/_lib/`` in the package (a regular install, or a copy placed in the source tree);
 2. the ``ninfer_kv/_lib/`` of the installed ``ninfer_kv`` distribution — this is what an editable
    install provides when the source tree shadows it (``PYTHONPATH=<repo>``);
 3. the scikit-build build trees ``<repo>/build/*/ffi/`` (newest first).
@@ -47,12 +34,6 @@ CPU supports when it loads.  ``NINFER_KV_FFI_ISA`` (read once, on import) forces
 that is not compiled in or that the CPU cannot run is refused: the library is then unavailable and
 :func:`load_error` says why.  :func:`info` reports the level in use, the compiled-in and the
 supported levels.
-
-``jax.vmap`` over an op uses ``vmap_method="sequential"``: one custom call per mapped element.
-The kernels are already batched over B, so vmap is a convenience, and "sequential" keeps two
-properties the other methods lose: operands that are not mapped (the planes, above all) are
-passed as they are instead of being broadcast to the mapped size, and an append mapped over
-planes updates each element's planes separately.
 """
 
 from __future__ import annotations

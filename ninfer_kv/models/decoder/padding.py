@@ -1,7 +1,7 @@
-"""Batch buckets and padding rows for the step functions.
+"""Padding rows for the step functions.
 
 A step compiles once per (bucket, chunk length).  A batch of ``n`` rows runs in the smallest
-bucket ``>= n``; the extra rows are *padding rows*::
+bucket ``>= n`` (:func:`ninfer_kv.schema.buckets.bucket_for`); the extra rows are *padding rows*::
 
     tokens 0, positions 0, valid 0, table_rows = scratch_row
 
@@ -24,51 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...schema.integers import check_int
-from ...schema.buckets import ladder_rungs
-from .config import DEFAULT_BATCH_BUCKETS
-
-__all__ = ["bucket_for", "bucket_ladder", "token_ladder", "PaddedRows", "pad_rows", "RaggedRows", "pad_ragged",
-           "prompt_chunks"]
-
-
-def bucket_ladder(largest: int, factor: int = 2) -> tuple[int, ...]:
-    """Batch buckets ``1, factor, factor**2, ...`` below ``largest``, then ``largest`` itself."""
-    largest = check_int("largest", largest, 1)
-    factor = check_int("factor", factor, 2)
-    return tuple(ladder_rungs(1, factor, largest))
-
-
-def token_ladder(largest: int, steps_per_octave: int = 8) -> tuple[int, ...]:
-    """Token buckets of the ragged step up to ``largest``: 16, 32, 64, 128, then ``steps_per_octave``
-    evenly spaced sizes per doubling (144, 160, ..., 256, 288, ... with 8), then ``largest``.
-
-    Padding tokens cost what real ones cost in the products, so above 128 tokens the ladder is
-    finer than doubling: at most ``1 / steps_per_octave`` of a round is padding, while the number
-    of compiled shapes grows only with the logarithm of ``largest``.
-    """
-    largest = check_int("largest", largest, 1)
-    steps_per_octave = check_int("steps_per_octave", steps_per_octave, 1, 64)
-    out, n = [], 16
-    while n < min(largest, 128):
-        out.append(n)
-        n *= 2
-    octave = 128
-    while octave < largest:
-        step = octave // steps_per_octave
-        out.extend(s for s in range(octave, min(2 * octave, largest), step) if s >= 128 and s not in out)
-        octave *= 2
-    out.append(largest)
-    return tuple(sorted(set(out)))
-
-
-def bucket_for(batch: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> int:
-    """The smallest bucket ``>= batch``; a clear error when ``batch`` exceeds the largest bucket."""
-    check_int("batch", batch, 1)
-    for b in buckets:
-        if b >= batch:
-            return int(b)
-    raise ValueError(f"batch={batch} exceeds the largest bucket {max(buckets)}; buckets: {tuple(buckets)}")
+__all__ = ["PaddedRows", "pad_rows", "RaggedRows", "pad_ragged", "prompt_chunks"]
 
 
 class PaddedRows(NamedTuple):

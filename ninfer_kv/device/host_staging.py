@@ -16,7 +16,7 @@ Lifetime.  :func:`to_device` never leaves a device array aliasing the arena (``m
 is not honoured by every client, so aliasing is detected and replaced by a private copy), but the
 runtime may read the host bytes after ``device_put`` returns; the host bytes are free once the
 returned array is ready (``block_until_ready``), which
-:func:`~ninfer_kv.device.host_transfer.restore_pages` awaits before it returns.
+:func:`~ninfer_kv.device.host_copies.restore_pages` awaits before it returns.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Device <-> Host page transfers between a pool's planes and a packed Host extent.
+"""Device <-> Host page copies: between a pool's planes (device arrays) and a packed Host extent.
 
 * :func:`offload_pages` copies physical pages (given in logical order) into an extent.
 * :func:`restore_pages` writes an extent's pages back into (possibly different, scattered)
   physical pages and returns the new planes.
 
-Both walk the page IDs as runs of adjacent physical IDs (:func:`~ninfer_kv.host.runs.coalesce_runs`);
+Both walk the page IDs as runs of adjacent physical IDs (:func:`~ninfer_kv.host.page_id_runs.coalesce_runs`);
 each run is one contiguous slice of the planes.  Two paths implement the same byte contract:
 
 ``"packed"`` (default on accelerators)
@@ -33,7 +33,7 @@ Every device-side copy works on unsigned integer words of the element width (``u
 fused updates), and the payload must round-trip byte-exactly whatever it holds.
 
 Compilation.  Page IDs are data (traced int32 run starts), never shapes.  The static quantities are
-the shape of a chunk (:func:`~ninfer_kv.host.runs.split_runs`): runs are cut into power-of-two
+the shape of a chunk (:func:`~ninfer_kv.host.page_id_runs.split_runs`): runs are cut into power-of-two
 pieces of at most ``bucket_cap`` pages (the largest power of two whose payload fits
 ``max_chunk_bytes``, at least 1 and at most 1024 pages; ``max_chunk_bytes`` defaults to 64 MiB on
 the packed path and 4 MiB on the host path).  Offload batches consecutive single-page pieces in
@@ -67,9 +67,9 @@ from ..host.arena import HostKVArena
 from ..host.block_copy import copy_blocks
 from ..host.extent_allocator import HostExtent
 from ..host.host_layout import HostKVPageLayout, TransferReport, host_layout_of
-from ..host.runs import check_page_ids, coalesce_runs, max_bucket_pages, split_runs
+from ..host.page_id_runs import check_page_ids, coalesce_runs, max_bucket_pages, split_runs
 from ..schema.layout import PagedKVStorageLayout
-from .staging import start_to_host, to_device
+from .host_staging import start_to_host, to_device
 
 __all__ = ["offload_pages", "restore_pages", "TRANSFER_PATHS"]
 
