@@ -45,7 +45,12 @@ Kernels (each ``(block, KV head)`` program's reads, summed over the grid):
     ``hi = min(kv_len, first position + count)``, ``lo = 0``, steps of ``block_k`` keys divided
     among ``k_splits`` programs (no step is read twice), masked loads of the keys in ``[lo, hi)``
     (keys at or past ``hi`` are not read).  ``rows`` counts the key rows loaded, ``pages`` the
-    64-token pages those rows touch.  Inert blocks (``rows = -1``) read nothing.
+    64-token pages those rows touch.  Inert blocks (``rows = -1``) read nothing.  With a sliding
+    window (``triton_native(..., window=W)``; no command-line flag, the rounds are full attention)
+    ``lo = max(0, first position - W + 1)`` and the steps start at the one holding ``lo``, the
+    config resolved for ``min(max_keys, W + num_queries - 1)`` keys as the kernel does
+    (``pallas_kernels.triton.attention.resolution_keys``); ``ideal_pages(..., window=W)`` counts a
+    block's pages from the one holding its first query's first visible key.
 ``mosaic``
     The native Mosaic TPU ragged kernel (``pallas_kernels/mosaic_tpu/ragged.py``): the same decode
     blocks, and chunk blocks from ``chunk_blocks`` at its own ``block_q``; each ``(block, KV head)`` program of ``attention_blocks`` (with its per-block
@@ -142,6 +147,7 @@ from ninfer_kv.schema.profiles import KVCodec, KVProfile
 from pallas_kernels.common import ragged
 from pallas_kernels.common.config import PagedAttentionConfig
 from pallas_kernels.mosaic_tpu.ragged import CHUNK_ROWS as MOSAIC_CHUNK_ROWS
+from pallas_kernels.triton.attention import resolution_keys as triton_resolution_keys
 from pallas_kernels.triton.ragged import chunk_rows as triton_chunk_rows
 
 MIB = float(1 << 20)
@@ -311,14 +317,16 @@ def native_block_q(geo: Geometry, config: PagedAttentionConfig, call: Call, kern
                                 head_dim=geo.head_dim, kv_heads=geo.kv_heads, max_keys=geo.max_keys)
 
 
-def ideal_pages(geo: Geometry, call: Call, block_q: int) -> int:
-    """Page-heads of the ideal: each block's live pages once per KV head (plain integer arithmetic)."""
+def ideal_pages(geo: Geometry, call: Call, block_q: int, window: int | None = None) -> int:
+    """Page-heads of the ideal: each block's live pages once per KV head (plain integer arithmetic);
+    with a ``window`` a block's live pages start at the one holding its first query's first visible key."""
     total = 0
     for pos, n, kv in zip(call.positions, call.lengths, call.kv_lens):
         blocks = [(0, 1)] if n == 1 else [(s, min(block_q, n - s)) for s in range(0, n, block_q)]
         for first, count in blocks:
             hi = min(kv, pos + first + count)  # last query position + 1
-            total += -(-hi // geo.page) if hi > 0 else 0
+            lo = 0 if window is None else max(0, pos + first - window + 1)
+            total += -(-hi // geo.page) - lo // geo.page if hi > lo else 0
     return total * geo.kv_heads
 
 
@@ -344,11 +352,12 @@ class NativeClass:
 
 @functools.cache
 def native_classes(geo: Geometry, config: PagedAttentionConfig, call: Call,
-                   kernel: str = "triton") -> tuple[NativeClass, ...]:
+                   kernel: str = "triton", window: int | None = None) -> tuple[NativeClass, ...]:
     """The decode and chunk classes of a native kernel's ``paged_attention_ragged`` (``kernel``:
     ``"triton"`` or ``"mosaic"``), blocks from ``pallas_kernels.common.ragged``, the chunk blocks at the
     kernel's own :func:`native_block_q`.  Triton's ``block_k`` / ``k_splits`` are ``resolve``'s at that ``block_q``; Mosaic
-    steps one page at a time in one program per block (``block_k`` = page, ``k_splits`` = 1)."""
+    steps one page at a time in one program per block (``block_k`` = page, ``k_splits`` = 1).  ``window``:
+    Triton's config is resolved for a windowed call's keys (:func:`~pallas_kernels.triton.attention.resolution_keys`)."""
     n, r = call.num_tokens, call.num_rows
     out = []
     nb_dec = ragged.decode_block_count(r, n)
@@ -360,7 +369,7 @@ def native_classes(geo: Geometry, config: PagedAttentionConfig, call: Call,
             bq = 1 if name == "decode" else native_block_q(geo, config, call, kernel)
             cfg = dataclasses.replace(config, block_q=bq).resolve(
                 num_queries=num_queries, group=geo.group, head_dim=geo.head_dim, batch=batch, kv_heads=geo.kv_heads,
-                max_keys=geo.max_keys)
+                max_keys=triton_resolution_keys(geo.max_keys, window, num_queries))
             block_q, block_k, k_splits = cfg.block_q, cfg.block_k, cfg.k_splits
         else:
             block_q = 1 if name == "decode" else native_block_q(geo, config, call, kernel)
@@ -378,10 +387,17 @@ def program_hi(geo: Geometry, rows, positions, kv_lens, counts, row_limit: int) 
     return np.minimum(kv, positions + counts)
 
 
-def triton_reads(hi: np.ndarray, block_k: int, k_splits: int, page: int) -> tuple[int, int]:
+def program_lo(positions, window: int | None) -> np.ndarray:
+    """Each program's first key ``lo``: 0, or ``max(0, first position - window + 1)`` with a window."""
+    positions = np.asarray(positions, np.int64)
+    return np.zeros_like(positions) if window is None else np.maximum(positions - window + 1, 0)
+
+
+def triton_reads(hi: np.ndarray, block_k: int, k_splits: int, page: int, lo: np.ndarray | None = None) -> tuple[int, int]:
     """Key rows and pages the programs of one (block, KV head) load, summed over blocks and splits:
-    ``attention_program``'s step arithmetic (``lo = 0``; masked loads of the keys in ``[lo, hi)``)."""
-    lo = np.zeros_like(hi)
+    ``attention_program``'s step arithmetic (``lo`` 0 unless given, :func:`program_lo`; the steps from
+    the one holding ``lo``; masked loads of the keys in ``[lo, hi)``)."""
+    lo = np.zeros_like(hi) if lo is None else np.asarray(lo, np.int64)
     step_lo = lo // block_k
     step_hi = np.where(hi > lo, (hi + block_k - 1) // block_k, step_lo)
     per_split = (step_hi - step_lo + k_splits - 1) // k_splits
@@ -396,22 +412,26 @@ def triton_reads(hi: np.ndarray, block_k: int, k_splits: int, page: int) -> tupl
     return rows, pages
 
 
-def triton_native(geo: Geometry, config: PagedAttentionConfig, call: Call) -> tuple[int, int]:
-    """Token-heads and page-heads the native Triton ragged attention reads (both classes, all KV heads)."""
+def triton_native(geo: Geometry, config: PagedAttentionConfig, call: Call,
+                  window: int | None = None) -> tuple[int, int]:
+    """Token-heads and page-heads the native Triton ragged attention reads (both classes, all KV heads),
+    with a sliding ``window`` when given."""
     rows = pages = 0
-    for cls in native_classes(geo, config, call, "triton"):
+    for cls in native_classes(geo, config, call, "triton", window):
         hi = program_hi(geo, cls.rows, cls.positions, cls.kv_lens, cls.counts, call.num_rows)
-        r, p = triton_reads(hi, cls.block_k, cls.k_splits, geo.page)
+        r, p = triton_reads(hi, cls.block_k, cls.k_splits, geo.page, program_lo(cls.positions, window))
         rows, pages = rows + r, pages + p
     return rows * geo.kv_heads, pages * geo.kv_heads
 
 
-def mosaic_native(geo: Geometry, config: PagedAttentionConfig, call: Call) -> int:
-    """Page-heads of the native Mosaic ragged attention (model): whole pages below ``ceil(hi / 64)``."""
+def mosaic_native(geo: Geometry, config: PagedAttentionConfig, call: Call, window: int | None = None) -> int:
+    """Page-heads of the native Mosaic ragged attention (model): whole pages from the one holding
+    ``lo`` (:func:`program_lo`, 0 without a ``window``) below ``ceil(hi / 64)``, none when ``hi <= lo``."""
     total = 0
-    for cls in native_classes(geo, config, call, "mosaic"):
+    for cls in native_classes(geo, config, call, "mosaic", window):
         hi = program_hi(geo, cls.rows, cls.positions, cls.kv_lens, cls.counts, call.num_rows)
-        total += int(np.where(hi > 0, _pages(hi), 0).sum())
+        lo = program_lo(cls.positions, window)
+        total += int(np.where(hi > lo, _pages(hi) - lo // geo.page, 0).sum())
     return total * geo.kv_heads
 
 

@@ -309,6 +309,7 @@ void AttentionAccumulator::Begin(int rows, int d, int run_capacity, float sm_sca
   cap_ = run_capacity;
   sld_ = static_cast<int>(RoundUp(run_capacity, kVL) + kVL);
   sm_scale_ = sm_scale;
+  soft_cap_ = 0.0f;
   min_lo_ = std::numeric_limits<int64_t>::max();
   max_hi_ = std::numeric_limits<int64_t>::min();
   q_ = qbuf_.Get(static_cast<size_t>(rows_padded_) * ld_);
@@ -343,10 +344,38 @@ void AttentionAccumulator::SetVisible(int m, int64_t lo, int64_t hi) {
   }
 }
 
+void AttentionAccumulator::SetSink(int m, float sink) {
+  if (sink == kNegInf) return;  // exp(-inf) == 0: no sink
+  max_[m] = sink;                // the running maximum starts at the sink ...
+  den_[m] = 1.0f;                // ... whose exp(sink - max) starts the denominator
+}
+
+namespace {
+
+// cap * tanh(x / cap) for every lane: tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2|y|), the sign
+// put back; NaN stays NaN, +-inf gives +-cap.
+inline VFloat SoftCap(VFloat x, VFloat cap, VFloat inv_cap) {
+  const VUInt bits = AsUInt(x);
+  const VFloat y = AsFloat(bits & 0x7FFFFFFFu) * inv_cap;
+  const VFloat e = Exp(Splat(-2.0f) * y);
+  const VFloat t = (Splat(1.0f) - e) / (Splat(1.0f) + e);
+  const VFloat capped = AsFloat(AsUInt(t * cap) | (bits & 0x80000000u));
+  return x != x ? x : capped;
+}
+
+}  // namespace
+
 // Turns the raw scores of keys [ja, ja + cnt) into probabilities under each row's running
 // maximum, rescaling the row's denominator and output when the maximum grows.  Returns whether
 // any row sees any of these keys.
 bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
+  return soft_cap_ > 0.0f ? UpdateSoftmaxT<true>(ja, cnt) : UpdateSoftmaxT<false>(ja, cnt);
+}
+
+template <bool kSoftCap>
+bool AttentionAccumulator::UpdateSoftmaxT(int64_t ja, int cnt) {
+  const VFloat cap = Splat(soft_cap_), inv_cap = Splat(kSoftCap ? 1.0f / soft_cap_ : 1.0f);
+  (void)cap, (void)inv_cap;
   bool any = false;
   const VInt lane = Iota();
   for (int m = 0; m < rows_; ++m) {
@@ -365,7 +394,8 @@ bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
     VInt vnan = VInt{};
     if (whole) {
       for (int j = va; j < vb; j += kVL) {
-        const VFloat x = Load(s + j) * scale;
+        VFloat x = Load(s + j) * scale;
+        if constexpr (kSoftCap) x = SoftCap(x, cap, inv_cap);
         Store(s + j, x);
         vmax = x > vmax ? x : vmax;
         vnan |= x != x;
@@ -373,7 +403,8 @@ bool AttentionAccumulator::UpdateSoftmax(int64_t ja, int cnt) {
     } else {
       for (int j = va; j < vb; j += kVL) {
         const VInt idx = lane + j;
-        const VFloat x = Load(s + j) * scale;
+        VFloat x = Load(s + j) * scale;
+        if constexpr (kSoftCap) x = SoftCap(x, cap, inv_cap);
         Store(s + j, x);
         const VInt in = (idx >= a) & (idx < b);
         vmax = in & (x > vmax) ? x : vmax;

@@ -18,6 +18,16 @@
 // take the float32 path.  Scores sm_scale * (q . k); per row the running maximum, the running
 // denominator and the unnormalized output are rescaled when the maximum grows.  A row with no
 // visible key produces zeros.
+//
+// Variants (off by default; Begin turns them off, and with both off every path is the code it
+// always was):
+// * a logit soft cap c > 0 (SetSoftCap): each float32 score s = sm_scale * (q . k), whichever
+//   products formed it, becomes c * tanh(s / c) before the running maximum and the exponentials;
+// * a sink per row (SetSink): a logit whose value vector is zero.  The running maximum starts at
+//   the sink and the denominator at exp(sink - sink) = 1, so the sink folds into every rescale; a
+//   row that sees no key still outputs zeros (zero numerator).
+// A sliding window is no concern of the accumulator: it narrows the rows' visible intervals
+// (SetVisible), so the runs before the earliest row's window are never folded, nor read.
 #ifndef NINFER_KV_FFI_ATTENTION_CORE_H_
 #define NINFER_KV_FFI_ATTENTION_CORE_H_
 
@@ -59,6 +69,13 @@ class AttentionAccumulator {
   // Row m sees keys lo..hi (inclusive); lo > hi means none.
   void SetVisible(int m, int64_t lo, int64_t hi);
 
+  // Row m's scores are capped at +-cap (cap * tanh(s / cap)); cap <= 0 (Begin's) means no cap.
+  void SetSoftCap(float cap) { soft_cap_ = cap > 0.0f ? cap : 0.0f; }
+
+  // Row m has a sink logit `sink` (call before the first Fold of the task, at most once per row;
+  // a sink of -inf is no sink).  With context splits only one split of a row may carry it.
+  void SetSink(int m, float sink);
+
   // Smallest lo and largest hi over the rows that see at least one key (lo > hi when none).
   int64_t MinVisible() const { return min_lo_; }
   int64_t MaxVisible() const { return max_hi_; }
@@ -97,9 +114,12 @@ class AttentionAccumulator {
   // false when a row is not finite (the task's scores then stay float32).
   bool PrepareQueryBytes();
   bool UpdateSoftmax(int64_t ja, int cnt);
+  template <bool kSoftCap>
+  bool UpdateSoftmaxT(int64_t ja, int cnt);
 
   int rows_ = 0, rows_padded_ = 0, d_ = 0, ld_ = 0, cap_ = 0, sld_ = 0;
   float sm_scale_ = 1.0f;
+  float soft_cap_ = 0.0f;  // 0: no soft cap
   int64_t min_lo_ = 0, max_hi_ = -1;
   float* q_ = nullptr;   // rows_padded_ x ld_
   float* s_ = nullptr;   // rows_padded_ x sld_ (scores, then probabilities)

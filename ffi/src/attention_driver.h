@@ -13,6 +13,8 @@
 //   bool RunValid(int b, int64_t j) const;          // false: every key of the run holding j is masked
 //   KVRunSource Run(int b, int h, int64_t j) const;  // sources positioned at key j (a valid run)
 //   void Visible(int b, int t, int64_t* lo, int64_t* hi) const;  // keys of query (b, t), inclusive
+// A sliding window is the source's business: it raises lo, so a task's page walk (and each of
+// its context splits) covers only [min lo, max hi] of its queries and never reads a run before.
 #ifndef NINFER_KV_FFI_ATTENTION_DRIVER_H_
 #define NINFER_KV_FFI_ATTENTION_DRIVER_H_
 
@@ -43,6 +45,9 @@ struct AttentionShape {
   // batch + 1 entries in [0, T], RaggedStarts); its query t is token row_starts[b] + t.  Tokens
   // of no row are padding: their output is zero.
   const int64_t* row_starts = nullptr;
+  // Variants (attention_core.h); the defaults are plain attention.
+  float soft_cap = 0.0f;          // > 0: scores become soft_cap * tanh(score / soft_cap)
+  const float* sinks = nullptr;   // (q_heads,): query head hq's sink logit; null: no sinks
 
   int64_t RowQueries(int64_t b) const { return row_starts ? row_starts[b + 1] - row_starts[b] : queries; }
   int64_t RowFirst(int64_t b) const { return row_starts ? row_starts[b] : b * queries; }
@@ -152,6 +157,8 @@ void RunAttention(const AttentionShape& s, const Source& src) {
     const int rows = static_cast<int>((t1 - t0) * G);
     AttentionAccumulator& acc = ThreadAccumulator();
     acc.Begin(rows, static_cast<int>(D), src.run_capacity(), s.sm_scale);
+    if (s.soft_cap > 0.0f) acc.SetSoftCap(s.soft_cap);
+    const bool sinks = s.sinks != nullptr && split == 0;  // one split carries a row's sink
     for (int64_t t = t0; t < t1; ++t) {
       int64_t lo, hi;
       src.Visible(static_cast<int>(b), static_cast<int>(t), &lo, &hi);
@@ -159,6 +166,7 @@ void RunAttention(const AttentionShape& s, const Source& src) {
         const int m = static_cast<int>((t - t0) * G + g);
         internal::LoadQueryRow(s, query_index(blk, h, t, g), acc.QueryRow(m));
         acc.SetVisible(m, lo, hi);
+        if (sinks) acc.SetSink(m, s.sinks[h * G + g]);
       }
     }
     const int64_t klo = acc.MinVisible(), khi = acc.MaxVisible();

@@ -31,7 +31,7 @@ NINFER_KV_NAMESPACE_BEGIN
 
 // Bumped whenever a handler's operands, attributes or semantics change; ffi_ops.py refuses a
 // library whose version differs from its own (a stale build).
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 
 // The codec table of the kernels, one row per codec:
 //   X(enumerator, id, name, label, data dtype, data bytes, pack, scale dtype, scale bytes, group,

@@ -61,6 +61,7 @@ struct KernelTable {
   ReadWordsFn read_words;
   const char* (*packed_kernel)();  // the form matmul_bf16_packed runs here: "amx-chunks", "amx-pairs", "vdpbf16ps", "fma"
   const char* (*packed_amx_status)();  // why the AMX form is not in use ("" when it is)
+  HandlerFn paged_attention_variants, paged_attention_ragged_variants;  // paged_ops.cc
 };
 
 // The CPU features a translation unit is compiled to use, from the predefined macros.
@@ -146,6 +147,8 @@ XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* PagedAppendRaggedHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* PagedAttentionRaggedHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* PagedAttentionVariantsHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* PagedAttentionRaggedVariantsHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAppendHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CyclicAttentionHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* MatmulBf16Handler(XLA_FFI_CallFrame* call_frame);  // matmul.cc

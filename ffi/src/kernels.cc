@@ -52,5 +52,7 @@ const ninfer_kv_ffi::KernelTable NINFER_KV_KERNEL_TABLE(NINFER_KV_ISA_ID) = {
     &ninfer_kv_ffi::ReadWords,
     &ninfer_kv_ffi::PackedKernel,
     &ninfer_kv_ffi::PackedAmxStatus,
+    &ninfer_kv_ffi::PagedAttentionVariantsHandler,
+    &ninfer_kv_ffi::PagedAttentionRaggedVariantsHandler,
 };
 }  // extern "C"

@@ -46,6 +46,8 @@ NINFER_KV_FORWARD(NinferKvMatmulBf16, matmul_bf16)
 NINFER_KV_FORWARD(NinferKvMatmulBf16Packed, matmul_bf16_packed)
 NINFER_KV_FORWARD(NinferKvPagedAppendRagged, paged_append_ragged)
 NINFER_KV_FORWARD(NinferKvPagedAttentionRagged, paged_attention_ragged)
+NINFER_KV_FORWARD(NinferKvPagedAttentionVariants, paged_attention_variants)
+NINFER_KV_FORWARD(NinferKvPagedAttentionRaggedVariants, paged_attention_ragged_variants)
 #undef NINFER_KV_FORWARD
 
 // The operand/attribute contract version of the handlers (see kAbiVersion).

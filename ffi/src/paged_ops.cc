@@ -13,6 +13,11 @@
 //                                planes...) -> out (1, T, Hq, D)
 //   attributes: k_codec, v_codec (s32 codec ids), head_major (s32 0/1), sm_scale (f32, attention),
 //   no_splits (s32 0/1, attention: no context splits, attention_driver.h).
+//   NinferKvPagedAttentionVariants, NinferKvPagedAttentionRaggedVariants: the two attention forms
+//   with one more operand after their last s32 vector, sinks f32 (Hq,) (or (0,): no sinks), and
+//   two more attributes: window (s32; 0: none, else query position p sees keys j > p - window)
+//   and soft_cap (f32; 0: none, else scores become soft_cap * tanh(score / soft_cap)).  The plain
+//   forms are these with all three off, and run the same code.
 //
 // The ragged forms take a ragged batch: R rows of different query lengths in one token axis; row
 // r owns tokens [query_starts[r], query_starts[r + 1]) (RaggedStarts: clamped into [0, T], then a
@@ -27,6 +32,13 @@
 // is outside [0, N) (negative included), never forming a pointer from such an ID; append drops a
 // token whose position is negative, whose block is >= L, whose page ID is outside [0, N), or whose
 // layer is outside [0, num_layers).
+#if defined(__GNUC__) && !defined(__clang__)
+// The XLA handler templates instantiated here (their metadata code above all) are named by types
+// of no level, so GCC's partial-inlining and IPA-SRA clones of them would carry no level in their
+// names either while using the level's registers; keep them whole (no clones: the levels' copies
+// stay COMDAT functions of one name, and tests/ffi/test_ffi_build.py can tell them apart).
+#pragma GCC optimize("no-partial-inlining", "no-ipa-sra")
+#endif
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -77,8 +89,15 @@ struct BlockTables {
 class PagedSource {
  public:
   PagedSource(const PlaneSet& planes, const PagedGeometry& geo, const BlockTables& bt, int64_t layer,
-              const int32_t* table_rows, const int32_t* positions, const int32_t* kv_lens)
-      : planes_(planes), geo_(geo), bt_(bt), layer_(layer), rows_(table_rows), pos_(positions), lens_(kv_lens) {}
+              const int32_t* table_rows, const int32_t* positions, const int32_t* kv_lens, int64_t window = 0)
+      : planes_(planes),
+        geo_(geo),
+        bt_(bt),
+        layer_(layer),
+        rows_(table_rows),
+        pos_(positions),
+        lens_(kv_lens),
+        window_(window) {}
 
   int run_capacity() const { return static_cast<int>(geo_.page_size); }
   int64_t split_align() const { return geo_.page_size; }
@@ -92,6 +111,7 @@ class PagedSource {
     }
     const int64_t qpos = static_cast<int64_t>(pos_[b]) + t;
     *hi = std::min({qpos, static_cast<int64_t>(lens_[b]) - 1, bt_.blocks * geo_.page_size - 1});
+    if (window_ > 0) *lo = std::max<int64_t>(0, qpos - window_ + 1);  // keys j > qpos - window
   }
 
   // Whether the block holding key j maps a page in [0, N) (the keys of other blocks are masked).
@@ -115,6 +135,7 @@ class PagedSource {
   const int32_t* rows_;
   const int32_t* pos_;
   const int32_t* lens_;
+  int64_t window_;  // 0: no sliding window
 };
 
 // Writes token t of batch row b (at position positions[b] + t of table row table_rows[b]) from
@@ -202,11 +223,45 @@ ffi::Error PagedAppendRaggedImpl(ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buf
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
+// The options of the variant handlers (all off for the plain ones).
+struct Variants {
+  int64_t window = 0;       // 0: none
+  float soft_cap = 0.0f;    // 0: none
+  const float* sinks = nullptr;
+
+  void Apply(AttentionShape* s) const {
+    s->soft_cap = soft_cap;
+    s->sinks = sinks;
+  }
+};
+
+// Checks the variant operands and attributes against q (B, T, Hq, D) and decodes them.
+ffi::Error ParseVariants(const char* op, const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32, 1>& sinks,
+                         int32_t window, float soft_cap, Variants* var) {
+  if (window < 0) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": window must be >= 1 (0: none), got " +
+                                       std::to_string(window));
+  }
+  if (!(soft_cap >= 0.0f) || soft_cap > 3.4028235e38f) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": soft_cap must be finite and > 0 (0: none)");
+  }
+  const int64_t n = sinks.dimensions()[0];
+  if (n != 0 && n != q.dimensions()[2]) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": sinks must have shape (Hq,) with Hq=" +
+                                       std::to_string(q.dimensions()[2]) + " (or (0,): none), got " +
+                                       DimsString(sinks.dimensions()));
+  }
+  var->window = window;
+  var->soft_cap = soft_cap;
+  var->sinks = n != 0 ? sinks.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionRun(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
                               ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
                               ffi::Buffer<ffi::S32, 1> kv_lens, ffi::RemainingArgs planes_in,
                               ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec, int32_t head_major,
-                              float sm_scale, int32_t no_splits) {
+                              float sm_scale, int32_t no_splits, const Variants& var) {
   constexpr const char* kOp = "paged attention";
   if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
   PlaneSet planes;
@@ -219,17 +274,21 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_t
   }
   const BlockTables bt = BlockTables::Of(block_tables);
   const int64_t lay = Clamp64(layer.typed_data()[0], 0, geo.layers - 1);
-  PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
-  RunAttention(QueryShape(q, *out, geo.heads, sm_scale, no_splits), src);
+  PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data(),
+                  var.window);
+  AttentionShape shape = QueryShape(q, *out, geo.heads, sm_scale, no_splits);
+  var.Apply(&shape);
+  RunAttention(shape, src);
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttentionRaggedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
+ffi::Error PagedAttentionRaggedRun(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
                                     ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> table_rows,
                                     ffi::Buffer<ffi::S32, 1> positions, ffi::Buffer<ffi::S32, 1> kv_lens,
                                     ffi::Buffer<ffi::S32, 1> query_starts, ffi::RemainingArgs planes_in,
                                     ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec,
-                                    int32_t head_major, float sm_scale, int32_t no_splits) {
+                                    int32_t head_major, float sm_scale, int32_t no_splits,
+                                    const Variants& var) {
   constexpr const char* kOp = "ragged paged attention";
   if (auto err = CheckQueryAndOutput(kOp, q, *out); err.failure()) return err;
   PlaneSet planes;
@@ -252,9 +311,56 @@ ffi::Error PagedAttentionRaggedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> b
   const std::vector<int64_t> e = RaggedStarts(query_starts.typed_data(), R, shape.queries);
   shape.batch = R;
   shape.row_starts = e.data();
-  PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data());
+  var.Apply(&shape);
+  PagedSource src(planes, geo, bt, lay, table_rows.typed_data(), positions.typed_data(), kv_lens.typed_data(),
+                  var.window);
   RunAttention(shape, src);
   return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables, ffi::Buffer<ffi::S32, 0> layer,
+                              ffi::Buffer<ffi::S32, 1> table_rows, ffi::Buffer<ffi::S32, 1> positions,
+                              ffi::Buffer<ffi::S32, 1> kv_lens, ffi::RemainingArgs planes_in,
+                              ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec, int32_t head_major,
+                              float sm_scale, int32_t no_splits) {
+  return PagedAttentionRun(q, block_tables, layer, table_rows, positions, kv_lens, planes_in, out, k_codec, v_codec,
+                           head_major, sm_scale, no_splits, Variants());
+}
+
+ffi::Error PagedAttentionRaggedImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
+                                    ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> table_rows,
+                                    ffi::Buffer<ffi::S32, 1> positions, ffi::Buffer<ffi::S32, 1> kv_lens,
+                                    ffi::Buffer<ffi::S32, 1> query_starts, ffi::RemainingArgs planes_in,
+                                    ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec,
+                                    int32_t head_major, float sm_scale, int32_t no_splits) {
+  return PagedAttentionRaggedRun(q, block_tables, layer, table_rows, positions, kv_lens, query_starts, planes_in, out,
+                                 k_codec, v_codec, head_major, sm_scale, no_splits, Variants());
+}
+
+ffi::Error PagedAttentionVariantsImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
+                                      ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> table_rows,
+                                      ffi::Buffer<ffi::S32, 1> positions, ffi::Buffer<ffi::S32, 1> kv_lens,
+                                      ffi::Buffer<ffi::F32, 1> sinks, ffi::RemainingArgs planes_in,
+                                      ffi::Result<ffi::AnyBuffer> out, int32_t k_codec, int32_t v_codec,
+                                      int32_t head_major, float sm_scale, int32_t no_splits, int32_t window,
+                                      float soft_cap) {
+  Variants var;
+  if (auto err = ParseVariants("paged attention", q, sinks, window, soft_cap, &var); err.failure()) return err;
+  return PagedAttentionRun(q, block_tables, layer, table_rows, positions, kv_lens, planes_in, out, k_codec, v_codec,
+                            head_major, sm_scale, no_splits, var);
+}
+
+ffi::Error PagedAttentionRaggedVariantsImpl(ffi::AnyBuffer q, ffi::Buffer<ffi::S32, 2> block_tables,
+                                            ffi::Buffer<ffi::S32, 0> layer, ffi::Buffer<ffi::S32, 1> table_rows,
+                                            ffi::Buffer<ffi::S32, 1> positions, ffi::Buffer<ffi::S32, 1> kv_lens,
+                                            ffi::Buffer<ffi::S32, 1> query_starts, ffi::Buffer<ffi::F32, 1> sinks,
+                                            ffi::RemainingArgs planes_in, ffi::Result<ffi::AnyBuffer> out,
+                                            int32_t k_codec, int32_t v_codec, int32_t head_major, float sm_scale,
+                                            int32_t no_splits, int32_t window, float soft_cap) {
+  Variants var;
+  if (auto err = ParseVariants("ragged paged attention", q, sinks, window, soft_cap, &var); err.failure()) return err;
+  return PagedAttentionRaggedRun(q, block_tables, layer, table_rows, positions, kv_lens, query_starts, planes_in, out,
+                                  k_codec, v_codec, head_major, sm_scale, no_splits, var);
 }
 
 }  // namespace
@@ -293,11 +399,37 @@ XLA_FFI_DEFINE_HANDLER(kPagedAttentionRaggedHandler, PagedAttentionRaggedImpl,
                                                                 .Arg<S32Vector>()      // kv_lens
                                                                 .Arg<S32Vector>())));  // query_starts
 
+using F32Vector = ffi::Buffer<ffi::F32, 1>;
+
+template <class Binding>
+auto BindVariantAttrs(Binding binding) {
+  return std::move(binding).template Attr<int32_t>("window").template Attr<float>("soft_cap");
+}
+
+XLA_FFI_DEFINE_HANDLER(kPagedAttentionVariantsHandler, PagedAttentionVariantsImpl,
+                       BindVariantAttrs(BindAttentionAttrs(BindAttentionTail(
+                           BindPagedRows(ffi::Ffi::Bind().Arg<ffi::AnyBuffer>())  // q
+                               .Arg<S32Vector>()                                  // kv_lens
+                               .Arg<F32Vector>()))));                             // sinks
+
+XLA_FFI_DEFINE_HANDLER(kPagedAttentionRaggedVariantsHandler, PagedAttentionRaggedVariantsImpl,
+                       BindVariantAttrs(BindAttentionAttrs(BindAttentionTail(
+                           BindPagedRows(ffi::Ffi::Bind().Arg<ffi::AnyBuffer>())  // q
+                               .Arg<S32Vector>()                                  // kv_lens
+                               .Arg<S32Vector>()                                  // query_starts
+                               .Arg<F32Vector>()))));                             // sinks
+
 XLA_FFI_Error* PagedAppendHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendHandler(call_frame); }
 XLA_FFI_Error* PagedAttentionHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAttentionHandler(call_frame); }
 XLA_FFI_Error* PagedAppendRaggedHandler(XLA_FFI_CallFrame* call_frame) { return kPagedAppendRaggedHandler(call_frame); }
 XLA_FFI_Error* PagedAttentionRaggedHandler(XLA_FFI_CallFrame* call_frame) {
   return kPagedAttentionRaggedHandler(call_frame);
+}
+XLA_FFI_Error* PagedAttentionVariantsHandler(XLA_FFI_CallFrame* call_frame) {
+  return kPagedAttentionVariantsHandler(call_frame);
+}
+XLA_FFI_Error* PagedAttentionRaggedVariantsHandler(XLA_FFI_CallFrame* call_frame) {
+  return kPagedAttentionRaggedVariantsHandler(call_frame);
 }
 
 NINFER_KV_NAMESPACE_END

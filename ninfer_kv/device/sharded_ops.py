@@ -130,10 +130,14 @@ def sharded_paged_attention(
     *,
     pool="main",
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """:func:`ops.paged_attention` of one layer, per shard: ``q (B, T, Hq, D)`` split over data
-    (batch) and model (query heads); returns ``(B, T, Hq, D)`` with the same sharding."""
+    (batch) and model (query heads), ``sinks (Hq,)`` over model; returns ``(B, T, Hq, D)`` with the
+    same sharding.  ``window``, ``soft_cap``: as :func:`ops.paged_attention`."""
     kind = PoolKind.parse(pool)
     plane_specs = kv_mesh.state_specs(state).planes[kind]
     c_local = _rows_per_shard(state, kind, kv_mesh)
@@ -143,19 +147,22 @@ def sharded_paged_attention(
     if q.shape[2] % kv_mesh.model:
         raise ValueError(f"q has {q.shape[2]} heads; they must split over the model axis of size {kv_mesh.model}")
 
-    def local(planes, table, layer, q, rows, pos, lens):
+    extra = () if sinks is None else (jnp.asarray(sinks, jnp.float32),)  # full attention: no sinks operand
+
+    def local(planes, table, layer, q, rows, pos, lens, *sinks):
         view = PagedKVBatchLayerView(planes, table, layer, layout)
         return ops.paged_attention(q, view, local_rows(kv_mesh, rows, c_local), pos, lens, sm_scale=sm_scale,
-                                   impl=impl)
+                                   window=window, soft_cap=soft_cap, sinks=sinks[0] if sinks else None, impl=impl)
 
     fn = _shard_map(
         kv_mesh, local,
-        (plane_specs, kv_mesh.table_spec(), PartitionSpec(), q_spec, rows_spec, rows_spec, rows_spec),
+        (plane_specs, kv_mesh.table_spec(), PartitionSpec(), q_spec, rows_spec, rows_spec, rows_spec)
+        + (PartitionSpec(kv_mesh.model_axis),) * len(extra),
         q_spec, kernels=True,
     )
     return fn(state.planes[kind], state.tables[kind], jnp.asarray(layer, jnp.int32), q,
-              jnp.asarray(table_rows, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(kv_lens, jnp.int32))
-
+              jnp.asarray(table_rows, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+              *extra)
 
 
 def sharded_gather_pages(kv_mesh: KVMesh, state: KVDeviceState, pages: dict) -> tuple[jax.Array, dict]:

@@ -123,6 +123,7 @@ def begin_step(store, state: KVDeviceState, sequences, num_tokens, *, pool=PoolK
 
 
 def attention(state: KVDeviceState, batch: AttentionBatch, layer, q, k, v, *, sm_scale: float | None = None,
+              window: int | None = None, soft_cap: float | None = None, sinks=None,
               impl: str = "auto") -> tuple[KVDeviceState, jax.Array]:
     """One layer's append and attention over the paged cache, inside the caller's jitted step.
 
@@ -132,7 +133,8 @@ def attention(state: KVDeviceState, batch: AttentionBatch, layer, q, k, v, *, sm
     ``batch.positions[b] + t`` and returns ``(state, out)``: the state with the new tokens in its
     planes, and causal GQA attention ``out (B, T, Hq, D)`` (rows of padding tokens are not
     meaningful).  The first call of a step applies the batch's round work.  ``sm_scale`` (static,
-    default ``1 / sqrt(D)``) and ``impl`` as :func:`ninfer_kv.ops.paged_attention`.
+    default ``1 / sqrt(D)``), the layer's ``window``, ``soft_cap`` and ``sinks``, and ``impl`` as
+    :func:`ninfer_kv.ops.paged_attention`.
     """
     if not isinstance(batch, AttentionBatch):
         raise TypeError(f"batch must be the AttentionBatch of begin_step, got {type(batch).__name__}")
@@ -140,7 +142,8 @@ def attention(state: KVDeviceState, batch: AttentionBatch, layer, q, k, v, *, sm
         state = apply_work(state, batch.work)
     view = state.view(batch.pool, layer)
     view = ops.paged_append(view, batch.rows, batch.positions, k, v, batch.num_tokens, impl=impl)
-    out = ops.paged_attention(q, view, batch.rows, batch.positions, batch.kv_lens, sm_scale=sm_scale, impl=impl)
+    out = ops.paged_attention(q, view, batch.rows, batch.positions, batch.kv_lens, sm_scale=sm_scale, window=window,
+                              soft_cap=soft_cap, sinks=sinks, impl=impl)
     return state.replace_planes(batch.pool, view.planes), out
 
 

@@ -28,7 +28,7 @@ __all__ = [
     "require",
 ]
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 """Version of the handler contract (operands, attributes, semantics) this module speaks."""
 
 _LIB_NAMES = {"darwin": "libninfer_kv_ffi.dylib", "win32": "ninfer_kv_ffi.dll"}

@@ -184,6 +184,9 @@ def paged_attention(
     kv_lens: ArrayLike,
     *,
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """Causal paged attention of ``q (B, T, Hq, D)`` over a paged view; returns ``(B, T, Hq, D)``.
@@ -196,6 +199,13 @@ def paged_attention(
       positions: integer ``(B,)`` position of query 0 of each row, ``>= 0``.
       kv_lens: integer ``(B,)`` readable keys of each row, in ``[0, L * 64]``.
       sm_scale: score scale (default ``1 / sqrt(D)``).
+      window: ``None`` (full causal attention) or a static int ``>= 1``: a query at position ``p``
+        sees only keys ``j > p - window`` (a sliding window of the last ``window`` positions);
+        pages wholly before a query block's window are not read.
+      soft_cap: ``None`` or a static real ``> 0``: scores become ``soft_cap * tanh(s / soft_cap)``
+        before the softmax (Gemma 2's attention logit soft cap).
+      sinks: ``None`` or a float ``(Hq,)`` array: one learned logit per query head that joins the
+        softmax's denominator with a zero value (gpt-oss's attention sinks).
       impl: implementation name (see the module docstring).
 
     With concrete inputs the table entries of the blocks of ``[0, kv_lens)`` must lie in
@@ -211,10 +221,12 @@ def paged_attention(
     if isinstance(view, PagedKVLayerView):
         _require_shape(q, "q")
         batch_view, rows = _single_as_batch(view, table_rows, q.shape[0])
-        return paged_attention(q, batch_view, rows, positions, kv_lens, sm_scale=sm_scale, impl=impl)
+        return paged_attention(q, batch_view, rows, positions, kv_lens, sm_scale=sm_scale, window=window,
+                               soft_cap=soft_cap, sinks=sinks, impl=impl)
     table_rows, positions, kv_lens = validation.check_paged_attention(q, view, table_rows, positions, kv_lens, sm_scale)
+    variant = _variant(q.shape[2], window, soft_cap, sinks)
     fn = resolve_impl(impl).paged_attention
-    return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, sm_scale=sm_scale)
+    return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, sm_scale=sm_scale, **variant)
 
 
 def paged_append_ragged(
@@ -260,20 +272,32 @@ def paged_attention_ragged(
     query_starts: ArrayLike,
     *,
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: ArrayLike | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """Causal paged attention of the queries ``q (N, Hq, D)`` of ``R`` rows; returns ``(N, Hq, D)``.
 
     Row ``r``'s queries are tokens ``[query_starts[r], query_starts[r + 1])`` at positions
     ``positions[r] + t``, reading ``kv_lens[r]`` keys of table row ``table_rows[r]`` (the visibility
-    rule of :func:`paged_attention`); padding tokens return zeros.  Arguments and checks as
-    :func:`paged_append_ragged` and :func:`paged_attention`.
+    rule of :func:`paged_attention`, ``window``, ``soft_cap`` and ``sinks`` included); padding tokens
+    return zeros.  Arguments and checks as :func:`paged_append_ragged` and :func:`paged_attention`.
     """
     table_rows, positions, kv_lens, query_starts = validation.check_paged_attention_ragged(
         q, view, table_rows, positions, kv_lens, query_starts, sm_scale)
+    variant = _variant(q.shape[1], window, soft_cap, sinks)
     backend = resolve_impl(impl)
     fn = backend.paged_attention_ragged or attention_by_token(backend.paged_attention)
-    return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, query_starts, sm_scale=sm_scale)
+    return fn(jnp.asarray(q), view, table_rows, positions, kv_lens, query_starts, sm_scale=sm_scale, **variant)
+
+
+def _variant(q_heads: int, window, soft_cap, sinks) -> dict:
+    """The attention variant's checked options, only those that are set: a backend is called with
+    exactly the arguments of full attention when none is (so a backend that predates them serves
+    full attention unchanged)."""
+    window, soft_cap, sinks = validation.check_attention_variant(q_heads, window, soft_cap, sinks)
+    return {k: v for k, v in (("window", window), ("soft_cap", soft_cap), ("sinks", sinks)) if v is not None}
 
 
 def cyclic_append(

@@ -72,11 +72,13 @@ def attention_by_token(paged_attention: Callable) -> Callable:
     """The ragged attention of a backend's rectangular ``paged_attention`` (one query per row)."""
 
     def ragged(q: jax.Array, view: PagedKVBatchLayerView, table_rows: jax.Array, positions: jax.Array,
-               kv_lens: jax.Array, query_starts: jax.Array, *, sm_scale: float | None = None) -> jax.Array:
-        """The ragged attention: query ``i`` is row ``i`` of one query."""
+               kv_lens: jax.Array, query_starts: jax.Array, *, sm_scale: float | None = None,
+               **variant) -> jax.Array:
+        """The ragged attention: query ``i`` is row ``i`` of one query (``variant``: the attention
+        options, passed on as given)."""
         tok = token_rows(table_rows, positions, query_starts, q.shape[0])
         lens = jnp.where(tok.real == 1, jnp.asarray(kv_lens, jnp.int32)[jnp.clip(tok.row, 0, table_rows.shape[0] - 1)], 0)
-        out = paged_attention(q[:, None], view, tok.table_rows, tok.positions, lens, sm_scale=sm_scale)
+        out = paged_attention(q[:, None], view, tok.table_rows, tok.positions, lens, sm_scale=sm_scale, **variant)
         return out[:, 0]
 
     return ragged

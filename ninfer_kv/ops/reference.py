@@ -5,10 +5,13 @@ Semantics (the op contract of :mod:`ninfer_kv.ops`):
 * ``paged_append``: row ``b`` writes tokens ``t < valid[b]`` at logical positions
   ``positions[b] + t``, quantized per the profile, into the page ``block_tables[table_rows[b],
   pos >> 6]`` at column ``pos & 63`` of layer ``layer``.  Nothing else changes.
-* ``paged_attention``: query ``t`` of row ``b`` sits at ``positions[b] + t``; key ``j`` is visible iff
-  ``j <= positions[b] + t and j < kv_lens[b]``.  Scores ``sm_scale * q.k`` in float32 over the
-  dequantized keys, softmax in float32, output ``sum p_j v_j`` cast to ``q.dtype``; a query with no
-  visible key returns zeros.  Query head ``hq`` reads KV head ``hq // (Hq // H)``.
+* ``paged_attention``: query ``t`` of row ``b`` sits at ``p = positions[b] + t``; key ``j`` is
+  visible iff ``j <= p and j < kv_lens[b]`` (and ``j > p - window`` with a ``window``).  Scores
+  ``s = sm_scale * q.k`` in float32 over the dequantized keys (``soft_cap * tanh(s / soft_cap)``
+  with a ``soft_cap``), softmax in float32 (with ``sinks``, ``exp(sinks[hq] - m)`` joins the
+  denominator of query head ``hq``: a logit whose value is zero), output ``sum p_j v_j`` cast to
+  ``q.dtype``; a query with no visible key returns zeros.  Query head ``hq`` reads KV head
+  ``hq // (Hq // H)``.
 * Cyclic ops: key ``j`` lives in ring slot ``j mod slots``; visible iff
   ``positions[b] + t - window < j <= positions[b] + t`` and ``j < kv_lens[b]``.
 
@@ -54,7 +57,8 @@ def _layer_slice(plane: jax.Array, layer) -> jax.Array:
 
 
 def attention_over_keys(
-    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, sm_scale: float
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, sm_scale: float, *,
+    soft_cap: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Masked GQA attention in float32.
 
@@ -63,6 +67,8 @@ def attention_over_keys(
       k, v: float32 ``(B, H, J, D)``.
       visible: bool ``(B, T, J)``.
       sm_scale: score scale.
+      soft_cap: ``None``, or scores become ``soft_cap * tanh(s / soft_cap)`` before the softmax.
+      sinks: ``None``, or ``(Hq,)`` logits that join each query head's softmax denominator.
     Returns: ``(B, T, Hq, D)`` float32; rows with no visible key are zero.
     """
     b, t, hq, d = q.shape
@@ -73,11 +79,18 @@ def attention_over_keys(
     k = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], k, 0.0)
     v = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], v, 0.0)
     s = jnp.einsum("bthgd,bhjd->bhgtj", qf, k, precision=jax.lax.Precision.HIGHEST) * _F32(sm_scale)
+    if soft_cap is not None:
+        s = _F32(soft_cap) * jnp.tanh(s / _F32(soft_cap))
     s = jnp.where(vis, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = jnp.asarray(sinks, _F32).reshape(1, h, g, 1, 1)
+        m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(vis, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + jnp.exp(sink - m)
     p = p / jnp.where(l > 0, l, 1.0)
     o = jnp.einsum("bhgtj,bhjd->bthgd", p, v, precision=jax.lax.Precision.HIGHEST)
     return o.reshape(b, t, hq, d)
@@ -118,6 +131,9 @@ def paged_attention_reference(
     kv_lens: jax.Array,
     *,
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Reference paged attention; see the module docstring for the visibility rule."""
     b, t, _, d = q.shape
@@ -129,7 +145,9 @@ def paged_attention_reference(
     qpos = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # (B, T)
     key_ok = mapped[:, j // p] & (j[None, :] < jnp.asarray(kv_lens, jnp.int32)[:, None])  # (B, J)
     visible = (j[None, None, :] <= qpos[:, :, None]) & key_ok[:, None, :]
-    return attention_over_keys(q, k, v, visible, sm_scale).astype(q.dtype)
+    if window is not None:
+        visible &= j[None, None, :] > qpos[:, :, None] - window
+    return attention_over_keys(q, k, v, visible, sm_scale, soft_cap=soft_cap, sinks=sinks).astype(q.dtype)
 
 
 def _bitwise_set(plane: jax.Array, index: tuple, vals: jax.Array) -> jax.Array:
@@ -208,10 +226,14 @@ def paged_attention_ragged_reference(
     query_starts: jax.Array,
     *,
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Reference ragged attention: the reference attention over one query per row (:mod:`ninfer_kv.ops.ragged`)."""
     return attention_by_token(paged_attention_reference)(q, view, table_rows, positions, kv_lens, query_starts,
-                                                         sm_scale=sm_scale)
+                                                         sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+                                                         sinks=sinks)
 
 
 # -- cyclic ----------------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ writes, invisible keys) and never touch memory outside the planes.
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .views import CyclicKVCacheLayerView, PagedKVBatchLayerView
@@ -164,6 +165,36 @@ def check_sm_scale(sm_scale) -> None:
         raise TypeError(f"sm_scale must be None or a Python/numpy real number, got {type(sm_scale).__name__}")
     if not math.isfinite(float(sm_scale)) or float(sm_scale) <= 0:
         raise ValueError(f"sm_scale={sm_scale!r} is invalid; it must be a finite number > 0 (or None for 1/sqrt(D))")
+
+
+def check_attention_variant(q_heads: int, window=None, soft_cap=None, sinks=None):
+    """The attention variant's options: ``window`` ``None`` or a Python/numpy int >= 1 (static),
+    ``soft_cap`` ``None`` or a finite real > 0 (static), ``sinks`` ``None`` or a float array
+    ``(Hq,)`` (finite where concrete).  Returns ``(window, soft_cap, sinks)`` as ``int``,
+    ``float`` and a float32 array (or ``None``)."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, Integral):
+            raise TypeError(f"window must be None or a Python/numpy int (static), got {type(window).__name__}")
+        if int(window) < 1:
+            raise ValueError(f"window={int(window)} is invalid; it must be >= 1 (or None for full attention)")
+        window = int(window)
+    if soft_cap is not None:
+        if isinstance(soft_cap, bool) or not isinstance(soft_cap, Real):
+            raise TypeError(f"soft_cap must be None or a Python/numpy real number (static), got {type(soft_cap).__name__}")
+        if not math.isfinite(float(soft_cap)) or float(soft_cap) <= 0:
+            raise ValueError(f"soft_cap={soft_cap!r} is invalid; it must be a finite number > 0 (or None)")
+        soft_cap = float(soft_cap)
+    if sinks is not None:
+        _require_array("sinks", sinks)
+        if tuple(sinks.shape) != (q_heads,):
+            raise ValueError(f"sinks has shape {tuple(sinks.shape)}; it must be ({q_heads},): one logit per query head")
+        if not np.issubdtype(np.dtype(sinks.dtype), np.floating) and np.dtype(sinks.dtype) != jnp.bfloat16:
+            raise ValueError(f"sinks has dtype {np.dtype(sinks.dtype).name}; it must be a float array")
+        vals = host_values(sinks)
+        if vals is not None and not np.isfinite(vals).all():
+            raise ValueError(f"sinks[{int(np.flatnonzero(~np.isfinite(vals))[0])}] is not finite")
+        sinks = jnp.asarray(sinks, jnp.float32)
+    return window, soft_cap, sinks
 
 
 # -- paged ops -----------------------------------------------------------------------------------

@@ -15,13 +15,14 @@ the blocks' rows, positions, lengths and counts become the kernels' scalar-prefe
   group of one token); the chunk rows (two tokens or more) on a grid ``(nb, H, 1)`` of ``block_q``
   -token blocks (:data:`CHUNK_ROWS`: by default 256 query rows).
   A program DMAs each live page of its row (the pages below ``ceil(min(kv_len, position +
-  count) / 64)``) once for all of its tokens and the whole GQA group, double-buffered; an inert block
-  (``rows = -1``) fetches nothing.  A TPU ``BlockSpec`` block starts at a multiple of its extent,
-  so a block of ``block_q`` tokens starting anywhere on the token axis cannot be addressed in
-  place: the wrapper gathers the queries into the block layout ``(nb, H, block_q * G, D)`` (zeros
-  past each block's count; one ``O(nb * block_q * Hq * D)`` gather), and the per-block outputs are
-  gathered back to the tokens (:func:`~pallas_kernels.common.ragged.gather_tokens`; padding tokens
-  get exact zeros).
+  count) / 64)``; with a sliding ``window``, from the first page its first query sees,
+  ``max(0, position - window + 1) // 64``) once for all of its tokens and the whole GQA group,
+  double-buffered; an inert block (``rows = -1``) fetches nothing.  A TPU ``BlockSpec`` block
+  starts at a multiple of its extent, so a block of ``block_q`` tokens starting anywhere on the
+  token axis cannot be addressed in place: the wrapper gathers the queries into the block layout
+  ``(nb, H, block_q * G, D)`` (zeros past each block's count; one ``O(nb * block_q * Hq * D)``
+  gather), and the per-block outputs are gathered back to the tokens
+  (:func:`~pallas_kernels.common.ragged.gather_tokens`; padding tokens get exact zeros).
 * **append**, two ``pallas_call`` s of the rectangular append kernel
   (:func:`~pallas_kernels.mosaic_tpu.paged_append.append_blocks`) over the same planes (aliased
   in place): the decode rows one token per block (``T = 1``), the chunk rows in blocks cut at
@@ -83,6 +84,9 @@ def paged_attention_ragged(
     query_starts: jax.Array,
     *,
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     config: PagedAttentionConfig | None = None,
     interpret=None,
 ) -> jax.Array:
@@ -93,6 +97,9 @@ def paged_attention_ragged(
       view: the pool's batch view.
       table_rows, positions, kv_lens: int32 ``(R,)``; query_starts: int32 ``(R + 1,)``.
       sm_scale: score scale (default ``1 / sqrt(D)``).
+      window, soft_cap, sinks: the attention variant (``None``: unused), as
+        :func:`~pallas_kernels.mosaic_tpu.paged_attention.paged_attention` takes them; with a
+        ``window`` each block's page loop starts at the first page its first query sees.
       config: a :class:`PagedAttentionConfig`: ``block_q`` of the chunk rows' blocks (decode rows
         always take one token per block); its ``compiler`` a
         :class:`~pallas_kernels.mosaic_tpu.backend.MosaicConfig` or ``None``.
@@ -105,7 +112,7 @@ def paged_attention_ragged(
         prepare(config, PagedAttentionConfig, view, interpret)
         return jnp.zeros(q.shape, q.dtype)
     args = (q, view, table_rows, positions, kv_lens, query_starts)
-    kw = dict(sm_scale=sm_scale, config=config, interpret=interpret)
+    kw = dict(sm_scale=sm_scale, window=window, soft_cap=soft_cap, sinks=sinks, config=config, interpret=interpret)
     dec, chunk = (attention_class(cls, *args, **kw) for cls in CLASSES)
     return ragged.gather_tokens(dec, chunk, ragged.token_blocks(query_starts, n, chunk.shape[1]))
 
@@ -120,6 +127,9 @@ def attention_class(
     query_starts: jax.Array,
     *,
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     config: PagedAttentionConfig | None = None,
     interpret=None,
 ) -> jax.Array:
@@ -144,7 +154,8 @@ def attention_class(
         raise ValueError(f"class {cls!r} is not one of {CLASSES}")
     # one query tile per block: its (tokens * G, D) block is the whole extent of the last two dims
     return attention_blocks(_block_tokens(q, blocks, tokens), view, blocks.rows, blocks.positions, blocks.kv_lens,
-                            blocks.counts, block_q=tokens, sm_scale=sm_scale, compiler=compiler, interpret=interpret,
+                            blocks.counts, block_q=tokens, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+                            sinks=sinks, compiler=compiler, interpret=interpret,
                             name=f"mosaic_paged_attention_ragged_{cls}_{lay.profile.value}_{lay.order.value}_d{d}")
 
 

@@ -16,8 +16,19 @@ dtype of the products is bfloat16 for bfloat16 queries and float32 (full-precisi
 otherwise, accumulation is always float32.
 
 The context of a (row, query tile) is ``[lo, hi)`` with ``hi = min(kv_len, last query position +
-1)``; its steps are divided among ``k_splits`` programs.  With one split the program normalises
-and writes the output; otherwise it writes ``(acc, m, l)`` and
+1)`` and ``lo = 0``, or with a sliding ``window`` ``lo = first query position - window + 1`` (the
+first key any query of the tile can see): the key loop starts at the step holding ``lo``, so steps
+(pages) wholly before the window are never visited, neither their table entries nor their tiles;
+its steps are divided among ``k_splits`` programs, so a context split covers only that range.
+
+Variants (static specializations of :class:`AttentionSpec`; with all of them off the program is
+exactly the plain causal one): ``window`` (above; visibility ``j > p - window`` per query),
+``soft_cap`` (scores ``soft_cap * tanh(s / soft_cap)`` before masking and the softmax) and
+``sinks`` (a float32 ``(Hq,)`` operand: query head ``hq``'s softmax starts from ``m = sinks[hq]``,
+``l = 1``, i.e. a logit of zero value joins the denominator; with several context splits only split
+0 starts there, so :func:`~pallas_kernels.common.softmax.combine_splits` counts it once).
+
+With one split the program normalises and writes the output; otherwise it writes ``(acc, m, l)`` and
 :func:`~pallas_kernels.common.softmax.combine_splits` merges them.
 
 :func:`run_attention` is the public-op body (config check and resolution, head-dim limit,
@@ -49,6 +60,8 @@ __all__ = [
     "attention_call",
     "masked_tile_load",
     "run_attention",
+    "resolution_keys",
+    "variant_suffix",
 ]
 
 
@@ -64,7 +77,9 @@ class AttentionSpec:
     compiler: TritonConfig  # resolved
     sm_scale: float
     compute_dtype: object  # jnp.bfloat16 or jnp.float32
-    window: int | None = None  # cyclic window W; None for paged attention
+    window: int | None = None  # sliding window W (cyclic: the layout's; paged: the op's); None: full causal
+    soft_cap: float | None = None  # scores become soft_cap * tanh(s / soft_cap); None: plain scores
+    sinks: bool = False  # a float32 (Hq,) sink-logit operand follows the planes
 
     @property
     def rows(self) -> int:
@@ -73,6 +88,19 @@ class AttentionSpec:
 
 
 KeySource = Callable[[jax.Array, jax.Array, jax.Array], tuple[TileLoader, jax.Array]]
+
+
+def resolution_keys(max_keys: int, window: int | None, num_queries: int) -> int:
+    """The ``max_keys`` a config is resolved with: the most keys one query tile can see (``max_keys``,
+    or with a window at most ``window + num_queries - 1``), so a windowed row is not cut into context
+    splits that would find nothing to read."""
+    return max_keys if window is None else max(1, min(max_keys, window + num_queries - 1))
+
+
+def variant_suffix(window: int | None, soft_cap: float | None, sinks) -> str:
+    """The kernel-name suffix of the variant options (empty when all are off)."""
+    return ((f"_w{window}" if window is not None else "") + (f"_cap{soft_cap:g}" if soft_cap is not None else "")
+            + ("_sinks" if sinks is not None else ""))
 
 
 def attention_program(
@@ -91,6 +119,7 @@ def attention_program(
     key_floor=None,
     q_start=None,
     count=None,
+    sinks_ref=None,
 ) -> None:
     """Run one attention program (see the module docstring).
 
@@ -113,6 +142,7 @@ def attention_program(
         its query ``i < count`` is token ``q_start + i`` of ``q_ref (1, N, Hq, D)`` at position
         ``pos + i``, and its output goes to token ``i`` of block ``b`` (out ``(nb, block_q, Hq, D)``,
         acc and m, l likewise).  ``None``: the rectangular tile ``qt`` of row ``b``.
+      sinks_ref: the sink logits ``(Hq,)`` float32 when ``spec.sinks``, else ``None``.
     """
     cfg = spec.cfg
     d, g_size, bq, bk, rows = spec.head_dim, spec.group, cfg.block_q, cfg.block_k, spec.rows
@@ -160,6 +190,18 @@ def attention_program(
     ]
     vcols = v_tile.columns(tile_lanes)
     sm_scale = F32(spec.sm_scale)
+    soft_cap = None if spec.soft_cap is None else F32(spec.soft_cap)
+    state = initial_state(rows, [c.n for c in vcols])
+    if spec.sinks:
+        # The sink is a logit of zero value: the running max starts at it and the sum at exp(0) = 1.
+        # With several splits only split 0 holds it (combine_splits then counts it once).
+        sink = backend.load(sinks_ref.at[hq]).astype(F32)
+        one = jnp.ones((rows,), F32)
+        if cfg.k_splits == 1:
+            state = (sink, one, *state[2:])
+        else:
+            holds = sp == 0
+            state = (jnp.where(holds, sink, state[0]), jnp.where(holds, one, state[1]), *state[2:])
 
     def body(step, carry):
         m, l, *accs = carry
@@ -167,10 +209,12 @@ def attention_program(
         key_ok = (j >= lo) & (j < hi)
         load, key_ok = key_source(step, j, key_ok)
         s = k_tile.decode_keys(qs, load, tile_lanes, cdt) * sm_scale
+        if spec.soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         m, l, accs, p = softmax_step(m, l, accs, s, visible_keys(j, qpos, key_ok, spec.window))
         return (m, l, *v_tile.decode_values(accs, p, load, tile_lanes, cdt))
 
-    m, l, *accs = jax.lax.fori_loop(first, last, body, initial_state(rows, [c.n for c in vcols]))
+    m, l, *accs = jax.lax.fori_loop(first, last, body, state)
 
     if len(out_refs) == 1:
         (o_ref,) = out_refs
@@ -208,7 +252,7 @@ def masked_tile_load(backend: TritonBackend, ref_view, key_ok: jax.Array, cols) 
 
 def run_attention(
     op: str, config_type: type, kernel: Callable, q, view, rows, positions, kv_lens, *, max_keys: int, sm_scale,
-    config, interpret,
+    config, interpret, **options,
 ) -> jax.Array:
     """Body of a public attention op: default/check ``config``, check the head dim and the planes, resolve, run.
 
@@ -216,19 +260,21 @@ def run_attention(
     ``compiler`` a :class:`~pallas_kernels.triton.config.TritonConfig` or ``None``); it is resolved
     from the shapes of ``q (B, T, Hq, D)``, the view's KV heads and ``max_keys`` (the most keys a
     row can see).  ``sm_scale`` defaults to ``1 / sqrt(D)``.  ``kernel(backend, q, view, rows,
-    positions, kv_lens, sm_scale=, cfg=, compiler=, interpret=)`` computes the output.
+    positions, kv_lens, sm_scale=, cfg=, compiler=, interpret=, **options)`` computes the output;
+    ``options`` (the paged op's ``window``, ``soft_cap``, ``sinks``) go to ``kernel`` as given, and
+    a ``window`` also bounds the keys the config is resolved for (:func:`resolution_keys`).
     """
     config, compiler, interpret = prepare(config, config_type, view, interpret)
     lay = view.layout
     b, t, hq, d = q.shape
     cfg = config.resolve(
         num_queries=t, group=hq // lay.num_kv_heads, head_dim=d, batch=b, kv_heads=lay.num_kv_heads,
-        max_keys=max_keys,
+        max_keys=resolution_keys(max_keys, options.get("window"), t),
     )
     compiler = compiler.for_attention(d, query_rows(cfg.block_q, hq // lay.num_kv_heads))
     sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
     return kernel(TRITON, q, view, rows, positions, kv_lens, sm_scale=sm_scale, cfg=cfg, compiler=compiler,
-                  interpret=interpret)
+                  interpret=interpret, **options)
 
 
 KeySourceFactory = Callable[..., KeySource]
@@ -253,6 +299,7 @@ def attention_call(
     key_floor_offset: int | None = None,
     starts: jax.Array | None = None,
     counts: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Run :func:`attention_program` over the grid ``(B, H, ceil(T / block_q), k_splits)``.
 
@@ -272,9 +319,14 @@ def attention_call(
     the call's ``(N, Hq, D)``, the grid ``(nb, H, 1, k_splits)`` and the result the blocks' outputs
     ``(nb, block_q, Hq, D)`` (rows past a block's count unspecified); ``starts`` and ``counts`` are
     two more scalar operands after ``kv_lens``.
+
+    ``sinks`` (``(Hq,)`` float32; with ``spec.sinks``) is one more operand after the planes.
     """
     cfg, splits = spec.cfg, spec.cfg.k_splits
     n_tables, n_planes = len(tables), len(names)
+    if spec.sinks != (sinks is not None):
+        raise ValueError("attention_call: pass sinks exactly when spec.sinks is set")
+    tail = () if sinks is None else (jnp.asarray(sinks, jnp.float32),)
     ragged = starts is not None
     if ragged:
         extra = (jnp.asarray(starts, jnp.int32), jnp.asarray(counts, jnp.int32))
@@ -287,7 +339,8 @@ def attention_call(
         table_refs = refs[:n_tables]
         q_ref = refs[n_tables]
         plane_refs = dict(zip(names, refs[n_tables + 1:n_tables + 1 + n_planes]))
-        out_refs = refs[n_tables + 1 + n_planes:]
+        sink_refs = refs[n_tables + 1 + n_planes:n_tables + 1 + n_planes + len(tail)]
+        out_refs = refs[n_tables + 1 + n_planes + len(tail):]
         b, h, qt, sp = (backend.program_id(i) for i in range(4))
         pos = backend.load_scalar(pos_ref, (b,))
         row = backend.load_scalar(rows_ref, (b,))
@@ -302,6 +355,7 @@ def attention_call(
             out_refs=out_refs, key_floor=None if key_floor_offset is None else pos + key_floor_offset,
             **({"q_start": backend.load_scalar(block_refs[0], (b,)), "count": backend.load_scalar(block_refs[1], (b,))}
                if ragged else {}),
+            **({"sinks_ref": sink_refs[0]} if tail else {}),
         )
 
     if splits == 1:
@@ -329,6 +383,7 @@ def attention_call(
         *tables,
         q,
         *[view.planes[n] for n in names],
+        *tail,
     )
     if splits == 1:
         return out[0]

@@ -13,7 +13,8 @@ the kernels' scalar operands, so nothing is compiled per round):
   head dims up to 128, twice the rectangular chunk kernel's).  Each program is
   :func:`~pallas_kernels.triton.attention.attention_program` reading its queries straight from the
   ``(N, Hq, D)`` token axis and each live page of its row once (the pages below its last query's
-  frontier) for all of its tokens and the whole GQA group.  Outputs are per block and gathered back
+  frontier, and with a ``window`` from the page holding the first key its first token sees) for all
+  of its tokens and the whole GQA group.  Outputs are per block and gathered back
   to tokens (an ``(N, Hq, D)`` gather); padding tokens get exact zeros.
 * **append**, two ``pallas_call`` s over the same planes (aliased in place): decode rows one token
   per block, chunk rows in blocks cut at page boundaries, each quantized and stored by
@@ -41,11 +42,11 @@ from ..common import ragged
 from ..common.config import PagedAppendConfig, PagedAttentionConfig
 from ..common.softmax import compute_dtype_for
 from .append import append_call
-from .attention import AttentionSpec, attention_call
+from .attention import AttentionSpec, attention_call, resolution_keys, variant_suffix
 from .backend import TRITON, prepare
 from .config import query_rows
 from .paged_append import paged_addresser
-from .paged_attention import paged_key_source
+from .paged_attention import paged_key_source, variant_options
 
 __all__ = ["paged_append_ragged", "paged_attention_ragged", "chunk_rows"]
 
@@ -68,6 +69,9 @@ def paged_attention_ragged(
     query_starts: jax.Array,
     *,
     sm_scale: float | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     config: PagedAttentionConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -75,7 +79,10 @@ def paged_attention_ragged(
 
     ``config`` (a :class:`PagedAttentionConfig`) sets the chunk rows' ``block_q`` and both classes'
     ``block_k``, ``k_splits`` and Triton knobs; decode rows always take one token per block.
+    ``window``, ``soft_cap`` and ``sinks`` are :func:`~pallas_kernels.triton.paged_attention.paged_attention`'s.
     """
+    options = variant_options(q.shape[1], window, soft_cap, sinks)
+    window, soft_cap, sinks = (options.get(k) for k in ("window", "soft_cap", "sinks"))
     config, knobs, interpret = prepare(config, PagedAttentionConfig, view, interpret)
     lay = view.layout
     n, hq_len, d = q.shape
@@ -86,20 +93,24 @@ def paged_attention_ragged(
     group = hq_len // h_len
     max_keys = view.logical_pages * lay.page_size
     sm_scale = (1.0 / d**0.5) if sm_scale is None else float(sm_scale)
+    options_spec = {**({} if window is None else {"window": window}),
+                    **({} if soft_cap is None else {"soft_cap": soft_cap}), **({} if sinks is None else {"sinks": True})}
 
     def run(blocks: ragged.Blocks, num_queries: int, batch: int, cls: str, block_q: int) -> jax.Array:
         cfg = dataclasses.replace(config, block_q=block_q).resolve(
-            num_queries=num_queries, group=group, head_dim=d, batch=batch, kv_heads=h_len, max_keys=max_keys)
+            num_queries=num_queries, group=group, head_dim=d, batch=batch, kv_heads=h_len,
+            max_keys=resolution_keys(max_keys, window, num_queries))
         compiler = knobs.for_attention(d, query_rows(cfg.block_q, group))
         spec = AttentionSpec(profile=lay.profile, head_dim=d, num_queries=num_queries, group=group, cfg=cfg,
-                             compiler=compiler, sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype))
+                             compiler=compiler, sm_scale=sm_scale, compute_dtype=compute_dtype_for(q.dtype),
+                             **options_spec)
         return attention_call(
             TRITON, q=q, view=view, names=list(lay.plane_names), rows=blocks.rows, positions=blocks.positions,
             kv_lens=blocks.kv_lens, tables=(view.block_tables,), spec=spec, interpret=interpret,
             name=(f"paged_attention_ragged_{cls}_{lay.profile.value}_{lay.order.value}_d{d}_q{cfg.block_q}"
-                  f"_k{cfg.block_k}_s{cfg.k_splits}"),
+                  f"_k{cfg.block_k}_s{cfg.k_splits}{variant_suffix(window, soft_cap, sinks)}"),
             make_key_source=paged_key_source(TRITON, view, cfg.block_k), row_limit=view.block_tables.shape[0],
-            key_limit=max_keys, starts=blocks.starts, counts=blocks.counts,
+            key_limit=max_keys, starts=blocks.starts, counts=blocks.counts, sinks=sinks,
         )
 
     nb_dec = ragged.decode_block_count(r, n)

@@ -41,7 +41,8 @@ def jitted(backend: str, op: str):
     if (op, backend) not in registered_ops(backend):
         pytest.skip(f"backend {backend!r} does not provide {op}")
     fn = functools.partial(getattr(ops, op), impl=backend)
-    return jax.jit(fn, static_argnames=("sm_scale",) if op.endswith("attention") else ())
+    static = ("sm_scale", "window", "soft_cap") if op.startswith("paged_attention") else ("sm_scale",)
+    return jax.jit(fn, static_argnames=static if "attention" in op else ())
 
 
 def _i32(x) -> jax.Array:
@@ -55,15 +56,17 @@ def paged_append(backend: str, view, table_rows, positions, k, v, valid) -> dict
     return {name: np.asarray(x) for name, x in out.planes.items()}
 
 
-def _attention(backend: str, op: str, q, view, rows, positions, kv_lens, sm_scale) -> np.ndarray:
-    out = jitted(backend, op)(jnp.asarray(q), view, _i32(rows), _i32(positions), _i32(kv_lens), sm_scale=sm_scale)
+def _attention(backend: str, op: str, q, view, rows, positions, kv_lens, sm_scale, **variant) -> np.ndarray:
+    out = jitted(backend, op)(jnp.asarray(q), view, _i32(rows), _i32(positions), _i32(kv_lens), sm_scale=sm_scale,
+                              **variant)
     assert out.shape == np.shape(q) and out.dtype == jnp.asarray(q).dtype, (out.shape, out.dtype)
     return np.asarray(out)
 
 
-def paged_attention(backend: str, q, view, table_rows, positions, kv_lens, sm_scale=None) -> np.ndarray:
-    """The output of one jitted ``paged_attention`` (numpy, in the query dtype)."""
-    return _attention(backend, "paged_attention", q, view, table_rows, positions, kv_lens, sm_scale)
+def paged_attention(backend: str, q, view, table_rows, positions, kv_lens, sm_scale=None, **variant) -> np.ndarray:
+    """The output of one jitted ``paged_attention`` (numpy, in the query dtype); ``variant``:
+    ``window``, ``soft_cap`` (static) and ``sinks``."""
+    return _attention(backend, "paged_attention", q, view, table_rows, positions, kv_lens, sm_scale, **variant)
 
 
 def cyclic_append(backend: str, view, rows, positions, k, v, valid) -> dict[str, np.ndarray]:

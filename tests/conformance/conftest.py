@@ -17,11 +17,13 @@ INTERPRETED_DEFAULT = {
         "test_ragged_attention_is_each_rows_attention[pallas_tpu-k8v4]",
         "test_ragged_append_is_each_rows_append[pallas_tpu-k8v4]",
         "test_ragged_starts_out_of_order_under_jit_are_clamped",
+        "test_variant_attention_matches_the_oracle",
+        "test_ragged_variant_attention_is_each_rows_attention",
     },
 }
 """Per interpreted backend: the tests that run for it by default (a test id may name one parametrization)."""
 
-INTERPRETED_PROFILES = {"pallas": ("k8v4", "nvfp4-g16")}
+INTERPRETED_PROFILES = {"pallas": ("k8v4", "nvfp4-g16"), "pallas_tpu": ("k8v4",)}
 """Per interpreted backend: the profiles its profile-parametrized cases run with by default (the two
 with scale planes and the most lane bookkeeping); the others under ``-m slow``."""
 
@@ -32,6 +34,11 @@ rectangular tests cover per profile) and the interpreted Pallas backend (its rag
 rectangular kernels' bodies, which the rectangular cases cover per profile, padded head dims
 included; ``tests/pallas/test_pallas_ragged.py`` holds its ragged attention (K8V4, both orders) and
 appends (NVFP4) to the per-row model by default, and its clamped ``query_starts`` run here)."""
+
+
+INTERPRETED_VARIANTS = {"pallas": ("all", "window-pages"), "pallas_tpu": ("all",)}
+"""Per interpreted backend: the attention variants (``test_attention_variants``) its default run
+takes (every option at once, and a window across pages); the others under ``-m slow``."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -47,6 +54,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if (params.get("backend") in RAGGED_ONE_PROFILE and item.module.__name__.endswith("test_ragged")
                 and "profile" in params and params["profile"].value != RAGGED_ONE_PROFILE[params["backend"]]):
+            item.add_marker(pytest.mark.slow)
+        variants = INTERPRETED_VARIANTS.get(params.get("backend"))
+        if variants is not None and "variant" in params and params["variant"] not in variants:
             item.add_marker(pytest.mark.slow)
 
 

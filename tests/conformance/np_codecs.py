@@ -203,11 +203,12 @@ def decode_kv(profile, planes: dict) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def attention(q, k, v, visible, sm_scale: float) -> np.ndarray:
+def attention(q, k, v, visible, sm_scale: float, soft_cap=None, sinks=None) -> np.ndarray:
     """float64 masked GQA attention, one (row, query, head) at a time.
 
     q ``(B, T, Hq, D)``; k, v ``(B, J, H, D)``; visible bool ``(B, T, J)``. Query head ``hq`` reads
-    KV head ``hq // (Hq // H)``; a query with no visible key yields zeros.
+    KV head ``hq // (Hq // H)``; a query with no visible key yields zeros.  ``soft_cap``: scores
+    become ``cap * tanh(s / cap)``; ``sinks (Hq,)``: ``exp(sink)`` joins each head's denominator.
     """
     q = np.asarray(q).astype(np.float64)
     k = np.asarray(k).astype(np.float64)
@@ -223,6 +224,10 @@ def attention(q, k, v, visible, sm_scale: float) -> np.ndarray:
             for hq in range(hq_):
                 h = hq // group
                 scores = sm_scale * (k[b, idx, h, :] @ q[b, t, hq, :])
-                p = np.exp(scores - scores.max())
-                out[b, t, hq] = (p / p.sum()) @ v[b, idx, h, :]
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
+                top = scores.max() if sinks is None else max(scores.max(), float(sinks[hq]))
+                p = np.exp(scores - top)
+                denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[hq]) - top))
+                out[b, t, hq] = (p / denom) @ v[b, idx, h, :]
     return out

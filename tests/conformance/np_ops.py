@@ -130,12 +130,17 @@ def default_scale(head_dim: int, sm_scale) -> float:
 
 
 def paged_attention(q, planes: dict, layout, layer: int, block_tables, table_rows, positions, kv_lens,
-                    sm_scale=None) -> np.ndarray:
-    """float64 output of ``paged_attention`` (``q`` in any float dtype, read as float32)."""
+                    sm_scale=None, window=None, soft_cap=None, sinks=None) -> np.ndarray:
+    """float64 output of ``paged_attention`` (``q`` in any float dtype, read as float32); with a
+    ``window``, key ``j`` is visible to a query at ``p`` only when ``j > p - window``."""
     q = np.asarray(q).astype(np.float32)
     k, v, readable = paged_keys(planes, layout, layer, block_tables, table_rows, kv_lens)
     visible = causal_visible(readable, positions, q.shape[1])
-    return np_codecs.attention(q, k, v, visible, default_scale(q.shape[-1], sm_scale))
+    if window is not None:
+        qpos = np.asarray(positions, np.int64)[:, None] + np.arange(q.shape[1])[None, :]
+        visible &= np.arange(readable.shape[1])[None, None, :] > qpos[:, :, None] - window
+    return np_codecs.attention(q, k, v, visible, default_scale(q.shape[-1], sm_scale), soft_cap,
+                               None if sinks is None else np.asarray(sinks, np.float64))
 
 
 def cyclic_append(planes: dict, layout, layer: int, rows, positions, k, v, valid) -> dict:

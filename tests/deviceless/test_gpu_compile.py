@@ -149,3 +149,47 @@ def test_whole_program_compile_needs_a_cuda_backend():
         lowered.compile()
     with pytest.raises(NotImplementedError, match="topology not implemented for cuda"):
         topologies.get_topology_desc("h200", platform="cuda")
+
+
+@pytest.mark.parametrize("op, profile, order, d", [
+    pytest.param("paged_attention", "bf16", "page-major", 128, id="decode-bf16-page-major-128"),
+    pytest.param("paged_attention_ragged", "k8v4", "head-major", 128, id="ragged-k8v4-head-major-128"),
+])
+def test_windowed_soft_capped_sink_attention_compiles_for_sm90a(dg, tmp_path, op, profile, order, d):
+    """A sliding window, a logit soft cap and attention sinks (a traced ``(Hq,)`` operand) together
+    lower for CUDA and compile for sm_90a; the decode kernels stay within the decode rule (no spill)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from ninfer_kv.schema.layout import PagedKVStorageLayout
+    from ninfer_kv.ops.views import PagedKVBatchLayerView
+
+    bsz, h, hq = 8, 8, 32
+    lay = PagedKVStorageLayout(profile, 2, h, d, order)
+    planes = {n: jax.ShapeDtypeStruct(s, lay.plane_dtypes()[n]) for n, s in lay.plane_shapes(4096).items()}
+    view = PagedKVBatchLayerView(planes, jax.ShapeDtypeStruct((bsz + 1, 128), jnp.int32),
+                                 jax.ShapeDtypeStruct((), jnp.int32), lay, validate=False)
+    i32, sinks = jax.ShapeDtypeStruct((bsz,), jnp.int32), jax.ShapeDtypeStruct((hq,), jnp.float32)
+    opts = dict(window=1024, soft_cap=30.0, interpret=False)
+    if op == "paged_attention":
+        q = jax.ShapeDtypeStruct((bsz, 1, hq, d), jnp.bfloat16)
+        fn, args = (lambda q, v, r, p, n, s: pk.paged_attention(q, v, r, p, n, sinks=s, **opts)), (q, view, i32, i32,
+                                                                                                  i32, sinks)
+    else:
+        q = jax.ShapeDtypeStruct((256, hq, d), jnp.bfloat16)
+        starts = jax.ShapeDtypeStruct((bsz + 1,), jnp.int32)
+        fn = lambda q, v, r, p, n, st, s: pk.paged_attention_ragged(q, v, r, p, n, st, sinks=s, **opts)  # noqa: E731
+        args = (q, view, i32, i32, i32, starts, sinks)
+    with dg.capture_triton_kernels() as captured:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert captured
+    ptxas = dg.find_ptxas(None)
+    for i, (name, ttir, warps, stages, grid, bc) in enumerate(captured):
+        assert "_w1024_cap30_sinks" in name, name
+        k = dg.Kernel("decode" if op == "paged_attention" else "ragged", profile, order, d, name=name,
+                      num_warps=warps, num_stages=stages, grid=grid, ttir=ttir)
+        for key, value in dg.compile_kernel((f"v{i}_{name}", ttir, warps, stages, ptxas, str(tmp_path))).items():
+            setattr(k, key, value)
+        assert not k.problems(), (name, k.problems())
+        assert k.regs and 0 < k.regs <= 255 and k.smem <= dg.SMEM_LIMIT, k

@@ -10,6 +10,7 @@ import math
 import pathlib
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -163,3 +164,38 @@ def test_exit_code_2_without_libtpu(dl, monkeypatch, capsys):
 def test_reference_fallback_is_said(dl):
     impl, note = dl.choose_impl("reference")
     assert impl == "reference" and "reference" in note
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v6e:2x2"])
+def test_attention_variants_compile_for_tpu(dl, topology):
+    """The Mosaic attention with a sliding window, a soft cap and sinks (traced ``(Hq,)`` float32) lowers
+    for the chip: the rectangular chunk and the ragged decode class, k8v4, one Mosaic kernel each."""
+    impl, _ = dl.choose_impl("auto")
+    if impl != "pallas_tpu":
+        pytest.skip("impl='pallas_tpu' is not registered")
+    from pallas_kernels.common.config import PagedAttentionConfig
+    from pallas_kernels.mosaic_tpu import paged_attention
+    from pallas_kernels.mosaic_tpu.ragged import attention_class
+
+    t = dict(dl.OP_SHAPES)["chunk"]
+
+    def rect(spec):
+        vec = spec((dl.B,), jnp.int32)
+        opts = dict(window=100, soft_cap=30.0, **dl._mosaic_kwargs(PagedAttentionConfig))  # the probe's limit
+        fn = jax.jit(lambda q, view, r, p, n, s: paged_attention(q, view, r, p, n, sinks=s, **opts))
+        return fn, (spec((dl.B, t, dl.HQ, dl.D), jnp.bfloat16), dl._paged_view(spec, "k8v4"), vec, vec, vec,
+                    spec((dl.HQ,), jnp.float32))
+
+    def ragged(spec):
+        vec = spec((dl.B,), jnp.int32)
+        opts = dict(window=100, soft_cap=30.0, **dl._mosaic_kwargs(PagedAttentionConfig))
+        fn = jax.jit(lambda q, view, r, p, n, st, s: attention_class("decode", q, view, r, p, n, st, sinks=s, **opts))
+        return fn, (spec((dl.B, dl.HQ, dl.D), jnp.bfloat16), dl._paged_view(spec, "k8v4"), vec, vec, vec,
+                    spec((dl.B + 1,), jnp.int32), spec((dl.HQ,), jnp.float32))
+
+    device = dl.topology_device(topology)
+    for name, build in (("paged_attention chunk variants", rect), ("paged_attention_ragged decode variants", ragged)):
+        row = dl.compile_program(dl.Program("ops", name, "k8v4", "", impl, build), topology, device)
+        _check_row(row, impl)
+        assert row["mosaic_kernels"] == 1 and row["vmem_bytes"] <= 16 << 20, row

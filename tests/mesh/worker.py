@@ -91,8 +91,12 @@ def ops_equal(spec: str, heads: int, impls: tuple[str, ...], profiles=PROFILES, 
     k = rng.standard_normal((dd * b_local, T_TOK, heads, D_HEAD)).astype(np.float32)
     v = rng.standard_normal((dd * b_local, T_TOK, heads, D_HEAD)).astype(np.float32)
     q = rng.standard_normal((dd * b_local, T_TOK, hq, D_HEAD)).astype(np.float32)
+    sinks = rng.standard_normal(hq).astype(np.float32)
     checks = 0
     for i, profile in enumerate(profiles):
+        # every other profile attends with a window across the page boundary, a soft cap and sinks
+        # (sharded over the model axis with the query heads)
+        variant = dict(window=70, soft_cap=4.0, sinks=jnp.asarray(sinks)) if i % 2 else {}
         for order in (ORDERS[i % 2],) if one_order else ORDERS:
             lay_local = PagedKVStorageLayout(profile, 1, stored // tt, D_HEAD, order)
             lay_stored = PagedKVStorageLayout(profile, 1, stored, D_HEAD, order)
@@ -103,14 +107,15 @@ def ops_equal(spec: str, heads: int, impls: tuple[str, ...], profiles=PROFILES, 
                 @jax.jit
                 def sharded(state, rows, pos, valid, q, k, v):
                     state = sharded_paged_append(kv_mesh, state, 0, lay_local, rows, pos, k, v, valid, impl=impl)
-                    out = sharded_paged_attention(kv_mesh, q, state, 0, lay_local, rows, pos, valid, impl=impl)
+                    out = sharded_paged_attention(kv_mesh, q, state, 0, lay_local, rows, pos, valid, impl=impl,
+                                                  **variant)
                     return state, out
 
                 @jax.jit
                 def single(planes, table, rows, pos, valid, q, k, v):
                     view = PagedKVBatchLayerView(planes, table, 0, lay_single)
                     view = ops.paged_append(view, rows, pos, k, v, valid, impl=impl)
-                    return view.planes, ops.paged_attention(q, view, rows, pos, valid, impl=impl)
+                    return view.planes, ops.paged_attention(q, view, rows, pos, valid, impl=impl, **variant)
 
                 s_state, s_out = sharded(state, rows, pos, valid, q, k, v)
                 planes1 = allocate_planes(lay_single, dd * n_local, fill=float("nan"))

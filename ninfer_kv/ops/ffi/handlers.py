@@ -74,6 +74,8 @@ TARGETS = {
     "ninfer_kv_paged_attention": "NinferKvPagedAttention",
     "ninfer_kv_paged_append_ragged": "NinferKvPagedAppendRagged",
     "ninfer_kv_paged_attention_ragged": "NinferKvPagedAttentionRagged",
+    "ninfer_kv_paged_attention_variants": "NinferKvPagedAttentionVariants",
+    "ninfer_kv_paged_attention_ragged_variants": "NinferKvPagedAttentionRaggedVariants",
     "ninfer_kv_cyclic_append": "NinferKvCyclicAppend",
     "ninfer_kv_cyclic_attention": "NinferKvCyclicAttention",
     "ninfer_kv_matmul_bf16": "NinferKvMatmulBf16",

@@ -16,6 +16,12 @@ the CPU platform (the library, its loading and its instruction-set levels:
   key codes in integers (:func:`~ninfer_kv.ops.ffi.handlers.arithmetic` reports the products per
   profile; docs/ACCURACY.md measures what they add).
 * the ``_ragged`` forms take the tokens of all rows one after another (no padding).
+* the attention ops take three options (``window``, ``soft_cap``, ``sinks``, see
+  :mod:`ninfer_kv.ops.reference`).  With all three ``None`` they make exactly the custom call they
+  always made; otherwise they call the ``..._variants`` form of the handler, which takes ``sinks``
+  as one more float32 operand (``(Hq,)``, or ``(0,)`` for none) and ``window`` / ``soft_cap`` as
+  attributes (0 for none).  A sliding window narrows each query's visible keys, so the pages
+  before the earliest window of a task are never read.
 
 ``jax.vmap`` over an op uses ``vmap_method="sequential"``: one custom call per mapped element.
 The kernels are already batched over B, so vmap is a convenience, and "sequential" keeps two
@@ -33,6 +39,7 @@ import numpy as np
 from ...schema.geometry import PlaneOrder
 from ...schema.profiles import KVProfile
 from ..views import CyclicKVCacheLayerView, PagedKVBatchLayerView
+from ..validation import check_attention_variant
 from .handlers import _CODEC_ID, _NO_SPLITS, _i32, _require
 
 __all__ = [
@@ -87,20 +94,41 @@ def _append_call(target: str, planes: list, n_fixed: int):
 # -- ops -------------------------------------------------------------------------------------------
 
 
-def _paged_attention_call(target: str, q_in: jax.Array, view: PagedKVBatchLayerView, vectors, sm_scale):
-    """One paged attention handler: q, the tables, the layer, the int32 ``vectors``, the planes."""
+def _variant_options(window, soft_cap, sinks, q_heads: int):
+    """The variant attributes and the sinks operand; ``None`` when every option is off."""
+    if window is None and soft_cap is None and sinks is None:
+        return None
+    window, soft_cap, sinks = check_attention_variant(q_heads, window, soft_cap, sinks)
+    sinks_in = jnp.zeros((0,), jnp.float32) if sinks is None else sinks
+    attrs = {
+        "window": np.int32(0 if window is None else window),
+        "soft_cap": np.float32(0.0 if soft_cap is None else soft_cap),
+    }
+    return sinks_in, attrs
+
+
+def _paged_attention_call(target: str, q_in: jax.Array, view: PagedKVBatchLayerView, vectors, sm_scale,
+                          window=None, soft_cap=None, sinks=None):
+    """One paged attention handler: q, the tables, the layer, the int32 ``vectors``, [sinks,] the planes."""
     lay = view.layout
+    options = _variant_options(window, soft_cap, sinks, q_in.shape[2])
+    extra, attrs = (), {}
+    if options is not None:  # the variant form; with every option off, the very call of before
+        target += "_variants"
+        extra, attrs = (options[0],), options[1]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_in.shape, q_in.dtype), vmap_method="sequential")
     return call(
         q_in,
         _i32(view.block_tables),
         _layer(view.layer),
         *(_i32(x) for x in vectors),
+        *extra,
         *_plane_list(view.planes, lay.profile),
         head_major=np.int32(lay.order is PlaneOrder.HEAD_MAJOR),
         sm_scale=_sm_scale(sm_scale, q_in.shape[-1]),
         no_splits=np.int32(_NO_SPLITS.get()),
         **_codec_attrs(lay.profile),
+        **attrs,
     )
 
 
@@ -135,15 +163,18 @@ def paged_append(
     return _paged_append_call("ninfer_kv_paged_append", view, (table_rows, positions, valid), k, v)
 
 
-def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, *, sm_scale=None) -> jax.Array:
+def paged_attention(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, *, sm_scale=None, window=None,
+                    soft_cap=None, sinks=None) -> jax.Array:
     """Causal GQA attention of ``q (B, T, Hq, D)`` over the paged view; ``(B, T, Hq, D)`` in q's dtype.
 
-    ``sm_scale`` (default ``1 / sqrt(D)``) is a static Python number: it becomes an attribute of the
-    custom call.
+    ``sm_scale`` (default ``1 / sqrt(D)``), ``window`` (int >= 1: query position p sees keys
+    ``j > p - window``) and ``soft_cap`` (float > 0: scores become ``soft_cap * tanh(s / soft_cap)``)
+    are static Python numbers: they become attributes of the custom call.  ``sinks`` (float32
+    ``(Hq,)``, may be traced) adds ``exp(sinks[hq] - max)`` to query head hq's denominator.
     """
     _require()
     out = _paged_attention_call("ninfer_kv_paged_attention", _query(q), view, (table_rows, positions, kv_lens),
-                                sm_scale)
+                                sm_scale, window, soft_cap, sinks)
     return out.astype(jnp.asarray(q).dtype)
 
 
@@ -158,13 +189,14 @@ def paged_append_ragged(view: PagedKVBatchLayerView, table_rows, positions, k, v
 
 
 def paged_attention_ragged(q, view: PagedKVBatchLayerView, table_rows, positions, kv_lens, query_starts, *,
-                           sm_scale=None) -> jax.Array:
+                           sm_scale=None, window=None, soft_cap=None, sinks=None) -> jax.Array:
     """:func:`paged_attention` of a ragged batch: ``q (N, Hq, D)`` holds the queries of ``R`` rows one
     after another (see :func:`paged_append_ragged`); ``(N, Hq, D)`` in q's dtype, zeros for tokens
-    of no row.  Each row's queries are blocked as the rectangular form blocks a row of that length."""
+    of no row.  Each row's queries are blocked as the rectangular form blocks a row of that length.
+    ``window``, ``soft_cap`` and ``sinks`` as in :func:`paged_attention`."""
     _require()
     out = _paged_attention_call("ninfer_kv_paged_attention_ragged", _query(q)[None], view,
-                                (table_rows, positions, kv_lens, query_starts), sm_scale)
+                                (table_rows, positions, kv_lens, query_starts), sm_scale, window, soft_cap, sinks)
     return out[0].astype(jnp.asarray(q).dtype)
 
 
