@@ -101,8 +101,8 @@ def test_options_match_the_reference(profile, order, group, t):
         assert_attention_close(got, _want(case, q, positions, **opts), backend="ffi", q_dtype=q.dtype, what=str(o))
 
 
-@pytest.mark.parametrize("profile", [pytest.param(KVProfile.BF16, marks=pytest.mark.slow), KVProfile.K8V4],
-                         ids=lambda p: p.value)
+@pytest.mark.slow  # by default: the conformance suite's ragged case with every option (tests/conformance)
+@pytest.mark.parametrize("profile", [KVProfile.BF16, KVProfile.K8V4], ids=lambda p: p.value)
 def test_bfloat16_queries_and_ragged_rows(profile):
     case = _case(profile, PlaneOrder.HEAD_MAJOR, [130, 256, 66])
     rng = np.random.default_rng(3)

@@ -87,7 +87,9 @@ def _check_paged(profile, order, group, t, window, soft_cap, use_sinks, q_dtype,
 _SPLIT = pk.PagedAttentionConfig(block_q=16, k_splits=3)
 
 PAGED = [  # profile, order, group, T, window, soft_cap, sinks, q dtype, config
-    pytest.param("bf16", "page-major", 4, 1, 100, 20.0, True, jnp.bfloat16, _SPLIT, id="bf16-pm-g4-decode-split"),
+    # -m slow: by default the conformance suite's cases and the unvisited-pages test (3 splits) below
+    pytest.param("bf16", "page-major", 4, 1, 100, 20.0, True, jnp.bfloat16, _SPLIT, id="bf16-pm-g4-decode-split",
+                 marks=pytest.mark.slow),
     # -m slow: the conformance suite holds K8V4 windows, soft caps and sinks to the oracle by default
     pytest.param("k8v4", "head-major", 1, 70, 64, 5.0, True, jnp.float32, _SPLIT, id="k8v4-hm-g1-chunk",
                  marks=pytest.mark.slow),
