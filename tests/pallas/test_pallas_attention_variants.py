@@ -11,9 +11,6 @@ traffic bench counts a windowed row's pages only.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -267,16 +264,7 @@ def test_variant_options_are_checked():
 
 # -- the traffic bench ----------------------------------------------------------------------------------------------
 
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_ragged_traffic.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_ragged_traffic", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_traffic_counts_only_the_pages_a_windowed_row_reads(bench):

@@ -1,25 +1,13 @@
 """bench/bench_ragged_traffic.py: its byte counts on rounds small enough to count by hand."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_ragged_traffic.py"
 PAGE_HEAD = 64 * 2 * 128 * 2  # bf16: 64 tokens x (K + V) x 128 x 2 bytes per (page, KV head)
 TOKEN_HEAD = 2 * 128 * 2  # bf16 K + V per (token, KV head)
 H = 8  # KV heads
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_ragged_traffic", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _bytes(bench, call, config=None, rpa=(), geo=None):
