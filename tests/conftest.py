@@ -40,6 +40,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402  (after the environment is set)
+import pytest  # noqa: E402
 
 jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
@@ -59,7 +60,27 @@ HEAVY_FIRST = (
 """Modules that take the longest (seconds of CPU each, measured), collected before the others."""
 
 
+STAGES = {
+    "interpreted": ("tests/pallas/", "tests/pallas_tpu/"),
+    "multidevice": ("tests/mesh/",),
+}
+"""The tests of a separate stage (deselected by ``python -m pytest``; CI runs them with ``-m
+"interpreted or multidevice"``): the Pallas GPU and TPU kernels in their CPU interpreters (these
+folders, and every case of a ``backend`` fixture set to ``"pallas"`` or ``"pallas_tpu"``), and the
+cache on forced multi-device meshes and processes."""
+
+_INTERPRETED_BACKENDS = ("pallas", "pallas_tpu")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        for marker, folders in STAGES.items():
+            if path.startswith(folders):
+                item.add_marker(getattr(pytest.mark, marker))
+        if getattr(getattr(item, "callspec", None), "params", {}).get("backend") in _INTERPRETED_BACKENDS:
+            item.add_marker(pytest.mark.interpreted)
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
 
     def key(item):
