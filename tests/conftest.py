@@ -46,28 +46,37 @@ jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 HEAVY_FIRST = (
+    "tests/engine/test_engine_core.py",
+    "tests/engine/test_engine_speculative.py",
+    "tests/server/test_openai_api.py",
+    "tests/engine/test_engine_state_machine.py",
+    "tests/test_docs.py",
+    "tests/conformance/test_ragged.py",
+    "tests/demo/test_demo_serving.py",
+    "tests/ffi/test_gemm_packed.py",
+    "tests/conformance/test_paged_attention.py",
+    "tests/examples/test_model_paged_steps.py",
+    "tests/models/test_generate_cli.py",
+    "tests/models/test_hf_oracle.py",
+    "tests/store/test_state_machine.py",
     "tests/ffi/test_neon_emulated.py",
     "tests/mesh/test_sharded.py",
-    "tests/store/test_state_machine.py",
-    "tests/models/test_hf_oracle.py",
     "tests/mesh/test_demo_mesh.py",
-    "tests/test_docs.py",
-    "tests/demo/test_demo_serving.py",
-    "tests/server/test_openai_api.py",
-    "tests/server/test_load.py",
-    "tests/server/test_shutdown.py",
 )
 """Modules that take the longest (seconds of CPU each, measured), collected before the others."""
 
 
 STAGES = {
-    "interpreted": ("tests/pallas/", "tests/pallas_tpu/"),
+    "interpreted": ("tests/pallas/", "tests/pallas_tpu/", "tests/ffi/test_neon_emulated.py", "tests/ffi/test_ffi_levels.py",
+                    "tests/ffi/test_gemm_packed.py::test_levels_and_bf16_form_bit_identical",
+                    "tests/ffi/test_gemm_packed.py::test_compiles_for_aarch64"),
     "multidevice": ("tests/mesh/",),
 }
 """The tests of a separate stage (deselected by ``python -m pytest``; CI runs them with ``-m
-"interpreted or multidevice"``): the Pallas GPU and TPU kernels in their CPU interpreters (these
-folders, and every case of a ``backend`` fixture set to ``"pallas"`` or ``"pallas_tpu"``), and the
-cache on forced multi-device meshes and processes."""
+"interpreted or multidevice"``; an entry is a folder, a file or a test): the kernels run as other targets run them — the Pallas GPU and TPU
+kernels in their CPU interpreters (these folders, and every case of a ``backend`` fixture set to
+``"pallas"`` or ``"pallas_tpu"``), the NEON kernels under qemu and each forced x86 level of the FFI
+library — and the cache on forced multi-device meshes and processes."""
 
 _INTERPRETED_BACKENDS = ("pallas", "pallas_tpu")
 
@@ -75,9 +84,8 @@ _INTERPRETED_BACKENDS = ("pallas", "pallas_tpu")
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        for marker, folders in STAGES.items():
-            if path.startswith(folders):
+        for marker, prefixes in STAGES.items():
+            if item.nodeid.startswith(prefixes):
                 item.add_marker(getattr(pytest.mark, marker))
         if getattr(getattr(item, "callspec", None), "params", {}).get("backend") in _INTERPRETED_BACKENDS:
             item.add_marker(pytest.mark.interpreted)

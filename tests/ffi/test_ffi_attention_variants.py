@@ -87,6 +87,7 @@ def _opts(case_opts, sinks):
     return o
 
 
+@pytest.mark.slow  # by default: tests/conformance/test_attention_variants.py, every option on both profiles
 @pytest.mark.parametrize("profile", [KVProfile.BF16, KVProfile.K8V4], ids=lambda p: p.value)
 @pytest.mark.parametrize("order", list(PlaneOrder), ids=lambda o: o.name.lower())
 @pytest.mark.parametrize("group,t", [(1, 1), (4, 1), (4, 70), (1, 70)])
