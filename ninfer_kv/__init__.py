@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover  (the same names, for type checkers and re
     from .schema.geometry import PAGE_SIZE
     from .schema.kinds import PoolKind
     from .schema.layout import PagedKVStorageLayout
-    from .planning import ExplicitCapacity, KVPlan, ModelKVConfig, SpeculativeConfig, plan_kv_cache
+    from .planning import ExplicitCapacity, KVPlan, ModelKVConfig, SpeculativeConfig, WindowRings, plan_kv_cache
     from .schema.profiles import KVProfile
     from .store import CheckpointHandle, KVStore, SequenceHandle
     from .ops.views import PagedKVBatchLayerView
@@ -49,6 +49,7 @@ _LAZY = {
     "ModelKVConfig": "planning",
     "ExplicitCapacity": "planning",
     "SpeculativeConfig": "planning",
+    "WindowRings": "planning",
     "KVPlan": "planning",
     "plan_kv_cache": "planning",
     "PoolKind": "schema.kinds",
@@ -80,6 +81,7 @@ __all__ = [
     "ModelKVConfig",
     "ExplicitCapacity",
     "SpeculativeConfig",
+    "WindowRings",
     "KVPlan",
     "plan_kv_cache",
     "PoolKind",

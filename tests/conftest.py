@@ -46,8 +46,10 @@ jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 HEAVY_FIRST = (
+    "tests/engine/test_llm_windowed_families.py",
     "tests/engine/test_engine_core.py",
     "tests/engine/test_engine_speculative.py",
+    "tests/models/test_hf_oracle_windows.py",
     "tests/server/test_openai_api.py",
     "tests/engine/test_engine_state_machine.py",
     "tests/test_docs.py",
@@ -58,6 +60,10 @@ HEAVY_FIRST = (
     "tests/examples/test_model_paged_steps.py",
     "tests/models/test_generate_cli.py",
     "tests/models/test_hf_oracle.py",
+    "tests/models/test_decoder_windows.py",
+    "tests/engine/test_ring_reuse.py",
+    "tests/models/test_ragged_step.py",
+    "tests/ffi/test_ffi_attention_variants.py",
     "tests/store/test_state_machine.py",
     "tests/ffi/test_neon_emulated.py",
     "tests/mesh/test_sharded.py",

@@ -299,6 +299,7 @@ def test_plan_model_json_is_the_plan_of_its_numbers(capsys, tmp_path, family):
     assert js.pop("model") == {
         "path": str(directory), "architecture": cfg["architectures"][0], "family": family, "layers": layers,
         "kv_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": cfg["max_position_embeddings"],
+        "window_layers": 0, "window": None,
     }
     by_flags = ["plan", "--layers", str(layers), "--kv-heads", str(kv_heads), "--head-dim", str(head_dim),
                 "--max-context", str(cfg["max_position_embeddings"])] + MODEL_TAIL
@@ -378,18 +379,35 @@ def test_plan_model_errors(capsys, tmp_path):
                                 "--kv-capacity", "10"], "--kv-capacity 10", "--max-context 4096 (the default")
 
 
+def test_plan_model_with_sliding_windows_plans_its_rings(capsys, tmp_path):
+    # Mistral slides every layer: no global layer, so every layer stays in the Main pool
+    windowed, _ = _checkpoint_dir(tmp_path, "mistral", name="windowed", sliding_window=1024)
+    js = run_json(capsys, ["plan", "--model", str(windowed)] + MODEL_TAIL)
+    assert js["rings"] is None and js["pools"]["main"]["layers"] == 2 and js["model"]["window_layers"] == 0
+    # Gemma 3 (five windowed layers to one global): the windowed ones in rings
+    gemma = tmp_path / "gemma3"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps(dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=512, hidden_size=128,
+        intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+        max_position_embeddings=8192, sliding_window=512, rope_theta=1000000.0, rope_local_base_freq=10000.0)))
+    js = run_json(capsys, ["plan", "--model", str(gemma), "--max-context", "4096"] + MODEL_TAIL)
+    assert js["pools"]["main"]["layers"] == 1 and js["rings"]["layers"] == 5 and js["rings"]["window"] == 512
+    assert js["model"]["window_layers"] == 5 and js["model"]["layers"] == 1
+    code, out, _ = run(capsys, ["plan", "--model", str(gemma), "--max-context", "4096"] + MODEL_TAIL)
+    assert code == 0 and "1 full-attention layer + 5 sliding-window layers (window 512)" in out and "window rings" in out
+    assert_usage_error(capsys, ["plan", "--model", str(gemma), "--window", "64", "--window-layers", "2"] + MODEL_TAIL,
+                       "not allowed with argument --model")
+
+
 def test_plan_model_refusals_name_the_config(capsys, tmp_path):
-    gemma, _ = _checkpoint_dir(tmp_path, "llama", architectures=["Gemma2ForCausalLM"], model_type="gemma2")
-    assert_usage_error(capsys, ["plan", "--model", str(gemma)] + MODEL_TAIL, f"--model {gemma}", "Gemma2ForCausalLM")
+    gpt2, _ = _checkpoint_dir(tmp_path, "llama", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    assert_usage_error(capsys, ["plan", "--model", str(gpt2)] + MODEL_TAIL, f"--model {gpt2}", "GPT2LMHeadModel")
     odd, _ = _checkpoint_dir(tmp_path, "llama", name="odd", head_dim=96)
     err = assert_usage_error(capsys, ["plan", "--model", str(odd), "--profile", "int8", "--max-concurrency", "8",
                                       "--kv-capacity", "4096"], f"--model {odd}", "--profile int8-g64", "head_dim=96",
                              "% 64")
     assert "--head-dim" not in err and "the default" not in err  # the head dim is the model's, not a flag
-    windowed, _ = _checkpoint_dir(tmp_path, "mistral", name="windowed", sliding_window=1024)
-    assert_usage_error(capsys, ["plan", "--model", str(windowed)] + MODEL_TAIL, "sliding_window=1024",
-                       "--max-context 4096 (the default", "--max-context <= 1024")
-    assert run_json(capsys, ["plan", "--model", str(windowed), "--max-context", "1024"] + MODEL_TAIL)["max_context"] == 1024
     err = assert_usage_error(capsys, ["plan", "--model", str(odd), "--mesh", "data=1,model=3"] + MODEL_TAIL,
                              "num_key_value_heads=2", "model axis of size 3")
     assert "--kv-heads" not in err
@@ -568,3 +586,19 @@ def test_package_ships_py_typed():
     from importlib import resources
 
     assert resources.files("ninfer_kv").joinpath("py.typed").is_file()
+
+
+def test_plan_window_rings(capsys):
+    argv = ["plan", "--layers", "5", "--kv-heads", "4", "--head-dim", "256", "--window-layers", "29", "--window",
+            "1024", "--max-context", "32768", "--max-concurrency", "4", "--kv-capacity", "131072", "--profile", "bf16"]
+    code, out, _ = run(capsys, argv)
+    assert code == 0 and "window rings" in out and "k = ceil((W + T - 2) / P) + 1 = 25" in out
+    data = run_json(capsys, argv)
+    assert data["rings"]["layers"] == 29 and data["rings"]["pages_per_row"] == 25 and data["rings"]["rows"] == 4
+    main = data["pools"]["main"]
+    assert data["device_bytes"] == main["bytes"] + main["table_bytes"] + data["rings"]["bytes"]
+    assert_usage_error(capsys, argv[:9] + argv[11:], "--window-layers needs --window")
+    assert_usage_error(capsys, ["plan", "--layers", "5", "--kv-heads", "4", "--head-dim", "256", "--ring-step-tokens",
+                                "64", "--max-context", "4096", "--max-concurrency", "4", "--kv-capacity", "8192",
+                                "--profile", "bf16"],
+                       "--ring-step-tokens applies only")

@@ -38,6 +38,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     model.add_argument("--kv-heads", type=POSITIVE_INT, metavar="H", help="KV heads")
     model.add_argument("--head-dim", type=POSITIVE_INT, metavar="D", help="head dim")
     add_profile(model)
+    rings = p.add_argument_group("sliding-window layers (per-row window rings; with --model: from its config.json)")
+    rings.add_argument("--window-layers", type=POSITIVE_INT, metavar="N", help="sliding-window layers")
+    rings.add_argument("--window", type=POSITIVE_INT, metavar="W", help="their window in tokens")
+    rings.add_argument("--ring-step-tokens", type=POSITIVE_INT, metavar="T",
+                       help="most tokens one step writes into a row (default 512); a ring holds W + T tokens")
     engine = p.add_argument_group("engine")
     engine.add_argument(
         "--max-context", "--max-model-len", dest="max_context", type=POSITIVE_INT, metavar="S",
@@ -75,6 +80,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 _MODEL_FLAGS = ("layers", "kv_heads", "head_dim")
+_RING_FLAGS = ("window_layers", "window", "ring_step_tokens")
 _MTP_FLAGS = ("draft_window", "mtp_layers")
 _DFLASH_FLAGS = ("draft_full_layers", "draft_kv_heads", "draft_head_dim")
 
@@ -125,9 +131,11 @@ class _Checkpoint:
         self.architecture = info.architecture
         self.family = info.family
         self.max_position_embeddings = info.max_position_embeddings
-        self.layers = config.num_layers
+        kv = config.kv_config()
+        self.layers = kv.num_layers
         self.kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.rings = kv.rings
 
     def to_json(self) -> dict:
         return {
@@ -138,6 +146,8 @@ class _Checkpoint:
             "kv_heads": self.kv_heads,
             "head_dim": self.head_dim,
             "max_position_embeddings": self.max_position_embeddings,
+            "window_layers": 0 if self.rings is None else self.rings.num_layers,
+            "window": None if self.rings is None else self.rings.window,
         }
 
     def pairs(self, context_defaulted: bool) -> list[tuple[str, str]]:
@@ -146,8 +156,10 @@ class _Checkpoint:
             context += " (the max context S)"
         return [
             ("checkpoint", f"{self.directory} ({self.architecture})"),
-            ("model", f"{_count(self.layers, 'layer')}, {_count(self.kv_heads, 'KV head')}, head dim {self.head_dim}; "
-                      f"{context}"),
+            ("model", (f"{_count(self.layers, 'full-attention layer')} + "
+                       f"{_count(self.rings.num_layers, 'sliding-window layer')} (window {_n(self.rings.window)})"
+                       if self.rings is not None else _count(self.layers, 'layer'))
+                      + f", {_count(self.kv_heads, 'KV head')}, head dim {self.head_dim}; {context}"),
         ]
 
 
@@ -158,6 +170,13 @@ def _count(n: int, what: str) -> str:
 def _check_model_flags(args: argparse.Namespace) -> None:
     """``--model`` excludes the model's numbers; without it they (and ``--max-context``) are required."""
     given = [_flag(a) for a in _MODEL_FLAGS if getattr(args, a) is not None]
+    window = [_flag(a) for a in _RING_FLAGS[:2] if getattr(args, a) is not None]
+    if args.model is not None and window:
+        raise UsageError(f"{PROG} plan", f"argument {', '.join(window)}: not allowed with argument --model (the "
+                                         f"model's sliding-window layers come from its config.json)")
+    if len(window) == 1:
+        missing = "--window" if window == ["--window-layers"] else "--window-layers"
+        raise UsageError(f"{PROG} plan", f"{window[0]} needs {missing} too (sliding-window layers and their window)")
     if args.model is not None:
         if given:
             raise UsageError(f"{PROG} plan", f"argument {', '.join(given)}: not allowed with argument --model (the "
@@ -253,6 +272,8 @@ def _run(args: argparse.Namespace, checkpoint: _Checkpoint | None) -> CommandOut
         head = checkpoint.pairs(context_defaulted=args.max_context is None)
         args = argparse.Namespace(**vars(args))
         args.layers, args.kv_heads, args.head_dim = checkpoint.layers, checkpoint.kv_heads, checkpoint.head_dim
+        if checkpoint.rings is not None:
+            args.window_layers, args.window = checkpoint.rings.num_layers, checkpoint.rings.window
         if args.max_context is None:
             args.max_context = checkpoint.max_position_embeddings
     speculative = _speculative_from_args(args)
@@ -264,7 +285,16 @@ def _run(args: argparse.Namespace, checkpoint: _Checkpoint | None) -> CommandOut
     else:
         policy = AutomaticCapacity(free_bytes=args.free_bytes, headroom_bytes=args.headroom_bytes or 0)
         policy_json = {"kind": "automatic", "free_bytes": policy.free_bytes, "headroom_bytes": policy.headroom_bytes}
-    model = ModelKVConfig(args.layers, args.kv_heads, args.head_dim, args.profile)
+    rings = None
+    if args.window_layers is not None:
+        from ..planning import DEFAULT_RING_STEP_TOKENS, WindowRings
+
+        step = args.ring_step_tokens if args.ring_step_tokens is not None else DEFAULT_RING_STEP_TOKENS
+        rings = WindowRings(args.window_layers, args.window, step)
+    elif args.ring_step_tokens is not None:
+        raise ValueError("--ring-step-tokens applies only to a model with sliding-window layers (--window-layers "
+                         "and --window, or a --model whose layers slide)")
+    model = ModelKVConfig(args.layers, args.kv_heads, args.head_dim, args.profile, rings=rings)
     if args.mesh is not None:
         out = _run_mesh_plan(args, model, policy, policy_json, speculative, head)
         if checkpoint is not None:
@@ -388,6 +418,14 @@ def _plan_text(plan, speculative, policy_json: dict, head=()) -> str:
             right=(3, 4, 5, 6, 7, 8),
         ),
     ]
+    if plan.rings is not None:
+        r = plan.rings
+        lines += ["", "window rings (sliding-window layers: a fixed ring per row, outside the pools)"]
+        lines += kv_lines([
+            ("layers", f"{r.spec.num_layers}, window W = {_n(r.spec.window)} tokens, step T = {_n(r.spec.step_tokens)}"),
+            ("pages per row", f"k = ceil((W + T - 2) / P) + 1 = {r.pages_per_row} ({_n(r.spec.ring_tokens)} tokens)"),
+            ("bytes", f"{describe_bytes(r.bytes)} = C x {describe_bytes(r.row_bytes)} per row (part of B_min)"),
+        ])
     curve = plan.curve
     lines += ["", "capacity curve  B(M) = B_min + (M - M_min) * B_step"]
     pairs = [

@@ -28,12 +28,16 @@ def allocate_pools(pool_set, m: int, *, device=None) -> dict:
 
 
 def allocated_pool_bytes(pool_set, m: int) -> int:
-    """Bytes of really allocated planes (:func:`allocate_pools`) plus block tables and the fixed
-    part at ``M = m``: what the capacity curve's ``B(m)`` must equal (the buffers are freed)."""
+    """Bytes of really allocated planes (:func:`allocate_pools` and the window rings) plus block tables
+    and the fixed part at ``M = m``: what the capacity curve's ``B(m)`` must equal (the buffers are freed)."""
     total = 0
     for planes in allocate_pools(pool_set, m).values():
         total += sum(int(a.nbytes) for a in planes.values())
         del planes
+    if pool_set.rings is not None:
+        rings = allocate_planes(pool_set.rings.layout, pool_set.rings.physical_pages)
+        total += sum(int(a.nbytes) for a in rings.values())
+        del rings
     return total + sum(p.table_bytes for p in pool_set.pools(m).values()) + pool_set.fixed_bytes
 
 
@@ -63,6 +67,7 @@ def allocate_state(store, *, device=None, fill=None, memory_kind: str | None = N
         fill=fill,
         blank=store.work_serial > 0,
         owner=store.identity,
+        ring=store.pool_set.rings,
     )
 
 

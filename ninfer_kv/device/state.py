@@ -18,6 +18,9 @@ Pytree structure (explicit, so a sharded step can name a partition spec per leaf
         owner  = sync[4]     the identity of the store whose works this state applies (0: not yet
                              bound; the first work in order binds it)
       layouts: static ((PoolKind, PagedKVStorageLayout), ...): each pool's layout (page axis, views)
+      rings:   {plane name: stacked plane (layers, C * k, H, P, X)}: the window rings of a model's
+               sliding-window layers ({} without; :mod:`ninfer_kv.planning.rings`)
+      ring:    static RingPlan or None: the rings' layout and pages per row
 
 The order record is one array so that a step carries one small buffer for it, not three (every
 buffer of a jitted call costs a CPU decode step microseconds); inside ``jit`` the properties are
@@ -47,7 +50,7 @@ that is at trace time, before anything runs.  :func:`~ninfer_kv.apply_work` clea
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +60,7 @@ from ..schema.errors import DonatedStateError, PendingWorkError
 from ..schema.geometry import SENTINEL_PAGE
 from ..schema.kinds import PoolKind
 from ..schema.layout import PagedKVStorageLayout
-from ..ops.views import PagedKVBatchLayerView, allocate_planes
+from ..ops.views import PagedKVBatchLayerView, allocate_planes, ring_table
 from ..schema.round_work import BLANK, POISONED, SyncStatus
 
 __all__ = ["KVDeviceState", "check_live", "sync_record"]
@@ -108,12 +111,15 @@ class KVDeviceState:
         and what :meth:`view` builds a layer view with).
       work_pending: static; ``True`` on the state :func:`~ninfer_kv.take_step_work` returns, until
         :func:`~ninfer_kv.apply_work` applies the work taken with it.
+      rings: ``{plane name: stacked plane}`` of the window rings (``{}`` when the plan has none);
+        works never touch them, so they are readable while work is pending.
+      ring: static :class:`~ninfer_kv.planning.rings.RingPlan` of the rings, or ``None``.
     """
 
-    __slots__ = ("_planes", "_tables", "sync", "layouts", "work_pending")
+    __slots__ = ("_planes", "_tables", "sync", "layouts", "work_pending", "rings", "ring")
 
     def __init__(self, planes: dict, tables: dict, serial=None, layouts: tuple = (), fault=None, owner=None, *,
-                 sync=None, work_pending: bool = False):
+                 sync=None, work_pending: bool = False, rings: dict | None = None, ring=None):
         if sync is None:
             if serial is None:
                 raise TypeError("KVDeviceState needs sync (the int32 (5,) order record) or serial")
@@ -122,7 +128,9 @@ class KVDeviceState:
             raise TypeError("pass either sync or serial/fault/owner, not both")
         if not isinstance(work_pending, bool):
             raise TypeError(f"work_pending must be a bool, got {work_pending!r}")
-        _build(self, planes, tables, sync, tuple(layouts), work_pending)
+        if (ring is None) != (not rings):
+            raise ValueError("pass rings (the ring planes) and ring (their RingPlan) together, or neither")
+        _build(self, planes, tables, sync, tuple(layouts), work_pending, dict(rings or {}), ring)
 
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: KVDeviceState is immutable "
@@ -134,7 +142,8 @@ class KVDeviceState:
     def __repr__(self) -> str:
         pools = ", ".join(k.value for k, _ in self.layouts) or "none"
         mark = ", work pending" if self.work_pending else ""
-        return f"KVDeviceState(pools: {pools}; sync={self.sync!r}{mark})"
+        rings = f"; rings: {self.ring.spec.num_layers} layers x {self.ring.pages_per_row} pages/row" if self.ring else ""
+        return f"KVDeviceState(pools: {pools}{rings}; sync={self.sync!r}{mark})"
 
     # -- planes and tables: readable once the taken work is applied -------------------------------------
     @property
@@ -169,12 +178,14 @@ class KVDeviceState:
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def zeros(cls, pools: Mapping, *, device=None, fill=None, blank: bool = False, owner: int = 0) -> "KVDeviceState":
+    def zeros(cls, pools: Mapping, *, device=None, fill=None, blank: bool = False, owner: int = 0,
+              ring=None) -> "KVDeviceState":
         """A fresh state for ``pools = {PoolKind: PoolPlan}`` (a plan's ``pools``): zero (or
         ``fill``) planes, sentinel tables, serial 0, bound to store ``owner`` (0: the store of its
         first work).  ``blank=True`` marks it as holding none of the content of works already
         taken (:func:`~ninfer_kv.device.allocation.allocate_state` after a take): poisoned until a
-        :func:`~ninfer_kv.resync`."""
+        :func:`~ninfer_kv.resync`.  ``ring``: a plan's :class:`~ninfer_kv.planning.rings.RingPlan`
+        (its ring planes are allocated too), or ``None``."""
         planes, tables, layouts = {}, {}, []
         put = (lambda x: jax.device_put(x, device)) if device is not None else (lambda x: x)
         for kind, pool_plan in pools.items():
@@ -183,7 +194,8 @@ class KVDeviceState:
             tables[kind] = put(jnp.full((pool_plan.max_concurrency, pool_plan.logical_pages), SENTINEL_PAGE, jnp.int32))
             layouts.append((kind, pool_plan.layout))
         record = sync_record(POISONED, (0, BLANK, 0), owner) if blank else sync_record(0, _HEALTHY, owner)
-        return cls(planes, tables, layouts=tuple(layouts), sync=put(jnp.asarray(record)))
+        rings = {} if ring is None else allocate_planes(ring.layout, ring.physical_pages, device=device, fill=fill)
+        return cls(planes, tables, layouts=tuple(layouts), sync=put(jnp.asarray(record)), rings=rings, ring=ring)
 
     # -- views ---------------------------------------------------------------------------------------
     def layout(self, pool) -> PagedKVStorageLayout:
@@ -206,6 +218,29 @@ class KVDeviceState:
         layout instead (``ShardedKVStore.layout``)."""
         kind = PoolKind.parse(pool)
         return PagedKVBatchLayerView(self.pool_planes(kind), self.table(kind), layer, self.layout(kind))
+
+    def ring_view(self, layer) -> PagedKVBatchLayerView:
+        """The :class:`~ninfer_kv.ops.views.PagedKVBatchLayerView` of window-ring layer ``layer`` (a
+        Python int or a traced integer scalar, in ``[0, ring layers)``): the ring planes with the
+        ring table derived from Main's (:func:`~ninfer_kv.ops.views.ring_table`).  Pass the ops a
+        ``window=`` no larger than the rings' window; put the changed planes back with
+        :meth:`replace_rings`.  ``ValueError`` when the state has no rings."""
+        if self.ring is None:
+            raise ValueError("this state has no window rings: its plan's ModelKVConfig has rings=None")
+        check_live(self)
+        table = ring_table(self.tables[PoolKind.MAIN], self.ring.pages_per_row)
+        return PagedKVBatchLayerView(self.rings, table, layer, self.ring.layout)
+
+    def replace_rings(self, rings: Mapping) -> "KVDeviceState":
+        """A state whose ring planes are ``rings`` (keys, shapes and dtypes as the current ones)."""
+        if set(rings) != set(self.rings):
+            raise ValueError(f"rings: planes {sorted(rings)} != {sorted(self.rings)}")
+        for name, arr in rings.items():
+            old = self.rings[name]
+            if tuple(arr.shape) != tuple(old.shape) or arr.dtype != old.dtype:
+                raise ValueError(f"rings: plane {name!r} is {tuple(arr.shape)} {arr.dtype}, needs "
+                                 f"{tuple(old.shape)} {old.dtype}")
+        return self.replace(rings=dict(rings))
 
     def pool_planes(self, pool) -> dict:
         """The planes of ``pool`` (a ``PoolKind`` or its name)."""
@@ -245,7 +280,8 @@ class KVDeviceState:
         :func:`~ninfer_kv.apply_work` does)."""
         if changes.keys() == {"work_pending"} and isinstance(changes["work_pending"], bool):  # the hot path
             new = object.__new__(KVDeviceState)
-            _build(new, self._planes, self._tables, self.sync, self.layouts, changes["work_pending"])
+            _build(new, self._planes, self._tables, self.sync, self.layouts, changes["work_pending"], self.rings,
+                   self.ring)
             return new
         parts = {name: changes.pop(name) for name in ("serial", "fault", "owner") if name in changes}
         if parts:
@@ -258,10 +294,10 @@ class KVDeviceState:
                     parts.get("serial", self.serial), parts.get("fault", self.fault), parts.get("owner", self.owner),
                     like=self.sync,
                 )
-        unknown = set(changes) - {"planes", "tables", "sync", "layouts", "work_pending"}
+        unknown = set(changes) - {"planes", "tables", "sync", "layouts", "work_pending", "rings"}
         if unknown:
             raise TypeError(f"KVDeviceState has no field(s) {sorted(unknown)}; fields: planes, tables, sync, "
-                            f"layouts, work_pending (and serial, fault, owner)")
+                            f"layouts, work_pending, rings (and serial, fault, owner)")
         pending = changes.get("work_pending", self.work_pending)
         if not isinstance(pending, bool):
             raise TypeError(f"work_pending must be a bool, got {pending!r}")
@@ -269,7 +305,8 @@ class KVDeviceState:
             _raise_pending("planes" if "planes" in changes else "tables")
         new = object.__new__(KVDeviceState)
         _build(new, changes.get("planes", self._planes), changes.get("tables", self._tables),
-               changes.get("sync", self.sync), tuple(changes.get("layouts", self.layouts)), pending)
+               changes.get("sync", self.sync), tuple(changes.get("layouts", self.layouts)), pending,
+               changes.get("rings", self.rings), self.ring)
         return new
 
     def host_serial(self) -> int:
@@ -318,12 +355,14 @@ def _record_like(serial, fault=None, owner=None, like=None):
 _SET = object.__setattr__
 
 
-def _build(state: KVDeviceState, planes, tables, sync, layouts: tuple, work_pending: bool) -> None:
+def _build(state: KVDeviceState, planes, tables, sync, layouts: tuple, work_pending: bool, rings, ring) -> None:
     _SET(state, "_planes", planes)
     _SET(state, "_tables", tables)
     _SET(state, "sync", sync)
     _SET(state, "layouts", layouts)
     _SET(state, "work_pending", work_pending)
+    _SET(state, "rings", rings)
+    _SET(state, "ring", ring)
 
 
 def _raise_pending(what: str):
@@ -338,19 +377,22 @@ def _raise_pending(what: str):
 def _flatten_with_keys(state: KVDeviceState):
     check_live(state)
     keys = jax.tree_util.GetAttrKey
-    children = ((keys("planes"), state._planes), (keys("tables"), state._tables), (keys("sync"), state.sync))
-    return children, (state.layouts, state.work_pending)
+    children = ((keys("planes"), state._planes), (keys("tables"), state._tables), (keys("sync"), state.sync),
+                (keys("rings"), state.rings))
+    return children, (state.layouts, state.work_pending, state.ring)
 
 
 def _flatten(state: KVDeviceState):
     check_live(state)
-    return (state._planes, state._tables, state.sync), (state.layouts, state.work_pending)
+    return (state._planes, state._tables, state.sync, state.rings), (state.layouts, state.work_pending, state.ring)
 
 
 def _unflatten(aux, children) -> KVDeviceState:
     # not through __init__: a tree of other leaves (None, specs, layouts) keeps every field as given
     state = object.__new__(KVDeviceState)
-    _build(state, *children, *aux)
+    planes, tables, sync, rings = children
+    layouts, work_pending, ring = aux
+    _build(state, planes, tables, sync, layouts, work_pending, rings, ring)
     return state
 
 

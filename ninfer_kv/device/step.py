@@ -111,6 +111,11 @@ def begin_step(store, state: KVDeviceState, sequences, num_tokens, *, pool=PoolK
                          f"{np.asarray(num_tokens).dtype} of shape {np.shape(num_tokens)}")
     if (counts < 0).any():
         raise ValueError(f"num_tokens must be >= 0, got {counts.tolist()}")
+    rings = store.pool_set.rings
+    if rings is not None and (counts > rings.spec.step_tokens).any():
+        raise ValueError(f"num_tokens={counts.tolist()} exceeds the window rings' step_tokens="
+                         f"{rings.spec.step_tokens}: a row may write at most that many tokens per step (a ring "
+                         f"holds its window plus one step); split the tokens over more steps")
     positions = _committed(store, rows, kind)
     frontiers = positions + counts.astype(np.int64)
     store.check_map(rows, frontiers, pool=kind)   # refuse before the state is touched
@@ -123,7 +128,7 @@ def begin_step(store, state: KVDeviceState, sequences, num_tokens, *, pool=PoolK
 
 
 def attention(state: KVDeviceState, batch: AttentionBatch, layer, q, k, v, *, sm_scale: float | None = None,
-              window: int | None = None, soft_cap: float | None = None, sinks=None,
+              window: int | None = None, soft_cap: float | None = None, sinks=None, ring: bool = False,
               impl: str = "auto") -> tuple[KVDeviceState, jax.Array]:
     """One layer's append and attention over the paged cache, inside the caller's jitted step.
 
@@ -135,15 +140,27 @@ def attention(state: KVDeviceState, batch: AttentionBatch, layer, q, k, v, *, sm
     meaningful).  The first call of a step applies the batch's round work.  ``sm_scale`` (static,
     default ``1 / sqrt(D)``), the layer's ``window``, ``soft_cap`` and ``sinks``, and ``impl`` as
     :func:`ninfer_kv.ops.paged_attention`.
+
+    ``ring=True``: ``layer`` is a layer of the window rings (``ModelKVConfig(rings=WindowRings(...))``,
+    :mod:`ninfer_kv.planning.rings`), which keep only each row's window: ``window`` is then required
+    and at most the rings' window (``ValueError`` otherwise).
     """
     if not isinstance(batch, AttentionBatch):
         raise TypeError(f"batch must be the AttentionBatch of begin_step, got {type(batch).__name__}")
+    if ring:
+        spec = state.ring.spec if state.ring is not None else None
+        if spec is None:
+            raise ValueError("ring=True needs a state with window rings (ModelKVConfig(rings=WindowRings(...)))")
+        if window is None or isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= spec.window:
+            raise ValueError(f"window={window!r}: a ring layer needs a window in [1, {spec.window}] (the rings' window)")
     if state.work_pending:  # the first layer of the step: apply the unit's work once
         state = apply_work(state, batch.work)
-    view = state.view(batch.pool, layer)
+    view = state.ring_view(layer) if ring else state.view(batch.pool, layer)
     view = ops.paged_append(view, batch.rows, batch.positions, k, v, batch.num_tokens, impl=impl)
     out = ops.paged_attention(q, view, batch.rows, batch.positions, batch.kv_lens, sm_scale=sm_scale, window=window,
                               soft_cap=soft_cap, sinks=sinks, impl=impl)
+    if ring:
+        return state.replace_rings(view.planes), out
     return state.replace_planes(batch.pool, view.planes), out
 
 

@@ -54,6 +54,7 @@ from .outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
 from .prefix_cache import PrefixCache
 from .prefix_index import PrefixIndex
 from .requests import FINISHED, JOB, RUNNING, WAITING, PrefixJob, Request, Sequence
+from ..device.ring_snapshots import RingImage, RingSnapshots
 from .runner import DeviceRunner, UnitCall, drive
 from .sampling_params import SamplingParams
 from .speculative import HiddenStates, pending_pairs
@@ -166,13 +167,25 @@ class EngineCore:
         self.chunk = int(model.prefill_chunk)
         if self.chunk < PAGE_SIZE or self.chunk % PAGE_SIZE:
             raise ValueError(f"the model's prefill_chunk={self.chunk} must be a positive multiple of {PAGE_SIZE}")
+        # window rings hold a row's window plus one step: no row writes more than step_tokens per unit
+        rings = store.pool_set.rings
+        self.row_tokens = rings.spec.step_tokens if rings is not None else self.max_num_batched_tokens
+        if rings is not None and self.chunk > self.row_tokens:
+            raise ValueError(f"the model's prefill_chunk={self.chunk} exceeds the window rings' step_tokens="
+                             f"{self.row_tokens}; plan the rings with step_tokens >= the prefill chunk")
         self.vocab_size = int(model.vocab_size)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.text_state = text_state
         self.decode_token = decode_token
-        self.caching = bool(enable_prefix_caching)
+        # Window rings belong to an execution row and are overwritten by its next sequence: a ring
+        # model's retained checkpoints keep a snapshot of the ring (ring_snapshots), and without
+        # snapshot slots it neither reuses prefixes nor forks (n > 1 completions prefill each).
+        copy = getattr(self.runner, "copy_ring", None)
+        self.ring_snapshots = RingSnapshots(rings, copy) if rings is not None and rings.spec.snapshots and copy else None
+        self.forks = rings is None or self.ring_snapshots is not None
+        self.caching = bool(enable_prefix_caching) and self.forks
         self.seed = int(seed)
-        self.cache = PrefixCache(store, self.runner.offload_checkpoint)
+        self.cache = PrefixCache(store, self.runner.offload_checkpoint, release=self._release_checkpoint)
         self.pending = PrefixIndex()  # prefixes being computed by jobs
         self.waiting_index = PrefixIndex()  # prompts of waiting requests (for shared-prefix jobs)
         self.requests: dict[str, Request] = {}
@@ -375,6 +388,8 @@ class EngineCore:
         if req.private_source is not None:
             return self._start(req, None, req.private_source[1], checkpoint=req.private_source[0])
         entry, m = self.cache.match(prompt, limit) if self.caching else (None, 0)
+        if entry is not None and not self._resumable(entry.value, m):
+            entry, m = None, 0  # a ring model's snapshot does not reach back to m (ring_snapshots)
         if self.caching:
             _, pm = self.pending.longest_match(prompt, limit)
             if pm > m:
@@ -384,7 +399,7 @@ class EngineCore:
             self._index_waiting(req)
             if shared >= m + MIN_SHARED_TOKENS:
                 return self._start_job(prompt[:shared], entry, m, owner=None)
-        if req.params.n > 1 and m < limit:
+        if req.params.n > 1 and m < limit and self.forks and req.fork:
             return self._start_job(prompt[:limit], entry, m, owner=None if self.caching else req)
         return self._start(req, entry, m)
 
@@ -405,7 +420,7 @@ class EngineCore:
                 # nothing runs, so nothing will free pages: the source itself is in the way (it cannot
                 # be evicted while forked); start from the root instead
                 if checkpoint is not None:
-                    self.store.release_checkpoint(checkpoint)
+                    self._release_checkpoint(checkpoint)
                     req.private_source = None
                 return self._start(req, None, 0)
             return "blocked"
@@ -433,7 +448,7 @@ class EngineCore:
             req.sequences.append(seq)
             self.running.append(seq)
         if checkpoint is not None:  # a private prefix job's checkpoint: every completion forked it
-            self.store.release_checkpoint(checkpoint)
+            self._release_checkpoint(checkpoint)
             req.private_source = None
         self._changed[req.request_id] = req
         return "admitted"
@@ -484,7 +499,10 @@ class EngineCore:
             try:
                 if source is None:
                     return self.store.activate(prompt, budget)
-                return self.store.activate(prompt, budget, source=source, source_tokens=m)
+                handle = self.store.activate(prompt, budget, source=source, source_tokens=m)
+                if self.ring_snapshots is not None:  # the ring layers resume from the checkpoint's snapshot
+                    self.ring_snapshots.restore(self.store.checkpoint(source).state_image, self.store.row(handle))
+                return handle
             except PoolCapacityError:
                 if not self.cache.evict_one(exclude=entry):
                     raise
@@ -535,7 +553,7 @@ class EngineCore:
         for s in pre:
             if budget <= 0:
                 break
-            v = min(s.target - s.frontier, budget)
+            v = min(s.target - s.frontier, budget, self.row_tokens)
             chunks.append((s, v))
             budget -= v
         seqs = dec + [s for s, _ in chunks]
@@ -725,7 +743,7 @@ class EngineCore:
                         s.source = None
                         self.cache.index.unpin(entry)
                 self.cache.forget(entry)
-                self.store.release_checkpoint(entry.value)
+                self._release_checkpoint(entry.value)
 
     # -- finishing ----------------------------------------------------------------------------------------------------
     def _finish_done(self) -> None:
@@ -746,9 +764,10 @@ class EngineCore:
         """End ``s`` in the store: retained and indexed (its committed tokens) or released."""
         self._leave(s)
         if retain and self.caching and s.frontier > 0:
-            ckpt = self.store.finish(s.handle, retain=True)
-            self.cache.keep(np.asarray(s.tokens[: s.frontier], np.int32), ckpt, self.stats.rounds,
-                            hidden=self._hidden_kept(s))
+            ckpt = self._retain(s)  # the sequence ends either way; None: it could not be retained
+            if ckpt is not None:
+                self.cache.keep(np.asarray(s.tokens[: s.frontier], np.int32), ckpt, self.stats.rounds,
+                                hidden=self._hidden_kept(s))
         else:
             self.store.finish(s.handle)
 
@@ -759,7 +778,7 @@ class EngineCore:
         if req.status in (WAITING, JOB):
             self._unqueue(req)
         if req.private_source is not None:
-            self.store.release_checkpoint(req.private_source[0])
+            self._release_checkpoint(req.private_source[0])
             req.private_source = None
         req.status = FINISHED
         self._changed[req.request_id] = req
@@ -770,15 +789,51 @@ class EngineCore:
         if job.entry is not None:
             self.pending.remove(job.entry)
         self.jobs.remove(job)
-        ckpt = self.store.finish(s.handle, retain=True)
+        ckpt = self._retain(s)
+        if ckpt is None:  # no ring snapshot slot: the owner prefills on its own, waiting requests start anew
+            if job.owner is not None and job.owner.status != FINISHED:
+                job.owner.fork = False
+                job.owner.status = WAITING
+            return
         if job.owner is not None:
             if job.owner.status == FINISHED:  # aborted meanwhile
-                self.store.release_checkpoint(ckpt)
+                self._release_checkpoint(ckpt)
             else:
                 job.owner.private_source = (ckpt, int(job.tokens.size), self._hidden_kept(s))
                 job.owner.status = WAITING
         else:
             self.cache.keep(job.tokens, ckpt, self.stats.rounds, hidden=self._hidden_kept(s))
+
+    def _retain(self, s: Sequence):
+        """End ``s`` retained: its checkpoint (with a ring model, holding a snapshot of the row's
+        ring, taking the slot of the least recently used cached entry when none is free), or ``None``
+        when a ring model finds no slot it can take (``s`` then ends released)."""
+        if self.ring_snapshots is None:
+            return self.store.finish(s.handle, retain=True)
+        image = self.ring_snapshots.capture(s.row, s.frontier)
+        if image is None and self.cache.release_lru(lambda e: self._snapshot_of(e.value) is not None):
+            image = self.ring_snapshots.capture(s.row, s.frontier)
+        if image is None:
+            self.store.finish(s.handle)
+            return None
+        return self.store.finish(s.handle, retain=True, state_image=image)
+
+    def _snapshot_of(self, checkpoint):
+        """The :class:`~ninfer_kv.device.ring_snapshots.RingImage` a checkpoint holds, or ``None``."""
+        image = self.store.checkpoint(checkpoint).state_image
+        return image if isinstance(image, RingImage) else None
+
+    def _resumable(self, checkpoint, m: int) -> bool:
+        """Whether a sequence may resume from ``checkpoint`` at ``m`` tokens: always without window
+        rings, else where its ring snapshot reaches (:mod:`ninfer_kv.device.ring_snapshots`)."""
+        return self.ring_snapshots is None or self.ring_snapshots.resumable(self._snapshot_of(checkpoint), m)
+
+    def _release_checkpoint(self, checkpoint) -> None:
+        """Release ``checkpoint`` in the store and give its ring snapshot slot back."""
+        image = self._snapshot_of(checkpoint) if self.ring_snapshots is not None else None
+        self.store.release_checkpoint(checkpoint)
+        if image is not None:
+            self.ring_snapshots.free(image)
 
     def _hidden_kept(self, s: Sequence):
         """The hidden states a retained sequence keeps for its forks (speculative engines only)."""

@@ -18,7 +18,7 @@ unless a ``tokenizer`` is given).  The KV cache is planned after the weights are
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -112,7 +112,7 @@ class LLM:
         else:
             engine_model, eos, max_model_len = self._load(str(model), dtype, max_model_len, impl)
         plan = engine_plan(engine_model.kv_config(profile), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                           kv_capacity=kv_capacity)
+                           kv_capacity=kv_capacity, ring_snapshots=enable_prefix_caching)
         store = KVStore(plan, host_bytes=host_memory or None, entitlement=EntitlementPolicy(kv_lease_growth=lease_growth))
         self.plan = plan
         self.engine = EngineCore(

@@ -61,6 +61,7 @@ implements it for a model written in plain JAX.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
@@ -183,6 +184,8 @@ class DecoderModel:
             raise ValueError(f"draft_window={draft_window} needs a model with an MTP head (ModelConfig(mtp=True))")
         if draft_window and mesh is not None:
             raise ValueError("speculative decoding runs on one device; a mesh serves the main model only")
+        if draft_window or mesh is not None:  # meshes and speculation keep every layer in the Main pool
+            config = dataclasses.replace(config, window_rings=False)
         StepConfig(model=config, impl=impl, prefill_chunk=prefill_chunk,
                    draft_window=max(1, int(draft_window)))  # validates impl, chunk and K
         self.params = params

@@ -57,11 +57,15 @@ class PrefixCache:
       offload: ``offload(checkpoint)`` moves a retained checkpoint's pages to the Host tier
         (the runner's :func:`~ninfer_kv.device.offload_gather.offload_checkpoint` from its flushed state);
         used only with a Host tier.
+      release: ``release(checkpoint)`` gives a checkpoint up (default ``store.release_checkpoint``;
+        the engine's also frees a ring snapshot slot).
     """
 
-    def __init__(self, store: KVStore, offload: Callable[[object], object]):
+    def __init__(self, store: KVStore, offload: Callable[[object], object],
+                 release: Callable[[object], None] | None = None):
         self.store = store
         self.offload = offload
+        self.release = store.release_checkpoint if release is None else release
         self.index = PrefixIndex()
         self.host_tier = store.host_occupancy() is not None
         self.stats = CacheStats()
@@ -87,7 +91,7 @@ class PrefixCache:
         Entries the new one makes redundant are released (unless pinned)."""
         cover = self.index.covering(tokens)
         if cover is not None:
-            self.store.release_checkpoint(checkpoint)
+            self.release(checkpoint)
             self.index.touch(cover, now)
             self.stats.redundant += 1
             return None
@@ -141,9 +145,18 @@ class PrefixCache:
                     return False
                 self._release(hosted[0])
 
+    def release_lru(self, wanted: Callable[[PrefixEntry], bool]) -> bool:
+        """Release the least recently used unpinned entry for which ``wanted(entry)`` holds; ``False``
+        when there is none."""
+        for entry in self.index.eviction_order():
+            if wanted(entry):
+                self._release(entry)
+                return True
+        return False
+
     def _release(self, entry: PrefixEntry) -> None:
         self.forget(entry)
-        self.store.release_checkpoint(entry.value)
+        self.release(entry.value)
         self.stats.released += 1
 
     def forget(self, entry: PrefixEntry) -> None:

@@ -45,6 +45,8 @@ class Request:
       num_cached_tokens: prompt tokens reused from the prefix cache.
       private_source: ``(checkpoint, tokens, hidden states or None)`` of a prefix job run for this
         request alone (no cache).
+      fork: whether its completions may fork a prefix job's checkpoint (``False`` once a ring model
+        found no snapshot slot for one: each completion then prefills the prompt itself).
       aborted: :meth:`~ninfer_kv.engine.EngineCore.abort` was called.
       error: the exception that failed it, if any.
     """
@@ -62,6 +64,7 @@ class Request:
     sequences: list = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
     private_source: tuple | None = None
+    fork: bool = True
     aborted: bool = False
     error: BaseException | None = None
     _prompt_list: list | None = dataclasses.field(default=None, repr=False)

@@ -19,6 +19,7 @@ from ..device.allocation import allocate_state
 from ..device.offload_gather import offload_checkpoint
 from ..device.rounds import take_step_work
 from ..device.resync import resync
+from ..device.ring_snapshots import copy_ring
 from ..device.work import apply_work_jit
 from ..models.decoder.padding import pad_ragged, pad_rows
 from ..schema.buckets import bucket_for
@@ -128,6 +129,11 @@ class DeviceRunner:
         self.state, work = take_step_work(self.store, self.state)
         self.state, out = call_model(self.model, call.kind, self.state, work, *padded, sampling, hidden)
         return out
+
+    def copy_ring(self, src: int, dst: int) -> None:
+        """Copy window ring ``src`` onto ring ``dst`` in the device state (a row's ring to a snapshot
+        slot or back: :func:`~ninfer_kv.device.ring_snapshots.copy_ring`)."""
+        self.state = copy_ring(self.state, src, dst)
 
     def flushed_state(self):
         """The device state with every pending round work applied (an offload's source)."""

@@ -1,8 +1,9 @@
 """Models that run over the paged KV cache.
 
-* :mod:`ninfer_kv.models.decoder` — a configurable decoder (Qwen3, Qwen2/2.5, Llama, Mistral
-  options: GQA, optional QK-norm and attention biases, RoPE with its scalings, SwiGLU, tied
-  embeddings, an optional MTP head) with jitted chunked-prefill / decode / verify / MTP step
+* :mod:`ninfer_kv.models.decoder` — a configurable decoder (Qwen3, Qwen2/2.5, Llama, Mistral, Gemma 2
+  and 3 options: GQA, optional QK-norm and attention biases, RoPE with its scalings, SwiGLU or GeGLU,
+  tied embeddings, sliding windows and soft caps per layer, an optional MTP head) with jitted
+  chunked-prefill / decode / verify / MTP step
   functions whose attention goes only through ``ninfer_kv.ops``, sampling inside the steps, and
   dense no-cache references.  It is what the ``ninfer-kv demo`` serving loop, the examples and the
   end-to-end tests run.

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from ..device.allocation import allocate_state
+from ..device.ring_snapshots import RingSnapshots, copy_ring
 from ..device.rounds import take_step_work
 from ..device.state import KVDeviceState
 from ..planning import ExplicitCapacity, KVPlan, plan_kv_cache
@@ -63,10 +64,13 @@ def generator_plan(
     config: ModelConfig, *, profile: KVProfile | str, max_context: int, max_batch: int, kv_capacity: int | None = None
 ) -> KVPlan:
     """The store plan of a :class:`PagedGenerator` built with these arguments, without allocating
-    anything (``plan.device_bytes`` is what its KV state will take)."""
+    anything (``plan.device_bytes`` is what its KV state will take).  A model with window rings gets
+    ``max_batch`` snapshot slots: that many retained sequences keep their rings for forks."""
     capacity = kv_capacity if kv_capacity is not None else full_context_capacity(max_context, max_batch)
-    return plan_kv_cache(config.kv_config(profile), max_context=max_context,
-                         max_concurrency=max_batch, policy=ExplicitCapacity(capacity))
+    kv = config.kv_config(profile)
+    if kv.rings is not None:
+        kv = dataclasses.replace(kv, rings=dataclasses.replace(kv.rings, snapshots=max_batch))
+    return plan_kv_cache(kv, max_context=max_context, max_concurrency=max_batch, policy=ExplicitCapacity(capacity))
 
 
 @dataclasses.dataclass(eq=False)
@@ -166,6 +170,7 @@ class PagedGenerator:
         self.chunk = step_config.prefill_chunk
         self.buckets = step_config.batch_buckets
         self.state: KVDeviceState = allocate_state(self.store)
+        self.snapshots = None if plan.rings is None else RingSnapshots(plan.rings, self._copy_ring)
         self.active: list[GeneratedSequence] = []
         self._sequences: weakref.WeakSet = weakref.WeakSet()  # every sequence this generator started
 
@@ -203,8 +208,11 @@ class PagedGenerator:
         if not seq.done:
             raise ValueError("seq is still active: only a finished sequence added with retain=True holds a checkpoint")
         if seq.checkpoint is not None:
+            image = self.store.checkpoint(seq.checkpoint).state_image
             self.store.release_checkpoint(seq.checkpoint)
             seq.checkpoint = None
+            if self.snapshots is not None:
+                self.snapshots.free(image)
 
     # -- checks (nothing here changes the generator or the store) ------------------------------------
     def _own(self, name: str, seq) -> None:
@@ -234,6 +242,10 @@ class PagedGenerator:
                              f"({'still active' if not source.done else 'added without retain'})")
         if source.checkpoint is None or source.checkpoint not in self.store.checkpoints():
             raise ValueError("source's checkpoint was released; fork only a sequence whose checkpoint is held")
+        if self.snapshots is not None and self.store.checkpoint(source.checkpoint).state_image is None:
+            raise ValueError(f"source kept no snapshot of its window rings: at most max_batch="
+                             f"{self.store.max_concurrency} retained sequences of a model with window rings keep one "
+                             f"(release() another before it finishes)")
         base = source.tokens[: len(source.tokens) - 1]
         if len(tokens) <= len(base) or tokens[: len(base)] != base:
             raise ValueError(f"a fork's prompt must extend its source's {len(base)} tokens by at least one token")
@@ -245,6 +257,8 @@ class PagedGenerator:
         tokens = request.tokens
         budget = min(max_new_tokens, self.max_context - len(tokens))
         handle = self.store.activate(len(tokens), budget, source=request.checkpoint)
+        if self.snapshots is not None and request.checkpoint is not None:  # the ring layers resume too
+            self.snapshots.restore(self.store.checkpoint(request.checkpoint).state_image, self.store.row(handle))
         seq = GeneratedSequence(handle, self.store.row(handle), tokens, len(tokens), budget, sampling, stops, retain,
                                 request.frontier)
         self.active.append(seq)
@@ -311,10 +325,14 @@ class PagedGenerator:
         for s in [s for s in self.active if s.done]:
             self.active.remove(s)
             if s.retain:
-                s.checkpoint = self.store.finish(s.handle, retain=True)
+                image = None if self.snapshots is None else self.snapshots.capture(s.row, s.frontier)
+                s.checkpoint = self.store.finish(s.handle, retain=True, state_image=image)
             else:
                 self.store.finish(s.handle)
         return produced
+
+    def _copy_ring(self, src: int, dst: int) -> None:
+        self.state = copy_ring(self.state, src, dst)
 
     def run(self, on_token: Callable[[GeneratedSequence, int], None] | None = None) -> None:
         """Run rounds until every sequence has finished, calling ``on_token`` for each produced token."""

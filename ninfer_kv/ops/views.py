@@ -33,10 +33,26 @@ __all__ = [
     "CyclicKVCacheLayerView",
     "CyclicKVLayout",
     "LayerIndex",
+    "ring_table",
 ]
 
 LayerIndex = Union[int, jax.Array]
 """A layer index: a Python int or a (possibly traced) integer scalar array."""
+
+
+def ring_table(block_tables: jax.Array, pages_per_row: int) -> jax.Array:
+    """The block table of window rings (:mod:`ninfer_kv.planning.rings`) from Main's ``int32 (C, L)``.
+
+    Entry ``(r, b)`` is ring page ``r * pages_per_row + b mod pages_per_row`` wherever Main's entry
+    ``(r, b)`` maps a page (``>= 0``), and Main's entry (the sentinel) where it does not: a ring is
+    written and read exactly where Main's bookkeeping lets a row write and read.  Computed inside a
+    step (``C * L`` integer operations, once per step); ``pages_per_row`` is static.
+    """
+    k = int(pages_per_row)
+    c, length = block_tables.shape
+    rows = jnp.arange(c, dtype=jnp.int32)[:, None] * jnp.int32(k)
+    ring = rows + jnp.arange(length, dtype=jnp.int32)[None, :] % jnp.int32(k)
+    return jnp.where(block_tables >= 0, ring, block_tables)
 
 
 def allocate_planes(layout: PagedKVStorageLayout, num_pages: int, *, device=None, fill=None) -> dict[str, jax.Array]:

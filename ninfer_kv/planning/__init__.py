@@ -9,7 +9,8 @@ Notation: ``S`` = max_context, ``C`` = max_concurrency, ``P = 64``,
 * Automatic policy (free bytes ``F``, headroom ``R``):
   ``M = min(M_max, M_min + floor((F - R - B_min) / B_step))``, requiring ``F >= R + B_min``.
 * ``B(M) = B_min + (M - M_min) * B_step``: every pool's page bytes + every pool's block table
-  (``C * L * 4`` bytes) + a caller-supplied fixed part.
+  (``C * L * 4`` bytes) + the window rings of sliding-window layers (``C * k`` pages, :mod:`.rings`)
+  + a caller-supplied fixed part.
 * Backend pages: MTP ``M + C * ceil((K_draft - 1) / P)``; Draft Full ``M``.
 
 :class:`KVPoolSetLayout` is the one pool set: it gives each pool's :class:`PagedKVStorageLayout`
@@ -31,7 +32,7 @@ byte counts exactly with the binary-unit form beside them (``34,361,835,520 B (3
 
 Modules: :mod:`.config` (what a deployment states: model, speculative method, capacity policy),
 :mod:`.bounds` (the limits and :class:`PlanBoundError`), :mod:`.pool_set` (the pool set and
-the capacity curve), :mod:`.plan` (:func:`plan_kv_cache`), :mod:`.mesh_plan` (planning over a
+the capacity curve), :mod:`.rings` (the per-row rings of sliding-window layers), :mod:`.plan` (:func:`plan_kv_cache`), :mod:`.mesh_plan` (planning over a
 device mesh).  All of it is arithmetic: reading free device memory lives in
 :mod:`ninfer_kv.device.memory`, allocating a plan's planes in :mod:`ninfer_kv.device.allocation`.
 """
@@ -53,6 +54,7 @@ from .config import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, Speculat
 from .mesh_plan import MeshKVPlan, plan_kv_cache_mesh
 from .plan import KVPlan, plan_kv_cache
 from .pool_set import KVPoolSetLayout, PoolPlan, SequenceCapacityCurve
+from .rings import DEFAULT_RING_STEP_TOKENS, RingPlan, WindowRings
 
 __all__ = [
     "SpeculativeConfig",
@@ -75,4 +77,7 @@ __all__ = [
     "check_pool_bytes",
     "MeshKVPlan",
     "plan_kv_cache_mesh",
+    "WindowRings",
+    "RingPlan",
+    "DEFAULT_RING_STEP_TOKENS",
 ]

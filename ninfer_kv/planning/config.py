@@ -8,6 +8,7 @@ from ..schema.kinds import PoolKind, SpeculativeMethod
 from ..schema.profiles import KVProfile
 from ..schema.sizes import ByteSize
 from .pool_specs import enabled_pools
+from .rings import WindowRings
 from .bounds import MAX_CONTEXT, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, _byte_count, _int_at_least
 
 __all__ = ["SpeculativeConfig", "ModelKVConfig", "ExplicitCapacity", "AutomaticCapacity"]
@@ -63,9 +64,12 @@ class SpeculativeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelKVConfig:
-    """The target model's full-attention KV geometry and the selected closed profile.
+    """The target model's KV geometry and the selected closed profile.
 
-    ``ModelKVConfig(num_layers=16, num_kv_heads=2, head_dim=256, profile="k8v4")``.
+    ``ModelKVConfig(num_layers=16, num_kv_heads=2, head_dim=256, profile="k8v4")``; a model with
+    sliding-window layers names them in ``rings``:
+    ``ModelKVConfig(4, 8, 256, rings=WindowRings(num_layers=20, window=1024))`` (Gemma-3-shaped: 4
+    global layers in the Main pool, 20 windowed layers in per-row rings, :mod:`.rings`).
 
     Attributes:
       num_layers: full-attention layers whose KV the Main pool stacks, in ``[1, MAX_LAYERS]``
@@ -74,18 +78,23 @@ class ModelKVConfig:
         ``[1, MAX_KV_HEADS]`` (65536).
       head_dim: head dim ``D`` (elements per K or V vector), in ``[1, MAX_HEAD_DIM]`` (65536); the
         profile may need a multiple of 64 (INT8-G64) or 16 (NVFP4-G16, K8V4).
-      profile: the :class:`~ninfer_kv.schema.profiles.KVProfile` of the Main and MTP pools (default BF16);
-        a name such as ``"k8v4"`` or ``"fp8"`` is parsed and the canonical profile stored.
+      profile: the :class:`~ninfer_kv.schema.profiles.KVProfile` of the Main and MTP pools and of the
+        window rings (default BF16); a name such as ``"k8v4"`` or ``"fp8"`` is parsed and the
+        canonical profile stored.
+      rings: the sliding-window layers kept in per-row rings (:class:`~ninfer_kv.planning.rings.WindowRings`,
+        same KV heads and head dim), or ``None`` (default): every layer is in the Main pool.
 
     Raises:
       PlanBoundError: a count that is not an integer or is out of range.
       ValueError: an unknown profile, or a head dim the profile cannot store.
+      TypeError: ``rings`` that is not a ``WindowRings`` or ``None``.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     profile: KVProfile = KVProfile.BF16
+    rings: WindowRings | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "profile", KVProfile.parse(self.profile))
@@ -93,6 +102,8 @@ class ModelKVConfig:
         _int_at_least("num_kv_heads", self.num_kv_heads, 1, MAX_KV_HEADS)
         _int_at_least("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
         self.profile.check_head_dim(self.head_dim)
+        if self.rings is not None and not isinstance(self.rings, WindowRings):
+            raise TypeError(f"rings={self.rings!r} must be a WindowRings or None")
 
 
 @dataclasses.dataclass(frozen=True)

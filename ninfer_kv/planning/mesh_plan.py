@@ -120,6 +120,9 @@ def plan_kv_cache_mesh(
     spec_mesh = MeshSpec.parse(getattr(mesh, "spec", mesh))
     speculative = speculative or SpeculativeConfig()
     c_local = spec_mesh.local_concurrency(_int_at_least("max_concurrency", max_concurrency, 1))
+    if model.rings is not None:
+        raise ValueError("window rings (ModelKVConfig.rings) are not supported on a mesh yet; plan the model on one "
+                         "device, or keep its windowed layers in the Main pool (rings=None)")
     spec_mesh.check_heads(model.num_kv_heads)
     draft_heads = speculative.draft_kv_heads or model.num_kv_heads
     if speculative.has_draft_full:

@@ -34,6 +34,11 @@ class KVPlan:
     curve: SequenceCapacityCurve
 
     @property
+    def rings(self):
+        """The :class:`~ninfer_kv.planning.rings.RingPlan` of the window rings, or ``None``."""
+        return self.pool_set.rings
+
+    @property
     def capacity_tokens(self) -> int:
         """Published Main capacity ``M * P`` (never raises the per-sequence ceiling S)."""
         return self.m * PAGE_SIZE
@@ -75,6 +80,7 @@ class KVPlan:
             "main_pages": self.m,
             "capacity_tokens": self.capacity_tokens,
             "pools": {k.value: p.to_json() for k, p in self.pools.items()},
+            "rings": None if self.rings is None else self.rings.to_json(),
             "curve": self.curve.to_json(),
             "fixed_bytes": b.fixed_bytes,
             "device_bytes": self.device_bytes,

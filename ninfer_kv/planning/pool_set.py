@@ -4,7 +4,6 @@ count for any ``M``, and the affine :class:`SequenceCapacityCurve` computed from
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from ..schema.geometry import PAGE_SIZE, ceil_div
 from ..schema.kinds import PoolKind, SpeculativeMethod
@@ -16,6 +15,7 @@ from .bounds import (
 )
 from .config import AutomaticCapacity, ExplicitCapacity, ModelKVConfig, SpeculativeConfig
 from .pool_specs import POOL_SPECS
+from .rings import RingPlan
 
 __all__ = ["PoolPlan", "SequenceCapacityCurve", "KVPoolSetLayout", "full_context_pages", "full_context_capacity"]
 
@@ -138,6 +138,8 @@ class KVPoolSetLayout:
       logical_pages: ``L = ceil(S / 64)``.
       m_min, m_max: ``max(L, C)`` and ``C * L``.
       layouts: ``{PoolKind: PagedKVStorageLayout}`` of every pool the speculative method needs.
+      rings: the :class:`~ninfer_kv.planning.rings.RingPlan` of the model's window rings (a fixed
+        part of every ``B(M)``), or ``None``.
 
     Raises:
       PlanBoundError: a value outside its bounds (also an MTP ``draft_window > max_context``).
@@ -180,6 +182,12 @@ class KVPoolSetLayout:
         self.layouts: dict[PoolKind, PagedKVStorageLayout] = {
             kind: POOL_SPECS[kind].layout(model, spec) for kind in spec.pool_kinds()
         }
+        self.rings: RingPlan | None = None
+        if model.rings is not None:
+            if spec.method is not SpeculativeMethod.OFF:
+                raise ValueError(f"speculative method {spec.method.value!r} with window rings is not supported: "
+                                 "a model with sliding-window layers decodes without speculation")
+            self.rings = model.rings.plan(model.profile, model.num_kv_heads, model.head_dim, self.max_concurrency)
 
     @property
     def pool_kinds(self) -> tuple[PoolKind, ...]:
@@ -233,9 +241,14 @@ class KVPoolSetLayout:
             for kind, layout in self.layouts.items()
         }
 
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of the window rings (0 without), part of every ``B(M)``."""
+        return 0 if self.rings is None else self.rings.bytes
+
     def device_bytes(self, m: int) -> int:
-        """B(M): every pool's buffers + every pool's block table + the fixed part."""
-        return sum(p.bytes + p.table_bytes for p in self.pools(m).values()) + self.fixed_bytes
+        """B(M): every pool's buffers + every pool's block table + the window rings + the fixed part."""
+        return sum(p.bytes + p.table_bytes for p in self.pools(m).values()) + self.ring_bytes + self.fixed_bytes
 
     def curve(self) -> SequenceCapacityCurve:
         """The affine curve, computed from two points of the pool set and verified at a third."""

@@ -56,6 +56,7 @@ class InspectionVerbs:
             host=self._core.host_occupancy(),
             offloaded_pages=self._core.stats.offloaded_pages,
             restored_pages=self._core.stats.restored_pages,
+            ring_bytes=self._core.pool_set.ring_bytes,
         )
 
     def audit_invariants(self) -> None:

@@ -100,7 +100,8 @@ class StoreMemorySummary:
     """Every pool of a store, plus sequence and checkpoint counts and the Host tier.
 
     ``host`` is the :class:`HostOccupancy` (``None`` without a Host
-    tier); ``offloaded_pages`` / ``restored_pages`` are the Host transfer counters.
+    tier); ``offloaded_pages`` / ``restored_pages`` are the Host transfer counters; ``ring_bytes``
+    the bytes of the window rings of sliding-window layers (0 without; fixed per row).
     """
 
     pools: dict
@@ -109,11 +110,12 @@ class StoreMemorySummary:
     host: object = None
     offloaded_pages: int = 0
     restored_pages: int = 0
+    ring_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
-        """Bytes of every pool's planes and block tables."""
-        return sum(p.plane_bytes + p.table_bytes for p in self.pools.values())
+        """Bytes of every pool's planes and block tables, and of the window rings."""
+        return sum(p.plane_bytes + p.table_bytes for p in self.pools.values()) + self.ring_bytes
 
     def to_json(self) -> dict:
         """This summary as plain JSON types (dicts, lists, numbers, strings)."""
@@ -125,6 +127,7 @@ class StoreMemorySummary:
             "host": None if self.host is None else self.host.to_json(),
             "offloaded_pages": self.offloaded_pages,
             "restored_pages": self.restored_pages,
+            "ring_bytes": self.ring_bytes,
         }
 
     def table(self) -> str:
@@ -140,6 +143,8 @@ class StoreMemorySummary:
                 f"{p.logical_pages:>8}{p.shared_pages:>8}{p.retained_checkpoints:>7}{p.host_pages:>7}"
                 f"{p.host_only_pages:>8}"
             )
+        if self.ring_bytes:
+            lines.append(f"window rings {self.ring_bytes} B (fixed per execution row)")
         if self.host is not None:
             h = self.host
             lines.append(

@@ -24,7 +24,7 @@ from ninfer_kv.models.decoder import (
     prompt_chunks,
 )
 from ninfer_kv.models.decoder.dense import dense_forward
-from ninfer_kv.models.decoder.layers import apply_rope, rms_norm, swiglu
+from ninfer_kv.models.decoder.layers import apply_rope, gated_mlp, rms_norm
 from ninfer_kv.schema.buckets import bucket_for
 
 
@@ -67,7 +67,7 @@ def test_swiglu_matches_formula():
     x, wg, wu, wd = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((2, 8), (16, 8), (16, 8), (8, 16)))
     silu = lambda z: z / (1 + jnp.exp(-z))  # noqa: E731
     want = (silu(x @ wg.T) * (x @ wu.T)) @ wd.T
-    np.testing.assert_allclose(np.asarray(swiglu(x, wg, wu, wd)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gated_mlp(x, wg, wu, wd)), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 # -- config ------------------------------------------------------------------------------------------

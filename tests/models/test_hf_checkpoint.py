@@ -148,7 +148,8 @@ def test_unknown_architecture_and_options_are_refused_before_any_weight(good):
         (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
         (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0\.5"),
         (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_type='dynamic'"),
-        (dict(use_sliding_window=True, sliding_window=1024, max_window_layers=0), r"sliding_window=1024.*max_context=4096"),
+        (dict(use_sliding_window=True, sliding_window=1024, layer_types=["chunked_attention", "full_attention"]),
+         r"layer_types\[0\]='chunked_attention'"),
         (dict(quantization_config={"quant_method": "gptq"}), r"quant_method='gptq'"),
     ]
     for change, match in cases:
@@ -165,6 +166,9 @@ def test_a_sliding_window_at_least_the_context_is_full_attention(good):
     _edit_config(good, use_sliding_window=True, sliding_window=1024, max_window_layers=0)
     plan = plan_checkpoint(good, max_context=1024)
     assert plan.config.num_layers == 2 and plan.info.max_context == 1024
+    assert plan.config.sliding_window is None and plan.config.layer_types is None
+    plan = plan_checkpoint(good, max_context=1025)  # one position more: both layers slide
+    assert plan.config.sliding_window == 1024 and [plan.config.layer_window(i) for i in range(2)] == [1024, 1024]
 
 
 def test_index_naming_a_missing_shard(tmp_path):
@@ -307,3 +311,25 @@ def test_random_index_values_load_or_are_refused(sharded_ck, how, key, value):
         assert "model.safetensors.index.json" in str(exc) or ".safetensors" in str(exc) or "tensor" in str(exc)
     finally:
         index.write_text(original)
+
+
+def test_gemma_checkpoints_round_trip_under_transformers_names(tmp_path):
+    """Gemma's sandwich norms are written and read under transformers' names (``post_attention_layernorm``
+    is the attention output's norm there, ``pre_feedforward_layernorm`` the MLP input's)."""
+    from ninfer_kv.models.decoder import init_params
+    from ninfer_kv.models.hf import read_header, save_random_checkpoint
+    from ninfer_kv.models.hf.published_configs import GEMMA_3_1B_IT
+
+    cfg = dict(GEMMA_3_1B_IT, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=32, torch_dtype="float32")
+    save_random_checkpoint(tmp_path, cfg, seed=4, dtype="float32")
+    names = set(read_header(tmp_path / "model.safetensors").tensors)
+    for part in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+        assert f"model.layers.1.{part}.weight" in names
+    assert "lm_head.weight" not in names  # tied
+    loaded = load_checkpoint(tmp_path, dtype="float32")
+    want = init_params(loaded.config, 4)
+    for i in range(2):
+        for key in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "w_gate"):
+            np.testing.assert_array_equal(np.asarray(loaded.params["layers"][i][key]), np.asarray(want["layers"][i][key]))

@@ -12,7 +12,7 @@ put the two tokens within a near-tie margin of each other, the comparison of tha
 there (the continuations legitimately differ), and the tie is reported as a warning; at least half of
 all the tokens must be compared before a tie.  BF16 runs a bfloat16 model, whose logits transformers
 rounds to bfloat16 (equal logits are common; it then takes the lower id, the paged steps compare
-float32 logits): the margin is :data:`BF16_TIE_ULPS` bfloat16 steps.  The quantized profiles run a
+float32 logits): the margin is :data:`hf_fixtures.BF16_TIE_ULPS` bfloat16 steps.  The quantized profiles run a
 float32 model: in bfloat16, two implementations that round RoPE and the projections differently
 feed the codec K/V elements one bfloat16 step apart, which the FP8 and NVFP4 codecs turn into whole
 code steps; in float32 the codec sees the same values up to float32 rounding, and the margin is
@@ -25,7 +25,6 @@ the reason elsewhere, never in CI (``CI=true`` turns the missing extra into a fa
 from __future__ import annotations
 
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -46,7 +45,8 @@ from ninfer_kv.models.generate import PagedGenerator  # noqa: E402
 from ninfer_kv.models.hf import load_checkpoint, read_header  # noqa: E402
 from ninfer_kv.schema.profiles import KVProfile  # noqa: E402
 
-BF16_TIE_ULPS = 2
+from hf_fixtures import compare_greedy  # noqa: E402
+
 F32_TIE = 1e-3
 NEW_TOKENS = 10
 COMMON = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -61,10 +61,6 @@ FAMILIES = {
                                  "original_max_position_embeddings": 64})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, num_key_value_heads=1)),
 }
-
-
-def _ulp_bf16(x: float) -> float:
-    return 2.0 ** (np.floor(np.log2(max(abs(x), 1e-30))) - 7)
 
 
 @pytest.fixture(scope="module")
@@ -94,22 +90,9 @@ def _reference(model, prompt):
 
 
 def _compare(what: str, ours: list[int], ref: list[int], ref_logits: np.ndarray, tie=None) -> int:
-    """Tokens compared: all when equal; up to a reported near tie; fails at any other difference.
-
-    ``tie(logit)`` is the largest margin that counts as a near tie (default: 2 bfloat16 steps)."""
+    """:func:`hf_fixtures.compare_greedy` of :data:`NEW_TOKENS` tokens."""
     assert len(ours) == len(ref) == NEW_TOKENS
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a == b:
-            continue
-        gap = float(ref_logits[i, b] - ref_logits[i, a])
-        limit = tie(ref_logits[i, b]) if tie is not None else BF16_TIE_ULPS * _ulp_bf16(ref_logits[i, b])
-        assert gap <= limit, (f"{what}: token {i} is {a}, transformers chose {b} by a logit margin of {gap:.4f} "
-                              f"(a near tie is at most {limit:.4f})")
-        # a plain UserWarning: pytest-xdist sends warnings to the controller, which cannot import a test module's class
-        warnings.warn(f"near tie: {what}: token {i}: {a} vs transformers' {b} (margin {gap:.4f} <= {limit:.4f}); "
-                      f"the rest of this sequence is not compared", UserWarning)
-        return i
-    return NEW_TOKENS
+    return compare_greedy(what, ours, ref, ref_logits, tie)
 
 
 # qwen3 (QK norms, a tied head) and qwen2 (q/k/v biases) by default; the plain layers of llama and

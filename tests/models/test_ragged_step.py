@@ -32,8 +32,15 @@ def _ffi() -> bool:
 
 _BF16 = ModelConfig.tiny(dtype="bfloat16", vocab_size=320, d_model=160, mlp_dim=352)
 _F32 = ModelConfig.tiny(vocab_size=320)
+# Gemma's options with a 24-token window on the first layer (shorter than the 40-token chunk and the 70-token prompts)
+_WINDOWED = ModelConfig.tiny(dtype="bfloat16", vocab_size=320, qk_norm=True, layer_types=("sliding_attention", "full_attention"),
+                             sliding_window=24, attn_soft_cap=20.0, final_soft_cap=15.0, query_scale=0.1, gemma_norms=True,
+                             sandwich_norms=True, mlp_activation="gelu_tanh", embed_scale=True, local_rope_theta=1000.0,
+                             window_rings=False)  # these steps take the Main pool alone (the rings need a state)
 _CASES = [
     pytest.param(_BF16, "ffi", "batch_invariant", id="ffi-bf16-batch-invariant",
+                 marks=pytest.mark.skipif(not _ffi(), reason="the FFI library is not available here")),
+    pytest.param(_WINDOWED, "ffi", "batch_invariant", id="ffi-bf16-windowed-gemma",
                  marks=pytest.mark.skipif(not _ffi(), reason="the FFI library is not available here")),
     pytest.param(_F32, "reference", "auto", id="reference-f32"),
 ]

@@ -2,13 +2,15 @@
 ``ninfer_kv.ops``, with jitted step functions (chunked prefill, decode, speculative verify, MTP
 drafting) that decode greedily or sample, and dense references.
 
-Its options (:class:`ModelConfig`: QK-norm, attention and MLP biases, tied embeddings, RoPE scaling)
-cover Hugging Face Qwen3, Qwen2/2.5, Llama 2/3/3.1 and Mistral checkpoints, which
+Its options (:class:`ModelConfig`: QK-norm, attention and MLP biases, tied embeddings, RoPE scaling,
+per-layer sliding windows, attention and final logit soft caps, a query scale, Gemma's ``(1 + w)``
+and sandwich norms, a GELU-tanh MLP, scaled embeddings, a RoPE of the sliding layers' own) cover
+Hugging Face Qwen3, Qwen2/2.5, Llama 2/3/3.1, Mistral, Gemma 2 and Gemma 3 checkpoints, which
 :mod:`ninfer_kv.models.hf` loads; with its defaults it is the small Qwen3-style model of the demo
 and the tests.
 
 Modules: ``config`` (ModelConfig, RopeScaling, StepConfig), ``weights`` (init_params,
-param_shapes), ``layers`` (RMSNorm, RoPE with scaling, SwiGLU), ``model`` (paged forward), ``mtp``
+param_shapes), ``layers`` (RMSNorm, RoPE with scaling, SwiGLU, GeGLU), ``model`` (paged forward), ``mtp``
 (MTP head), ``sampling`` (greedy / temperature / top-k / top-p with per-sequence keys), ``steps``
 (jitted steps with compile counters), ``dense`` (no-cache and contiguous-cache references),
 ``padding`` (padding rows), ``mesh_steps`` (steps over a sharded cache).  The batch buckets live

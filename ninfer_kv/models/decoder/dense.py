@@ -1,14 +1,15 @@
 """Dense references of the example decoder.
 
 * :func:`dense_logits` / :func:`dense_greedy_generate`: no cache at all.  Every call recomputes
-  the whole sequence with plain causal attention; K (after RoPE) and V pass through
+  the whole sequence with plain causal attention (each layer's window, soft cap and query scale
+  applied: :meth:`~ninfer_kv.models.decoder.config.ModelConfig.attention_options`); K (after RoPE) and V pass through
   ``ninfer_kv.ops.codecs.codec_roundtrip(profile, k, v)`` first, so the result is what a consumer of a
   paged cache in ``profile`` sees (quantized profiles included).  This is the ground truth the
   paged step functions are tested against.
 * :func:`dense_mtp_forward`: the same for the MTP head over explicit (hidden, next token) pairs.
 * :class:`DenseKVCache` and :func:`make_dense_cache_steps`: the usual contiguous KV cache, one
   ``(B, H, S, D)`` array per layer, written at each row's position and read whole under a causal
-  mask — the baseline the paged decode is benchmarked against.  It stores K/V in ``cache_dtype``
+  mask (and each layer's options) — the baseline the paged decode is benchmarked against.  It stores K/V in ``cache_dtype``
   (bfloat16 by default: the bytes of the BF16 profile).
 """
 
@@ -47,20 +48,26 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, heads_first: bool = False
+    q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *, heads_first: bool = False,
+    sm_scale: float | None = None, soft_cap: float | None = None,
 ) -> jax.Array:
-    """float32 GQA attention with scale ``1/sqrt(D)``; query head ``h`` reads KV head ``h // (Hq // H)``.
+    """float32 GQA attention; query head ``h`` reads KV head ``h // (Hq // H)``.
 
     Args:
       q: ``(B, T, Hq, D)``; k, v: ``(B, J, H, D)`` (or ``(B, H, J, D)`` with ``heads_first``);
-      visible: bool ``(B, T, J)``.
+      visible: bool ``(B, T, J)`` (a window is part of it).
+      sm_scale: the score scale (``None``: divide by ``sqrt(D)``).
+      soft_cap: ``None``, or scores become ``soft_cap * tanh(s / soft_cap)`` before the softmax.
     Returns: ``(B, T, Hq, D)`` in q's dtype; a query with no visible key gets zeros.
     """
     b, t, hq, d = q.shape
     h = k.shape[1] if heads_first else k.shape[2]
     kv = "bhjd" if heads_first else "bjhd"
     qf = q.astype(_F32).reshape(b, t, h, hq // h, d)
-    s = jnp.einsum(f"bthgd,{kv}->bhgtj", qf, k.astype(_F32), precision=_HI) / np.float32(np.sqrt(d))
+    s = jnp.einsum(f"bthgd,{kv}->bhgtj", qf, k.astype(_F32), precision=_HI)
+    s = s / np.float32(np.sqrt(d)) if sm_scale is None else s * np.float32(sm_scale)
+    if soft_cap is not None:
+        s = np.float32(soft_cap) * jnp.tanh(s / np.float32(soft_cap))
     vis = visible[:, None, None]
     s = jnp.where(vis, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -72,14 +79,27 @@ def causal_attention(
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def _dense_attend(profile: KVProfile) -> Attend:
-    """Causal attention over the whole sequence (positions 0..S-1) after the codec round trip."""
+def _attention_mask(query_pos: jax.Array, key_pos: jax.Array, window: int | None) -> jax.Array:
+    """bool ``(..., T, J)``: key at ``key_pos`` visible to the query at ``query_pos`` (causal, and
+    within ``window`` positions when given: ``query - window < key <= query``)."""
+    q, j = query_pos[..., :, None], key_pos[..., None, :]
+    visible = j <= q
+    if window is not None:
+        visible &= j > q - window
+    return visible
+
+
+def _dense_attend(profile: KVProfile, options: dict) -> Attend:
+    """Causal attention over the whole sequence (positions 0..S-1) after the codec round trip, with
+    a layer's ``options`` (:meth:`ModelConfig.attention_options`)."""
 
     def attend(q, k, v):
         kr, vr = codecs.codec_roundtrip(profile, k, v)
         s = q.shape[1]
-        visible = jnp.tril(jnp.ones((s, s), bool))[None]
-        return causal_attention(q, kr, vr, jnp.broadcast_to(visible, (q.shape[0], s, s))), None
+        pos = jnp.arange(s, dtype=jnp.int32)
+        visible = _attention_mask(pos, pos, options.get("window"))[None]
+        return causal_attention(q, kr, vr, jnp.broadcast_to(visible, (q.shape[0], s, s)),
+                                sm_scale=options.get("sm_scale"), soft_cap=options.get("soft_cap")), None
 
     return attend
 
@@ -97,10 +117,9 @@ def _as_batch(tokens) -> jax.Array:
 def _dense_forward(params, tokens, *, config: ModelConfig, profile: KVProfile):
     b, s = tokens.shape
     token_pos = token_positions(jnp.zeros((b,), jnp.int32), s)
-    h = embed_tokens(params, tokens)
-    attend = _dense_attend(profile)
-    for lp in params["layers"]:
-        h, _ = decoder_layer(lp, config, h, token_pos, attend)
+    h = embed_tokens(params, tokens, config)
+    for layer, lp in enumerate(params["layers"]):
+        h, _ = decoder_layer(lp, config, h, token_pos, _dense_attend(profile, config.attention_options(layer)), layer)
     return h
 
 
@@ -142,7 +161,8 @@ def dense_greedy_generate(
 def _dense_mtp(params, hidden, next_tokens, *, config: ModelConfig, profile: KVProfile):
     b, s = next_tokens.shape
     token_pos = token_positions(jnp.zeros((b,), jnp.int32), s)
-    g, logits, _ = mtp_layer(params, config, hidden, next_tokens, token_pos, _dense_attend(profile))
+    g, logits, _ = mtp_layer(params, config, hidden, next_tokens, token_pos,
+                             _dense_attend(profile, config.attention_options(None)))
     return g, logits
 
 
@@ -199,14 +219,16 @@ def _write_rows(cache: jax.Array, x: jax.Array, positions: jax.Array) -> jax.Arr
     return jnp.where(inside[:, None, :, None], src, cache)
 
 
-def _cache_attend(ck, cv, positions, visible) -> Attend:
-    """Write the chunk's K/V into one layer's cache, then attend over the whole layer."""
+def _cache_attend(ck, cv, positions, visible, options: dict) -> Attend:
+    """Write the chunk's K/V into one layer's cache, then attend over the whole layer (``visible``
+    holds the layer's window; ``options`` its soft cap and scale)."""
 
     def attend(q, k, v):
         # The barrier keeps the in-place update and the attention's read of the updated layer in
         # that order (otherwise XLA fuses the select into both consumers and copies the cache).
         nk, nv = jax.lax.optimization_barrier((_write_rows(ck, k, positions), _write_rows(cv, v, positions)))
-        out = causal_attention(q, nk, nv, visible, heads_first=True)
+        out = causal_attention(q, nk, nv, visible, heads_first=True, sm_scale=options.get("sm_scale"),
+                               soft_cap=options.get("soft_cap"))
         return out, (nk, nv)
 
     return attend
@@ -216,17 +238,21 @@ def dense_cache_forward(params: dict, config: ModelConfig, cache: DenseKVCache, 
     """Run a chunk ``tokens (B, T)`` at ``positions (B,)`` against the contiguous cache.
 
     Writes the chunk's K/V at ``positions[b] + t`` and attends causally (key ``j`` visible iff
-    ``j <= positions[b] + t``).  Returns ``(hidden (B, T, d), cache)``.
+    ``j <= positions[b] + t``, and ``j > positions[b] + t - window`` in a layer with a window).
+    Returns ``(hidden (B, T, d), cache)``.
     """
     positions = jnp.asarray(positions, jnp.int32)
     b, t = tokens.shape
     token_pos = token_positions(positions, t)
     s = cache.k[0].shape[2]
-    visible = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= token_pos[:, :, None]
-    h = embed_tokens(params, tokens)
+    slots = jnp.arange(s, dtype=jnp.int32)[None, :]
+    h = embed_tokens(params, tokens, config)
     ks, vs = list(cache.k), list(cache.v)
     for layer, lp in enumerate(params["layers"]):
-        h, (ks[layer], vs[layer]) = decoder_layer(lp, config, h, token_pos, _cache_attend(ks[layer], vs[layer], positions, visible))
+        options = config.attention_options(layer)
+        visible = _attention_mask(token_pos, slots, options.get("window"))
+        attend = _cache_attend(ks[layer], vs[layer], positions, visible, options)
+        h, (ks[layer], vs[layer]) = decoder_layer(lp, config, h, token_pos, attend, layer)
     return h, DenseKVCache(tuple(ks), tuple(vs))
 
 

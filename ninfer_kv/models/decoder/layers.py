@@ -1,14 +1,19 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding (with scaling), SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm, rotary position embedding (with scaling), gated MLPs
+(SwiGLU, GeGLU).
 
 All functions are pure jnp and shape-polymorphic over leading axes.  The arithmetic follows
 transformers' order, so a bfloat16 model rounds where transformers rounds:
 
 * RMSNorm: statistics and normalization in float32, cast to the input dtype, then multiplied by the
-  gain in that dtype (``weight * x_normed.to(input_dtype)``);
+  gain in that dtype (``weight * x_normed.to(input_dtype)``); Gemma's RMSNorm (``offset=True``)
+  instead multiplies the float32 normalized values by ``1 + weight`` in float32 and casts the
+  product once (``(x_normed * (1.0 + weight.float())).type_as(x)``);
 * RoPE: angles ``position * inv_freq`` in float32, ``cos``/``sin`` (times the scaling's
   ``cos_sin_scale``) cast to the input dtype, then ``x * cos + rotate_half(x) * sin`` in that dtype;
 * inverse frequencies: transformers' formulas in float32 (:func:`scaled_inv_freq`);
-* SiLU: ``x / (1 + exp(-x))`` in float32, rounded once (torch's bfloat16 SiLU, :func:`silu`).
+* SiLU: ``x / (1 + exp(-x))`` in float32, rounded once (torch's bfloat16 SiLU, :func:`silu`);
+* GELU-tanh: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` in float32, rounded once (torch's
+  ``gelu(approximate="tanh")`` on bfloat16, :func:`gelu_tanh`).
 
 For a float32 model every cast is the identity.
 """
@@ -38,8 +43,9 @@ __all__ = [
     "scaled_inv_freq",
     "apply_rope",
     "token_positions",
-    "swiglu",
+    "gated_mlp",
     "silu",
+    "gelu_tanh",
     "linear",
     "linear_many",
 ]
@@ -135,10 +141,12 @@ def _tree_sum(v: jax.Array) -> jax.Array:
     return v
 
 
-def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float, *, offset: bool = False) -> jax.Array:
     """``(x / sqrt(mean(x^2) + eps)).astype(x.dtype) * gain`` over the last axis (statistics in float32).
 
-    Under :attr:`Products.BATCH_INVARIANT` the sum of squares is a fixed pairwise tree.
+    With ``offset`` (Gemma's RMSNorm): ``((x / sqrt(mean(x^2) + eps)) * (1 + gain)).astype(x.dtype)``,
+    the gain and the product in float32, one rounding at the end.  Under
+    :attr:`Products.BATCH_INVARIANT` the sum of squares is a fixed pairwise tree.
     """
     xf = x.astype(_F32)
     if _PRODUCTS.get() is Products.BATCH_INVARIANT:
@@ -146,6 +154,8 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
     else:
         ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
     inv = jax.lax.rsqrt(ms + _F32(eps))
+    if offset:
+        return ((xf * inv) * (_F32(1.0) + gain.astype(_F32))).astype(x.dtype)
     return (xf * inv).astype(x.dtype) * gain.astype(x.dtype)
 
 
@@ -322,7 +332,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return linear_many(x, (w,), (b,))[0]
 
 
-def swiglu(
+def gated_mlp(
     x: jax.Array,
     w_gate: jax.Array,
     w_up: jax.Array,
@@ -330,10 +340,18 @@ def swiglu(
     b_gate: jax.Array | None = None,
     b_up: jax.Array | None = None,
     b_down: jax.Array | None = None,
+    *,
+    activation: str = "silu",
 ) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))`` with :func:`linear` projections ``(out, in)`` (biases optional)."""
+    """``down(act(gate(x)) * up(x))`` with :func:`linear` projections ``(out, in)`` (biases optional);
+    ``act`` is :func:`silu` (``"silu"``: SwiGLU) or :func:`gelu_tanh` (``"gelu_tanh"``: GeGLU).
+    The activation is rounded to ``x.dtype`` before the product with ``up(x)``, as transformers'
+    MLPs round it."""
+    acts = {"silu": silu, "gelu_tanh": gelu_tanh}
+    if activation not in acts:
+        raise ValueError(f"activation={activation!r} is not supported; allowed: {', '.join(acts)}")
     gate, up = linear_many(x, (w_gate, w_up), (b_gate, b_up))
-    return linear(silu(gate) * up, w_down, b_down)
+    return linear(acts[activation](gate) * up, w_down, b_down)
 
 
 def silu(x: jax.Array) -> jax.Array:
@@ -344,3 +362,42 @@ def silu(x: jax.Array) -> jax.Array:
     """
     xf = x.astype(_F32)
     return (xf / (_F32(1.0) + jnp.exp(-xf))).astype(x.dtype)
+
+
+_GELU_BETA = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5  # sqrt(2 / pi), torch's kBeta
+_GELU_KAPPA = 0.044715
+_TANH_FAR = 0.625
+"""From this ``|y|`` on, :func:`_one_plus_tanh` derives ``tanh`` from ``exp(-2|y|)`` (there
+``1 - |tanh(y)| <= 0.5``, so the float32 ``tanh`` lies on the ``2**-24`` grid)."""
+_TANH_SATURATES = 8.664339742
+"""Above this ``|y|`` torch's float32 ``tanh`` (SLEEF's) returns exactly ``+-1``."""
+
+
+def _one_plus_tanh(y: jax.Array) -> jax.Array:
+    """float32 ``1 + tanh(y)`` as torch computes it: ``tanh`` rounded to float32, then the sum rounded.
+
+    XLA's CPU ``tanh`` is a fast approximation a few float32 steps off, which ``1 + tanh(y)``
+    magnifies where ``tanh(y)`` is near ``-1``.  For ``|y| >= 0.625`` this takes
+    ``v = 1 - tanh(|y|) = 2 e / (1 + e)`` with ``e = exp(-2|y|)`` (accurate relative to ``v``),
+    rounds ``tanh(|y|) = 1 - v`` to its float32 grid of ``2**-24`` exactly, and forms the sum from it
+    (``tanh`` is exactly ``+-1`` above ``8.664339742``, as torch's is); nearer zero it is ``1 + tanh(y)``.
+    """
+    a = jnp.abs(y)
+    e = jnp.exp(_F32(-2.0) * a)
+    steps = jnp.round((_F32(2.0) * e / (_F32(1.0) + e)) * _F32(2.0**24))  # 1 - tanh(|y|), in steps of 2**-24
+    steps = jnp.where(a > _F32(_TANH_SATURATES), _F32(0.0), steps)
+    far = jnp.where(y >= 0, _F32(1.0) + (_F32(1.0) - steps * _F32(2.0**-24)), steps * _F32(2.0**-24))
+    return jnp.where(a >= _F32(_TANH_FAR), far, _F32(1.0) + jnp.tanh(y))
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` in float32, rounded once to ``x.dtype``.
+
+    torch's ``gelu(x, approximate="tanh")`` (transformers' ``gelu_pytorch_tanh``) computes a
+    bfloat16 input in float32 in this order (``0.5 * x`` times ``1 + tanh(inner)``, ``inner`` from
+    ``x * x * x``) and rounds once; this equals it on every normal bfloat16 input
+    (:func:`_one_plus_tanh`), while ``jax.nn.gelu`` on bfloat16 rounds every intermediate.
+    """
+    xf = x.astype(_F32)
+    inner = _F32(_GELU_BETA) * (xf + _F32(_GELU_KAPPA) * (xf * xf * xf))
+    return ((_F32(0.5) * xf) * _one_plus_tanh(inner)).astype(x.dtype)

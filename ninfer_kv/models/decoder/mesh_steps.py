@@ -42,7 +42,9 @@ MAIN = PoolKind.MAIN
 
 def forward_paged_mesh(params: dict, config, kv_mesh: KVMesh, layout, state: KVDeviceState, tokens: jax.Array,
                        positions: jax.Array, valid: jax.Array, table_rows: jax.Array, *, impl: str):
-    """All decoder layers on a chunk over a sharded state; returns ``(hidden (B, T, d), state)``.
+    """All decoder layers on a chunk over a sharded state (each with its
+    :meth:`~ninfer_kv.models.decoder.config.ModelConfig.attention_options`); returns
+    ``(hidden (B, T, d), state)``.
 
     ``layout`` is the per-device Main layout (``ShardedKVStore.layout("main")``)."""
     positions = jnp.asarray(positions, jnp.int32)
@@ -50,17 +52,17 @@ def forward_paged_mesh(params: dict, config, kv_mesh: KVMesh, layout, state: KVD
     table_rows = jnp.asarray(table_rows, jnp.int32)
     kv_lens = positions + valid
     token_pos = token_positions(positions, tokens.shape[1])
-    h = embed_tokens(params, tokens)
+    h = embed_tokens(params, tokens, config)
     for layer, lp in enumerate(params["layers"]):
 
         def attend(q, k, v, layer=layer, st=state):
             st = sharded_paged_append(kv_mesh, st, layer, layout, table_rows, positions, k, v, valid,
                                       pool=MAIN, impl=impl)
             out = sharded_paged_attention(kv_mesh, q, st, layer, layout, table_rows, positions, kv_lens,
-                                          pool=MAIN, impl=impl)
+                                          pool=MAIN, impl=impl, **config.attention_options(layer))
             return out, st
 
-        h, state = decoder_layer(lp, config, h, token_pos, attend)
+        h, state = decoder_layer(lp, config, h, token_pos, attend, layer)
     return h, state
 
 

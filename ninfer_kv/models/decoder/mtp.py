@@ -7,7 +7,9 @@ norm) with the embedding of the next token ``t_{i+1}`` and predicts ``t_{i+2}``:
     g_i = decoder_layer(x_i)              # K/V of position i go to the MTP pool (layer 0)
     logits_i = lm_head(rms_norm(g_i, mtp.final_norm))
 
-The embedding and the LM head are shared with the main model.  The MTP pool is a second
+The embedding and the LM head are shared with the main model.  The MTP layer is a full-attention
+layer with the global RoPE (``layer=None`` of :meth:`~ninfer_kv.models.decoder.config.ModelConfig.attention_options`
+and :meth:`~ninfer_kv.models.decoder.config.ModelConfig.layer_rope`); its norms follow ``gemma_norms``.  The MTP pool is a second
 :class:`~ninfer_kv.schema.layout.PagedKVStorageLayout` with one layer and Main's profile and geometry.
 
 Drafting ``K`` tokens (:func:`mtp_draft_paged`): an *extend* over a chunk of known
@@ -28,8 +30,8 @@ from ninfer_kv.schema.layout import PagedKVStorageLayout
 from ninfer_kv.ops.views import PagedKVBatchLayerView
 
 from .config import ModelConfig
-from .layers import rms_norm, token_positions
-from .model import Attend, decoder_layer, embed_tokens, logits_from_hidden, paged_attend
+from .layers import token_positions
+from .model import Attend, decoder_layer, embed_tokens, logits_from_hidden, norm, paged_attend
 
 __all__ = ["mtp_input", "mtp_layer", "mtp_forward_paged", "mtp_draft_paged"]
 
@@ -43,8 +45,8 @@ def _mtp_params(params: dict) -> dict:
 def mtp_input(params: dict, config: ModelConfig, hidden: jax.Array, next_tokens: jax.Array) -> jax.Array:
     """The MTP layer's input ``(B, T, d_model)`` from main hidden ``(B, T, d)`` and next tokens ``(B, T)``."""
     mp = _mtp_params(params)
-    e = rms_norm(embed_tokens(params, next_tokens), mp["enorm"], config.rms_eps)
-    h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], config.rms_eps)
+    e = norm(embed_tokens(params, next_tokens, config), mp["enorm"], config)
+    h = norm(hidden.astype(e.dtype), mp["hnorm"], config)
     return jnp.concatenate([e, h], axis=-1) @ mp["proj"]
 
 
@@ -83,7 +85,8 @@ def mtp_forward_paged(
     view = PagedKVBatchLayerView(planes, block_tables, 0, layout)
     token_pos = token_positions(positions, hidden.shape[1])
     g, logits, view = mtp_layer(
-        params, config, hidden, next_tokens, token_pos, paged_attend(view, table_rows, positions, valid, impl)
+        params, config, hidden, next_tokens, token_pos,
+        paged_attend(view, table_rows, positions, valid, impl, config.attention_options(None))
     )
     return g, logits, view.planes
 

@@ -67,6 +67,7 @@ trace without a compile or a compile without a trace both indicate a bug).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import threading
@@ -122,6 +123,7 @@ class PrefillOutput(NamedTuple):
     logits: jax.Array  # float32 (B, V) at the last valid token
     next_tokens: jax.Array  # int32 (B,) greedy, or sampled with a sampling argument
     hidden: jax.Array  # (B, chunk, d) every position, before the final norm (input of mtp_extend)
+    rings: dict | None = None  # the window rings' planes (a model with ring layers, state steps)
 
 
 class DecodeOutput(NamedTuple):
@@ -130,6 +132,7 @@ class DecodeOutput(NamedTuple):
     logits: jax.Array  # float32 (B, V)
     next_tokens: jax.Array  # int32 (B,)
     hidden: jax.Array  # (B, 1, d)
+    rings: dict | None = None  # the window rings' planes (a model with ring layers, state steps)
 
 
 class VerifyOutput(NamedTuple):
@@ -139,6 +142,7 @@ class VerifyOutput(NamedTuple):
     target_tokens: jax.Array  # int32 (B, K + 1)
     num_accepted: jax.Array  # int32 (B,)
     hidden: jax.Array  # (B, K + 1, d)
+    rings: dict | None = None  # the window rings' planes (a model with ring layers, state steps)
 
 
 class RaggedOutput(NamedTuple):
@@ -146,6 +150,7 @@ class RaggedOutput(NamedTuple):
     block_tables: jax.Array
     logits: jax.Array  # float32 (R, V) at each row's last token
     next_tokens: jax.Array  # int32 (R,)
+    rings: dict | None = None  # the window rings' planes (a model with ring layers, state steps)
 
 
 class MTPExtendOutput(NamedTuple):
@@ -460,42 +465,44 @@ class ModelSteps:
         impl = cfg.impl
         in_products = _in_products(cfg)
 
-        def run_main(params, planes, block_tables, tokens, positions, valid, table_rows):
+        def run_main(params, planes, block_tables, tokens, positions, valid, table_rows, rings):
             return forward_paged(
-                params, model, main_layout, planes, block_tables, tokens, positions, valid, table_rows, impl=impl
+                params, model, main_layout, planes, block_tables, tokens, positions, valid, table_rows, impl=impl,
+                rings=rings,
             )
 
         @in_products
-        def prefill(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
-            hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
+        def prefill(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None, *, rings=None):
+            hidden, planes, rings = run_main(params, planes, block_tables, tokens, positions, valid, table_rows, rings)
             last = _at_index(hidden, jnp.maximum(valid - 1, 0))
             logits = logits_from_hidden(params, model, last)
             chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + jnp.asarray(valid, jnp.int32))
-            return PrefillOutput(planes, block_tables, logits, chosen, hidden)
+            return PrefillOutput(planes, block_tables, logits, chosen, hidden, rings)
 
         @in_products
-        def decode(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
-            hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
+        def decode(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None, *, rings=None):
+            hidden, planes, rings = run_main(params, planes, block_tables, tokens, positions, valid, table_rows, rings)
             logits = logits_from_hidden(params, model, hidden[:, 0])
             chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + jnp.asarray(valid, jnp.int32))
-            return DecodeOutput(planes, block_tables, logits, chosen, hidden)
+            return DecodeOutput(planes, block_tables, logits, chosen, hidden, rings)
 
         @in_products
-        def verify(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None):
-            hidden, planes = run_main(params, planes, block_tables, tokens, positions, valid, table_rows)
+        def verify(params, planes, block_tables, tokens, positions, valid, table_rows, sampling=None, *, rings=None):
+            hidden, planes, rings = run_main(params, planes, block_tables, tokens, positions, valid, table_rows, rings)
             logits = logits_from_hidden(params, model, hidden)
             target = _choose_chunk(logits, sampling, jnp.asarray(positions, jnp.int32))
             accepted = accepted_prefix(tokens, target, valid)
-            return VerifyOutput(planes, block_tables, logits, target, accepted, hidden)
+            return VerifyOutput(planes, block_tables, logits, target, accepted, hidden, rings)
 
         @in_products
-        def ragged(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None):
-            hidden, e, planes = forward_ragged(params, model, main_layout, planes, block_tables, tokens, positions,
-                                               query_starts, table_rows, impl=impl)
+        def ragged(params, planes, block_tables, tokens, positions, query_starts, table_rows, sampling=None, *,
+                   rings=None):
+            hidden, e, planes, rings = forward_ragged(params, model, main_layout, planes, block_tables, tokens,
+                                                      positions, query_starts, table_rows, impl=impl, rings=rings)
             logits = logits_from_hidden(params, model, hidden[jnp.maximum(e[1:] - 1, 0)])  # each row's last token
             lengths = e[1:] - e[:-1]
             chosen = _choose(logits, sampling, jnp.asarray(positions, jnp.int32) + lengths)
-            return RaggedOutput(planes, block_tables, logits, chosen)
+            return RaggedOutput(planes, block_tables, logits, chosen, rings)
 
         self.prefill = CountedStep("prefill", prefill, _token_check(cfg, "prefill", cfg.prefill_chunk))
         self.decode = CountedStep("decode", decode, _token_check(cfg, "decode", 1))
@@ -503,7 +510,7 @@ class ModelSteps:
         self.ragged = CountedStep("ragged", ragged, _ragged_check(cfg))
         self._steps = {"prefill": self.prefill, "decode": self.decode, "verify": self.verify, "ragged": self.ragged}
         self._state_steps = {
-            name: _state_step(name, PoolKind.MAIN, fn, self._steps[name]._check)
+            name: _state_step(name, PoolKind.MAIN, fn, self._steps[name]._check, cfg.ring_spec)
             for name, fn in (("prefill", prefill), ("decode", decode), ("verify", verify), ("ragged", ragged))
         }
 
@@ -574,18 +581,29 @@ class ModelSteps:
         return {name: s.traces for name, s in self._steps.items()}
 
 
-def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable) -> CountedStep:
-    """``fn(params, planes, tables, *args)`` as a step over a state and a round work."""
+def _state_step(name: str, pool: PoolKind, fn: Callable, check: Callable, ring_spec=None) -> CountedStep:
+    """``fn(params, planes, tables, *args)`` as a step over a state and a round work; with
+    ``ring_spec`` (the model's :class:`~ninfer_kv.planning.rings.WindowRings`), ``fn`` also takes and
+    returns the state's window rings (``rings=``)."""
 
     def body(params, state, work, *args):
         state = apply_work(state, work)
-        out = fn(params, state.planes[pool], state.tables[pool], *args)
-        state = state.replace(planes={**state.planes, pool: out.planes})
+        if ring_spec is None:
+            out = fn(params, state.planes[pool], state.tables[pool], *args)
+            state = state.replace(planes={**state.planes, pool: out.planes})
+        else:
+            out = fn(params, state.planes[pool], state.tables[pool], *args, rings=state.rings)
+            state = state.replace(planes={**state.planes, pool: out.planes}, rings=out.rings)
+            out = out._replace(rings=None)
         return state, out._replace(planes=None, block_tables=None)
 
     def check_arguments(params, state, work, *args):
         if not isinstance(state, KVDeviceState):
             raise TypeError(f"{name}: state must be a KVDeviceState, got {type(state).__name__}")
+        have = None if state.ring is None else dataclasses.replace(state.ring.spec, snapshots=0)
+        if have != ring_spec:
+            raise ValueError(f"{name}: the state's window rings ({have}) are not the model's ({ring_spec}); allocate "
+                             f"the state from a plan of the model's kv_config")
         shaped = state.replace(work_pending=False)  # shapes and dtypes: the same before and after the work
         check(params, shaped.pool_planes(pool), shaped.table(pool), *args)
 

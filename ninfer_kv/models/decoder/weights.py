@@ -7,7 +7,8 @@ added or removed.  Scales keep activations O(1) through depth:
 * embedding ``N(0, 1)`` (RMSNorm follows every read of the residual);
 * every projection ``N(0, 1 / fan_in)``, the residual-branch output projections (``wo``,
   ``w_down``) additionally scaled by ``1 / sqrt(2 * num_layers)`` so the residual stream stays O(1);
-* norm gains ``1 + 0.1 * N(0, 1)`` (non-trivial, so a misapplied gain changes the result);
+* norm gains ``1 + 0.1 * N(0, 1)`` (non-trivial, so a misapplied gain changes the result); with
+  ``gemma_norms`` the stored ``w`` is ``0.1 * N(0, 1)`` (the norm multiplies by ``1 + w``);
 * LM head ``N(0, 4 / d_model)``: logits with a spread of a few units, so greedy decoding is
   decided by clear margins rather than near ties;
 * biases (when the config has them) ``N(0, 0.1^2)``.
@@ -21,8 +22,8 @@ Parameter tree (plain dicts and tuples, a JAX pytree)::
              "q_norm": (Dh,), "k_norm": (Dh,), "wo": (D, Hq*Dh),
              "mlp_norm": (D,), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
     (+ "bq": (Hq*Dh,), "bk", "bv": (H*Dh,) with qkv_bias; "bo": (D,) with o_bias;
-     "b_gate", "b_up": (F,), "b_down": (D,) with mlp_bias; no q_norm/k_norm without qk_norm;
-     no "lm_head" with tie_embeddings)
+     "b_gate", "b_up": (F,), "b_down": (D,) with mlp_bias; "post_attn_norm", "post_mlp_norm": (D,)
+     with sandwich_norms; no q_norm/k_norm without qk_norm; no "lm_head" with tie_embeddings)
 
 Projections and the LM head are stored ``(out, in)``, as a Hugging Face ``nn.Linear`` weight is (the
 decoder contracts ``x`` with the ``in`` axis), so a checkpoint loads without a transposed copy.  The
@@ -75,6 +76,8 @@ def layer_param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["bo"] = (d,)
     if config.mlp_bias:
         shapes.update(b_gate=(f,), b_up=(f,), b_down=(d,))
+    if config.sandwich_norms:
+        shapes.update(post_attn_norm=(d,), post_mlp_norm=(d,))
     return shapes
 
 
@@ -99,7 +102,9 @@ class _Init:
         return jnp.asarray(x, self.config.jnp_dtype)
 
     def gain(self, name: str, shape) -> jax.Array:
-        x = 1.0 + 0.1 * self._rng(name).standard_normal(shape, dtype=np.float32)
+        x = 0.1 * self._rng(name).standard_normal(shape, dtype=np.float32)
+        if not self.config.gemma_norms:  # Gemma's norms multiply by 1 + w
+            x = 1.0 + x
         return jnp.asarray(x, self.config.jnp_dtype)
 
     def layer(self, prefix: str) -> dict:

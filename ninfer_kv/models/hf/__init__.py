@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints served by the paged decoder: Qwen3, Qwen2/2.5, Llama 2/3/3.1, Mistral.
+"""Hugging Face checkpoints served by the paged decoder: Qwen3, Qwen2/2.5, Llama 2/3/3.1, Mistral,
+Gemma 2 and Gemma 3 (sliding windows included).
 
 * :mod:`.config` — ``config.json`` mapped onto :class:`~ninfer_kv.models.decoder.config.ModelConfig`,
   with every option that cannot be served refused by name and value (:class:`UnsupportedModelError`)

@@ -27,7 +27,8 @@ Any failure raises a :class:`~ninfer_kv.models.hf.config.CheckpointError` naming
 option; no partial parameter tree is ever returned.
 
 Tensor names are transformers' (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``,
-...).  Projections keep transformers' ``(out, in)`` orientation in the decoder, so loading is a copy,
+...; with Gemma's sandwich norms ``post_attention_layernorm`` is the attention output's norm and
+``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` the MLP's, :func:`layer_tensor_names`).  Projections keep transformers' ``(out, in)`` orientation in the decoder, so loading is a copy,
 never a transpose.
 """
 
@@ -68,6 +69,7 @@ __all__ = [
     "hf_config_dict",
     "save_checkpoint",
     "save_random_checkpoint",
+    "layer_tensor_names",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -96,6 +98,19 @@ _LAYER_NAMES = {
     "b_down": "mlp.down_proj.bias",
 }
 
+_SANDWICH_NAMES = {
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+"""With sandwich norms (Gemma 2 and 3) ``post_attention_layernorm`` is the attention output's norm and
+``pre_feedforward_layernorm`` the MLP input's (which is ``post_attention_layernorm`` in the other families)."""
+
+
+def layer_tensor_names(config: ModelConfig) -> dict[str, str]:
+    """Parameter key of a layer -> transformers' tensor name under ``model.layers.{i}.``."""
+    return {**_LAYER_NAMES, **_SANDWICH_NAMES} if config.sandwich_norms else dict(_LAYER_NAMES)
+
 
 def iter_expected_tensors(config: ModelConfig) -> Iterator[tuple[str, tuple, tuple[int, ...]]]:
     """``(transformers name, location in the parameter tree, shape)`` of every tensor ``config`` needs,
@@ -108,9 +123,10 @@ def iter_expected_tensors(config: ModelConfig) -> Iterator[tuple[str, tuple, tup
     if not config.tie_embeddings:
         yield "lm_head.weight", ("lm_head",), (config.vocab_size, config.d_model)
     shapes = layer_param_shapes(config)
+    names = layer_tensor_names(config)
     for i in range(config.num_layers):
         for key, shape in shapes.items():
-            yield f"model.layers.{i}.{_LAYER_NAMES[key]}", ("layers", i, key), shape
+            yield f"model.layers.{i}.{names[key]}", ("layers", i, key), shape
 
 
 def expected_tensor_count(config: ModelConfig) -> int:
@@ -261,7 +277,8 @@ def plan_checkpoint(
             raise CheckpointError(
                 f"unexpected tensor {_short(name, 200)} in {found[name].path.name}: the {info.architecture} config "
                 f"(qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias}, o_bias={model.o_bias}, mlp_bias={model.mlp_bias}, "
-                f"tie_embeddings={model.tie_embeddings}, {model.num_layers} layers) has no such parameter"
+                f"tie_embeddings={model.tie_embeddings}, sandwich_norms={model.sandwich_norms}, {model.num_layers} layers) "
+                f"has no such parameter"
             )
         ignored.append(name)
     return CheckpointPlan(directory, model, info, tensors, tuple(sorted(ignored)), eos)
@@ -354,31 +371,76 @@ def checkpoint_tensors(params: dict, config: ModelConfig, dtype: str = "bfloat16
     return out
 
 
-def hf_config_dict(config: ModelConfig, family: str, **extra: Any) -> dict:
-    """A ``config.json`` dict of ``family`` (``qwen3``, ``qwen2``, ``llama``, ``mistral``) describing ``config``.
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                  "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}
 
-    ``extra`` keys are added as given (``eos_token_id``, ``max_position_embeddings``, ...).  The
-    config's options must be expressible in the family (QK-norm only in qwen3, q/k/v biases without an
-    output bias only in qwen2, ...): a ``ValueError`` names the option otherwise.
-    """
-    arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM"}.get(family)
-    if arch is None:
-        raise ValueError(f"family={family!r} is not supported; allowed: qwen3, qwen2, llama, mistral")
-    want_qk = family == "qwen3"
+
+def _rope_scaling_dict(rs) -> dict[str, Any]:
+    scaling: dict[str, Any] = {"rope_type": rs.kind, "factor": rs.factor}
+    if rs.kind in ("llama3", "yarn"):
+        scaling["original_max_position_embeddings"] = rs.original_max_position_embeddings
+    if rs.kind == "llama3":
+        scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+    if rs.kind == "yarn":
+        scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+        if rs.attention_factor is not None:
+            scaling["attention_factor"] = rs.attention_factor
+    return scaling
+
+
+def _check_expressible(config: ModelConfig, family: str) -> None:
+    """``ValueError`` naming the first option of ``config`` that ``family``'s ``config.json`` cannot say."""
+    gemma = family in ("gemma2", "gemma3")
+    want_qk = family in ("qwen3", "gemma3")
     if config.qk_norm != want_qk:
         raise ValueError(f"qk_norm={config.qk_norm} cannot be expressed in family {family!r} (it has qk_norm={want_qk})")
     if family == "qwen2" and (not config.qkv_bias or config.o_bias):
         raise ValueError("family 'qwen2' has q/k/v biases and no output bias (qkv_bias=True, o_bias=False)")
-    if family in ("qwen3", "llama") and config.qkv_bias != config.o_bias:
+    if family in ("qwen3", "llama", "gemma2", "gemma3") and config.qkv_bias != config.o_bias:
         raise ValueError(f"family {family!r} biases q, k, v and o together (attention_bias): qkv_bias == o_bias")
     if family == "mistral" and (config.qkv_bias or config.o_bias):
         raise ValueError("family 'mistral' has no attention biases")
     if config.mlp_bias and family != "llama":
         raise ValueError(f"mlp_bias=True cannot be expressed in family {family!r} (only llama)")
+    for name in ("gemma_norms", "sandwich_norms", "embed_scale"):
+        if getattr(config, name) != gemma:
+            raise ValueError(f"{name}={getattr(config, name)} cannot be expressed in family {family!r} "
+                             f"(it has {name}={gemma})")
+    if config.mlp_activation != ("gelu_tanh" if gemma else "silu"):
+        raise ValueError(f"mlp_activation={config.mlp_activation!r} cannot be expressed in family {family!r}")
+    if not gemma and (config.attn_soft_cap is not None or config.final_soft_cap is not None
+                      or config.query_scale is not None):
+        raise ValueError(f"soft caps and a query scale cannot be expressed in family {family!r} (only Gemma)")
+    if family == "gemma3" and config.attn_soft_cap is not None:
+        raise ValueError("attn_soft_cap cannot be expressed in family 'gemma3' (transformers ignores it there)")
+    if config.local_rope_theta is not None and family != "gemma3":
+        raise ValueError(f"local_rope_theta cannot be expressed in family {family!r} (only gemma3)")
+    if config.layer_types is not None:
+        if family == "llama":
+            raise ValueError("layer_types cannot be expressed in family 'llama' (no sliding layers)")
+        if family == "mistral" and "full_attention" in config.layer_types:
+            raise ValueError("family 'mistral' slides every layer; layer_types must not name full_attention layers")
+
+
+def hf_config_dict(config: ModelConfig, family: str, **extra: Any) -> dict:
+    """A ``config.json`` dict of ``family`` (``qwen3``, ``qwen2``, ``llama``, ``mistral``, ``gemma2``,
+    ``gemma3``) describing ``config``.
+
+    ``extra`` keys are added as given (``eos_token_id``, ``max_position_embeddings``, ...).  The
+    config's options must be expressible in the family (QK-norm only in qwen3 and gemma3, q/k/v biases
+    without an output bias only in qwen2, Gemma's norms, MLP and embedding scale exactly in the
+    Gemma families, ...): a ``ValueError`` names the option otherwise.  Sliding layers are written as
+    ``layer_types`` (Mistral: ``sliding_window`` alone; Qwen: with ``use_sliding_window``); Gemma's
+    query scale as ``query_pre_attn_scalar = query_scale ** -2`` (default ``head_dim``).
+    """
+    arch = _ARCHITECTURES.get(family)
+    if arch is None:
+        raise ValueError(f"family={family!r} is not supported; allowed: {', '.join(_ARCHITECTURES)}")
+    _check_expressible(config, family)
     doc: dict[str, Any] = {
         "architectures": [arch],
-        "model_type": family,
+        "model_type": _MODEL_TYPE.get(family, family),
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "intermediate_size": config.mlp_dim,
@@ -393,24 +455,39 @@ def hf_config_dict(config: ModelConfig, family: str, **extra: Any) -> dict:
         "max_position_embeddings": 4096,
         "torch_dtype": config.dtype,
     }
-    if family in ("qwen3", "llama"):
+    if family in ("qwen3", "llama", "gemma2", "gemma3"):
         doc["attention_bias"] = config.o_bias
     if family == "llama":
         doc["mlp_bias"] = config.mlp_bias
+    sliding = config.layer_types is not None and config.sliding_window is not None
     if family == "mistral":
-        doc["sliding_window"] = None
+        doc["sliding_window"] = config.sliding_window if sliding else None
+    if family in ("qwen2", "qwen3"):
+        doc["use_sliding_window"] = sliding
+        doc["sliding_window"] = config.sliding_window if sliding else None
+        if config.layer_types is not None:
+            doc["layer_types"] = list(config.layer_types)
+    if family in ("gemma2", "gemma3"):
+        del doc["hidden_act"]
+        scale = config.query_scale if config.query_scale is not None else config.head_dim ** -0.5
+        doc.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scale ** -2,
+                   attn_logit_softcapping=config.attn_soft_cap, final_logit_softcapping=config.final_soft_cap,
+                   sliding_window=config.sliding_window,
+                   layer_types=list(config.layer_types or ("full_attention",) * config.num_layers))
     rs = config.rope_scaling
-    if rs is not None:
-        scaling: dict[str, Any] = {"rope_type": rs.kind, "factor": rs.factor}
-        if rs.kind in ("llama3", "yarn"):
-            scaling["original_max_position_embeddings"] = rs.original_max_position_embeddings
-        if rs.kind == "llama3":
-            scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
-        if rs.kind == "yarn":
-            scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
-            if rs.attention_factor is not None:
-                scaling["attention_factor"] = rs.attention_factor
-        doc["rope_scaling"] = scaling
+    if family == "gemma3":
+        del doc["rope_theta"]
+        full = {"rope_type": "default", "rope_theta": config.rope_theta}
+        if rs is not None:
+            full = {**_rope_scaling_dict(rs), "rope_theta": config.rope_theta}
+        local_theta = config.local_rope_theta if config.local_rope_theta is not None else config.rope_theta
+        local_rs = config.local_rope_scaling if config.local_rope_theta is not None else rs
+        local = {"rope_type": "default", "rope_theta": local_theta}
+        if local_rs is not None:
+            local = {**_rope_scaling_dict(local_rs), "rope_theta": local_theta}
+        doc["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    elif rs is not None:
+        doc["rope_scaling"] = _rope_scaling_dict(rs)
     doc.update(extra)
     return doc
 

@@ -12,7 +12,8 @@ For planning and trying a real size without downloading anything::
 
 from __future__ import annotations
 
-__all__ = ["QWEN3_0_6B", "LLAMA_3_2_1B", "QWEN2_5_0_5B", "MISTRAL_7B_V0_3", "LLAMA_2_7B", "PUBLISHED"]
+__all__ = ["QWEN3_0_6B", "LLAMA_3_2_1B", "QWEN2_5_0_5B", "MISTRAL_7B_V0_3", "LLAMA_2_7B", "GEMMA_2_2B", "GEMMA_3_1B_IT",
+           "PUBLISHED"]
 
 QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
@@ -50,6 +51,25 @@ LLAMA_2_7B = {
     "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-05,
     "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 32000,
 }
+GEMMA_2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+    "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26,
+    "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "use_cache": True, "vocab_size": 256000,
+}
+GEMMA_3_1B_IT = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 262144,
+}
 
 PUBLISHED = {
     "Qwen/Qwen3-0.6B": QWEN3_0_6B,
@@ -57,5 +77,7 @@ PUBLISHED = {
     "Qwen/Qwen2.5-0.5B": QWEN2_5_0_5B,
     "mistralai/Mistral-7B-v0.3": MISTRAL_7B_V0_3,
     "meta-llama/Llama-2-7b-hf": LLAMA_2_7B,
+    "google/gemma-2-2b": GEMMA_2_2B,
+    "google/gemma-3-1b-it": GEMMA_3_1B_IT,
 }
 """Repository name -> its ``config.json``."""
