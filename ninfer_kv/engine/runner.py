@@ -19,7 +19,7 @@ from ..device.allocation import allocate_state
 from ..device.offload_gather import offload_checkpoint
 from ..device.rounds import take_step_work
 from ..device.resync import resync
-from ..device.ring_snapshots import copy_ring
+from ..device.ring_snapshots import RingImage, copy_ring
 from ..device.work import apply_work_jit
 from ..models.decoder.padding import pad_ragged, pad_rows
 from ..schema.buckets import bucket_for
@@ -147,11 +147,19 @@ class DeviceRunner:
 
     def repair(self) -> tuple[set, set]:
         """After a failed step: bring the state back in line with the store (a blank one when the
-        step consumed it); returns the sequences and checkpoints whose content is lost."""
-        if consumed(self.state):
+        step consumed it); returns the sequences and checkpoints whose content is lost.  A blank
+        state's window rings hold nothing: then every active sequence and every checkpoint holding a
+        ring snapshot is lost too (no Host replica holds a ring)."""
+        fresh = consumed(self.state)
+        if fresh:
             self.state = allocate_state(self.store)
         self.state, report = resync(self.store, self.state)
-        return set(report.lost_sequences), set(report.lost_checkpoints)
+        lost_sequences, lost_checkpoints = set(report.lost_sequences), set(report.lost_checkpoints)
+        if fresh and self.state.ring is not None:
+            lost_sequences |= set(self.store.sequences())
+            lost_checkpoints |= {h for h in self.store.checkpoints()
+                                 if isinstance(self.store.checkpoint(h).state_image, RingImage)}
+        return lost_sequences, lost_checkpoints
 
 
 def consumed(state) -> bool:

@@ -86,3 +86,24 @@ def test_more_retained_sequences_than_slots_evict_the_oldest(prompts):
     assert llm.engine.ring_snapshots.free_slots == 0
     llm.clear_cache()
     assert llm.engine.ring_snapshots.free_slots == 1
+
+
+def test_a_state_lost_to_a_failed_step_takes_the_ring_snapshots_with_it(prompts):
+    """A fresh state (the step consumed the old one) holds no ring: a checkpoint whose pages the Host
+    tier restores is still lost, since its ring snapshot is gone; the engine then reuses nothing."""
+    import jax
+
+    llm = _llm(CONFIG, host_memory="64MiB")
+    llm.generate([prompts["a"]], GREEDY)
+    engine = llm.engine
+    (entry,) = list(engine.cache.index)
+    engine.runner.offload_checkpoint(entry.value)  # every page of it has a Host replica now
+    for leaf in jax.tree_util.tree_leaves(engine.runner.state):
+        leaf.delete()
+    lost_sequences, lost_checkpoints = engine.runner.repair()
+    assert entry.value in lost_checkpoints and not lost_sequences
+    engine._handle_lost(lost_sequences, lost_checkpoints)
+    assert len(engine.cache) == 0 and engine.ring_snapshots.free_slots == 2
+    again = llm.generate([prompts["resumable"]], GREEDY)[0]
+    alone = _llm(CONFIG, enable_prefix_caching=False).generate([prompts["resumable"]], GREEDY)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == alone.outputs[0].token_ids
