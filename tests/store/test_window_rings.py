@@ -164,6 +164,20 @@ def _both(st_ring, st_whole, batch_ring, batch_whole, q, k, v):
     return st_ring, st_whole, a, b
 
 
+def _step_both(stores, states: list, handles, count: int, seed: int):
+    """One step of ``count`` tokens for the sequence ``handles[i]`` of each store (the ringed one
+    first), ``states`` updated in place; the two ring-or-whole layer outputs of the real tokens."""
+    q, k, v = _kv(seed, 1, STEP)
+    batches = []
+    for i, (store, h) in enumerate(zip(stores, handles)):
+        states[i], batch = begin_step(store, states[i], [h], count)
+        batches.append(batch)
+    states[0], states[1], a, b = _both(states[0], states[1], *batches, q, k, v)
+    for store, batch in zip(stores, batches):
+        end_step(store, batch)
+    return np.asarray(a)[:, :count], np.asarray(b)[:, :count]
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops_=st.lists(st.tuples(st.sampled_from(["step", "step", "step", "finish"]), st.integers(0, 2),
                                st.integers(0, STEP), st.integers(0, 2**16)), min_size=4, max_size=40))
@@ -185,15 +199,8 @@ def test_random_schedules_rows_reused_give_the_whole_layers_bits(ops_):
         handles = live[slot]
         if stores[0].committed_frontiers([stores[0].row(handles[0])])[0] + count > 500:
             continue
-        q, k, v = _kv(seed, 1, STEP)
-        batches = []
-        for i, (store, h) in enumerate(zip(stores, handles)):
-            states[i], batch = begin_step(store, states[i], [h], count)
-            batches.append(batch)
-        states[0], states[1], a, b = _both(states[0], states[1], *batches, q, k, v)
-        for store, batch in zip(stores, batches):
-            end_step(store, batch)
-        np.testing.assert_array_equal(np.asarray(a)[:, :count], np.asarray(b)[:, :count])
+        a, b = _step_both(stores, states, handles, count, seed)
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("w, t", [(70, 40), (64, 64), (1, 1), (200, 17)])
@@ -222,15 +229,7 @@ def test_a_snapshot_resumes_a_fork_on_another_row_with_the_whole_layers_bits():
     states = [allocate_state(ringed, fill=float("nan")), allocate_state(whole)]
 
     def run(handles, counts, seed):
-        q, k, v = _kv(seed, 1, STEP)
-        batches = []
-        for i, (store, h) in enumerate(zip(stores, handles)):
-            states[i], batch = begin_step(store, states[i], [h], counts)
-            batches.append(batch)
-        states[0], states[1], a, b = _both(states[0], states[1], *batches, q, k, v)
-        for store, batch in zip(stores, batches):
-            end_step(store, batch)
-        return np.asarray(a)[:, :counts], np.asarray(b)[:, :counts]
+        return _step_both(stores, states, handles, counts, seed)
 
     first = [store.activate(300, 0) for store in stores]
     for i in range(8):
