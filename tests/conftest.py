@@ -49,7 +49,6 @@ HEAVY_FIRST = (
     "tests/engine/test_llm_windowed_families.py",
     "tests/engine/test_engine_core.py",
     "tests/engine/test_engine_speculative.py",
-    "tests/models/test_hf_oracle_windows.py",
     "tests/server/test_openai_api.py",
     "tests/engine/test_engine_state_machine.py",
     "tests/test_docs.py",

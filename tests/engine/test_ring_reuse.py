@@ -62,6 +62,7 @@ def test_reuse_only_where_the_snapshot_reaches_and_the_same_tokens(prompts):
     assert snapshots.free_slots == cached.plan.rings.spec.snapshots == 2  # nothing held, nothing leaked
 
 
+@pytest.mark.slow  # for the suite's time: the default run resumes snapshots through prefix reuse above
 def test_completions_of_one_prompt_fork_its_snapshot(prompts):
     params = SamplingParams(max_tokens=3, temperature=0.8, seed=7, n=2, ignore_eos=True)
     llm = _llm(CONFIG, max_num_seqs=4)

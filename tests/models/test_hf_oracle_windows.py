@@ -48,6 +48,10 @@ from hf_fixtures import (  # noqa: E402
 from ninfer_kv.models.generate import PagedGenerator  # noqa: E402
 from ninfer_kv.models.hf import load_checkpoint  # noqa: E402
 
+# the default run compares every windowed family with transformers through LLM
+# (tests/engine/test_llm_windowed_families.py); this module adds float32 logits per family
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 10
 MAX_CONTEXT = 256
 F32_LOGIT_TOL = 5e-3
